@@ -109,7 +109,10 @@ class ModelConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
-        rope_scaling = hf.get("rope_scaling")
+        # transformers >= 5 writes `rope_parameters` (rope_theta inside it) instead of rope_theta/rope_scaling.
+        rope_parameters = dict(hf.get("rope_parameters") or {})
+        rope_theta = hf.get("rope_theta", rope_parameters.pop("rope_theta", 10000.0))
+        rope_scaling = hf.get("rope_scaling") or rope_parameters or None
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
             if rope_type not in ("yarn", "default", None):
@@ -129,7 +132,7 @@ class ModelConfig:
             intermediate_size=need("intermediate_size"),
             num_experts_per_tok=need("num_experts_per_tok"),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
@@ -170,7 +173,7 @@ class ModelConfig:
                 **common,
                 head_dim=hf.get("head_dim") or need("hidden_size") // need("num_attention_heads"),
                 moe_intermediate_size=need("moe_intermediate_size"),
-                num_experts=need("num_experts"),
+                num_experts=hf.get("num_experts") or need("num_local_experts"),
                 norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
                 qk_norm=True,
             )

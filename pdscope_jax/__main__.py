@@ -1,0 +1,7 @@
+"""`python -m pdscope_jax ...` is the same as the `pdscope-jax` command."""
+
+import sys
+
+from pdscope_jax.cli import main
+
+sys.exit(main())

@@ -1,0 +1,108 @@
+"""`load()` and the `Runner`: the public entry point.
+
+Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16") -> Runner` resolves
+1. a preset name (`pdscope_jax.presets`): random weights (`weights=None` or "random"), or `weights=<directory>`
+   holding that architecture's safetensors;
+2. a directory holding config.json: its safetensors (`weights=None`), or random weights (`weights="random"`);
+3. a Hugging Face hub name ("org/name") found in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub, else
+   ~/.cache/huggingface/hub; the newest snapshot holding config.json); nothing is downloaded;
+otherwise it raises `UnknownModelError` listing the known names. The model runs whole on the default device.
+`Runner.logits(input_ids) -> np.float32 [B,T,V]` and `Runner.generate(input_ids | text, ...)` take rectangular
+batches (ragged input raises ValueError); text needs the checkpoint's tokenizer.json. `runner.model` (the NNX
+CausalLM), `runner.config` (ModelConfig) and `runner.tokenizer` (or None) stay reachable.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from pdscope_jax import models
+from pdscope_jax.config import ModelConfig
+from pdscope_jax.generation import GenerationResult, Generator
+from pdscope_jax.models.layers import CausalLM
+from pdscope_jax.presets import UnknownModelError, known_names, preset
+from pdscope_jax.tokenizer import Tokenizer, token_batch
+from pdscope_jax.weights.checkpoint import load_state, open_checkpoint
+from pdscope_jax.weights.random_init import random_state
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+
+
+class Runner:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self._generator = Generator(model)
+
+    def logits(self, input_ids):
+        return self._generator.logits(token_batch(input_ids, self.tokenizer))
+
+    def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+                 seed: int = 0) -> GenerationResult:
+        result = self._generator.generate(token_batch(input_ids, self.tokenizer), max_new_tokens, temperature,
+                                          top_k, seed)
+        if self.tokenizer is not None:
+            result.text = [self.tokenizer.decode(row) for row in result.tokens]
+        return result
+
+
+def hf_cache_dirs() -> list[Path]:
+    if os.environ.get("HF_HUB_CACHE"):
+        return [Path(os.environ["HF_HUB_CACHE"])]
+    if os.environ.get("HF_HOME"):
+        return [Path(os.environ["HF_HOME"]) / "hub"]
+    return [Path.home() / ".cache" / "huggingface" / "hub"]
+
+
+def find_in_hf_cache(name: str) -> Path | None:
+    """The newest snapshot directory of hub repo `name` ("org/name") that holds config.json, or None."""
+    folder = "models--" + name.replace("/", "--")
+    snapshots = [s for root in hf_cache_dirs() for s in (root / folder / "snapshots").glob("*")
+                 if (s / "config.json").exists()]
+    return max(snapshots, key=lambda s: s.stat().st_mtime) if snapshots else None
+
+
+def resolve(name_or_path: str) -> tuple[ModelConfig, Path | None]:
+    """(config, checkpoint directory or None for a preset) of a name or path; see the module docstring."""
+    try:
+        return preset(name_or_path), None
+    except UnknownModelError:
+        pass
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and (path / "config.json").exists():
+        return ModelConfig.from_json(path / "config.json"), path
+    snapshot = find_in_hf_cache(name_or_path)
+    if snapshot is not None:
+        return ModelConfig.from_json(snapshot / "config.json", name=name_or_path), snapshot
+    where = ", ".join(str(d) for d in hf_cache_dirs())
+    raise UnknownModelError(
+        f"unknown model {name_or_path!r}: not a preset, not a directory with config.json, not in the Hugging Face "
+        f"cache ({where}); known names: {', '.join(known_names())}")
+
+
+def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16") -> Runner:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+    cfg, checkpoint = resolve(str(name_or_path))
+    if weights == "random":
+        checkpoint = None
+    elif weights is not None:
+        checkpoint = Path(weights)
+    jdtype = DTYPES[dtype]
+    shapes = models.abstract_state(cfg, jdtype)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def placement(path: str) -> jax.sharding.Sharding:
+        return device
+
+    if checkpoint is None:
+        flat = random_state(shapes, seed, placement)
+    else:
+        flat = load_state(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), shapes, placement)
+    model = models.from_flat(cfg, jdtype, flat)
+    return Runner(model, None if checkpoint is None else Tokenizer.from_dir(checkpoint))

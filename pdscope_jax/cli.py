@@ -1,0 +1,38 @@
+"""The `pdscope-jax` command line.
+
+Each sub-command hands its remaining arguments to the module that owns the work, imported only when that
+sub-command runs (so `pdscope-jax --help` stays fast):
+
+    pdscope-jax generate MODEL [--prompt TEXT | --ids 1,2,3] ...   plain or offloaded generation
+    pdscope-jax bench ...                                          policies side by side (pdscope_jax.bench)
+    pdscope-jax collect-traces ...                                 routing traces for PhasePer
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "generate": ("pdscope_jax.generate_cli", "main", "generate text or token ids with a model"),
+    "bench": ("pdscope_jax.bench", "main", "benchmark offloading policies"),
+    "collect-traces": ("pdscope_jax.phaseper.collect", "collect_traces_main", "record routing traces for PhasePer"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="pdscope-jax", description="Phase-adaptive MoE offloading on JAX.")
+    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in COMMANDS.items()))
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    args = parser.parse_args(argv[:1])
+    module, function, _ = COMMANDS[args.command]
+    result = getattr(importlib.import_module(module), function)(argv[1:])
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Full-sequence logits, prefill and KV-cached decode of a plain (all-resident) model, with timings.
+
+Contract: `Generator(model)` splits the NNX model once into (graphdef, state) and runs plain `jax.jit`
+functions on them:
+- `logits(input_ids [B,T]) -> np.float32 [B,T,V]`, a causal forward without cache;
+- `generate(input_ids [B,T], max_new_tokens, temperature, top_k, seed) -> GenerationResult`: one prefill that
+  fills a preallocated cache and picks the first new token, then one jitted decode step per further token with
+  the cache donated. temperature 0 is greedy (argmax); otherwise tokens are sampled from softmax(logits / T),
+  restricted to the top_k most likely when top_k is set, with keys fold_in(key(seed), step). Every step runs
+  for all max_new_tokens (eos does not stop it). Programs are compiled before the clock starts, and timings
+  wait on the device (block_until_ready), so they measure execution only.
+A float32 model runs its matmuls at full float32 precision also on GPUs (whose default is TF32), so that
+float32 results match the CPU's and the reference's.
+Inputs must be rectangular int32 [B, T] (see `tokenizer.token_batch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pdscope_jax.models.layers import CausalLM
+
+CACHE_BUCKET = 64  # cache lengths are rounded up to a multiple of this so nearby lengths share programs
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: np.ndarray  # int32 [B, new]
+    prefill_seconds: float
+    decode_seconds: float
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    text: list[str] | None = None
+
+
+def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
+    """logits [B, V] float32 -> int32 [B]; temperature and top_k are static."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _forward(graphdef, state, input_ids, positions):
+    model = nnx.merge(graphdef, state)
+    return model(input_ids, positions)[0]
+
+
+def _prefill(graphdef, state, input_ids, positions, cache, key, temperature, top_k):
+    model = nnx.merge(graphdef, state)
+    x, cache = model.hidden(input_ids, positions, cache)
+    logits = model.logits(x[:, -1:])[:, 0]  # [B, V]: only the last position picks the next token
+    return sample(logits, key, temperature, top_k), cache
+
+
+def _decode(graphdef, state, token, position, cache, key, temperature, top_k):
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(token[:, None], position[:, None], cache)
+    return sample(logits[:, 0], key, temperature, top_k), cache
+
+
+# Module-level so that models of one architecture (equal graphdefs) share compiled programs.
+forward_jit = jax.jit(_forward, static_argnums=0)
+prefill_jit = jax.jit(_prefill, static_argnums=(0, 6, 7), donate_argnums=4)
+decode_jit = jax.jit(_decode, static_argnums=(0, 6, 7), donate_argnums=4)
+_compiled: dict[tuple, jax.stages.Compiled] = {}
+
+
+class Generator:
+    def __init__(self, model: CausalLM):
+        self.config = model.config
+        self.cache_dtype = model.embed.embedding.dtype
+        self._init_cache = model.init_cache
+        self.graphdef, self.state = nnx.split(model)
+        full_f32 = jnp.dtype(self.cache_dtype) == jnp.float32
+        self._precision = functools.partial(jax.default_matmul_precision, "highest" if full_f32 else None)
+
+    def _check(self, input_ids: np.ndarray) -> None:
+        vocab = self.config.vocab_size
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {input_ids.shape}")
+        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}); got {input_ids.min()}..{input_ids.max()}")
+
+    def logits(self, input_ids: np.ndarray) -> np.ndarray:
+        self._check(input_ids)
+        b, t = input_ids.shape
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        with self._precision():
+            out = forward_jit(self.graphdef, self.state, jnp.asarray(input_ids, jnp.int32), positions)
+        return np.asarray(out, dtype=np.float32)
+
+    def _program(self, name: str, jitted, args: tuple, temperature: float, top_k: int | None):
+        """AOT-compile once per shape so that timings exclude compilation."""
+        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:]))
+        key = (name, args[0], shapes, temperature, top_k)
+        if key not in _compiled:
+            with self._precision():
+                _compiled[key] = jitted.lower(*args, temperature, top_k).compile()
+        return _compiled[key]
+
+    def generate(self, input_ids: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
+                 top_k: int | None = None, seed: int = 0) -> GenerationResult:
+        self._check(input_ids)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k must be in [1, {self.config.vocab_size}], got {top_k}")
+        temperature = float(temperature)
+        b, t = input_ids.shape
+        max_len = -(-(t + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
+        root = jax.random.key(seed)
+        ids = jnp.asarray(input_ids, jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        cache = self._init_cache(b, max_len, self.cache_dtype)
+
+        prefill_args = (self.graphdef, self.state, ids, positions, cache, jax.random.fold_in(root, 0))
+        prefill = self._program("prefill", prefill_jit, prefill_args, temperature, top_k)
+        decode = None
+        if max_new_tokens > 1:
+            step_args = (self.graphdef, self.state, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), cache,
+                         root)
+            decode = self._program("decode", decode_jit, step_args, temperature, top_k)
+        jax.block_until_ready(cache)
+
+        start = time.perf_counter()
+        token, cache = prefill(*prefill_args[1:])
+        token.block_until_ready()
+        prefill_seconds = time.perf_counter() - start
+
+        tokens = [token]
+        start = time.perf_counter()
+        for step in range(1, max_new_tokens):
+            position = jnp.full((b,), t + step - 1, jnp.int32)
+            token, cache = decode(self.state, token, position, cache, jax.random.fold_in(root, step))
+            tokens.append(token)
+        token.block_until_ready()
+        decode_seconds = time.perf_counter() - start
+
+        decoded = b * (max_new_tokens - 1)
+        return GenerationResult(
+            tokens=np.stack([np.asarray(x) for x in tokens], axis=1),
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+            prefill_tokens_per_s=b * t / prefill_seconds,
+            decode_tokens_per_s=decoded / decode_seconds if decoded else 0.0,
+        )

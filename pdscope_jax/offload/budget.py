@@ -1,0 +1,100 @@
+"""Byte accounting of everything the offload engine keeps on the accelerator.
+
+Contract: `plan_budget(...)` splits `RuntimeConfig.gpu_memory` into non-expert weights (exact, from their
+shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step (an upper
+estimate, see `activation_bytes`), transfer staging (device temporaries of one slot-write program, at most one
+layer of experts) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a
+whole number of slots, one slot per expert (gate_up [D,2F] + down [F,D]). When the fixed parts do not fit,
+it raises `BudgetError` with every number, before anything is allocated. It never touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pdscope_jax.config import ModelConfig
+from pdscope_jax.models.layers import GATHER_MAX_ASSIGNMENTS
+from pdscope_jax.runtime import RuntimeConfig, format_size
+
+
+class BudgetError(ValueError):
+    """The accelerator budget cannot hold the parts that must live there."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    total: int  # RuntimeConfig.gpu_memory
+    non_expert: int  # embedding, attention, norms, routers, shared experts, dense MLPs, lm_head
+    kv_cache: int
+    activations: int
+    staging: int  # device temporaries of one slot-write program
+    slot_bytes: int  # one expert in a slot
+    slots: int  # S: slots in the global pool
+    pool_cap: int | None  # RuntimeConfig.expert_pool
+
+    @property
+    def fixed(self) -> int:
+        return self.non_expert + self.kv_cache + self.activations + self.staging
+
+    @property
+    def pool(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def planned(self) -> int:
+        """Everything the engine accounts for on the accelerator; never above `total`."""
+        return self.fixed + self.pool
+
+    def lines(self) -> list[tuple[str, int]]:
+        return [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
+                ("activations (estimate)", self.activations), ("transfer staging", self.staging),
+                (f"expert slot pool ({self.slots} slots x {format_size(self.slot_bytes)})", self.pool),
+                ("budget", self.total)]
+
+    def describe(self) -> str:
+        return "; ".join(f"{name} {format_size(value)}" for name, value in self.lines())
+
+
+def activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
+    """Upper estimate of the live temporaries of the largest step (one layer at a time, plus the logits).
+
+    The largest step is a whole prompt of `max_seq_len` tokens at batch 1, or `max_batch` sequences times a
+    `prefill_chunk` of tokens otherwise; attention scores span up to `max_seq_len` keys.
+    """
+    b = rc.max_batch
+    tq = rc.max_seq_len if b == 1 else min(rc.prefill_chunk, rc.max_seq_len)
+    n, tk = b * tq, rc.max_seq_len  # tokens in the step, keys attended
+    d, f, k, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
+    heads = cfg.num_heads
+    attn_dim = (cfg.head_dim + cfg.v_head_dim) if cfg.uses_mla else 2 * cfg.num_kv_heads * cfg.head_dim // heads
+    hidden = 8 * n * d * 4  # residual, normed input, attention output, MoE parts (float32 bound)
+    scores = 2 * b * heads * tq * tk * 4  # scores and probabilities, float32
+    keys = b * tk * heads * attn_dim * 4  # MLA re-expands keys/values from the latent
+    router = 3 * n * e * 4
+    experts = n * k * (d * itemsize + 2 * f * 4 + f * itemsize + 2 * d * 4)  # sorted combine: gathered rows
+    mlp = 3 * n * max(cfg.intermediate_size, f * max(cfg.num_shared_experts, 1)) * 4
+    logits = min(n, 256) * cfg.vocab_size * 4  # logits are produced in slices of at most 256 rows
+    # With few tokens, combine_experts gathers one weight copy per (token, expert) assignment.
+    gathered = min(b * k, GATHER_MAX_ASSIGNMENTS) * cfg.expert_bytes(itemsize)
+    return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered)
+
+
+def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, kv_cache_bytes: int,
+                itemsize: int) -> Budget:
+    """Fixed parts first, the slot pool from what is left (see the module docstring)."""
+    slot_bytes = cfg.expert_bytes(itemsize)
+    staging = slot_bytes * cfg.num_experts
+    budget = Budget(total=rc.gpu_memory, non_expert=non_expert_bytes, kv_cache=kv_cache_bytes,
+                    activations=activation_bytes(cfg, rc, itemsize), staging=staging, slot_bytes=slot_bytes,
+                    slots=0, pool_cap=rc.expert_pool)
+    if budget.fixed > budget.total:
+        raise BudgetError(
+            f"gpu_memory {format_size(rc.gpu_memory)} cannot hold what must live on the accelerator: "
+            f"{budget.describe()}; fixed parts need {format_size(budget.fixed)}. Raise gpu_memory, or lower "
+            f"max_batch ({rc.max_batch}) / max_seq_len ({rc.max_seq_len}) / prefill_chunk ({rc.prefill_chunk})."
+        )
+    left = budget.total - budget.fixed
+    if rc.expert_pool is not None:
+        left = min(left, rc.expert_pool)
+    slots = min(left // slot_bytes, len(cfg.moe_layers) * cfg.num_experts)
+    return dataclasses.replace(budget, slots=int(slots))

@@ -1,0 +1,651 @@
+"""The offload engine: runs a model whose routed experts do not fit the accelerator budget.
+
+Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, predictor=None)`
+- `model`: a `CausalLM` (concrete, or abstract from `models.abstract_model`); `weights`: None (take the model's
+  own parameters), a flat `{path: array}` dict (the runner deletes routed-expert entries from it as it takes
+  them in, so the caller's dict does not keep a second host copy alive), or a loader
+  `loader(paths, placement) -> {path: array}` for the given paths, e.g. `random_state` or `load_state` over a
+  subset. The runner calls it once for every non-expert parameter, then once per MoE layer for that layer's two
+  expert stacks, with `placement` = the accelerator for all: each layer's experts are generated or read there,
+  copied into pinned host memory and dropped, so the accelerator holds at most one layer of them (the budget's
+  "transfer staging" line) and the host never holds the model twice.
+  `cpu_view` and `host_alloc` choose how the expert store keeps its one host copy (see `offload.expert_store`).
+- The budget (`offload.budget`) is checked before anything is placed; the accelerator then holds the
+  non-expert weights, the KV cache and ONE slot pool (`offload.slot_pool`) that is never reallocated. Every
+  routed expert lives once in pinned host memory (`offload.expert_store`), which also gives the CPU backend
+  zero-copy views for CPU compute (`offload.cpu_experts`).
+- `logits(input_ids [B,T]) -> np.float32 [B,T,V]` and `generate(input_ids, max_new_tokens, temperature=0,
+  top_k=None, seed=0) -> generation.GenerationResult` give the numbers of the plain model (same sampling
+  helper, same keys: fold_in(key(seed), step)). `stats` reports per phase: seconds of CPU expert compute, GPU
+  expert compute, transfer and exposed transfer, bytes moved, slot hit rate, prefetch accuracy, plus compiled
+  program counts, the budget, host bytes per model byte and, where the device reports it, the allocator's
+  peak against the budget. `warmup(batch, prompt_len, new_tokens)` compiles the programs of a shape before
+  timing; `set_policy(name, options)` switches planners without rebuilding anything.
+
+Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engine does, in this order:
+  route    attention + router + shared experts in one program; fetch routing to the host (the sync point);
+  plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
+  execute  commit transfers staged for this layer into their slots; free unloaded slots; load `load_now`
+           (stage + commit + wait: the exposed part); STAGE the next layer's prefetch, or in prefill its whole
+           expert set when two layers fit the pool (`stream_next_layer`), BEFORE dispatching compute, so the
+           host-to-device copies overlap it; dispatch the GPU experts (one `combine_experts` program over the
+           pool with a slot_of map) and the CPU experts (CPU backend, asynchronously) together; add the parts
+           and the shared experts;
+  record   wait for compute and transfers (timed from helper threads), update the statistics.
+When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
+experts before the embedding, so that copy hides behind the layers before it.
+Next-layer scores for planners that want them (`fate`, `pdscope`): a predictor object's
+`predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else the next layer's
+gate applied to this layer's MoE input (Fate's predictor). Token counts are padded to buckets
+(`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled programs is bounded; padded rows
+route but carry no weight in any statistic. Prefill runs a whole prompt at batch 1 and chunks of
+`prefill_chunk` tokens per sequence otherwise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pdscope_jax import models
+from pdscope_jax.generation import GenerationResult, sample
+from pdscope_jax.models.layers import combine_experts
+from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
+from pdscope_jax.offload.cpu_experts import CpuExperts
+from pdscope_jax.offload.expert_store import ExpertStore, Staged, expert_paths, is_expert_path
+from pdscope_jax.offload.slot_pool import SlotPool
+from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
+from pdscope_jax.sched import CostTable, LayerDemand, ObservingPlanner, Plan, check_plan, make_planner
+
+CACHE_BUCKET = 64  # cache lengths round up to this, as in generation.py
+LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
+SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
+
+
+# ---- jitted pieces (graphdef static; one trace per shape) --------------------------------------------------
+def _embed(graphdef, state, ids):
+    return nnx.merge(graphdef, state).embed(ids)  # [B, T, D]
+
+
+def _dense_layer(graphdef, state, x, positions, layer_cache):
+    return nnx.merge(graphdef, state)(x, positions, layer_cache)
+
+
+def _moe_route(graphdef, state, x, positions, layer_cache, n_pad):
+    """Attention, MoE input, router and shared experts; routed inputs padded to n_pad rows."""
+    layer = nnx.merge(graphdef, state)
+    x, layer_cache = layer.attend(x, positions, layer_cache)  # [B, T, D]
+    h = layer.mlp_input(x).reshape(-1, x.shape[-1])  # [N, D]
+    weights, ids = layer.mlp.route(h)  # [N, K] f32, [N, K] int32
+    shared = layer.mlp.shared_output(h)  # [N, D]
+    rows = ((0, n_pad - h.shape[0]), (0, 0))
+    return x, jnp.pad(h, rows), jnp.pad(weights, rows), jnp.pad(ids, rows), shared, layer_cache
+
+
+def _gate_scores(graphdef, state, h, valid):
+    """Fate's prediction: the next layer's router on this layer's MoE input h [N, D] -> [E] share of tokens."""
+    layer = nnx.merge(graphdef, state)
+    _, ids = layer.mlp.route(h)  # [N, K]
+    chosen = jax.nn.one_hot(ids, layer.mlp.num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
+    chosen = chosen * valid[:, None]
+    return chosen.sum(axis=0) / jnp.maximum(valid.sum(), 1)
+
+
+def _moe_combine(x, shared, y_gpu, y_cpu):
+    """x [B,T,D] + routed (GPU part [Nb,D] + CPU part [Nb,D] f32, either may be None) + shared [N,D]."""
+    n = shared.shape[0]
+    routed = jnp.zeros_like(shared) if y_gpu is None else y_gpu[:n]
+    if y_cpu is not None:
+        routed = routed + y_cpu[:n].astype(routed.dtype)
+    return x + (routed + shared).reshape(x.shape)
+
+
+def _logit_rows(graphdef, state, x, start, size):
+    """Logits [B, size, V] of positions start..start+size-1 of x [B, T, D]."""
+    rows = jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    return nnx.merge(graphdef, state).logits(rows)
+
+
+def _next_token(graphdef, state, x, index, key, temperature, top_k):
+    """Sample from the logits at position `index` of x [B, T, D] -> int32 [B]."""
+    row = jax.lax.dynamic_slice_in_dim(x, index, 1, axis=1)  # [B, 1, D]
+    return sample(nnx.merge(graphdef, state).logits(row)[:, 0], key, temperature, top_k)
+
+
+# ---- statistics ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class PhaseStats:
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # wall time of the steps
+    cpu_seconds: float = 0.0  # CPU expert compute, dispatch to done, summed over layers
+    gpu_seconds: float = 0.0  # GPU expert compute, dispatch to done
+    transfer_seconds: float = 0.0  # on-demand loads (issue to done) + prefetch/stream (issue to done)
+    exposed_transfer_seconds: float = 0.0  # transfer time nothing else was running to hide
+    bytes_moved: int = 0
+    experts_loaded_now: int = 0
+    experts_prefetched: int = 0  # prefetched or streamed
+    activated: int = 0  # (layer, expert) activations seen by the planner
+    hits: int = 0  # ... of them resident (or in flight) when routed
+    prefetch_used: int = 0  # prefetched experts activated when their layer routed
+    gpu_experts: int = 0
+    cpu_experts: int = 0
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.activated if self.activated else None
+
+    @property
+    def prefetch_accuracy(self) -> float | None:
+        return self.prefetch_used / self.experts_prefetched if self.experts_prefetched else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s)
+        return out
+
+
+@dataclasses.dataclass
+class _Layer:
+    graphdef: Any
+    state: Any
+    moe: bool
+
+
+@dataclasses.dataclass
+class _Routed:
+    """One MoE layer after routing: device arrays padded to Nb rows, host copies of the real rows."""
+
+    x: jax.Array  # [B, T, D] residual stream after attention
+    h: jax.Array  # [Nb, D] MoE input
+    w: jax.Array  # [Nb, K] routing weights
+    ids: jax.Array  # [Nb, K] expert ids
+    shared: jax.Array  # [N, D] shared-expert output
+    layer_cache: Any
+    rows: np.ndarray  # [Nv] indices of real tokens among the Nb rows
+    w_host: np.ndarray  # [Nv, K]
+    ids_host: np.ndarray  # [Nv, K]
+    tokens: np.ndarray  # [E] tokens routed to each expert
+    next_scores: np.ndarray | None  # [E]
+
+
+@dataclasses.dataclass
+class _Timing:
+    dispatched: float  # perf_counter when compute was dispatched
+    exposed_load: float  # seconds waited for on-demand loads
+    y_gpu: jax.Array | None
+    y_cpu: jax.Array | None
+    staged_next: tuple | None  # arrays of the next layer's transfers
+
+
+def analytic_costs(cfg, itemsize: int) -> CostTable:
+    """A roofline cost table for the benchmark node (H200, PCIe Gen5, AMX CPU) from PRIMITIVES.md's figures."""
+    return CostTable.analytic(
+        expert_bytes=cfg.expert_bytes(itemsize), flops_per_token=6 * cfg.hidden_size * cfg.moe_intermediate_size,
+        pcie_GBps=50.0, cpu_GFLOPs=2000.0, gpu_TFLOPs=400.0, cpu_mem_GBps=30.0, model=cfg.name)
+
+
+class OffloadRunner:
+    def __init__(self, model, runtime_config: RuntimeConfig, weights=None, *, cost_table: CostTable | None = None,
+                 predictor=None, devices: Devices | None = None, cpu_view: str = "alias", host_alloc: str = "jax"):
+        rc = runtime_config
+        if rc.policy is None:
+            raise ValueError("OffloadRunner needs RuntimeConfig.policy (a planner name); without one the model "
+                             "runs whole (generation.Generator)")
+        self.config = cfg = model.config
+        self.runtime = rc
+        self.devices = devices or select_devices()
+        self.predictor = predictor
+        self._moe_layers = cfg.moe_layers
+        self._next_moe = dict(zip(self._moe_layers[:-1], self._moe_layers[1:]))
+        self._prev_moe = dict(zip(self._moe_layers[1:], self._moe_layers[:-1]))
+        accel = jax.sharding.SingleDeviceSharding(self.devices.accel)
+
+        # shapes and the budget, before anything is placed
+        abstract = models.abstract_model(cfg, _param_dtype(model))
+        graphdef, state = nnx.split(abstract)
+        flat_state = nnx.to_flat_state(state)
+        shapes = {_path(p): v.get_value() for p, v in flat_state}
+        expert_dtype = np.dtype(shapes[f"layers.{self._moe_layers[0]}.mlp.experts.gate_up"].dtype)
+        self.cache_dtype = np.dtype(shapes["embed.embedding"].dtype)
+        non_expert = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if not is_expert_path(p))
+        kv = jax.eval_shape(lambda: abstract.init_cache(rc.max_batch, _round_up(rc.max_seq_len, CACHE_BUCKET),
+                                                        self.cache_dtype))
+        kv_bytes = sum(a.size * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(kv))
+        self.budget: Budget = plan_budget(cfg, rc, non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes),
+                                          itemsize=expert_dtype.itemsize)
+        self._check_policy(rc.policy)
+        self.costs = cost_table or (CostTable.load(rc.cost_table) if rc.cost_table
+                                    else analytic_costs(cfg, expert_dtype.itemsize))
+
+        # weights: experts into the store layer by layer, the rest onto the accelerator
+        placement = lambda path: accel  # noqa: E731 (see the module docstring)
+        if callable(weights):
+            loader = weights
+            weights = loader([p for p in shapes if not is_expert_path(p)], placement)
+            layer_weights = lambda paths: loader(list(paths), placement)  # noqa: E731
+        else:
+            weights = models.to_flat(model) if weights is None else weights
+            layer_weights = lambda paths: {p: weights.pop(p) for p in paths}  # noqa: E731
+        abstract_values = [p for p, v in weights.items() if isinstance(v, jax.ShapeDtypeStruct)]
+        if abstract_values:
+            raise ValueError(f"no values for {len(abstract_values)} parameters (e.g. {abstract_values[0]}): an "
+                             "abstract model needs `weights` (a dict or a loader)")
+        self.store = ExpertStore(self.devices, cpu_view=cpu_view, host_alloc=host_alloc)
+        for layer, paths in expert_paths(self._moe_layers).items():
+            stacks = layer_weights(paths)
+            self.store.add_layer(layer, stacks[paths[0]], stacks[paths[1]])
+            del stacks  # the layer's last reference outside the store
+        for p, var in flat_state:
+            path = _path(p)
+            if is_expert_path(path):  # never read by attention, router or shared experts
+                var.set_value(jax.device_put(jnp.zeros((0,), var.get_value().dtype), accel))
+            else:
+                var.set_value(jax.device_put(weights[path], accel))
+        on_accel = nnx.merge(graphdef, nnx.from_flat_state(flat_state))
+        self._graphdef, self._state = nnx.split(on_accel)
+        self._layers = [_Layer(*nnx.split(layer), layer.is_moe) for layer in on_accel.layers]
+        self._init_cache = on_accel.init_cache
+
+        self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
+                             cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
+        self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
+        self._programs = {
+            "embed": jax.jit(_embed, static_argnums=0),
+            "dense_layer": jax.jit(_dense_layer, static_argnums=0, donate_argnums=4),
+            "moe_route": jax.jit(_moe_route, static_argnums=(0, 5), donate_argnums=4),
+            "gate_scores": jax.jit(_gate_scores, static_argnums=0),
+            "gpu_experts": jax.jit(combine_experts),
+            "moe_combine": jax.jit(_moe_combine),
+            "logits": jax.jit(_logit_rows, static_argnums=(0, 4)),
+            "next_token": jax.jit(_next_token, static_argnums=(0, 5, 6)),
+        }
+        self._row_counts: set[int] = set()  # padded token counts seen (for warm-up)
+        self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
+        self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="offload-wait")
+        self.track_memory = False
+        self.memory_trace: list[dict[str, int | None]] = []
+        self.set_policy(rc.policy, rc.policy_options)
+
+    # ---- setup -----------------------------------------------------------------------------------------
+    def set_policy(self, policy: str, policy_options=()) -> None:
+        """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
+        what the new policy keeps resident and resets the statistics. The pool itself is not reallocated."""
+        self._check_policy(policy)
+        self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options)
+        self.planner = make_planner(policy, **self.runtime.policy_kwargs)
+        self._wants_scores = self.predictor is not None or policy in SCORE_POLICIES
+        for layer in self._moe_layers:
+            self.pool.release(layer, np.arange(self.config.num_experts))
+        self._pending.clear()
+        self._prefetched.clear()
+        self._streams_prefill = False
+        self._preload()
+        self.reset_stats()
+
+    def _check_policy(self, policy: str | None) -> None:
+        total = len(self._moe_layers) * self.config.num_experts
+        if policy == "gpu" and self.budget.slots < total:
+            raise BudgetError(f"policy 'gpu' keeps every expert resident: {total} slots needed, the budget "
+                              f"gives {self.budget.slots} ({self.budget.describe()})")
+
+    def _preload(self) -> None:
+        """Resident sets the policy asks for: every expert for 'gpu', the hot table for planners that have one."""
+        for layer in self._moe_layers:
+            if self.runtime.policy == "gpu":
+                experts = np.arange(self.config.num_experts)
+            elif hasattr(self.planner, "hot_experts"):
+                experts = np.asarray(self.planner.hot_experts(layer))[: self.pool.free_slots(self._moe_layers)]
+            else:
+                return
+            if experts.size:
+                self.store.write(self.pool, layer, experts, self.pool.allocate(layer, experts, self._moe_layers))
+        self.store.bytes_moved = self.store.experts_moved = 0  # preloading is setup, not traffic
+
+    def reset_stats(self) -> None:
+        self.phase_stats = {"prefill": PhaseStats(), "decode": PhaseStats()}
+        self.device_peak_bytes: int | None = None  # the allocator's peak, on devices that report one
+        self.pool.evictions = 0
+
+    @property
+    def compiled_programs(self) -> dict[str, int]:
+        """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
+        counts = {name: _cache_size(fn) for name, fn in self._programs.items()}
+        counts["slot_commit"] = self.store.compiled_programs
+        counts["cpu_expert"] = self.cpu_experts.compiled_programs
+        counts["total"] = sum(v for v in counts.values() if v is not None)
+        return counts
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        return {
+            "policy": self.runtime.policy,
+            "prefill": self.phase_stats["prefill"].to_dict(),
+            "decode": self.phase_stats["decode"].to_dict(),
+            "compiled_programs": self.compiled_programs,
+            "slots": self.pool.num_slots,
+            "double_buffering": self.pool.can_double_buffer,
+            "evictions": self.pool.evictions,
+            "budget": {name: value for name, value in self.budget.lines()},
+            "host_expert_bytes": self.store.host_bytes,
+            "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
+            "device_peak_bytes": self.device_peak_bytes,
+            "within_budget": None if self.device_peak_bytes is None else self.device_peak_bytes <= self.budget.total,
+        }
+
+    # ---- public API ------------------------------------------------------------------------------------
+    def logits(self, input_ids) -> np.ndarray:
+        ids = self._check(input_ids, 0)
+        b, t = ids.shape
+        out = np.zeros((b, t, self.config.vocab_size), np.float32)
+        cache, chunks = self._start(ids, 0)
+        size_max = max(1, LOGIT_ROWS // b)
+        for c0, x, cache in self._prefill(chunks, cache, t):
+            width = x.shape[1]
+            for s0 in range(c0, min(c0 + width, t), size_max):
+                size = min(size_max, width)
+                start = min(s0 - c0, width - size)  # clamp the last slice inside the chunk
+                rows = self._programs["logits"](self._graphdef, self._state, x, start, size)
+                take = min(size_max, t - s0, c0 + width - s0)
+                out[:, s0:s0 + take] = np.asarray(rows)[:, s0 - c0 - start: s0 - c0 - start + take]
+        return out
+
+    def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+                 seed: int = 0) -> GenerationResult:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
+            raise ValueError(f"top_k must be in [1, {self.config.vocab_size}], got {top_k}")
+        ids = self._check(input_ids, max_new_tokens)
+        b, t = ids.shape
+        temperature = float(temperature)
+        root = jax.random.key(seed)
+        next_token = self._programs["next_token"]
+        accel = self.devices.accel
+
+        start = time.perf_counter()
+        cache, chunks = self._start(ids, max_new_tokens)
+        for c0, x, cache in self._prefill(chunks, cache, t):
+            if c0 <= t - 1 < c0 + x.shape[1]:
+                token = next_token(self._graphdef, self._state, x, t - 1 - c0,
+                                   jax.device_put(jax.random.fold_in(root, 0), accel), temperature, top_k)
+        tokens = [np.array(token)]  # a host copy (np.asarray could alias the buffer on CPU); waits
+        prefill_seconds = time.perf_counter() - start
+
+        start = time.perf_counter()
+        for step in range(1, max_new_tokens):
+            positions = jax.device_put(np.full((b, 1), t + step - 1, np.int32), accel)
+            x, cache = self._step(token[:, None], positions, cache, "decode", np.ones(b, bool))
+            token = next_token(self._graphdef, self._state, x, 0,
+                               jax.device_put(jax.random.fold_in(root, step), accel), temperature, top_k)
+            tokens.append(np.array(token))  # a host copy, so nothing on the accelerator grows with the output
+            if self.track_memory:
+                self.memory_trace.append(self.device_memory())
+        decode_seconds = time.perf_counter() - start
+        decoded = b * (max_new_tokens - 1)
+        return GenerationResult(
+            tokens=np.stack(tokens, axis=1),
+            prefill_seconds=prefill_seconds,
+            decode_seconds=decode_seconds,
+            prefill_tokens_per_s=b * t / prefill_seconds,
+            decode_tokens_per_s=decoded / decode_seconds if decoded else 0.0,
+        )
+
+    def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
+        """Compile the programs of this shape: one generation on dummy tokens, then every CPU expert row bucket
+        for the token counts it used (routing decides which ones a real run needs). Statistics are reset."""
+        self.generate(np.zeros((batch, prompt_len), np.int32), max_new_tokens=max(new_tokens, 2))
+        for n in sorted(self._row_counts):
+            self.cpu_experts.precompile(self._moe_layers[0], n, self.cache_dtype)
+        self.reset_stats()
+        return self.compiled_programs
+
+    def device_memory(self) -> dict[str, int | None]:
+        """Accelerator bytes held by live arrays, and the device allocator's bytes in use where it reports them."""
+        live = sum(a.nbytes for a in jax.live_arrays() if self.devices.accel in a.devices()
+                   and a.sharding.memory_kind in (None, "device"))
+        reported = (self.devices.accel.memory_stats() or {}).get("bytes_in_use")
+        return {"live_array_bytes": int(live), "bytes_in_use": reported}
+
+    # ---- steps -----------------------------------------------------------------------------------------
+    def _check(self, input_ids, max_new_tokens: int) -> np.ndarray:
+        ids = np.asarray(input_ids)
+        vocab, rc = self.config.vocab_size, self.runtime
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {ids.shape}")
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"token ids must lie in [0, {vocab}); got {ids.min()}..{ids.max()}")
+        b, t = ids.shape
+        if b > rc.max_batch or t + max_new_tokens > rc.max_seq_len:
+            raise ValueError(f"batch {b} x {t} + {max_new_tokens} tokens exceeds what the budget was sized for "
+                             f"(RuntimeConfig max_batch={rc.max_batch}, max_seq_len={rc.max_seq_len})")
+        return ids.astype(np.int32)
+
+    def _start(self, ids: np.ndarray, max_new_tokens: int):
+        """A fresh KV cache and the padded prompt's chunks [(c0, ids [B, C])]."""
+        b, t = ids.shape
+        rc = self.runtime
+        if b > 1 and t > rc.prefill_chunk:
+            chunk = rc.prefill_chunk
+            t_pad = _round_up(t, chunk)
+        else:
+            t_pad = chunk = bucket(t, rc.prefill_buckets)
+        padded = np.zeros((b, t_pad), np.int32)
+        padded[:, :t] = ids
+        max_len = _round_up(max(t_pad, t + max_new_tokens), CACHE_BUCKET)
+        cache = jax.device_put(self._init_cache(b, max_len, self.cache_dtype), self.devices.accel)
+        return list(cache), [(c0, padded[:, c0:c0 + chunk]) for c0 in range(0, t_pad, chunk)]
+
+    def _prefill(self, chunks, cache, t: int):
+        """Yields (c0, hidden states [B, C, D] of the chunk, cache) for each chunk holding a real token."""
+        for c0, ids in chunks:
+            if c0 >= t:
+                break
+            b, c = ids.shape
+            positions = np.broadcast_to(np.arange(c0, c0 + c, dtype=np.int32), (b, c))
+            x, cache = self._step(jax.device_put(ids, self.devices.accel),
+                                  jax.device_put(positions, self.devices.accel), cache, "prefill",
+                                  (positions < t).reshape(-1))
+            yield c0, x, cache
+
+    def _step(self, ids, positions, cache: list, phase: str, valid: np.ndarray):
+        """One forward over ids [B, T] at positions [B, T]; valid [B*T] marks real tokens. -> (x [B,T,D], cache)."""
+        start = time.perf_counter()
+        n = valid.size
+        n_pad = bucket(n, self.runtime.decode_buckets if phase == "decode" else self.runtime.prefill_buckets)
+        self._row_counts.add(n_pad)
+        valid_pad = np.zeros(n_pad, bool)
+        valid_pad[:n] = valid
+        if phase == "prefill" and self._streams_prefill and self.pool.can_double_buffer:
+            first = self._moe_layers[0]  # streams behind the embedding and the layers before it
+            self._stage_ahead(first, np.flatnonzero(~self.pool.resident(first)), (), self.phase_stats[phase])
+        x = self._programs["embed"](self._graphdef, self._state, ids)
+        for i, layer in enumerate(self._layers):
+            if layer.moe:
+                x, cache[i] = self._moe_layer(i, x, positions, cache[i], phase, valid_pad)
+            else:
+                x, cache[i] = self._programs["dense_layer"](layer.graphdef, layer.state, x, positions, cache[i])
+        x.block_until_ready()
+        reported = self.devices.accel.memory_stats() or {}
+        if "peak_bytes_in_use" in reported:
+            self.device_peak_bytes = max(self.device_peak_bytes or 0, int(reported["peak_bytes_in_use"]))
+        stats = self.phase_stats[phase]
+        stats.steps += 1
+        stats.tokens += int(valid.sum())
+        stats.seconds += time.perf_counter() - start
+        return x, cache
+
+    def _moe_layer(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray):
+        r = self._route(i, x, positions, layer_cache, phase, valid)
+        plan = self._plan(i, phase, r)
+        x, timing = self._execute(i, phase, plan, r)
+        self._record(phase, plan, timing)
+        return x, r.layer_cache
+
+    def _route(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray) -> _Routed:
+        """Attention, router and shared experts on the accelerator; routing to the host (the layer's sync point)."""
+        layer = self._layers[i]
+        x, h, w, ids, shared, layer_cache = self._programs["moe_route"](
+            layer.graphdef, layer.state, x, positions, layer_cache, valid.size)
+        scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
+        w_np, ids_np = jax.device_get((w, ids))
+        rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
+        tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]
+        activated = np.flatnonzero(tokens)
+        if isinstance(self.planner, ObservingPlanner) and i in self._prev_moe:
+            self.planner.observe(self._prev_moe[i], phase, activated)
+        prefetched = self._prefetched.pop(i, None)
+        if prefetched is not None:
+            self.phase_stats[phase].prefetch_used += int(np.isin(prefetched, activated).sum())
+        return _Routed(x, h, w, ids, shared, layer_cache, rows, w_np[rows], ids_np[rows], tokens, scores)
+
+    def _plan(self, i: int, phase: str, r: _Routed) -> Plan:
+        nxt, pool = self._next_moe.get(i), self.pool
+        resident = pool.resident(i)
+        demand = LayerDemand(
+            layer=i, phase=phase, tokens_per_expert=r.tokens, resident=resident, next_layer=nxt,
+            next_scores=None if nxt is None else r.next_scores,
+            next_resident=None if nxt is None else pool.resident(nxt),
+            free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
+        plan = self.planner.plan(demand, self.costs)
+        check_plan(demand, plan)
+        if phase == "prefill" and nxt is not None:
+            self._streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
+        stats = self.phase_stats[phase]
+        stats.activated += int(demand.activated.sum())
+        stats.hits += int((demand.activated & resident).sum())
+        return plan
+
+    def _execute(self, i: int, phase: str, plan: Plan, r: _Routed):
+        """This layer's transfers, then the next layer's (staged before compute), then GPU and CPU experts."""
+        pool, store, stats = self.pool, self.store, self.phase_stats[phase]
+        if i in self._pending:
+            staged, slots = self._pending.pop(i)
+            store.commit(pool, staged, slots)
+        on_gpu = np.zeros(self.config.num_experts, bool)
+        on_gpu[plan.gpu] = True
+        pool.release(i, plan.unload[~on_gpu[plan.unload]])
+        exposed = 0.0
+        if plan.load_now.size:
+            start = time.perf_counter()
+            stats.bytes_moved += store.write(pool, i, plan.load_now, pool.allocate(i, plan.load_now, protect=(i,)))
+            pool.gate_up.block_until_ready()
+            exposed = time.perf_counter() - start
+            stats.experts_loaded_now += plan.load_now.size
+        staged_next = self._issue_next(i, self._next_moe.get(i), plan, stats)
+        dispatched = time.perf_counter()
+        y_gpu = y_cpu = None
+        if plan.gpu.size:
+            slot_of = pool.slot_of(i)  # [E]
+            slot_of[~on_gpu] = -1
+            y_gpu = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down,
+                                                  jax.device_put(slot_of, self.devices.accel))
+        if plan.cpu.size:
+            h_cpu = jax.device_put(r.h, self.devices.cpu)
+            acc = self.cpu_experts.dispatch(i, h_cpu, _groups(plan.cpu, r.rows, r.w_host, r.ids_host))
+            y_cpu = jax.device_put(acc, self.devices.accel)
+        x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
+        pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
+        pool.touch(i, plan.gpu)
+        return x, _Timing(dispatched, exposed, y_gpu, y_cpu, staged_next)
+
+    def _record(self, phase: str, plan: Plan, t: _Timing) -> None:
+        """Wait for GPU experts, CPU experts and next-layer transfers at once (helper threads time each)."""
+        stats = self.phase_stats[phase]
+        futures = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
+                   (("gpu", t.y_gpu), ("cpu", t.y_cpu), ("transfer", t.staged_next)) if arrays is not None}
+        done = {name: future.result() for name, future in futures.items()}
+        gpu_end, cpu_end = done.get("gpu", t.dispatched), done.get("cpu", t.dispatched)
+        stats.gpu_seconds += gpu_end - t.dispatched
+        stats.cpu_seconds += cpu_end - t.dispatched
+        stats.gpu_experts += plan.gpu.size
+        stats.cpu_experts += plan.cpu.size
+        exposed = t.exposed_load
+        stats.transfer_seconds += t.exposed_load
+        if "transfer" in done:
+            stats.transfer_seconds += done["transfer"] - t.dispatched
+            exposed += max(0.0, done["transfer"] - max(gpu_end, cpu_end))
+        stats.exposed_transfer_seconds += exposed
+
+    def _issue_next(self, i: int, nxt: int | None, plan: Plan, stats: PhaseStats):
+        """Stage the next layer's experts (whole layer when streaming fits, else the plan's prefetch)."""
+        if nxt is None:
+            return None
+        if plan.stream_next_layer and self.pool.can_double_buffer:
+            return self._stage_ahead(nxt, np.flatnonzero(~self.pool.resident(nxt)), (i,), stats)
+        return self._stage_ahead(nxt, plan.prefetch, (i,), stats)
+
+    def _stage_ahead(self, layer: int, experts: np.ndarray, protect: tuple[int, ...], stats: PhaseStats):
+        """Reserve slots and issue the copy of `experts` of `layer`, committed when `layer` runs. -> staged arrays."""
+        if experts.size == 0:
+            return None
+        slots = self.pool.allocate(layer, experts, protect=protect)
+        staged = self.store.stage(layer, experts)
+        self._pending[layer] = (staged, slots)
+        self._prefetched[layer] = experts
+        stats.bytes_moved += staged.nbytes
+        stats.experts_prefetched += experts.size
+        return staged.gate_ups + staged.downs
+
+    def _next_scores(self, i: int, nxt: int | None, phase: str, h, w, ids, valid: np.ndarray):
+        """[E] next-layer activation scores for planners that read them, else None."""
+        if nxt is None or not self._wants_scores:
+            return None
+        if self.predictor is not None:
+            rows = np.flatnonzero(valid)
+            scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
+            return scores.mean(axis=0) if scores.ndim == 2 else scores
+        nl = self._layers[nxt]
+        valid_dev = jax.device_put(valid.astype(np.float32), self.devices.accel)
+        return np.asarray(self._programs["gate_scores"](nl.graphdef, nl.state, h, valid_dev))
+
+
+def _groups(experts: np.ndarray, rows: np.ndarray, w: np.ndarray, ids: np.ndarray
+            ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Per expert: (expert, rows of h routed to it, their routing weights); w, ids [Nv, K] belong to `rows` [Nv]."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.stack([experts, experts + 1]))  # [2, n]
+    k = ids.shape[1]
+    out = []
+    for e, lo, hi in zip(experts, bounds[0], bounds[1]):
+        picks = order[lo:hi]
+        out.append((int(e), rows[picks // k], w.reshape(-1)[picks]))
+    return out
+
+
+def _cache_size(jitted) -> int | None:
+    size = getattr(jitted, "_cache_size", None)  # private in jax; present in 0.10-0.12
+    return size() if size is not None else None
+
+
+def _ready_at(arrays) -> float:
+    jax.block_until_ready(arrays)
+    return time.perf_counter()
+
+
+def _path(parts: tuple) -> str:
+    return ".".join(str(p) for p in parts)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _param_dtype(model) -> np.dtype:
+    return np.dtype(model.embed.embedding.get_value().dtype)
+

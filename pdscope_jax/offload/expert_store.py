@@ -1,0 +1,212 @@
+"""The expert store: the only code that moves routed-expert weights.
+
+Contract:
+- Host copy, once: every routed expert of every MoE layer lives in the accelerator's `pinned_host` memory, one
+  allocation per expert and weight (gate_up [D, 2F], down [F, D]), so any subset of a layer can be the operand
+  of one transfer program. `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` takes a layer's stacked weights
+  (numpy, or a jax array in any device's device memory), copies it expert by expert into pinned memory and
+  keeps no reference to the stack: the caller drops it, so only one layer ever exists twice.
+- CPU view, no second copy: the CPU backend computes an expert from a CPU-device array that aliases the same
+  pinned bytes (the pinned buffer's address viewed as numpy, then `jax.device_put(view, cpu)`, which XLA:CPU
+  takes zero-copy for 64-byte-aligned buffers). The alias is verified per expert (same address, same bytes);
+  where it does not hold, the store keeps a CPU copy and says so in `host_bytes_per_model_byte` (1.0 when
+  every view aliases, 2.0 when none does). `cpu_view="copy"` forces copies. `host_alloc="torch"` (GPU only)
+  pins the memory with torch instead and imports it zero-copy through dlpack, a second route to one copy where
+  a pinned_host array's address is not readable from the host.
+  The aliased views are read-only by convention: nothing writes to expert weights after `add_layer`.
+- Moving, in two steps so that transfers overlap compute:
+  `stage(layer, experts) -> Staged` issues ONE batched `jax.device_put` of the experts' pinned arrays to the
+  accelerator's device memory and returns at once (the copy runs on the host-to-device stream; issued before
+  the compute it should hide behind, it overlaps it). `commit(pool, staged, slots)` then copies the staged
+  arrays into their slots with ONE jitted program that donates the pool (device-to-device, in place, no
+  reallocation), compiled once per batch size: sizes are padded to a power of two by repeating the last expert
+  (an idempotent write). A slot write cannot itself overlap compute that reads the pool: donation orders it
+  after every pending reader, which is why the host-to-device part is staged outside the pool. Staged arrays
+  live until their commit; the budget counts one layer of them ("transfer staging").
+  `write(pool, layer, experts, slots)` is stage + commit, for loads needed right away.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import jax
+import numpy as np
+
+from pdscope_jax.offload.slot_pool import SlotPool
+from pdscope_jax.runtime import Devices
+
+
+def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
+    """pool_gu [S,D,2F], pool_dn [S,F,D]; gus/dns: n device arrays [D,2F]/[F,D]; slots [n] int32."""
+    for i, (gu, dn) in enumerate(zip(gus, dns)):
+        pool_gu = jax.lax.dynamic_update_slice(pool_gu, gu[None], (slots[i], 0, 0))
+        pool_dn = jax.lax.dynamic_update_slice(pool_dn, dn[None], (slots[i], 0, 0))
+    return pool_gu, pool_dn
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """Experts of one layer in flight to (or already in) accelerator device memory, not yet in their slots."""
+
+    layer: int
+    experts: np.ndarray  # [n] expert ids
+    gate_ups: tuple[jax.Array, ...]  # n x [D, 2F] on the accelerator
+    downs: tuple[jax.Array, ...]  # n x [F, D]
+    nbytes: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def host_view(array: jax.Array) -> np.ndarray | None:
+    """A numpy view of a single-buffer host-memory array's bytes, or None when its address is unavailable."""
+    try:
+        address = array.unsafe_buffer_pointer()
+    except Exception:  # noqa: BLE001 (backends differ in what they refuse; any refusal means "no view")
+        return None
+    raw = (ctypes.c_byte * array.nbytes).from_address(address)
+    return np.frombuffer(raw, dtype=np.uint8).view(np.dtype(array.dtype)).reshape(array.shape)
+
+
+class ExpertStore:
+    def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "jax"):
+        if cpu_view not in ("alias", "copy"):
+            raise ValueError(f"cpu_view must be 'alias' or 'copy', got {cpu_view!r}")
+        if host_alloc not in ("jax", "torch"):
+            raise ValueError(f"host_alloc must be 'jax' or 'torch', got {host_alloc!r}")
+        if host_alloc == "torch" and not _torch_cuda():
+            raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
+                             "through dlpack); use host_alloc='jax'")
+        self.devices = devices
+        self.cpu_view = cpu_view
+        self.host_alloc = host_alloc
+        self._torch_buffers: list = []  # host_alloc='torch': the pinned allocations every view points into
+        self._pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
+        self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
+        self._host: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> (gate_ups, downs) pinned
+        self._cpu: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> CPU-backend arrays
+        self.host_bytes = 0  # pinned bytes (the model's experts, once)
+        self.cpu_copy_bytes = 0  # bytes of CPU copies made where a view could not alias
+        self.bytes_moved = 0  # host -> accelerator bytes written into slots
+        self.experts_moved = 0
+        self._commit = jax.jit(_commit_slots, donate_argnums=(0, 1))
+        self._commit_sizes: set[int] = set()
+
+    # ---- building --------------------------------------------------------------------------------------
+    def add_layer(self, layer: int, gate_up, down) -> None:
+        """Take layer `layer`'s stacked experts gate_up [E,D,2F], down [E,F,D] into pinned memory, per expert."""
+        host = ([], [])
+        cpu = ([], [])
+        for e in range(gate_up.shape[0]):
+            for part, stack in enumerate((gate_up, down)):
+                if self.host_alloc == "torch":
+                    pinned, view = self._torch_pinned(np.ascontiguousarray(stack[e]))
+                else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
+                    pinned, view = jax.device_put(stack[e], self._pinned), None
+                    pinned.block_until_ready()
+                host[part].append(pinned)
+                cpu[part].append(self._cpu_array(pinned, view))
+                self.host_bytes += pinned.nbytes
+        self._host[layer], self._cpu[layer] = host, cpu
+
+    def _torch_pinned(self, src: np.ndarray) -> tuple[jax.Array, np.ndarray]:
+        """Pin with torch, fill through a numpy view, import zero-copy through dlpack. -> (pinned array, view)."""
+        import torch
+
+        buffer = torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=True)
+        view = buffer.numpy().view(src.dtype).reshape(src.shape)
+        view[...] = src
+        typed = buffer.view(getattr(torch, src.dtype.name)).reshape(src.shape)
+        pinned = jax.dlpack.from_dlpack(typed)
+        if pinned.sharding.memory_kind != "pinned_host" or pinned.devices() != {self.devices.accel}:
+            raise RuntimeError(f"dlpack import of pinned torch memory gave {pinned.sharding}, not pinned_host memory "
+                               f"of {self.devices.accel}; use host_alloc='jax'")
+        self._torch_buffers.append(buffer)
+        return pinned, view
+
+    def _cpu_array(self, pinned: jax.Array, view: np.ndarray | None) -> jax.Array:
+        """The CPU-backend array for one expert weight: a zero-copy alias of the pinned bytes when verified."""
+        values = np.asarray(pinned)  # a proper copy, to check the view against
+        if self.cpu_view == "alias":
+            view = host_view(pinned) if view is None else view
+            if view is not None and np.array_equal(view, values):
+                on_cpu = jax.device_put(view, self.devices.cpu)
+                if on_cpu.unsafe_buffer_pointer() == view.ctypes.data:
+                    return on_cpu
+        on_cpu = jax.device_put(values, self.devices.cpu)
+        self.cpu_copy_bytes += on_cpu.nbytes
+        return on_cpu
+
+    # ---- queries ---------------------------------------------------------------------------------------
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self._host))
+
+    @property
+    def host_bytes_per_model_byte(self) -> float:
+        """Host bytes held per byte of routed-expert weights: 1.0 when every CPU view aliases pinned memory."""
+        return (self.host_bytes + self.cpu_copy_bytes) / max(self.host_bytes, 1)
+
+    @property
+    def compiled_programs(self) -> int:
+        return len(self._commit_sizes)
+
+    def cpu_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
+        """(gate_up [D,2F], down [F,D]) of one expert on the CPU backend (aliasing the pinned copy when possible)."""
+        gus, dns = self._cpu[layer]
+        return gus[expert], dns[expert]
+
+    def host_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
+        """(gate_up, down) of one expert in pinned_host memory."""
+        gus, dns = self._host[layer]
+        return gus[expert], dns[expert]
+
+    # ---- moving ----------------------------------------------------------------------------------------
+    def stage(self, layer: int, experts: np.ndarray) -> Staged:
+        """Issue the host-to-device copy of `experts` of `layer` (one batched device_put); returns at once."""
+        experts = np.asarray(experts, np.int64)
+        gus, dns = self._host[layer]
+        srcs = ([gus[e] for e in experts], [dns[e] for e in experts])
+        on_device = jax.device_put(srcs, self._device) if experts.size else ([], [])
+        nbytes = int(sum(a.nbytes for part in srcs for a in part))
+        self.bytes_moved += nbytes
+        self.experts_moved += int(experts.size)
+        return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]), nbytes)
+
+    def commit(self, pool: SlotPool, staged: Staged, slots: np.ndarray) -> None:
+        """Copy staged experts into `slots` of `pool` (one donated program; ordered after earlier pool readers)."""
+        n = staged.experts.size
+        if n == 0:
+            return
+        size = _pow2(n)
+        pad = np.concatenate([np.arange(n), np.full(size - n, n - 1)])
+        slot_ids = jax.device_put(np.asarray(slots, np.int32)[pad], self._device)
+        pool.gate_up, pool.down = self._commit(pool.gate_up, pool.down, tuple(staged.gate_ups[i] for i in pad),
+                                               tuple(staged.downs[i] for i in pad), slot_ids)
+        self._commit_sizes.add(size)
+
+    def write(self, pool: SlotPool, layer: int, experts: np.ndarray, slots: np.ndarray) -> int:
+        """stage + commit: `experts` of `layer` into `slots` now; returns bytes moved."""
+        staged = self.stage(layer, experts)
+        self.commit(pool, staged, slots)
+        return staged.nbytes
+
+
+def expert_paths(moe_layers: tuple[int, ...]) -> dict[int, tuple[str, str]]:
+    """layer -> (gate_up path, down path) in the flat parameter dict (NNX state paths joined with '.')."""
+    return {layer: (f"layers.{layer}.mlp.experts.gate_up", f"layers.{layer}.mlp.experts.down") for layer in moe_layers}
+
+
+def is_expert_path(path: str) -> bool:
+    return ".mlp.experts." in path

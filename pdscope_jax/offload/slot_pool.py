@@ -1,0 +1,97 @@
+"""The one global pool of expert slots on the accelerator, and the table of who lives in which slot.
+
+Contract: `SlotPool(num_slots, ...)` allocates gate_up [S, D, 2F] and down [S, F, D] on the accelerator once;
+they are never reallocated (slot writes donate and replace them in place, see `ExpertStore.commit`). The
+table maps (layer, expert) -> slot; `slot_of(layer)` gives the [E] int32 map that `combine_experts` takes
+(-1: not in a slot). Slots are handed out free-first, then least recently used, never taking a slot from a
+protected layer (the layer being computed), so:
+- prefill: streaming layer l+1 while layer l computes takes E slots other than layer l's; with S >= 2E these
+  are the two full-layer buffers (`can_double_buffer`), alternating by LRU order;
+- decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
+An expert is resident from the moment its write is issued (writes are ordered before any program that reads
+the pool). The pool holds no host memory and moves no weights itself.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class SlotPool:
+    def __init__(self, num_slots: int, moe_layers: tuple[int, ...], num_experts: int, d: int, f: int, dtype,
+                 device: jax.Device):
+        self.num_slots = int(num_slots)
+        self.num_experts = num_experts
+        # S == 0 keeps one dummy slot so programs keep a fixed signature; no expert is ever mapped to it.
+        shape_s = max(self.num_slots, 1)
+        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+        self.gate_up = jax.device_put(jnp.zeros((shape_s, d, 2 * f), dtype), sharding)  # [S, D, 2F]
+        self.down = jax.device_put(jnp.zeros((shape_s, f, d), dtype), sharding)  # [S, F, D]
+        self.owner_layer = np.full(self.num_slots, -1, np.int64)  # [S]
+        self.owner_expert = np.full(self.num_slots, -1, np.int64)  # [S]
+        self.last_use = np.zeros(self.num_slots, np.int64)  # [S] LRU clock value of the last use
+        self._slot_of = {layer: np.full(num_experts, -1, np.int32) for layer in moe_layers}
+        self._clock = 0
+        self.evictions = 0
+
+    @property
+    def can_double_buffer(self) -> bool:
+        """Two whole layers fit: prefill can stream layer l+1 while layer l computes."""
+        return self.num_slots >= 2 * self.num_experts
+
+    def slot_of(self, layer: int) -> np.ndarray:
+        """[E] int32: each expert's slot, -1 when not resident. A copy."""
+        return self._slot_of[layer].copy()
+
+    def resident(self, layer: int) -> np.ndarray:
+        return self._slot_of[layer] >= 0  # [E] bool
+
+    def resident_count(self) -> int:
+        return int((self.owner_layer >= 0).sum())
+
+    def touch(self, layer: int, experts: np.ndarray) -> None:
+        """Mark experts of `layer` as used now (LRU)."""
+        self._clock += 1
+        slots = self._slot_of[layer][np.asarray(experts, np.int64)]
+        self.last_use[slots[slots >= 0]] = self._clock
+
+    def free_slots(self, protect: tuple[int, ...] = ()) -> int:
+        """Slots that can be (re)assigned without evicting an expert of a protected layer."""
+        return int((~np.isin(self.owner_layer, protect)).sum())
+
+    def allocate(self, layer: int, experts: np.ndarray, protect: tuple[int, ...] = ()) -> np.ndarray:
+        """Assign slots to `experts` of `layer` (none may be resident yet); evicts LRU victims outside `protect`
+        (the target layer's other experts are evictable unless it is protected too).
+
+        Returns the slots [n] in the order of `experts`. Raises ValueError when not enough slots are free.
+        """
+        experts = np.asarray(experts, np.int64)
+        if experts.size == 0:
+            return np.zeros(0, np.int32)
+        if np.any(self._slot_of[layer][experts] >= 0):
+            raise ValueError(f"layer {layer}: experts {experts[self._slot_of[layer][experts] >= 0]} already resident")
+        candidates = np.flatnonzero(~np.isin(self.owner_layer, protect))
+        if candidates.size < experts.size:
+            raise ValueError(f"layer {layer}: {experts.size} slots needed, {candidates.size} can be freed "
+                             f"(pool of {self.num_slots}, protected layers {protect})")
+        free_first = np.lexsort((self.last_use[candidates], self.owner_layer[candidates] >= 0))
+        slots = candidates[free_first[: experts.size]]
+        for slot in slots[self.owner_layer[slots] >= 0]:
+            self._slot_of[int(self.owner_layer[slot])][self.owner_expert[slot]] = -1
+            self.evictions += 1
+        self._clock += 1
+        self.owner_layer[slots], self.owner_expert[slots] = layer, experts
+        self.last_use[slots] = self._clock
+        self._slot_of[layer][experts] = slots
+        return slots.astype(np.int32)
+
+    def release(self, layer: int, experts: np.ndarray) -> None:
+        """Free the slots of `experts` of `layer` (host copies always exist, so this moves nothing)."""
+        experts = np.asarray(experts, np.int64)
+        slots = self._slot_of[layer][experts]
+        slots = slots[slots >= 0]
+        self.owner_layer[slots], self.owner_expert[slots] = -1, -1
+        self.last_use[slots] = 0
+        self._slot_of[layer][experts] = -1

@@ -1,0 +1,138 @@
+"""Runtime settings, kept apart from the model architecture (`pdscope_jax.config.ModelConfig`).
+
+Contract: `RuntimeConfig` is frozen and hashable. It says how a model runs on this machine: the accelerator
+memory budget, the cap on the routed-expert slot pool, the expert-placement policy (a planner name from
+`pdscope_jax.sched`, or None to run the model whole), CPU threads, prefill chunking, the largest batch and
+sequence the KV cache is sized for, the token buckets that bound how many programs get compiled, and the
+planners' cost table.
+Sizes are given as bytes or strings such as "24GB" (10^9), "24GiB" (2^30), "512MB", "1.5G"; a malformed size
+raises `RuntimeConfigError` naming the field and the accepted forms.
+
+`select_devices()` is the one place that decides which device is the accelerator and which is the CPU
+backend: the first GPU and the first CPU device when a GPU exists; otherwise, with two or more CPU devices
+(tests set `jax_num_cpu_devices=2`), cpu:1 stands for the accelerator and cpu:0 for the CPU backend; with one
+CPU device both roles fall on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, NamedTuple
+
+import jax
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "kib": 2**10,
+    "m": 10**6, "mb": 10**6, "mib": 2**20,
+    "g": 10**9, "gb": 10**9, "gib": 2**30,
+    "t": 10**12, "tb": 10**12, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+class RuntimeConfigError(ValueError):
+    """A runtime setting that cannot be used (malformed size, unknown value, inconsistent fields)."""
+
+
+def parse_size(value: int | float | str, field: str = "size") -> int:
+    """'24GB' -> 24_000_000_000, '8GiB' -> 8 * 2**30, 1024 -> 1024. Raises RuntimeConfigError when malformed."""
+    if isinstance(value, bool):
+        raise RuntimeConfigError(f"{field}: expected a size such as '24GB', got {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise RuntimeConfigError(f"{field}: a size cannot be negative, got {value!r}")
+        return int(value)
+    if not isinstance(value, str):
+        raise RuntimeConfigError(f"{field}: expected a size such as '24GB', got {type(value).__name__} {value!r}")
+    match = _SIZE.match(value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise RuntimeConfigError(
+            f"{field}: cannot read {value!r} as a size; write a number with an optional unit "
+            "B, KB, MB, GB, TB (powers of 10) or KiB, MiB, GiB, TiB (powers of 2), e.g. '24GB' or '8GiB'"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(nbytes: int) -> str:
+    """Bytes as a short human string in GB or MB (powers of 10, matching `parse_size`)."""
+    if abs(nbytes) >= 10**9:
+        return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e6:.1f} MB"
+
+
+def _buckets(values: tuple[int, ...], field: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in values)
+    if not values or any(v <= 0 for v in values) or list(values) != sorted(set(values)):
+        raise RuntimeConfigError(f"{field}: expected strictly increasing positive sizes, got {values}")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    gpu_memory: int | str = "24GB"  # the whole accelerator budget: weights, KV cache, activations, expert slots
+    expert_pool: int | str | None = None  # cap on the routed-expert slot pool (None: whatever the budget leaves)
+    policy: str | None = None  # planner name (sched.make_planner); None runs the model whole
+    policy_options: tuple[tuple[str, Any], ...] = ()  # extra planner options as sorted (key, value) pairs
+    cpu_threads: int | None = None  # cores for the process (entry points set the affinity before JAX starts)
+    prefill_chunk: int = 256  # tokens per sequence per prefill step when the batch holds more than one sequence
+    max_batch: int = 1  # the KV cache and activations are budgeted for this many sequences ...
+    max_seq_len: int = 4096  # ... of this many tokens (prompt plus generated)
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # token counts of compiled decode programs
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    cpu_min_rows: int = 16  # CPU expert programs pad rows to at least this (XLA:CPU bf16 is slow at one row)
+    cost_table: str | None = None  # JSON from `pdscope-jax profile`; None: an analytic table (offload.engine)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        set_("gpu_memory", parse_size(self.gpu_memory, "gpu_memory"))
+        if self.gpu_memory <= 0:
+            raise RuntimeConfigError("gpu_memory must be positive")
+        if self.expert_pool is not None:
+            set_("expert_pool", parse_size(self.expert_pool, "expert_pool"))
+        if self.policy is not None and not isinstance(self.policy, str):
+            raise RuntimeConfigError(f"policy: expected a planner name or None, got {self.policy!r}")
+        if isinstance(self.policy_options, dict):
+            set_("policy_options", tuple(sorted(self.policy_options.items())))
+        for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows"):
+            if int(getattr(self, name)) <= 0:
+                raise RuntimeConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.cpu_threads is not None and self.cpu_threads <= 0:
+            raise RuntimeConfigError(f"cpu_threads must be positive or None, got {self.cpu_threads!r}")
+        set_("decode_buckets", _buckets(self.decode_buckets, "decode_buckets"))
+        set_("prefill_buckets", _buckets(self.prefill_buckets, "prefill_buckets"))
+
+    @property
+    def policy_kwargs(self) -> dict[str, Any]:
+        return dict(self.policy_options)
+
+    def replace(self, **changes: Any) -> "RuntimeConfig":
+        return dataclasses.replace(self, **changes)
+
+
+class Devices(NamedTuple):
+    accel: jax.Device  # runs attention, the router and GPU-resident experts; holds the slot pool
+    cpu: jax.Device  # the CPU backend: computes CPU-placed experts
+
+
+def select_devices() -> Devices:
+    """The accelerator and the CPU backend (see the module docstring for the CPU-only stand-in)."""
+    cpus = jax.devices("cpu")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if gpus:
+        return Devices(gpus[0], cpus[0])
+    return Devices(cpus[1] if len(cpus) > 1 else cpus[0], cpus[0])
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n; beyond the last bucket, the next multiple of the last bucket."""
+    for b in buckets:
+        if n <= b:
+            return b
+    last = buckets[-1]
+    return -(-n // last) * last

@@ -1,0 +1,311 @@
+"""AdaptSched, PDScope's phase-adaptive cross-layer planner (docs PAPER.md, "AdaptSched").
+
+Contract: `AdaptSched.plan(demand, costs) -> Plan` decides, for one MoE layer, the on-demand loads `L_on`
+(`load_now`), the next layer's prefetches `L_pre` (`prefetch`) and the unloads `L_un` (`unload`); every activated
+expert not resident and not in `L_on` runs on the CPU. It keeps three pieces of online state: the predictor's hit
+rate `R_hit` per phase (fed by `observe`), the step at which each expert of each layer was last activated (to
+pick unloads least recently used first), and `last_decision` (a `Decision`, for logging). Like `static`, it
+has a hot-expert table (`hot_experts(layer)`, options `hot_per_layer` and `activation_counts`; empty by default)
+that the engine preloads and that AdaptSched never unloads.
+
+Notation (all lists sorted ascending by tokens, ties by id; "hottest" = most tokens):
+- `E_cur`: activated experts of this layer that are not resident (nor in flight), n = |E_cur|.
+- `E_next`: predicted experts of the next layer not resident there, n' = |E_next|, with predicted token counts.
+  The predicted set is the m highest `next_scores` (m = experts activated in this layer; single-lookahead
+  assumption that the next layer activates about as many), and an expert's predicted tokens are
+  `score * total_assignments / sum(scores)` with `total_assignments = sum(tokens_per_expert)` = tokens x k
+  (the brief's `score * tokens * k / sum(scores)`).
+- GPU side of a layer: `t_transfer(m) + t_gpu(resident activated + loaded)` (`alpha + m * t_io` plus ONE batched
+  program; the engine submits a layer's GPU experts together). The paper's `t_g` is this batched time.
+- CPU side: `t_cpu` summed over the experts left on the CPU. `t_attn` = the next layer's attention at this
+  step's token count.
+
+Prefill (and decode mode d):
+1. `E_all` = E_cur ∪ E_next ascending (at equal tokens a current expert counts as hotter: its demand is real).
+   First i with `T_G(i) < T_C(i)`, `T_G(i) = t_transfer(|E_all[i:]|) + t_g(current part) + t_g(next part)`,
+   `T_C(i) = t_cpu(E_all[0:i]) + t_attn`; `L_global = E_all[i:]` (empty when no i qualifies).
+2. Let j0 = the first index of E_cur inside L_global. Smallest i' >= j0 with
+   `t_transfer(n - i') + t_g < t_cpu(E_cur[0:i'-1])` (the boundary expert E_cur[i'-1] is left out of the CPU
+   side, so it stays on the CPU and PCIe is saved for prefetching); `L_on = E_cur[i':]`, or nothing.
+3. Bubble `T_gap = T_C - T_G` of the layer as decided (T_C over every CPU-side expert E_cur[0:i'], T_G with the
+   L_on transfers); `f = (T_gap + t_attn) / t_io`; the ceil(f)-th prefetch is issued only if
+   `xi = R_hit (f - ceil(f) + 1) t_io - (1 - R_hit)(ceil(f) - f) t_io > 0`; `L_pre` = the hottest ceil(f)
+   (else floor(f)) of E_next.
+Decode: k = experts activated in this layer; `n_c = argmin_x max(t_gpu(k - x experts), x * t_cpu(1 expert))` at
+the layer's mean tokens per expert; then by (n vs n_c, n' vs n_c):
+- a (n > n_c, n' <= n_c): step 2 with `T_C = t_cpu(E_cur[0:i'])` (boundary included: minimise this layer's
+  latency), j0 = 0; no prefetch, no unload.
+- b (n <= n_c, n' > n_c): no loads; unload, then step 3 with the constraint
+  `(c - f)+ t_io + t_g(next, c prefetched) < t_cpu(E_next[0:n'-c])` on the prefetch count c (c lowered until
+  it holds: never make the next layer's GPU side the slower one).
+- c (both <= n_c): unload only.  d (both > n_c): steps 1-3 with b's constraint.
+Loads and prefetches never exceed the slots that exist (`free_slots` plus unloaded experts); when cut, the
+hottest are kept, so on-demand monotonicity holds: a loaded expert of E_cur has every hotter one loaded too.
+
+Where PAPER.md (or the paper's extracted text) is ambiguous, the reading taken here:
+- Indexing: the paper writes E_cur[0..n] (n + 1 experts) with `(n - i' + 1) t_io`; both count the experts
+  E_cur[i':]. Here n = |E_cur| and the transfer term is `t_transfer(|E_cur[i':]|)`; `[a:b]` excludes b as in
+  Python, which makes PAPER.md's "prefill leaves out the boundary expert" and "decode includes it" hold. A
+  consequence of the formula: for i' <= 1 the prefill criterion's CPU side `t_cpu(E_cur[0:0])` is 0, so prefill
+  (and mode d) keeps at least the two coldest of E_cur on the CPU and loads nothing when n <= 2; decode mode a
+  keeps at least one.
+- Decode mode conditions compare counts (PAPER.md: "n' <= n_c"); the extracted Algorithm 1 writes `n' - 1`.
+- `t_g` is the batched GPU time of the layer's GPU set (not a per-expert constant); in step 1 it is the sum of
+  both layers' batched times. The decode balance uses the same batched model for `(k - n_c) t_g`.
+- `T_gap` uses the physical CPU side (the boundary expert runs on the CPU, so it belongs to the bubble), not
+  step 2's criterion value.
+- In mode b/d the constraint, stated for ceil(f), is applied to the chosen count c with `(c - f)+`.
+- `L_un` ("unload redundant experts"): resident experts of this layer not activated now and not in the hot
+  table, least recently activated first; mode c frees `n_c - n` of them (the layer's GPU surplus over the
+  balance point), mode b `max(n_c - n, c - free_slots)` so the prefetch has room.
+- `R_hit` is the fraction of the planner's high-priority predictions that were activated: the prefetched
+  experts, or when none were prefetched the top min(n', |actual|) of E_next; the mean over the last
+  `r_hit_window` observations per phase, `r_hit_prior` before any.
+- Step 1 only bounds step 2 (j0); `L_pre` comes from E_next, as the paper's Algorithm 1 states.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from pdscope_jax.sched.costs import CostTable
+from pdscope_jax.sched.plan import PHASES, HotExperts, LayerDemand, Plan, cold_to_hot
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What AdaptSched decided for one layer, for logging. None where a step did not run."""
+
+    layer: int
+    phase: str
+    mode: str                  # "prefill", or decode mode "a" | "b" | "c" | "d"
+    n: int                     # |E_cur|
+    n_next: int                # |E_next|
+    n_c: int | None            # decode balance target
+    i: int | None              # step 1: L_global = E_all[i:] (i = n + n': empty)
+    i_prime: int | None        # step 2: L_on = E_cur[i':] (i' = n: nothing loaded)
+    f: float | None            # step 3: transfers that fit in the bubble
+    xi: float | None           # step 3: expected utility of the ceil(f)-th prefetch
+    T_G: float | None          # GPU side of this layer as decided (mode a: step 2's criterion values)
+    T_C: float | None          # CPU side of this layer as decided
+    r_hit: float
+    loads: int
+    prefetches: int
+    unloads: int
+
+
+@dataclasses.dataclass
+class _Step3:
+    count: int
+    f: float
+    xi: float
+
+
+class AdaptSched:
+    name = "pdscope"
+
+    def __init__(self, r_hit_prior: float = 0.5, r_hit_window: int = 16, hot_per_layer: int = 0,
+                 activation_counts: Mapping[int, Sequence[float]] | None = None):
+        if not 0.0 <= r_hit_prior <= 1.0:
+            raise ValueError(f"r_hit_prior must be in [0, 1], got {r_hit_prior}")
+        if r_hit_window < 1:
+            raise ValueError(f"r_hit_window must be >= 1, got {r_hit_window}")
+        self.r_hit_prior = r_hit_prior
+        self.hot_experts = HotExperts(hot_per_layer, activation_counts)  # the engine preloads these; never unloaded
+        self._hits = {phase: collections.deque(maxlen=r_hit_window) for phase in PHASES}
+        self._pending: dict[int, tuple[str, np.ndarray, int]] = {}
+        self._last_used: dict[int, np.ndarray] = {}
+        self._step = 0
+        self.last_decision: Decision | None = None
+
+    # ---- online statistics -------------------------------------------------------------------------------
+
+    def r_hit(self, phase: str) -> float:
+        hits = self._hits[phase]
+        return sum(hits) / len(hits) if hits else self.r_hit_prior
+
+    def observe(self, layer: int, phase: str, actual_next_experts) -> None:
+        """Score the predictions made at `layer` against the experts its successor actually activated."""
+        pending = self._pending.get(layer)
+        if pending is None or pending[0] != phase:
+            return
+        del self._pending[layer]
+        _, ranked, h = pending
+        actual = np.asarray(actual_next_experts, dtype=np.int64).reshape(-1)
+        h = h or min(ranked.size, actual.size)
+        if h:
+            self._hits[phase].append(np.count_nonzero(np.isin(ranked[:h], actual)) / h)
+
+    # ---- planning ----------------------------------------------------------------------------------------
+
+    def plan(self, demand: LayerDemand, costs: CostTable) -> Plan:
+        d = demand
+        tok = np.asarray(d.tokens_per_expert, dtype=np.float64)
+        act = tok > 0
+        self._touch(d.layer, act)
+        cur = d.missing_cold_to_hot()
+        res_tok = tok[act & d.resident]
+        nxt, nxt_tok, nxt_res_tok = self._predict(d, tok)
+        n, n_next = cur.size, nxt.size
+        s = _Layer(d, costs, cur, tok[cur], res_tok, nxt, nxt_tok, nxt_res_tok, self.r_hit(d.phase))
+        n_c = None
+        if d.phase == "prefill":
+            mode = "prefill"
+        else:
+            n_c = _balance_target(costs, int(np.count_nonzero(act)), float(tok[act].mean()) if act.any() else 0.0)
+            mode = {(True, False): "a", (False, True): "b", (False, False): "c", (True, True): "d"}[
+                (n > n_c, n_next > n_c)]
+        i = i_prime = None
+        step3 = None
+        unload = np.zeros(0, dtype=np.int64)
+        if mode in ("prefill", "d"):
+            i, j0 = s.global_queue()
+            i_prime = s.on_demand_boundary(j0, boundary_in_cpu_side=False, slots=d.free_slots)
+            step3 = s.prefetch_count(i_prime, next_constraint=mode == "d", slots=d.free_slots - (n - i_prime))
+            t_g, t_c = s.layer_sides(i_prime)
+        elif mode == "a":
+            i_prime = s.on_demand_boundary(0, boundary_in_cpu_side=True, slots=d.free_slots)
+            t_g, t_c = s.criterion(i_prime, boundary_in_cpu_side=True)
+        else:
+            t_g, t_c = s.layer_sides(n)
+            wanted = 0
+            if mode == "b":
+                step3 = s.prefetch_count(n, next_constraint=True, slots=n_next)
+                wanted = step3.count - d.free_slots
+            unload = self._lru_unused(d.layer, act, d.resident, max(n_c - n, wanted))
+            if step3 is not None:
+                step3.count = min(step3.count, d.free_slots + unload.size)
+        load_now = cur[i_prime:][::-1] if i_prime is not None else cur[:0]
+        prefetch = nxt[::-1][:step3.count] if step3 is not None else nxt[:0]
+        self._pending[d.layer] = (d.phase, nxt[::-1], prefetch.size)
+        self.last_decision = Decision(
+            layer=d.layer, phase=d.phase, mode=mode, n=n, n_next=n_next, n_c=n_c, i=i, i_prime=i_prime,
+            f=step3.f if step3 else None, xi=step3.xi if step3 else None, T_G=t_g, T_C=t_c, r_hit=s.r_hit,
+            loads=load_now.size, prefetches=prefetch.size, unloads=unload.size)
+        return Plan.from_loads(d, load_now=load_now, prefetch=prefetch, unload=unload)
+
+    def _predict(self, d: LayerDemand, tok: np.ndarray):
+        """E_next (ascending by predicted tokens), its predicted tokens, and predicted tokens of the predicted
+        next-layer experts that are already resident."""
+        empty = np.zeros(0, dtype=np.int64)
+        if d.next_layer is None or d.next_scores is None:
+            return empty, np.zeros(0), np.zeros(0)
+        scores = d.next_scores
+        ranked = np.flatnonzero(scores > 0)
+        top = ranked[np.argsort(-scores[ranked], kind="stable")][:np.count_nonzero(tok)]  # ties: lower id
+        if top.size == 0:
+            return empty, np.zeros(0), np.zeros(0)
+        expected = scores * (tok.sum() / scores[ranked].sum())
+        missing = d.next_not_resident()[top]
+        nxt = cold_to_hot(top[missing], expected)
+        return nxt, expected[nxt], expected[top[~missing]]
+
+    def _touch(self, layer: int, act: np.ndarray) -> None:
+        self._step += 1
+        last = self._last_used.get(layer)
+        if last is None or last.size != act.size:
+            last = self._last_used[layer] = np.full(act.size, -1, dtype=np.int64)
+        last[act] = self._step
+
+    def _lru_unused(self, layer: int, act: np.ndarray, resident: np.ndarray, count: int) -> np.ndarray:
+        """Up to `count` resident, not activated experts of `layer` outside its hot table, least recently
+        activated first."""
+        cand = np.flatnonzero(resident & ~act)
+        cand = cand[~np.isin(cand, self.hot_experts(layer))]
+        if count <= 0 or cand.size == 0:
+            return cand[:0]
+        return cand[np.lexsort((cand, self._last_used[layer][cand]))][:count]
+
+
+@functools.lru_cache(maxsize=256)
+def _balance_target(costs: CostTable, k: int, typical: float) -> int:
+    """n_c = argmin_x max(GPU time of k - x experts, x * CPU time of one) for k experts of `typical` tokens
+    (cached: in decode k and the tokens per expert repeat step after step)."""
+    if k == 0:
+        return 0
+    x = np.arange(k + 1)
+    gpu = costs.gpu_growing((), np.full(k, costs.gpu_marginals(typical)))[k - x]  # k - x experts batched
+    cpu = x * costs.t_cpu(typical)
+    return int(np.argmin(np.maximum(gpu, cpu)))
+
+
+class _Layer:
+    """One layer's cost curves over the candidate boundaries, computed once with cumulative sums."""
+
+    def __init__(self, d: LayerDemand, costs: CostTable, cur, cur_tok, res_tok, nxt, nxt_tok, nxt_res_tok,
+                 r_hit: float):
+        self.costs = costs
+        self.n, self.n_next = cur.size, nxt.size
+        self.r_hit = r_hit
+        self.t_attn = costs.t_attn(d.phase, d.step_tokens)
+        n, n_next = self.n, self.n_next
+        self.all_tok = np.concatenate((cur_tok, nxt_tok))
+        self.all_cpu = costs.cpu_times(self.all_tok)
+        marg = costs.gpu_marginals(np.concatenate((self.all_tok, res_tok, nxt_res_tok)))
+        # cpu_cur[j] = t_cpu(E_cur[0:j]); gpu_cur[m] = batched GPU time of resident + the m hottest of E_cur
+        self.cpu_cur = np.concatenate(([0.0], np.cumsum(self.all_cpu[:n])))
+        self.cpu_next = np.concatenate(([0.0], np.cumsum(self.all_cpu[n:])))
+        self.xfer = costs.t_transfer(np.arange(n + n_next + 1))  # xfer[m] = t_transfer(m)
+        split = n + n_next + res_tok.size
+        self.gpu_cur = costs.gpu_growing(marg[n + n_next:split], marg[:n][::-1])
+        self.gpu_next = costs.gpu_growing(marg[split:], marg[n:n + n_next][::-1])
+
+    def global_queue(self) -> tuple[int, int]:
+        """Step 1: (i, j0) with L_global = E_all[i:] and j0 = current-layer experts in E_all[0:i]."""
+        n, n_next = self.n, self.n_next
+        size = n + n_next
+        # E_next then E_cur, each already ascending: a stable sort by tokens puts a next-layer expert before a
+        # current one with as many tokens (the current one counts as hotter) and keeps id order within a layer.
+        next_first = np.concatenate((self.all_tok[n:], self.all_tok[:n]))
+        order = np.argsort(next_first, kind="stable")
+        is_cur = order >= n_next
+        cur_before = np.concatenate(([0], np.cumsum(is_cur)))  # current experts in E_all[0:i], i = 0..size
+        next_before = np.arange(size + 1) - cur_before
+        cpu_next_first = np.concatenate((self.all_cpu[n:], self.all_cpu[:n]))
+        t_c = np.concatenate(([0.0], np.cumsum(cpu_next_first[order]))) + self.t_attn
+        t_g = (self.xfer[size - np.arange(size + 1)] + self.gpu_cur[n - cur_before]
+               + self.gpu_next[n_next - next_before])
+        ok = (t_g < t_c)[:size]
+        i = int(np.argmax(ok)) if ok.any() else size
+        return i, int(cur_before[i])
+
+    def criterion(self, i_prime, boundary_in_cpu_side: bool):
+        """Step 2's (T_G, T_C) for boundary i' (scalar or array)."""
+        i_prime = np.asarray(i_prime)
+        t_g = self.xfer[self.n - i_prime] + self.gpu_cur[self.n - i_prime]
+        t_c = self.cpu_cur[i_prime if boundary_in_cpu_side else np.maximum(i_prime - 1, 0)]
+        return (float(t_g), float(t_c)) if i_prime.ndim == 0 else (t_g, t_c)
+
+    def on_demand_boundary(self, j0: int, boundary_in_cpu_side: bool, slots: int) -> int:
+        """Step 2: the smallest i' >= j0 whose loads E_cur[i':] finish on the GPU before the CPU side; n if none.
+        Cut to the hottest `slots` experts when more would be loaded than slots exist."""
+        candidates = np.arange(j0, self.n)
+        t_g, t_c = self.criterion(candidates, boundary_in_cpu_side)
+        ok = t_g < t_c
+        i_prime = int(candidates[np.argmax(ok)]) if ok.any() else self.n
+        return max(i_prime, self.n - max(slots, 0))
+
+    def layer_sides(self, i_prime: int) -> tuple[float, float]:
+        """(GPU side, CPU side) of this layer with L_on = E_cur[i':] and E_cur[0:i'] on the CPU."""
+        return (float(self.xfer[self.n - i_prime] + self.gpu_cur[self.n - i_prime]),
+                float(self.cpu_cur[i_prime]))
+
+    def prefetch_count(self, i_prime: int, next_constraint: bool, slots: int) -> _Step3:
+        """Step 3: how many of E_next's hottest to prefetch after L_on = E_cur[i':], at most `slots`."""
+        t_g, t_c = self.layer_sides(i_prime)
+        t_io = self.costs.t_io
+        f = (t_c - t_g + self.t_attn) / t_io
+        ceil_f = math.ceil(f)
+        xi = self.r_hit * (f - ceil_f + 1) * t_io - (1 - self.r_hit) * (ceil_f - f) * t_io
+        count = min(max(ceil_f if xi > 0 else math.floor(f), 0), self.n_next, max(slots, 0))
+        if next_constraint:
+            while count > 0 and not (max(count - f, 0.0) * t_io + self.gpu_next[count]
+                                     < self.cpu_next[self.n_next - count]):
+                count -= 1
+        return _Step3(count=count, f=f, xi=xi)

@@ -1,0 +1,53 @@
+"""Smoke runs of the offload benchmark and the two GPU-node scripts, at toy sizes on two CPU devices."""
+
+import json
+import runpy
+from pathlib import Path
+
+import pytest
+
+from pdscope_jax.bench import main as bench_main
+from pdscope_jax.presets import preset
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def test_bench_writes_json_png_and_flat_memory(tmp_path):
+    slot = preset("tiny-deepseek-v2-lite").expert_bytes(4)
+    argv = ["--model", "tiny-deepseek-v2-lite", "--policies", "static", "pdscope", "gpu", "--prompt-lens", "16",
+            "--new-tokens", "3", "--repeats", "2", "--warmup", "1", "--gpu-memory", "1GB",
+            "--expert-pool", str(6 * slot), "--dtype", "float32", "--track-memory", "8", "--out", str(tmp_path)]
+    report = bench_main(argv)
+    files = sorted(p.suffix for p in tmp_path.iterdir())
+    assert files == [".json", ".png"]
+    saved = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert saved["weights"] == "random" and saved["command"].endswith(" ".join(argv))
+    assert saved["jax"] and saved["device"].startswith("cpu:1")
+    assert [(r["policy"], r["prompt_len"]) for r in saved["results"]] == [("static", 16), ("pdscope", 16)]
+    assert [e["policy"] for e in saved["errors"]] == ["gpu"]  # 6 slots cannot hold every expert
+    for r in saved["results"]:
+        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and len(r["repeats"]) == 2
+        assert set(r["prefill"]) >= {"cpu_seconds", "gpu_seconds", "transfer_seconds", "exposed_transfer_seconds",
+                                     "bytes_moved", "hit_rate", "prefetch_accuracy"}
+    live = [s["live_array_bytes"] for s in report["memory"]["steps"]]
+    assert len(live) == 8 and min(live) == max(live)
+
+
+def test_cpu_expert_script_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "bench_cpu_expert.py"))["main"]
+    summary = main(["--hidden", "64", "--intermediate", "32", "--tokens", "1", "16", "--pads", "16", "--reps", "1",
+                    "--warm", "1", "--out", str(tmp_path / "cpu.json")])
+    assert set(summary["one_row_ms"]) >= {"xla_bf16", "xla_f32", "xla_bf16_pad16", "engine_bf16"}
+    assert summary["recommended_min_rows"] == 16
+    assert json.loads((tmp_path / "cpu.json").read_text())["summary"]["shape"] == {"hidden": 64, "intermediate": 32}
+
+
+def test_store_probe_script_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_store_gpu.py"))["main"]
+    found = main(["--layers", "2", "--experts", "4", "--hidden", "64", "--intermediate", "32", "--matmul", "64",
+                  "--out", str(tmp_path / "probe.json")])
+    by = {row["what"]: row for row in found}
+    assert by["placement"]["host_bytes_per_model_byte"] == pytest.approx(1.0)
+    assert by["cpu_view"]["cpu_array_aliases"] and by["cpu_view"]["view_matches"]
+    assert by["slot_write_in_place"]["same_address"]
+    assert {row["variant"] for row in found if row["what"] == "overlap"} >= {"stage_before_compute"}
