@@ -6,8 +6,9 @@ with `OffloadRunner.set_policy`, so the weights are not rebuilt) and prompt leng
 warm-ups (`OffloadRunner.warmup`: one generation plus every CPU expert program of that shape) and `--repeats`
 timed generations of `--batch` random prompts, each generating `--new-tokens` tokens. It reports medians of
 prefill tok/s and decode tok/s, the time split per phase (CPU experts, GPU experts, transfer, exposed transfer,
-all summed over layers), bytes moved, slot hit rate and prefetch accuracy, in a rich table, and writes `bench_<model>_<time>.json` (command line, jax version, device,
-"weights": "random", the runtime config, the budget, every repeat's statistics) and a PNG plot into `--out`.
+all summed over layers), bytes moved, slot hit rate and prefetch accuracy, in a rich table, and writes
+`bench_<model>_<time>.json` (command line, jax version, device, "weights": "random", the runtime config, the
+budget, every repeat's statistics) and a PNG plot into `--out`.
 `--track-memory N` also runs N decode steps with the first policy and records accelerator memory after every
 step (live array bytes, and the allocator's bytes in use where the device reports them), to show it stays flat.
 It prints one JSON line with the summary last. Example on the GPU node:

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         store.add_layer(layer, gu, dn)
     build_s = time.perf_counter() - start
     rss_growth = proc.memory_info().rss - rss0
-    emit(what="placement", host_alloc=args.host_alloc, layers=args.layers, model_bytes=store.host_bytes, build_s=build_s,
-         rss_growth_bytes=rss_growth, rss_growth_per_model_byte=rss_growth / store.host_bytes,
+    emit(what="placement", host_alloc=args.host_alloc, layers=args.layers, model_bytes=store.host_bytes,
+         build_s=build_s, rss_growth_bytes=rss_growth, rss_growth_per_model_byte=rss_growth / store.host_bytes,
          host_bytes_per_model_byte=store.host_bytes_per_model_byte, cpu_copy_bytes=store.cpu_copy_bytes,
          pinned_memory_kind=store.host_weights(0, 0)[0].sharding.memory_kind)
     probe_layer, probe_expert = min(1, args.layers - 1), E - 1

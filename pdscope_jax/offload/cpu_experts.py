@@ -6,8 +6,8 @@ it returns y [N, D] float32 on the CPU backend, sum over those experts of weight
 dispatches (one small jitted program per expert, chained through a donated accumulator), so the caller gets
 the result back at once and can keep the accelerator busy meanwhile. Row counts are padded to a power of two
 of at least `min_rows` (padding rows read token 0 with weight 0): XLA:CPU is pathologically slow on bf16
-matmuls with one row, and padding bounds the set of compiled programs. Weights come from the expert store's
-CPU views; this module never copies or moves expert weights.
+matmuls with one row, and padding bounds the set of compiled programs (`precompile` compiles them all for a
+token count). Weights come from the expert store's CPU views; this module never copies or moves expert weights.
 """
 
 from __future__ import annotations

@@ -312,7 +312,6 @@ class OffloadRunner:
                 return
             if experts.size:
                 self.store.write(self.pool, layer, experts, self.pool.allocate(layer, experts, self._moe_layers))
-        self.store.bytes_moved = self.store.experts_moved = 0  # preloading is setup, not traffic
 
     def reset_stats(self) -> None:
         self.phase_stats = {"prefill": PhaseStats(), "decode": PhaseStats()}
@@ -406,12 +405,20 @@ class OffloadRunner:
         )
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
-        """Compile the programs of this shape: one generation on dummy tokens, then every CPU expert row bucket
-        for the token counts it used (routing decides which ones a real run needs). Statistics are reset."""
+        """Compile the programs of this shape: one generation on dummy tokens, every CPU expert row bucket for
+        the token counts it used and every slot-commit batch size (routing decides which ones a real run
+        needs). Then the pool and the statistics start afresh, as after `set_policy`."""
         self.generate(np.zeros((batch, prompt_len), np.int32), max_new_tokens=max(new_tokens, 2))
+        first = self._moe_layers[0]
         for n in sorted(self._row_counts):
-            self.cpu_experts.precompile(self._moe_layers[0], n, self.cache_dtype)
-        self.reset_stats()
+            self.cpu_experts.precompile(first, n, self.cache_dtype)
+        size = 1
+        while size <= min(self.config.num_experts, self.pool.num_slots):
+            experts = np.arange(size)
+            self.pool.release(first, experts)
+            self.store.write(self.pool, first, experts, self.pool.allocate(first, experts))
+            size *= 2
+        self.set_policy(self.runtime.policy, self.runtime.policy_options)
         return self.compiled_programs
 
     def device_memory(self) -> dict[str, int | None]:

@@ -98,7 +98,7 @@ class ExpertStore:
         self._cpu: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> CPU-backend arrays
         self.host_bytes = 0  # pinned bytes (the model's experts, once)
         self.cpu_copy_bytes = 0  # bytes of CPU copies made where a view could not alias
-        self.bytes_moved = 0  # host -> accelerator bytes written into slots
+        self.bytes_moved = 0  # host -> accelerator bytes staged since construction (preloads included)
         self.experts_moved = 0
         self._commit = jax.jit(_commit_slots, donate_argnums=(0, 1))
         self._commit_sizes: set[int] = set()
@@ -149,10 +149,6 @@ class ExpertStore:
         return on_cpu
 
     # ---- queries ---------------------------------------------------------------------------------------
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return tuple(sorted(self._host))
-
     @property
     def host_bytes_per_model_byte(self) -> float:
         """Host bytes held per byte of routed-expert weights: 1.0 when every CPU view aliases pinned memory."""

@@ -8,8 +8,9 @@ protected layer (the layer being computed), so:
 - prefill: streaming layer l+1 while layer l computes takes E slots other than layer l's; with S >= 2E these
   are the two full-layer buffers (`can_double_buffer`), alternating by LRU order;
 - decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
-An expert is resident from the moment its write is issued (writes are ordered before any program that reads
-the pool). The pool holds no host memory and moves no weights itself.
+An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
+copy into the slot before any program of that layer reads the pool. The pool holds no host memory and moves
+no weights itself.
 """
 
 from __future__ import annotations
@@ -47,9 +48,6 @@ class SlotPool:
 
     def resident(self, layer: int) -> np.ndarray:
         return self._slot_of[layer] >= 0  # [E] bool
-
-    def resident_count(self) -> int:
-        return int((self.owner_layer >= 0).sum())
 
     def touch(self, layer: int, experts: np.ndarray) -> None:
         """Mark experts of `layer` as used now (LRU)."""
