@@ -1,12 +1,19 @@
 """`load()` and the `Runner`: the public entry point.
 
-Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16") -> Runner` resolves
+Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, **runtime)`
+resolves
 1. a preset name (`pdscope_jax.presets`): random weights (`weights=None` or "random"), or `weights=<directory>`
    holding that architecture's safetensors;
-2. a directory holding config.json: its safetensors (`weights=None`), or random weights (`weights="random"`);
-3. a Hugging Face hub name ("org/name") found in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub, else
+2. a checkpoint embedded in the package (`EMBEDDED`, e.g. "reference-moe", the default model);
+3. a directory holding config.json: its safetensors (`weights=None`), or random weights (`weights="random"`);
+4. a Hugging Face hub name ("org/name") found in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub, else
    ~/.cache/huggingface/hub; the newest snapshot holding config.json); nothing is downloaded;
-otherwise it raises `UnknownModelError` listing the known names. The model runs whole on the default device.
+otherwise it raises `UnknownModelError` listing the known names.
+Without `policy` the model runs whole on the default device (`Runner`). With a policy name (`gpu`, `static`,
+`ondemand`, `greedy`, `fate`, `pdscope`) the offload engine runs it (`offload.engine.OffloadRunner`, same
+`logits`/`generate` calls, same numbers) under a `RuntimeConfig` built from `policy` and `**runtime`
+(`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
+predictions feed the planner (its fingerprint must match the model).
 `Runner.logits(input_ids) -> np.float32 [B,T,V]` and `Runner.generate(input_ids | text, ...)` take rectangular
 batches (ragged input raises ValueError); text needs the checkpoint's tokenizer.json. `runner.model` (the NNX
 CausalLM), `runner.config` (ModelConfig) and `runner.tokenizer` (or None) stay reachable.
@@ -26,10 +33,12 @@ from pdscope_jax.generation import GenerationResult, Generator
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.presets import UnknownModelError, known_names, preset
 from pdscope_jax.tokenizer import Tokenizer, token_batch
-from pdscope_jax.weights.checkpoint import load_state, open_checkpoint
+from pdscope_jax.weights.checkpoint import checkpoint_loader, open_checkpoint
 from pdscope_jax.weights.random_init import random_state
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16}
+ASSETS = Path(__file__).parent / "assets"
+EMBEDDED = {"reference-moe": ASSETS / "reference-moe"}  # checkpoints shipped inside the package
 
 
 class Runner:
@@ -73,7 +82,7 @@ def resolve(name_or_path: str) -> tuple[ModelConfig, Path | None]:
         return preset(name_or_path), None
     except UnknownModelError:
         pass
-    path = Path(name_or_path).expanduser()
+    path = EMBEDDED.get(name_or_path) or Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return ModelConfig.from_json(path / "config.json"), path
     snapshot = find_in_hf_cache(name_or_path)
@@ -82,10 +91,11 @@ def resolve(name_or_path: str) -> tuple[ModelConfig, Path | None]:
     where = ", ".join(str(d) for d in hf_cache_dirs())
     raise UnknownModelError(
         f"unknown model {name_or_path!r}: not a preset, not a directory with config.json, not in the Hugging Face "
-        f"cache ({where}); known names: {', '.join(known_names())}")
+        f"cache ({where}); known names: {', '.join([*EMBEDDED, *known_names()])}")
 
 
-def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16") -> Runner:
+def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16",
+         policy: str | None = None, predictors: str | Path | None = None, **runtime):
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
     cfg, checkpoint = resolve(str(name_or_path))
@@ -95,14 +105,41 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
         checkpoint = Path(weights)
     jdtype = DTYPES[dtype]
     shapes = models.abstract_state(cfg, jdtype)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-    def placement(path: str) -> jax.sharding.Sharding:
-        return device
-
     if checkpoint is None:
-        flat = random_state(shapes, seed, placement)
+        loader = lambda paths, placement: random_state({p: shapes[p] for p in paths}, seed, placement)  # noqa: E731
     else:
-        flat = load_state(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), shapes, placement)
-    model = models.from_flat(cfg, jdtype, flat)
-    return Runner(model, None if checkpoint is None else Tokenizer.from_dir(checkpoint))
+        loader = checkpoint_loader(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), shapes)
+    tokenizer = None if checkpoint is None else Tokenizer.from_dir(checkpoint)
+    if policy is None:
+        if runtime or predictors is not None:
+            raise ValueError(f"{', '.join([*runtime, *(['predictors'] if predictors else [])])} only apply with a "
+                             "policy (e.g. policy='pdscope'); without one the model runs whole")
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        model = models.from_flat(cfg, jdtype, loader(list(shapes), lambda path: device))
+        return Runner(model, tokenizer)
+    from pdscope_jax.offload.engine import OffloadRunner
+    from pdscope_jax.runtime import RuntimeConfig
+
+    predictor = None
+    if predictors is not None:
+        from pdscope_jax.phaseper.checkpoint import load_predictors
+
+        predictor = load_predictors(predictors, cfg)
+    engine = OffloadRunner(models.abstract_model(cfg, jdtype), RuntimeConfig(policy=policy, **runtime), loader,
+                           predictor=predictor)
+    return OffloadedRunner(engine, tokenizer)
+
+
+class OffloadedRunner(Runner):
+    """The `Runner` calls over the offload engine; `engine.stats` holds the per-phase figures."""
+
+    def __init__(self, engine, tokenizer: Tokenizer | None = None):
+        self.engine = engine
+        self.model = None
+        self.config = engine.config
+        self.tokenizer = tokenizer
+        self._generator = engine
+
+    @property
+    def stats(self) -> dict:
+        return self.engine.stats

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from pdscope_jax import models
+from pdscope_jax.models import layers
 from pdscope_jax.models.layers import combine_experts, expert_ffn
 from pdscope_jax.presets import PUBLISHED, preset
 
@@ -103,8 +104,14 @@ def _experts(rng, e=6, d=16, f=8, n=50, k=2):
     return x, weights, ids, gate_up, down
 
 
+@pytest.fixture
+def tiles_for_small_experts(monkeypatch):
+    """The tiled path normally waits for large experts; let these toy ones reach it."""
+    monkeypatch.setattr(layers, "TILED_MIN_EXPERT_ELEMENTS", 0)
+
+
 @pytest.mark.parametrize("n", [4, 50, 200])  # 8, 100, 400 assignments over 6 experts: gather, ragged_dot, tiles
-def test_combine_experts_matches_per_expert_sum(n):
+def test_combine_experts_matches_per_expert_sum(n, tiles_for_small_experts):
     rng = np.random.default_rng(3)
     x, weights, ids, gate_up, down = _experts(rng, n=n)
     e = gate_up.shape[0]
@@ -115,7 +122,7 @@ def test_combine_experts_matches_per_expert_sum(n):
 
 
 @pytest.mark.parametrize("n", [4, 50, 200])
-def test_combine_experts_slot_maps_partition_the_sum(n):
+def test_combine_experts_slot_maps_partition_the_sum(n, tiles_for_small_experts):
     """Experts split over two slot pools (as the engine does) add up to the all-resident result."""
     rng = np.random.default_rng(4)
     x, weights, ids, gate_up, down = _experts(rng, n=n)

@@ -14,6 +14,9 @@ Contract:
   the headers (missing, unexpected, left-over expert, wrong shape, wrong or unsupported dtype, plus the file
   problems) and raises ONE `CheckpointError` whose lines name each key or file and the fix; only then it reads
   one parameter at a time, `jax.device_put`s it with `placement(path)` and drops the host copy.
+- `checkpoint_loader(ckpt, sources, shapes)` validates the same way up front and returns
+  `loader(paths, placement)`, which loads only the parameters asked for (the offload engine's layer-by-layer
+  loading).
 
 Memory: tensors are read with plain file reads (no memory map, whose touched pages would count as resident for
 as long as it stays open) in chunks straight into one 64-byte-aligned array per parameter, which the CPU backend
@@ -248,20 +251,33 @@ def load_state(
     placement: Callable[[str], jax.sharding.Sharding],
 ) -> dict[str, jax.Array]:
     """Validate everything, then read, place and drop one parameter at a time."""
+    return checkpoint_loader(ckpt, sources, shapes)(list(sources), placement)
+
+
+def checkpoint_loader(
+    ckpt: Checkpoint, sources: dict[str, Source], shapes: dict[str, jax.ShapeDtypeStruct]
+) -> Callable[[list[str], Callable[[str], jax.sharding.Sharding]], dict[str, jax.Array]]:
+    """Validate the whole checkpoint now; return `loader(paths, placement)` that reads just those parameters.
+
+    The offload engine asks for the non-expert parameters first and then one MoE layer's experts at a time."""
     problems = validate(ckpt, sources, shapes)
     if problems:
         raise CheckpointError(problems, str(ckpt.path))
-    state: dict[str, jax.Array] = {}
-    with Progress(transient=True, disable=ckpt.nbytes < _PROGRESS_BYTES) as progress:
-        task = progress.add_task(f"loading {ckpt.path.name}", total=len(sources))
-        for path, source in sources.items():
-            host = ckpt.read(source, shapes[path].shape, shapes[path].dtype)
-            state[path] = jax.device_put(host, placement(path))
-            # Wait before reading the next parameter: at most one host copy is alive beside the placed state.
-            state[path].block_until_ready()
-            del host
-            progress.advance(task)
-    return state
+
+    def loader(paths: list[str], placement: Callable[[str], jax.sharding.Sharding]) -> dict[str, jax.Array]:
+        state: dict[str, jax.Array] = {}
+        with Progress(transient=True, disable=ckpt.nbytes < _PROGRESS_BYTES) as progress:
+            task = progress.add_task(f"loading {ckpt.path.name}", total=len(paths))
+            for path in paths:
+                host = ckpt.read(sources[path], shapes[path].shape, shapes[path].dtype)
+                state[path] = jax.device_put(host, placement(path))
+                # Wait before reading the next one: at most one host copy is alive beside the placed state.
+                state[path].block_until_ready()
+                del host
+                progress.advance(task)
+        return state
+
+    return loader
 
 
 # ---- headers ---------------------------------------------------------------------------------------------------
