@@ -3,6 +3,7 @@
 Each sub-command hands its remaining arguments to the module that owns the work, imported only when that
 sub-command runs (so `pdscope-jax --help` stays fast):
 
+    pdscope-jax run                                                the main job on the embedded default model
     pdscope-jax generate MODEL [--prompt TEXT | --ids 1,2,3] ...   plain or offloaded generation
     pdscope-jax bench ...                                          policies side by side (pdscope_jax.bench)
     pdscope-jax collect-traces ...                                 routing traces for PhasePer
@@ -15,6 +16,7 @@ import importlib
 import sys
 
 COMMANDS = {
+    "run": ("pdscope_jax.demo", "main", "the whole pipeline on the embedded reference MoE, policies side by side"),
     "generate": ("pdscope_jax.generate_cli", "main", "generate text or token ids with a model"),
     "bench": ("pdscope_jax.bench", "main", "benchmark offloading policies"),
     "collect-traces": ("pdscope_jax.phaseper.collect", "collect_traces_main", "record routing traces for PhasePer"),
@@ -30,8 +32,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     args = parser.parse_args(argv[:1])
     module, function, _ = COMMANDS[args.command]
-    result = getattr(importlib.import_module(module), function)(argv[1:])
+    command = getattr(importlib.import_module(module), function)
+    try:
+        result = command(argv[1:])
+    except _user_errors() as err:
+        # Bad input (unknown model, corrupt checkpoint, budget too small, ...): every such error names the
+        # problem and the fix, so show the message, not a traceback.
+        print(f"pdscope-jax {args.command}: error: {err}", file=sys.stderr)
+        return 2
     return result if isinstance(result, int) else 0
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from pdscope_jax.config import ConfigError
+    from pdscope_jax.offload.budget import BudgetError
+    from pdscope_jax.phaseper.checkpoint import PredictorCheckpointError
+    from pdscope_jax.phaseper.traces import TraceError
+    from pdscope_jax.presets import UnknownModelError
+    from pdscope_jax.runtime import RuntimeConfigError
+    from pdscope_jax.sched.costs import CostTableError
+    from pdscope_jax.weights.checkpoint import CheckpointError
+
+    return (UnknownModelError, ConfigError, CheckpointError, BudgetError, RuntimeConfigError, CostTableError,
+            PredictorCheckpointError, TraceError, FileNotFoundError)
 
 
 if __name__ == "__main__":

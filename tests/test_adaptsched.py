@@ -18,7 +18,7 @@ def linear_costs(cpu=1.0, gpu=0.5, launch=0.3, t_io=2.0, alpha=1.0, attn=3.0):
 
 
 def demand(tokens, resident=(), phase="prefill", next_scores=None, next_resident=(), free_slots=20, layer=0,
-           next_layer=1):
+           next_layer=1, total_slots=0):
     e = len(tokens)
     res = np.zeros(e, bool)
     res[list(resident)] = True
@@ -27,7 +27,7 @@ def demand(tokens, resident=(), phase="prefill", next_scores=None, next_resident
     return LayerDemand(layer=layer, phase=phase, tokens_per_expert=np.asarray(tokens), resident=res,
                        next_layer=next_layer, next_scores=None if next_scores is None else np.asarray(next_scores),
                        next_resident=nres if next_layer is not None else None, free_slots=free_slots,
-                       total_slots=max(free_slots, 2 * e))
+                       total_slots=max(free_slots, total_slots))
 
 
 def run(planner, d, c):
@@ -60,11 +60,14 @@ def test_prefill_steps_by_hand():
     # Step 3: CPU side t_cpu(E_cur[0:5]) = 1+2+3+5+8 = 19, GPU side 5.7: T_gap = 13.3, f = (13.3 + 3) / 2 = 8.15;
     #   xi = 0.5 * (8.15 - 9 + 1) * 2 - 0.5 * (9 - 8.15) * 2 = 0.15 - 0.85 = -0.7 -> floor(f) = 8 > n' = 5:
     #   all of E_next, hottest first.
+    # Streaming (20 slots hold two layers of 8): streamed = (t_transfer(8) = 17, hidden in max(5.7, 19) + 3 = 22)
+    #   + t_g(5 predicted) 1.3 = 1.3; planned: R_hit prior 0.5 leaves half of L_pre's 52 tokens missed,
+    #   min(max(1.3, CPU 26), t_transfer(2.5) + 1.3 = 7.3) = 7.3 -> stream.
     plan, dec = run(AdaptSched(), demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES), linear_costs())
     np.testing.assert_array_equal(plan.load_now, [7, 6])
     np.testing.assert_array_equal(plan.cpu, [1, 2, 3, 4, 5])
     np.testing.assert_array_equal(plan.prefetch, [6, 5, 4, 3, 2])
-    assert plan.unload.size == 0 and not plan.stream_next_layer
+    assert plan.unload.size == 0 and plan.stream_next_layer and dec.stream
     assert (dec.mode, dec.n, dec.n_next, dec.i, dec.i_prime) == ("prefill", 7, 5, 5, 5)
     assert dec.T_G == pytest.approx(5.7) and dec.T_C == pytest.approx(19.0)
     assert dec.f == pytest.approx(8.15) and dec.xi == pytest.approx(-0.7)
@@ -315,3 +318,24 @@ def test_misprediction_costs_at_most_one_on_demand_round(case, data):
     assert plan.load_now.size <= make_planner("ondemand").plan(second, costs).load_now.size
     if first.prefetch.size:
         assert planner.r_hit(d.phase) == 0.0
+
+
+# ---- full-layer double buffering in prefill ------------------------------------------------------------------
+
+def test_prefill_streams_only_when_two_layers_fit_and_it_pays():
+    c = linear_costs()
+    fits = demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES)  # 20 slots >= 2 x 8: streaming pays (see above)
+    assert run(AdaptSched(), fits, c)[0].stream_next_layer
+    one_layer = demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=15)  # 15 < 16: no double buffer
+    plan, dec = run(AdaptSched(), one_layer, c)
+    assert not plan.stream_next_layer and not dec.stream
+    # A perfect predictor (R_hit = 1): L_pre already covers the next layer, the stream gains nothing.
+    assert not run(AdaptSched(r_hit_prior=1.0), fits, c)[0].stream_next_layer
+    # Without scores the current layer's tokens stand in for the next layer's; no next layer, no stream.
+    assert run(AdaptSched(), demand(PREFILL_TOKENS), c)[0].stream_next_layer
+    assert not run(AdaptSched(), demand(PREFILL_TOKENS, next_layer=None), c)[0].stream_next_layer
+
+
+def test_decode_never_streams():
+    d = demand([0, 1, 1, 0, 1, 0, 0, 0], phase="decode", next_scores=PREFILL_SCORES)
+    assert not run(AdaptSched(), d, linear_costs())[0].stream_next_layer

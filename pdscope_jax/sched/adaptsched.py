@@ -62,6 +62,19 @@ Where PAPER.md (or the paper's extracted text) is ambiguous, the reading taken h
   experts, or when none were prefetched the top min(n', |actual|) of E_next; the mean over the last
   `r_hit_window` observations per phase, `r_hit_prior` before any.
 - Step 1 only bounds step 2 (j0); `L_pre` comes from E_next, as the paper's Algorithm 1 states.
+
+Full-layer double buffering (PAPER.md "Execution engine", prefill): when the pool holds two whole layers
+(`total_slots >= 2E`) AdaptSched sets `stream_next_layer` in prefill if the cost table says streaming every
+non-resident expert of the next layer beats its own plan for that layer:
+- streamed: `max(0, t_transfer(non-resident there) - (max(T_G, T_C) + t_attn)) + t_g(all predicted experts)`
+  (the copy hides behind this layer's compute and the next attention; then every expert runs on the GPU);
+- planned: `min(max(t_g(resident + L_pre), C), t_transfer(n_miss) + t_g(all predicted))`, where the expected
+  misses are the predicted non-resident experts outside `L_pre` plus a share `1 - R_hit` of `L_pre` (a
+  mispredicted prefetch leaves an expert of similar load uncovered), `C` is their CPU time and `n_miss` their
+  count (the alternative of loading them on demand).
+Predicted next-layer tokens are the E_next estimate over every scored expert; without scores, this layer's
+tokens stand in (single-layer lookahead: prefill hits nearly every expert in every layer). The plan's `L_pre`
+stays in the plan: the engine uses it where it cannot double-buffer.
 """
 
 from __future__ import annotations
@@ -98,6 +111,7 @@ class Decision:
     loads: int
     prefetches: int
     unloads: int
+    stream: bool = False       # prefill: the whole next layer streams (full-layer double buffering)
 
 
 @dataclasses.dataclass
@@ -183,12 +197,13 @@ class AdaptSched:
                 step3.count = min(step3.count, d.free_slots + unload.size)
         load_now = cur[i_prime:][::-1] if i_prime is not None else cur[:0]
         prefetch = nxt[::-1][:step3.count] if step3 is not None else nxt[:0]
+        stream = mode == "prefill" and _stream_pays(d, costs, tok, prefetch, max(t_g, t_c) + s.t_attn, s.r_hit)
         self._pending[d.layer] = (d.phase, nxt[::-1], prefetch.size)
         self.last_decision = Decision(
             layer=d.layer, phase=d.phase, mode=mode, n=n, n_next=n_next, n_c=n_c, i=i, i_prime=i_prime,
             f=step3.f if step3 else None, xi=step3.xi if step3 else None, T_G=t_g, T_C=t_c, r_hit=s.r_hit,
-            loads=load_now.size, prefetches=prefetch.size, unloads=unload.size)
-        return Plan.from_loads(d, load_now=load_now, prefetch=prefetch, unload=unload)
+            loads=load_now.size, prefetches=prefetch.size, unloads=unload.size, stream=stream)
+        return Plan.from_loads(d, load_now=load_now, prefetch=prefetch, unload=unload, stream_next_layer=stream)
 
     def _predict(self, d: LayerDemand, tok: np.ndarray):
         """E_next (ascending by predicted tokens), its predicted tokens, and predicted tokens of the predicted
@@ -221,6 +236,31 @@ class AdaptSched:
         if count <= 0 or cand.size == 0:
             return cand[:0]
         return cand[np.lexsort((cand, self._last_used[layer][cand]))][:count]
+
+
+def _stream_pays(d: LayerDemand, costs: CostTable, tok: np.ndarray, prefetch: np.ndarray, window: float,
+                 r_hit: float) -> bool:
+    """Whether streaming the whole next layer beats the plan for it (module docstring, "Full-layer double
+    buffering"); `window` is this layer's time as decided plus the next attention."""
+    e = d.num_experts
+    if d.next_layer is None or d.total_slots < 2 * e:
+        return False
+    scores = d.next_scores
+    if scores is not None and scores.sum() > 0:
+        expected = scores * (tok.sum() / scores.sum())
+    else:
+        expected = tok
+    active = expected > 0
+    missing = d.next_not_resident()
+    pre = np.zeros(e, dtype=bool)
+    pre[prefetch] = True
+    all_gpu = costs.t_gpu(expected[active])
+    streamed = max(0.0, float(costs.t_transfer(int(missing.sum()))) - window) + all_gpu
+    miss_share = np.where(pre, 1.0 - r_hit, np.where(active & missing, 1.0, 0.0))  # [E]
+    planned_cpu = float(np.sum(costs.cpu_times(expected) * miss_share))
+    planned = min(max(costs.t_gpu(expected[active & (~missing | pre)]), planned_cpu),
+                  float(costs.t_transfer(float(miss_share.sum()))) + all_gpu)
+    return streamed < planned
 
 
 @functools.lru_cache(maxsize=256)

@@ -14,7 +14,9 @@ hottest experts are loaded and the rest run on the CPU.
   layer into the other full-layer buffer.
 - `greedy` (HybriMoE-like): per layer, move the hottest missing experts to the GPU while the GPU side still
   finishes first, then prefetch the same expert ids (the current layer's hottest) for the next layer into the
-  slots left: a layer-local heuristic with no predictor.
+  slots left: a layer-local heuristic with no predictor. With `hot_per_layer` (and `activation_counts`) it also
+  has a hot-expert table the engine preloads (the ablation's "+h" step); the slot pool may evict it like any
+  other resident expert.
 - `fate`: on-demand loading plus prefetch of the top-k next-layer experts by `next_scores` (the engine fills
   them from the next layer's gate applied to the current hidden state).
 """
@@ -74,10 +76,12 @@ class GreedyPlanner:
 
     name = "greedy"
 
-    def __init__(self, prefetch_depth: int = 2):
+    def __init__(self, prefetch_depth: int = 2, hot_per_layer: int = 0,
+                 activation_counts: Mapping[int, Sequence[float]] | None = None):
         if prefetch_depth < 0:
             raise ValueError(f"prefetch_depth must be >= 0, got {prefetch_depth}")
         self.prefetch_depth = prefetch_depth
+        self.hot_experts = HotExperts(hot_per_layer, activation_counts)
 
     def loads(self, demand: LayerDemand, costs: CostTable) -> np.ndarray:
         """The balanced on-demand set, hottest first."""

@@ -26,6 +26,10 @@ JSON layout (version 1):
      "transfer_counts": [int, ...], "transfer_seconds": [...], "meta": {...}}
 Every per-bucket list has one value per token bucket. A malformed file raises `CostTableError` naming every
 problem at once.
+
+Where tables live: `costs_dir()` ($PDSCOPE_JAX_COSTS, else ~/.cache/pdscope_jax/costs) holds
+`<model>-<device>.json` (`table_name`); `find_cost_table(ref)` / `load_cost_table(ref)` accept a path or such a
+name, so `RuntimeConfig.cost_table` may be either.
 """
 
 from __future__ import annotations
@@ -283,3 +287,38 @@ class CostTable:
             return cls.from_json(Path(path).read_text())
         except CostTableError as e:
             raise CostTableError(f"{path}: {e}") from None
+
+
+# ---- where measured tables live ------------------------------------------------------------------------------
+
+COSTS_DIR_ENV = "PDSCOPE_JAX_COSTS"
+
+
+def costs_dir() -> Path:
+    """The cost-table directory: $PDSCOPE_JAX_COSTS, else ~/.cache/pdscope_jax/costs."""
+    import os
+
+    return Path(os.environ.get(COSTS_DIR_ENV) or Path.home() / ".cache" / "pdscope_jax" / "costs")
+
+
+def table_name(model: str, device: str) -> str:
+    """`<model>-<device>` with anything but letters, digits, '.', '_' and '-' turned into '-'."""
+    return "".join(c if c.isalnum() or c in "._-" else "-" for c in f"{model}-{device}")
+
+
+def find_cost_table(ref: str | Path) -> Path:
+    """A cost table's file from a path, or from a name in `costs_dir()` (`<name>` or `<name>.json`)."""
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path
+    for candidate in (costs_dir() / str(ref), costs_dir() / f"{ref}.json"):
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in costs_dir().glob("*.json")) if costs_dir().is_dir() else []
+    raise CostTableError(f"no cost table {str(ref)!r}: not a file, and not in {costs_dir()} "
+                         f"(known: {', '.join(known) or 'none'}); make one with `pdscope-jax profile`")
+
+
+def load_cost_table(ref: str | Path) -> CostTable:
+    """`CostTable.load(find_cost_table(ref))`: RuntimeConfig.cost_table may be a name or a path."""
+    return CostTable.load(find_cost_table(ref))
