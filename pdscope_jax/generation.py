@@ -40,6 +40,16 @@ class GenerationResult:
     text: list[str] | None = None
 
 
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, vocab_size: int) -> None:
+    """Reject generation settings that cannot work, naming the setting and its valid range."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and not 1 <= top_k <= vocab_size:
+        raise ValueError(f"top_k must be in [1, {vocab_size}], got {top_k}")
+
+
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
     """logits [B, V] float32 -> int32 [B]; temperature and top_k are static."""
     if temperature == 0.0:
@@ -112,12 +122,7 @@ class Generator:
     def generate(self, input_ids: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0) -> GenerationResult:
         self._check(input_ids)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
-            raise ValueError(f"top_k must be in [1, {self.config.vocab_size}], got {top_k}")
+        check_sampling(max_new_tokens, temperature, top_k, self.config.vocab_size)
         temperature = float(temperature)
         b, t = input_ids.shape
         max_len = -(-(t + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET

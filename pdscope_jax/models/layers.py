@@ -28,7 +28,7 @@ from flax import nnx
 
 from pdscope_jax.config import ModelConfig
 from pdscope_jax.weights.spec import Source
-from pdscope_jax.models.cache import KVCache, write_cache
+from pdscope_jax.models.cache import KVCache, init_kv_cache, write_cache
 
 F32 = jnp.float32
 # combine_experts' three exact paths, chosen statically by shape. Up to GATHER_MAX_ASSIGNMENTS (token, expert)
@@ -451,4 +451,28 @@ def skeleton_sources(cfg: ModelConfig) -> dict[str, Source]:
     for i in range(cfg.num_layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"layers.{i}.{norm}.weight"] = Source.single(f"model.layers.{i}.{norm}.weight")
+    return out
+
+
+def build_gqa_moe(cfg: ModelConfig, rngs: nnx.Rngs, dtype) -> CausalLM:
+    """Every layer GQA attention + a softmax top-k routed MoE (Qwen3-MoE, Mixtral; q/k norms per cfg.qk_norm)."""
+    layers = [
+        DecoderLayer(cfg, GQAAttention(cfg, rngs, dtype), MoE(cfg, SoftmaxTopkRouter(cfg, rngs, dtype), rngs, dtype), dtype)
+        for _ in range(cfg.num_layers)
+    ]
+    return CausalLM(cfg, layers, init_kv_cache, rngs, dtype)
+
+
+def gqa_moe_sources(cfg: ModelConfig, moe: str, expert_names: tuple[str, str, str]) -> dict[str, Source]:
+    """HF keys of a `build_gqa_moe` model whose MoE block is `model.layers.L.<moe>` with experts `E.<names>`."""
+    out = skeleton_sources(cfg)
+    for i in range(cfg.num_layers):
+        p, hf = f"layers.{i}", f"model.layers.{i}"
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out.update(linear_sources(f"{p}.self_attn.{name}", f"{hf}.self_attn.{name}", cfg.attention_bias))
+        if cfg.qk_norm:
+            for name in ("q_norm", "k_norm"):
+                out[f"{p}.self_attn.{name}.weight"] = Source.single(f"{hf}.self_attn.{name}.weight")
+        out.update(linear_sources(f"{p}.mlp.gate", f"{hf}.{moe}.gate"))
+        out.update(expert_sources(f"{p}.mlp.experts", f"{hf}.{moe}.experts", cfg.num_experts, expert_names))
     return out
