@@ -7,6 +7,8 @@ sub-command runs (so `pdscope-jax --help` stays fast):
     pdscope-jax generate MODEL [--prompt TEXT | --ids 1,2,3] ...   plain or offloaded generation
     pdscope-jax bench ...                                          policies side by side (pdscope_jax.bench)
     pdscope-jax collect-traces ...                                 routing traces for PhasePer
+    pdscope-jax train-predictors ...                               PhasePer predictors from traces
+    pdscope-jax profile ...                                        cost table for AdaptSched
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ COMMANDS = {
     "generate": ("pdscope_jax.generate_cli", "main", "generate text or token ids with a model"),
     "bench": ("pdscope_jax.bench", "main", "benchmark offloading policies"),
     "collect-traces": ("pdscope_jax.phaseper.collect", "collect_traces_main", "record routing traces for PhasePer"),
+    "train-predictors": ("pdscope_jax.phaseper.cli", "train_predictors_main", "train PhasePer on collected traces"),
+    "profile": ("pdscope_jax.profile", "profile_main", "measure the cost table of a model on this machine"),
 }
 
 

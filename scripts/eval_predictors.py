@@ -149,11 +149,13 @@ def evaluate_set(pset, cfg, kernels, train: Traces, traces: Traces) -> dict:
                    for m, s in scores.items()},
             }
         groups = {}
-        for g in GROUP_NAMES:
+        for g in GROUP_NAMES:  # a group whose only layer is the last MoE layer has no predictor: left out
             members = [v for v in per_layer.values() if v["group"] == g]
+            if not members:
+                continue
             groups[g] = {m: {metric: float(np.mean([v[m][metric] for v in members]))
                              for metric in ("recall_at_k", "table5")}
-                         for m in METHODS if members and m in members[0]}
+                         for m in METHODS if m in members[0]}
             groups[g]["layers"] = [l for l, v in per_layer.items() if v["group"] == g]
         overall = {m: {metric: float(np.mean([v[m][metric] for v in per_layer.values()]))
                        for metric in ("recall_at_k", "table5")}
@@ -233,19 +235,20 @@ def plot(results: dict, path: Path) -> None:
         for c, (phase, metric) in enumerate(panels):
             ax = axes[r][c]
             groups = res[phase]["groups"]
-            methods = [m for m in METHODS if m in groups[GROUP_NAMES[0]]]
+            names = list(groups)
+            methods = [m for m in METHODS if m in groups[names[0]]]
             width = 0.8 / len(methods)
             for i, m in enumerate(methods):
-                vals = [groups[g][m][metric] for g in GROUP_NAMES]
-                ax.bar(np.arange(len(GROUP_NAMES)) + (i - (len(methods) - 1) / 2) * width, vals, width,
+                vals = [groups[g][m][metric] for g in names]
+                ax.bar(np.arange(len(names)) + (i - (len(methods) - 1) / 2) * width, vals, width,
                        label=m, color=colors[m])
-            ax.set_xticks(np.arange(len(GROUP_NAMES)), GROUP_NAMES)
+            ax.set_xticks(np.arange(len(names)), names)
             ax.set_ylim(0, 1)
             ax.set_title(f"{name}: {phase} {metric}", fontsize=9)
             ax.grid(axis="y", alpha=0.3)
-            if (phase, metric) == ("decode", "recall_at_k"):
-                ax.legend(fontsize=7, loc="lower right")
-    fig.tight_layout()
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
