@@ -124,7 +124,10 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     if predictors is not None:
         from pdscope_jax.phaseper.checkpoint import load_predictors
 
-        predictor = load_predictors(predictors, cfg)
+        from pdscope_jax.runtime import select_devices
+
+        predictor, _manifest = load_predictors(predictors, cfg)
+        predictor.to_device(select_devices().accel)  # it reads the hidden states where the model computes them
     engine = OffloadRunner(models.abstract_model(cfg, jdtype), RuntimeConfig(policy=policy, **runtime), loader,
                            predictor=predictor)
     return OffloadedRunner(engine, tokenizer)

@@ -1,14 +1,31 @@
 """Offload benchmark: prefill and decode throughput of each policy under a GPU memory budget.
 
-Contract: `main(argv) -> dict` builds the model once with seeded random weights (generated on the accelerator,
-routed experts one layer at a time and taken into pinned host memory), then for each policy (switched
-with `OffloadRunner.set_policy`, so the weights are not rebuilt) and prompt length runs `--warmup` untimed
-warm-ups (`OffloadRunner.warmup`: one generation plus every CPU expert program of that shape) and `--repeats`
-timed generations of `--batch` random prompts, each generating `--new-tokens` tokens. It reports medians of
-prefill tok/s and decode tok/s, the time split per phase (CPU experts, GPU experts, transfer, exposed transfer,
-all summed over layers), bytes moved, slot hit rate and prefetch accuracy, in a rich table, and writes
-`bench_<model>_<time>.json` (command line, jax version, device, "weights": "random", the runtime config, the
-budget, every repeat's statistics) and a PNG plot into `--out`.
+Contract: `main(argv) -> dict` builds the model once (a preset with seeded random weights, or a checkpoint
+directory read lazily; routed experts one layer at a time into pinned host memory), then for each run (a policy,
+or with `--ablation` the paper's ablation sequence; switched with `OffloadRunner.set_policy`, so the weights
+are not rebuilt), batch size (`--batch 1 8 16 32`; batches above one prefill in chunks of `--prefill-chunk`) and
+prompt length runs `--warmup` untimed warm-ups (`OffloadRunner.warmup`: one generation plus every CPU expert
+program of that shape) and `--repeats` timed generations of random prompts, each generating `--new-tokens`
+tokens. It reports medians of prefill tok/s and decode tok/s, the time split per phase (CPU experts, GPU experts,
+transfer, exposed transfer, all summed over layers), bytes moved, slot hit rate, prefetch accuracy and the
+planner's own milliseconds per layer, in a rich table, and writes `bench_<model>_<time>.json` (command line,
+jax version, device, "weights": "random" | "checkpoint", "workload", the runtime config, the budget, every
+repeat's statistics) and a PNG plot into `--out`.
+- Workloads (`pdscope_jax.workloads`, random weights only): `--workload uniform` (the weights as generated) or
+  `skewed` (routers rewritten before anything runs so that popularity and inter-layer affinity follow the
+  trained reference MoE; the fitted targets go into the JSON). A checkpoint's routing is its own ("checkpoint").
+- Policy "plain" (the upper bound): after the offload runs, the offload engine is dropped and the whole model
+  runs on the default device (the GPU where there is one, as `pdscope_jax.load` runs it) through
+  `generation.Generator`, ignoring the budget; every offload result then
+  records whether its first repeat's tokens equal the plain model's (`tokens_match_plain`). Policy "gpu" is
+  the engine with every expert resident, when the budget allows it.
+- Hot table: `--hot-table PATH` (layer_stats.json or a trace directory, `sched.hot`) for the planners that have
+  one; `--hot-table auto` first records activation counts from one untimed on-demand generation over other
+  prompts and saves them as `<out>/hot_<model>_<time>.json`.
+- `--ablation` replaces `--policies` with: greedy (synchronous I/O, one GPU program per expert), +h (hot table),
+  +i (asynchronous I/O: copies overlap compute), +p+a (PDScope's AdaptSched with next-layer scores, full-layer
+  streaming in prefill), +g+c (one batched GPU program per layer), then plain. The paper's "+c" (CPU cache prefetch of
+  expert weights) has no JAX counterpart and is not modelled.
 `--track-memory N` also runs N decode steps with the first policy and records accelerator memory after every
 step (live array bytes, and the allocator's bytes in use where the device reports them), to show it stays flat.
 It prints one JSON line with the summary last. Example on the GPU node:
@@ -33,11 +50,17 @@ PHASE_TIMES = ("cpu_seconds", "gpu_seconds", "transfer_seconds", "exposed_transf
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="deepseek-v2-lite", help="preset name (random weights)")
-    p.add_argument("--policies", nargs="+", default=["static", "ondemand", "greedy", "fate", "pdscope"])
+    p.add_argument("--model", default="deepseek-v2-lite",
+                   help="preset name (random weights) or checkpoint directory (its weights)")
+    p.add_argument("--policies", nargs="+", default=["static", "ondemand", "greedy", "fate", "pdscope", "plain"],
+                   help="planner names, and 'plain' for the whole model without offloading")
+    p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
+    p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
+                   help="routing of random-weight models (pdscope_jax.workloads)")
+    p.add_argument("--hot-table", default=None, help="layer_stats.json, trace directory, or 'auto'")
     p.add_argument("--prompt-lens", nargs="+", type=int, default=[128, 512, 1024, 2048, 4096])
     p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", nargs="+", type=int, default=[1])
     p.add_argument("--gpu-memory", default="24GB")
     p.add_argument("--expert-pool", default=None, help="cap on the expert slot pool, e.g. 8GB")
     p.add_argument("--prefill-chunk", type=int, default=256)
@@ -58,6 +81,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+ABLATION = (  # (label, policy, hot table, async_io, batched_gpu)
+    ("greedy", "greedy", False, False, False),
+    ("+h", "greedy", True, False, False),
+    ("+i", "greedy", True, True, False),
+    ("+p+a", "pdscope", True, True, False),
+    ("+g+c", "pdscope", True, True, True),
+)
+
+
+def _runs(args) -> list[dict]:
+    """The runs in order: label, policy and engine switches (the hot table is filled in once it is known)."""
+    if args.ablation:
+        return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched}
+                for label, policy, hot, aio, batched in ABLATION] + [{"label": "plain", "policy": "plain"}]
+    return [{"label": policy, "policy": policy, "hot": args.hot_table is not None, "async_io": True,
+             "batched_gpu": True} for policy in args.policies]
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.cpu_threads:  # XLA:CPU's thread flags do not bind; affinity set before JAX starts does
@@ -73,80 +114,102 @@ def main(argv: list[str] | None = None) -> dict:
     from rich.console import Console
     from rich.progress import Progress
 
-    from pdscope_jax import models
+    from pdscope_jax import models, workloads
+    from pdscope_jax.api import resolve
     from pdscope_jax.offload.engine import OffloadRunner
-    from pdscope_jax.presets import preset
-    from pdscope_jax.runtime import RuntimeConfig
-    from pdscope_jax.weights.random_init import random_state
+    from pdscope_jax.runtime import RuntimeConfig, select_devices
+    from pdscope_jax.sched.hot import write_layer_stats
 
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 170)
-    cfg = preset(args.model)
+    cfg, checkpoint = resolve(args.model)
+    if checkpoint is not None and args.workload != "uniform":
+        raise SystemExit(f"--workload {args.workload} rewrites random weights; {checkpoint} routes as trained")
     dtype = jnp.dtype(args.dtype)
     max_new = max(args.new_tokens, args.track_memory + 1)
+    runs = _runs(args)
+    offload_runs = [r for r in runs if r["policy"] != "plain"]
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy="ondemand",
-                       cpu_threads=args.cpu_threads, prefill_chunk=args.prefill_chunk, max_batch=args.batch,
+                       cpu_threads=args.cpu_threads, prefill_chunk=args.prefill_chunk, max_batch=max(args.batch),
                        max_seq_len=max(args.prompt_lens) + max_new, cost_table=args.cost_table)
     shapes = models.abstract_state(cfg, dtype)
-    with console.status(f"building {cfg.name} with random weights"):
-        runner = OffloadRunner(models.abstract_model(cfg, dtype), rc,
-                               lambda paths, placement: random_state({p: shapes[p] for p in paths}, args.seed,
-                                                                     placement),
-                               cpu_view=args.cpu_view, host_alloc=args.host_alloc)
-    console.print(f"budget: {runner.budget.describe()}; double buffering: {runner.pool.can_double_buffer}; "
-                  f"host bytes per model byte: {runner.store.host_bytes_per_model_byte:.2f}")
+    workload = workloads.design(cfg, args.workload, seed=args.seed) if checkpoint is None else None
+    loader = _loader(cfg, checkpoint, shapes, args.seed, workload)
+    stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     rng = np.random.default_rng(args.seed)
-    prompts = {t: rng.integers(0, cfg.vocab_size, (args.batch, t)).astype(np.int32) for t in args.prompt_lens}
+    prompts = {(b, t): rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
+               for b in args.batch for t in args.prompt_lens}
+    args.out.mkdir(parents=True, exist_ok=True)
 
-    results, errors = [], []
-    total = len(args.policies) * len(args.prompt_lens) * (args.warmup + args.repeats)
+    results, errors, tokens, runner, hot_table = [], [], {}, None, args.hot_table
+    if offload_runs:
+        with console.status(f"building {cfg.name} ({'checkpoint' if checkpoint else 'random weights'})"):
+            runner = OffloadRunner(models.abstract_model(cfg, dtype), rc, loader, cpu_view=args.cpu_view,
+                                   host_alloc=args.host_alloc)
+        console.print(f"budget: {runner.budget.describe()}; double buffering: {runner.pool.can_double_buffer}; "
+                      f"host bytes per model byte: {runner.store.host_bytes_per_model_byte:.2f}")
+        if hot_table == "auto" or (args.ablation and hot_table is None):
+            hot_table = _record_hot_table(runner, cfg, args, rng, write_layer_stats, stamp, console)
+    total = len(runs) * len(args.batch) * len(args.prompt_lens) * (args.warmup + args.repeats)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmark", total=total)
-        for policy in args.policies:
+        for run in offload_runs:
+            engine = {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
+                      "batched_gpu": run["batched_gpu"]}
             try:
-                runner.set_policy(policy, _options(policy, args, runner, cfg))
+                runner.set_policy(run["policy"], _options(run["policy"], args, runner, cfg), **engine)
             except Exception as err:  # noqa: BLE001 (a policy the budget cannot run is reported, not fatal)
-                errors.append({"policy": policy, "error": f"{type(err).__name__}: {err}"})
-                progress.advance(task, len(args.prompt_lens) * (args.warmup + args.repeats))
+                errors.append({"policy": run["label"], "error": f"{type(err).__name__}: {err}"})
+                progress.advance(task, len(args.batch) * len(args.prompt_lens) * (args.warmup + args.repeats))
                 continue
-            for t in args.prompt_lens:
-                progress.update(task, description=f"{policy} prompt {t}")
-                for _ in range(args.warmup):
-                    runner.warmup(args.batch, t, args.new_tokens)
-                    progress.advance(task)
-                compiled_after_warmup = runner.compiled_programs["total"]
-                repeats = []
-                for _ in range(args.repeats):
-                    runner.reset_stats()
-                    out = runner.generate(prompts[t], args.new_tokens)
-                    repeats.append({"prefill_tok_s": out.prefill_tokens_per_s, "decode_tok_s": out.decode_tokens_per_s,
-                                    **runner.stats})
-                    progress.advance(task)
-                results.append(_summarise(policy, t, repeats, compiled_after_warmup))
+            for b in args.batch:
+                for t in args.prompt_lens:
+                    progress.update(task, description=f"{run['label']} batch {b} prompt {t}")
+                    for _ in range(args.warmup):
+                        runner.warmup(b, t, args.new_tokens)
+                        progress.advance(task)
+                    compiled_after_warmup = runner.compiled_programs["total"]
+                    repeats = []
+                    for _ in range(args.repeats):
+                        runner.reset_stats()
+                        out = runner.generate(prompts[b, t], args.new_tokens)
+                        tokens.setdefault((run["label"], b, t), out.tokens)
+                        repeats.append({"prefill_tok_s": out.prefill_tokens_per_s,
+                                        "decode_tok_s": out.decode_tokens_per_s, **runner.stats})
+                        progress.advance(task)
+                    results.append(_summarise(run["policy"], t, repeats, compiled_after_warmup,
+                                              variant=run["label"], batch=b, engine=engine))
 
-    memory = None
-    if args.track_memory:
-        runner.set_policy(args.policies[0], _options(args.policies[0], args, runner, cfg))
-        runner.track_memory = True
-        with console.status(f"tracking memory over {args.track_memory} decode steps"):
-            runner.generate(prompts[args.prompt_lens[0]], args.track_memory + 1)
-        runner.track_memory = False
-        memory = {"policy": args.policies[0], "steps": runner.memory_trace}
+        memory = None
+        if args.track_memory and offload_runs:
+            first = offload_runs[0]
+            runner.set_policy(first["policy"], _options(first["policy"], args, runner, cfg))
+            runner.track_memory = True
+            with console.status(f"tracking memory over {args.track_memory} decode steps"):
+                runner.generate(prompts[args.batch[0], args.prompt_lens[0]], args.track_memory + 1)
+            runner.track_memory = False
+            memory = {"policy": first["label"], "steps": runner.memory_trace}
+        report_runner = _describe(runner)
+        del runner  # the plain model needs the accelerator to itself
+        if len(runs) > len(offload_runs):
+            _run_plain(cfg, dtype, loader, shapes, args, prompts, results, tokens, progress, task)
 
-    device = runner.devices.accel
+    devices = select_devices()
+    accel = devices.accel
     report = {
         "command": shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         "jax": jax.__version__, "python": platform.python_version(),
-        "device": f"{device.platform}:{device.id} {getattr(device, 'device_kind', '')}".strip(),
-        "cpu_device": str(runner.devices.cpu), "weights": "random", "model": cfg.name, "dtype": args.dtype,
-        "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats, "warmup": args.warmup,
+        "device": f"{accel.platform}:{accel.id} {getattr(accel, 'device_kind', '')}".strip(),
+        "cpu_device": str(devices.cpu), "weights": "checkpoint" if checkpoint else "random",
+        "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,
+        "workload": "checkpoint" if checkpoint else args.workload,
+        "workload_design": workload.summary() if workload else None, "hot_table": hot_table,
+        "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "warmup": args.warmup,
         "runtime": {k: v for k, v in vars(rc).items() if k not in ("policy", "policy_options")},
-        "budget": dict(runner.budget.lines()), "slots": runner.pool.num_slots,
-        "double_buffering": runner.pool.can_double_buffer,
-        "host_bytes_per_model_byte": runner.store.host_bytes_per_model_byte, "host_alloc": args.host_alloc,
-        "cpu_view": args.cpu_view, "results": results, "errors": errors, "memory": memory,
+        **report_runner, "host_alloc": args.host_alloc, "cpu_view": args.cpu_view, "results": results,
+        "errors": errors, "memory": memory,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_{cfg.name}_{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    stem = f"bench_{cfg.name}_{stamp}"
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     json_path.write_text(json.dumps(report, indent=1, default=_jsonable))
     _plot(report, png_path)
@@ -154,10 +217,81 @@ def main(argv: list[str] | None = None) -> dict:
     for error in errors:
         console.print(f"[red]{error['policy']}: {error['error']}")
     summary = {"json": str(json_path), "png": str(png_path), "model": cfg.name, "device": report["device"],
-               "results": [{k: r[k] for k in ("policy", "prompt_len", "prefill_tok_s", "decode_tok_s")}
-                           for r in results], "errors": errors}
+               "workload": report["workload"],
+               "results": [{k: r.get(k) for k in ("variant", "policy", "batch", "prompt_len", "prefill_tok_s",
+                                                  "decode_tok_s", "tokens_match_plain")} for r in results],
+               "errors": errors}
     print(json.dumps(summary), flush=True)
     return report
+
+
+def _loader(cfg, checkpoint, shapes, seed: int, workload):
+    """`loader(paths, placement)` of the benchmarked weights: the checkpoint's, or seeded random ones rewritten
+    by the workload."""
+    if checkpoint is not None:
+        from pdscope_jax import models
+        from pdscope_jax.weights.checkpoint import checkpoint_loader, open_checkpoint
+
+        return checkpoint_loader(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), shapes)
+    from pdscope_jax.weights.random_init import random_state
+
+    def random(paths, placement):
+        return random_state({p: shapes[p] for p in paths}, seed, placement)
+
+    return workload.loader(random) if workload is not None else random
+
+
+def _record_hot_table(runner, cfg, args, rng, write_layer_stats, stamp, console) -> str:
+    """Activation counts of one on-demand generation over prompts not used for timing, saved as a hot table."""
+    import numpy as np
+
+    b, t = args.batch[0], args.prompt_lens[0]
+    with console.status("recording activation counts for the hot table"):
+        runner.set_policy("ondemand")
+        runner.generate(rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32), args.new_tokens)
+        path = write_layer_stats(args.out / f"hot_{cfg.name}_{stamp}.json", cfg.moe_layers,
+                                 runner.activation_counts)
+    return str(path)
+
+
+def _describe(runner) -> dict:
+    if runner is None:
+        return {"budget": None, "slots": None, "double_buffering": None, "host_bytes_per_model_byte": None}
+    return {"budget": dict(runner.budget.lines()), "slots": runner.pool.num_slots,
+            "double_buffering": runner.pool.can_double_buffer,
+            "host_bytes_per_model_byte": runner.store.host_bytes_per_model_byte}
+
+
+def _run_plain(cfg, dtype, loader, shapes, args, prompts, results, tokens, progress, task) -> None:
+    """The whole model on the accelerator (no budget): timings, and token parity of every offload result."""
+    import jax
+    import numpy as np
+
+    from pdscope_jax import models
+    from pdscope_jax.generation import Generator
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # where `pdscope_jax.load` runs a model whole
+    generator = Generator(models.from_flat(cfg, dtype, loader(list(shapes), lambda path: device)))
+    for b in args.batch:
+        for t in args.prompt_lens:
+            progress.update(task, description=f"plain batch {b} prompt {t}")
+            for _ in range(args.warmup):
+                generator.generate(prompts[b, t], args.new_tokens)
+                progress.advance(task)
+            repeats = []
+            for _ in range(args.repeats):
+                out = generator.generate(prompts[b, t], args.new_tokens)
+                tokens.setdefault(("plain", b, t), out.tokens)
+                repeats.append({"prefill_tok_s": out.prefill_tokens_per_s, "decode_tok_s": out.decode_tokens_per_s})
+                progress.advance(task)
+            results.append({"variant": "plain", "policy": "plain", "batch": b, "prompt_len": t,
+                            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in repeats),
+                            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in repeats),
+                            "repeats": repeats})
+    for r in results:
+        plain = tokens.get(("plain", r["batch"], r["prompt_len"]))
+        mine = tokens.get((r["variant"], r["batch"], r["prompt_len"]))
+        r["tokens_match_plain"] = bool(np.array_equal(plain, mine)) if r["policy"] != "plain" else None
 
 
 def _options(policy: str, args, runner, cfg) -> dict:
@@ -173,8 +307,9 @@ def _median(repeats: list[dict], phase: str, key: str):
     return statistics.median(values) if values else None
 
 
-def _summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after_warmup: int) -> dict:
-    out = {"policy": policy, "prompt_len": prompt_len,
+def _summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after_warmup: int, *, variant: str,
+               batch: int, engine: dict) -> dict:
+    out = {"variant": variant, "policy": policy, "batch": batch, "prompt_len": prompt_len, **engine,
            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in repeats),
            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in repeats),
            "compiled_programs_after_warmup": compiled_after_warmup,
@@ -182,7 +317,7 @@ def _summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after
     for phase in ("prefill", "decode"):
         out[phase] = {key: _median(repeats, phase, key) for key in
                       (*PHASE_TIMES, "seconds", "bytes_moved", "hit_rate", "prefetch_accuracy", "cpu_experts",
-                       "gpu_experts")}
+                       "gpu_experts", "planner_ms_per_layer")}
     out["repeats"] = repeats
     return out
 
@@ -191,16 +326,24 @@ def _table(results: list[dict]):
     from rich.table import Table
 
     table = Table(title="offload benchmark (medians; times summed over layers, seconds)")
-    for name in ("policy", "prompt", "prefill tok/s", "decode tok/s", "prefill cpu/gpu/xfer/exposed",
-                 "decode cpu/gpu/xfer/exposed", "GB moved (p/d)", "decode hit rate", "prefetch acc (p/d)"):
+    for name in ("run", "batch", "prompt", "prefill tok/s", "decode tok/s", "prefill cpu/gpu/xfer/exposed",
+                 "decode cpu/gpu/xfer/exposed", "GB moved (p/d)", "decode hit rate", "prefetch acc (p/d)",
+                 "planner ms/layer (p/d)", "= plain"):
         table.add_column(name, justify="right")
+    fmt = lambda v, digits=2: "-" if v is None else f"{v:.{digits}f}"  # noqa: E731
     for r in results:
+        match = {None: "-", True: "yes", False: "no"}[r.get("tokens_match_plain")]
+        head = (r["variant"], str(r["batch"]), str(r["prompt_len"]), f"{r['prefill_tok_s']:.1f}",
+                f"{r['decode_tok_s']:.2f}")
+        if r["policy"] == "plain":
+            table.add_row(*head, *["-"] * 6, match)
+            continue
         p, d = r["prefill"], r["decode"]
-        split = lambda s: "/".join(f"{s[k]:.3f}" if s[k] is not None else "-" for k in PHASE_TIMES)  # noqa: E731
-        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
-        table.add_row(r["policy"], str(r["prompt_len"]), f"{r['prefill_tok_s']:.1f}", f"{r['decode_tok_s']:.2f}",
-                      split(p), split(d), f"{(p['bytes_moved'] or 0) / 1e9:.2f}/{(d['bytes_moved'] or 0) / 1e9:.2f}",
-                      fmt(d["hit_rate"]), f"{fmt(p['prefetch_accuracy'])}/{fmt(d['prefetch_accuracy'])}")
+        split = lambda s: "/".join(fmt(s[k], 3) for k in PHASE_TIMES)  # noqa: E731
+        table.add_row(*head, split(p), split(d),
+                      f"{(p['bytes_moved'] or 0) / 1e9:.2f}/{(d['bytes_moved'] or 0) / 1e9:.2f}", fmt(d["hit_rate"]),
+                      f"{fmt(p['prefetch_accuracy'])}/{fmt(d['prefetch_accuracy'])}",
+                      f"{fmt(p['planner_ms_per_layer'], 3)}/{fmt(d['planner_ms_per_layer'], 3)}", match)
     return table
 
 
@@ -212,21 +355,24 @@ def _plot(report: dict, path: Path) -> None:
     import numpy as np
 
     results = report["results"]
-    policies = list(dict.fromkeys(r["policy"] for r in results))
+    several = len(report["batch"]) > 1
+    lines = list(dict.fromkeys((r["variant"], r["batch"]) for r in results))
     panels = 4 if report["memory"] else 3
     fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
-    for policy in policies:
-        rows = [r for r in results if r["policy"] == policy]
-        axes[0].plot([r["prompt_len"] for r in rows], [r["prefill_tok_s"] for r in rows], marker="o", label=policy)
-        axes[1].plot([r["prompt_len"] for r in rows], [r["decode_tok_s"] for r in rows], marker="o", label=policy)
+    for variant, batch in lines:
+        rows = [r for r in results if (r["variant"], r["batch"]) == (variant, batch)]
+        label = f"{variant} b{batch}" if several else variant
+        axes[0].plot([r["prompt_len"] for r in rows], [r["prefill_tok_s"] for r in rows], marker="o", label=label)
+        axes[1].plot([r["prompt_len"] for r in rows], [r["decode_tok_s"] for r in rows], marker="o", label=label)
     for ax, title in zip(axes[:2], ("prefill tok/s", "decode tok/s")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt length")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize=7)
     longest = max((r["prompt_len"] for r in results), default=0)
-    bars = [r for r in results if r["prompt_len"] == longest]
-    labels = [f"{r['policy']}\n{phase}" for r in bars for phase in ("prefill", "decode")]
+    bars = [r for r in results if r["prompt_len"] == longest and r["batch"] == report["batch"][0]
+            and r["policy"] != "plain"]
+    labels = [f"{r['variant']}\n{phase}" for r in bars for phase in ("prefill", "decode")]
     bottom = np.zeros(len(labels))
     for key in PHASE_TIMES:
         values = np.array([r[phase][key] or 0.0 for r in bars for phase in ("prefill", "decode")])
@@ -246,8 +392,8 @@ def _plot(report: dict, path: Path) -> None:
         axes[3].set_ylabel("MB on the accelerator")
         axes[3].set_title(f"memory, {report['memory']['policy']}")
         axes[3].legend()
-    fig.suptitle(f"{report['model']} on {report['device']}, batch {report['batch']}, budget "
-                 f"{report['runtime']['gpu_memory'] / 1e9:.1f} GB")
+    fig.suptitle(f"{report['model']} ({report['weights']}, {report['workload']} routing) on {report['device']}, "
+                 f"batch {report['batch']}, budget {report['runtime']['gpu_memory'] / 1e9:.1f} GB")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

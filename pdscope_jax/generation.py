@@ -112,7 +112,8 @@ class Generator:
 
     def _program(self, name: str, jitted, args: tuple, temperature: float, top_k: int | None):
         """AOT-compile once per shape so that timings exclude compilation."""
-        shapes = tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args[1:]))
+        # shardings too: the same shapes on another device need their own executable
+        shapes = tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree.leaves(args[1:]))
         key = (name, args[0], shapes, temperature, top_k)
         if key not in _compiled:
             with self._precision():

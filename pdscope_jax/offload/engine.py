@@ -19,8 +19,14 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   helper, same keys: fold_in(key(seed), step)). `stats` reports per phase: seconds of CPU expert compute, GPU
   expert compute, transfer and exposed transfer, bytes moved, slot hit rate, prefetch accuracy, plus compiled
   program counts, the budget, host bytes per model byte and, where the device reports it, the allocator's
-  peak against the budget. `warmup(batch, prompt_len, new_tokens)` compiles the programs of a shape before
-  timing; `set_policy(name, options)` switches planners without rebuilding anything.
+  peak against the budget, and the planner's own time (`planner_ms_per_layer`). `activation_counts[phase][layer]`
+  holds the tokens routed to each expert since the last reset (raw counts for a hot table, see `sched.hot`).
+  `warmup(batch, prompt_len, new_tokens)` compiles the programs of a shape before timing;
+  `set_policy(name, options, **engine)` switches planners (and the engine switches below) without rebuilding.
+- RuntimeConfig switches read here: `cost_table` (a name or path, `sched.load_cost_table`; else the analytic
+  table), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
+  every staged copy is waited for where it is issued, before compute, so nothing overlaps: the ablation's
+  synchronous I/O), `batched_gpu` (False: one GPU program per expert instead of one per layer).
 
 Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engine does, in this order:
   route    attention + router + shared experts in one program; fetch routing to the host (the sync point);
@@ -55,18 +61,20 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax import models
-from pdscope_jax.generation import GenerationResult, sample
+from pdscope_jax.generation import GenerationResult, check_sampling, sample
 from pdscope_jax.models.layers import combine_experts
 from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
 from pdscope_jax.offload.cpu_experts import CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore, Staged, expert_paths, is_expert_path
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
-from pdscope_jax.sched import CostTable, LayerDemand, ObservingPlanner, Plan, check_plan, make_planner
+from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, activation_counts, check_plan,
+                               load_cost_table, make_planner)
 
 CACHE_BUCKET = 64  # cache lengths round up to this, as in generation.py
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
+HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
 
 # ---- jitted pieces (graphdef static; one trace per shape) --------------------------------------------------
@@ -137,6 +145,12 @@ class PhaseStats:
     prefetch_used: int = 0  # prefetched experts activated when their layer routed
     gpu_experts: int = 0
     cpu_experts: int = 0
+    planner_seconds: float = 0.0  # time inside the planner's `plan`, summed over layers
+    planner_calls: int = 0  # layers planned
+
+    @property
+    def planner_ms_per_layer(self) -> float | None:
+        return 1e3 * self.planner_seconds / self.planner_calls if self.planner_calls else None
 
     @property
     def hit_rate(self) -> float | None:
@@ -152,7 +166,8 @@ class PhaseStats:
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s)
+        out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s,
+                   planner_ms_per_layer=self.planner_ms_per_layer)
         return out
 
 
@@ -226,7 +241,7 @@ class OffloadRunner:
         self.budget: Budget = plan_budget(cfg, rc, non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes),
                                           itemsize=expert_dtype.itemsize)
         self._check_policy(rc.policy)
-        self.costs = cost_table or (CostTable.load(rc.cost_table) if rc.cost_table
+        self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
                                     else analytic_costs(cfg, expert_dtype.itemsize))
 
         # weights: experts into the store layer by layer, the rest onto the accelerator
@@ -280,12 +295,23 @@ class OffloadRunner:
         self.set_policy(rc.policy, rc.policy_options)
 
     # ---- setup -----------------------------------------------------------------------------------------
-    def set_policy(self, policy: str, policy_options=()) -> None:
+    def set_policy(self, policy: str, policy_options=(), **engine) -> None:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
-        what the new policy keeps resident and resets the statistics. The pool itself is not reallocated."""
+        what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
+        `engine` may change the RuntimeConfig fields `hot_table`, `async_io` and `batched_gpu` at the same time.
+        With a hot table, planners that have one (`HOT_POLICIES`) get its `activation_counts`, and
+        `hot_per_layer` defaults to a quarter of the pool split evenly over the MoE layers."""
+        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu"}
+        if unknown:
+            raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
-        self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options)
-        self.planner = make_planner(policy, **self.runtime.policy_kwargs)
+        self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options, **engine)
+        options = self.runtime.policy_kwargs
+        if self.runtime.hot_table and policy in HOT_POLICIES:
+            options.setdefault("activation_counts", activation_counts(self.runtime.hot_table))
+            options.setdefault("hot_per_layer", min(self.config.num_experts,
+                                                    self.pool.num_slots // (4 * len(self._moe_layers))))
+        self.planner = make_planner(policy, **options)
         self._wants_scores = self.predictor is not None or policy in SCORE_POLICIES
         for layer in self._moe_layers:
             self.pool.release(layer, np.arange(self.config.num_experts))
@@ -315,6 +341,9 @@ class OffloadRunner:
 
     def reset_stats(self) -> None:
         self.phase_stats = {"prefill": PhaseStats(), "decode": PhaseStats()}
+        # tokens routed to each expert, per phase and MoE layer (real tokens only): a hot table's raw counts
+        self.activation_counts = {phase: {layer: np.zeros(self.config.num_experts, np.int64)
+                                          for layer in self._moe_layers} for phase in ("prefill", "decode")}
         self.device_peak_bytes: int | None = None  # the allocator's peak, on devices that report one
         self.pool.evictions = 0
 
@@ -331,6 +360,9 @@ class OffloadRunner:
     def stats(self) -> dict[str, Any]:
         return {
             "policy": self.runtime.policy,
+            "async_io": self.runtime.async_io,
+            "batched_gpu": self.runtime.batched_gpu,
+            "hot_table": self.runtime.hot_table,
             "prefill": self.phase_stats["prefill"].to_dict(),
             "decode": self.phase_stats["decode"].to_dict(),
             "compiled_programs": self.compiled_programs,
@@ -363,12 +395,7 @@ class OffloadRunner:
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                  seed: int = 0) -> GenerationResult:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and not 1 <= top_k <= self.config.vocab_size:
-            raise ValueError(f"top_k must be in [1, {self.config.vocab_size}], got {top_k}")
+        check_sampling(max_new_tokens, temperature, top_k, self.config.vocab_size)
         ids = self._check(input_ids, max_new_tokens)
         b, t = ids.shape
         temperature = float(temperature)
@@ -412,11 +439,13 @@ class OffloadRunner:
         first = self._moe_layers[0]
         for n in sorted(self._row_counts):
             self.cpu_experts.precompile(first, n, self.cache_dtype)
-        size = 1
-        while size <= min(self.config.num_experts, self.pool.num_slots):
-            experts = np.arange(size)
+        limit, size = min(self.config.num_experts, self.pool.num_slots), 1
+        while limit:  # commit programs come in power-of-two sizes: up to the one `limit` experts pad to
+            experts = np.arange(min(size, limit))
             self.pool.release(first, experts)
             self.store.write(self.pool, first, experts, self.pool.allocate(first, experts))
+            if size >= limit:
+                break
             size *= 2
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
         return self.compiled_programs
@@ -512,6 +541,7 @@ class OffloadRunner:
         w_np, ids_np = jax.device_get((w, ids))
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]
+        self.activation_counts[phase][i] += tokens
         activated = np.flatnonzero(tokens)
         if isinstance(self.planner, ObservingPlanner) and i in self._prev_moe:
             self.planner.observe(self._prev_moe[i], phase, activated)
@@ -528,11 +558,15 @@ class OffloadRunner:
             next_scores=None if nxt is None else r.next_scores,
             next_resident=None if nxt is None else pool.resident(nxt),
             free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
+        start = time.perf_counter()
         plan = self.planner.plan(demand, self.costs)
+        planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
         if phase == "prefill" and nxt is not None:
             self._streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
         stats = self.phase_stats[phase]
+        stats.planner_seconds += planner_seconds
+        stats.planner_calls += 1
         stats.activated += int(demand.activated.sum())
         stats.hits += int((demand.activated & resident).sum())
         return plan
@@ -559,8 +593,11 @@ class OffloadRunner:
         if plan.gpu.size:
             slot_of = pool.slot_of(i)  # [E]
             slot_of[~on_gpu] = -1
-            y_gpu = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down,
-                                                  jax.device_put(slot_of, self.devices.accel))
+            # batched: one program for every GPU expert; else one program per expert (the ablation's baseline)
+            for part in [slot_of] if self.runtime.batched_gpu else [_only(slot_of, e) for e in plan.gpu]:
+                y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down,
+                                                  jax.device_put(part, self.devices.accel))
+                y_gpu = y if y_gpu is None else y_gpu + y
         if plan.cpu.size:
             h_cpu = jax.device_put(r.h, self.devices.cpu)
             acc = self.cpu_experts.dispatch(i, h_cpu, _groups(plan.cpu, r.rows, r.w_host, r.ids_host))
@@ -597,16 +634,25 @@ class OffloadRunner:
         return self._stage_ahead(nxt, plan.prefetch, (i,), stats)
 
     def _stage_ahead(self, layer: int, experts: np.ndarray, protect: tuple[int, ...], stats: PhaseStats):
-        """Reserve slots and issue the copy of `experts` of `layer`, committed when `layer` runs. -> staged arrays."""
+        """Reserve slots and issue the copy of `experts` of `layer`, committed when `layer` runs. -> staged arrays,
+        or None when nothing is in flight (no experts, or `async_io` off: then the copy is waited for here, before
+        any compute is dispatched, and all of it counts as exposed)."""
         if experts.size == 0:
             return None
+        start = time.perf_counter()
         slots = self.pool.allocate(layer, experts, protect=protect)
         staged = self.store.stage(layer, experts)
         self._pending[layer] = (staged, slots)
         self._prefetched[layer] = experts
         stats.bytes_moved += staged.nbytes
         stats.experts_prefetched += experts.size
-        return staged.gate_ups + staged.downs
+        if self.runtime.async_io:
+            return staged.gate_ups + staged.downs
+        jax.block_until_ready(staged.gate_ups + staged.downs)
+        waited = time.perf_counter() - start
+        stats.transfer_seconds += waited
+        stats.exposed_transfer_seconds += waited
+        return None
 
     def _next_scores(self, i: int, nxt: int | None, phase: str, h, w, ids, valid: np.ndarray):
         """[E] next-layer activation scores for planners that read them, else None."""
@@ -619,6 +665,13 @@ class OffloadRunner:
         nl = self._layers[nxt]
         valid_dev = jax.device_put(valid.astype(np.float32), self.devices.accel)
         return np.asarray(self._programs["gate_scores"](nl.graphdef, nl.state, h, valid_dev))
+
+
+def _only(slot_of: np.ndarray, expert: int) -> np.ndarray:
+    """slot_of [E] with every expert but `expert` mapped to -1."""
+    out = np.full_like(slot_of, -1)
+    out[expert] = slot_of[expert]
+    return out
 
 
 def _groups(experts: np.ndarray, rows: np.ndarray, w: np.ndarray, ids: np.ndarray

@@ -160,6 +160,11 @@ class PredictorSet:
     def set_state(self, phase: str, layer: int, state: nnx.State) -> None:
         self._states[(phase, layer)] = state
 
+    def to_device(self, device: jax.Device) -> "PredictorSet":
+        """Move every predictor's parameters to `device` (where the model's hidden states are), in place."""
+        self._states = {key: jax.device_put(state, device) for key, state in self._states.items()}
+        return self
+
     def keys(self) -> list[tuple[str, int]]:
         return list(self._states)
 
