@@ -49,7 +49,7 @@ PHASE_TIMES = ("cpu_seconds", "gpu_seconds", "transfer_seconds", "exposed_transf
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="pdscope-jax bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deepseek-v2-lite",
                    help="preset name (random weights) or checkpoint directory (its weights)")
     p.add_argument("--policies", nargs="+", default=["static", "ondemand", "greedy", "fate", "pdscope", "plain"],
