@@ -15,8 +15,10 @@ Without `policy` the model runs whole on the default device (`Runner`). With a p
 (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
 predictions feed the planner (its fingerprint must match the model).
 `Runner.logits(input_ids) -> np.float32 [B,T,V]` and `Runner.generate(input_ids | text, ...)` take rectangular
-batches (ragged input raises ValueError); text needs the checkpoint's tokenizer.json. `runner.model` (the NNX
-CausalLM), `runner.config` (ModelConfig) and `runner.tokenizer` (or None) stay reachable.
+batches (ragged input raises ValueError); text needs the checkpoint's tokenizer.json. `runner.config`
+(ModelConfig) and `runner.tokenizer` (or None) stay reachable, and `runner.model` (the NNX CausalLM) for the
+plain model; an offloaded runner has `runner.engine` instead. The offload engine sizes its KV cache for
+`max_batch` sequences (default 1) of `max_seq_len` tokens: pass them in `**runtime` for larger batches.
 """
 
 from __future__ import annotations
@@ -134,14 +136,24 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
 
 
 class OffloadedRunner(Runner):
-    """The `Runner` calls over the offload engine; `engine.stats` holds the per-phase figures."""
+    """The `Runner` calls over the offload engine; `engine.stats` holds the per-phase figures.
+
+    As with the plain model, timings exclude compilation: the first `generate` of a (batch, prompt length,
+    new tokens) shape runs the engine's warm-up for it first (which also starts the slot pool afresh)."""
 
     def __init__(self, engine, tokenizer: Tokenizer | None = None):
         self.engine = engine
-        self.model = None
+        self.model = None  # the engine holds the weights split over accelerator, pinned host and CPU views
         self.config = engine.config
         self.tokenizer = tokenizer
         self._generator = engine
+
+    def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+                 seed: int = 0) -> GenerationResult:
+        batch, prompt_len = token_batch(input_ids, self.tokenizer).shape
+        if (batch, prompt_len, max_new_tokens) not in self.engine.warmed_shapes:
+            self.engine.warmup(batch, prompt_len, max_new_tokens)
+        return super().generate(input_ids, max_new_tokens, temperature, top_k, seed)
 
     @property
     def stats(self) -> dict:

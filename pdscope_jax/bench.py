@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
             engine = {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
                       "batched_gpu": run["batched_gpu"]}
             try:
-                runner.set_policy(run["policy"], _options(run["policy"], args, runner, cfg), **engine)
+                runner.set_policy(run["policy"], _options(run["policy"], args), **engine)
             except Exception as err:  # noqa: BLE001 (a policy the budget cannot run is reported, not fatal)
                 errors.append({"policy": run["label"], "error": f"{type(err).__name__}: {err}"})
                 progress.advance(task, len(args.batch) * len(args.prompt_lens) * (args.warmup + args.repeats))
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
         memory = None
         if args.track_memory and offload_runs:
             first = offload_runs[0]
-            runner.set_policy(first["policy"], _options(first["policy"], args, runner, cfg))
+            runner.set_policy(first["policy"], _options(first["policy"], args))
             runner.track_memory = True
             with console.status(f"tracking memory over {args.track_memory} decode steps"):
                 runner.generate(prompts[args.batch[0], args.prompt_lens[0]], args.track_memory + 1)
@@ -294,12 +294,11 @@ def _run_plain(cfg, dtype, loader, shapes, args, prompts, results, tokens, progr
         r["tokens_match_plain"] = bool(np.array_equal(plain, mine)) if r["policy"] != "plain" else None
 
 
-def _options(policy: str, args, runner, cfg) -> dict:
-    if policy != "static":
-        return {}
-    if args.hot_per_layer is not None:
+def _options(policy: str, args) -> dict:
+    """Planner options from the command line (the engine fills in the defaults)."""
+    if policy == "static" and args.hot_per_layer is not None:
         return {"hot_per_layer": args.hot_per_layer}
-    return {"hot_per_layer": min(cfg.num_experts, runner.pool.num_slots // len(cfg.moe_layers))}
+    return {}
 
 
 def _median(repeats: list[dict], phase: str, key: str):

@@ -86,9 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt_len = len(plain.tokenizer.encode(args.prompt))
     mismatched = []
     for policy in args.policies:
-        engine.set_policy(policy, _policy_options(policy, engine, cfg))
-        engine.warmup(1, prompt_len, args.new_tokens)
-        engine.reset_stats()
+        engine.set_policy(policy)
+        engine.warmup(1, prompt_len, args.new_tokens)  # compile, then start from an empty pool
         out = runner.generate(args.prompt, max_new_tokens=args.new_tokens)
         pre, dec = engine.stats["prefill"], engine.stats["decode"]
         same = np.array_equal(out.tokens, reference.tokens)
@@ -107,12 +106,6 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]tokens differ from the plain model under: {', '.join(mismatched)}")
         return 1
     return 0
-
-
-def _policy_options(policy: str, engine, cfg) -> dict:
-    if policy == "static":  # the hot set fills the pool evenly across layers
-        return {"hot_per_layer": min(cfg.num_experts, engine.pool.num_slots // len(cfg.moe_layers))}
-    return {}
 
 
 def _pct(value: float | None) -> str:

@@ -1,6 +1,6 @@
 """Runtime settings, kept apart from the model architecture (`pdscope_jax.config.ModelConfig`).
 
-Contract: `RuntimeConfig` is frozen and hashable. It says how a model runs on this machine: the accelerator
+Contract: `RuntimeConfig` is frozen (and hashable while its policy options are). It says how a model runs on this machine: the accelerator
 memory budget, the cap on the routed-expert slot pool, the expert-placement policy (a planner name from
 `pdscope_jax.sched`, or None to run the model whole), CPU threads, prefill chunking, the largest batch and
 sequence the KV cache is sized for, the token buckets that bound how many programs get compiled, the
@@ -77,7 +77,7 @@ class RuntimeConfig:
     expert_pool: int | str | None = None  # cap on the routed-expert slot pool (None: whatever the budget leaves)
     policy: str | None = None  # planner name (sched.make_planner); None runs the model whole
     policy_options: tuple[tuple[str, Any], ...] = ()  # extra planner options as sorted (key, value) pairs
-    cpu_threads: int | None = None  # cores for the process (entry points set the affinity before JAX starts)
+    cpu_threads: int | None = None  # cores for the process: `bench` pins its affinity to them before JAX starts
     prefill_chunk: int = 256  # tokens per sequence per prefill step when the batch holds more than one sequence
     max_batch: int = 1  # the KV cache and activations are budgeted for this many sequences ...
     max_seq_len: int = 4096  # ... of this many tokens (prompt plus generated)

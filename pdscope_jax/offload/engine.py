@@ -61,7 +61,7 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax import models
-from pdscope_jax.generation import GenerationResult, check_sampling, sample
+from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_sampling, sample
 from pdscope_jax.models.layers import combine_experts
 from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
 from pdscope_jax.offload.cpu_experts import CpuExperts
@@ -71,7 +71,6 @@ from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, activation_counts, check_plan,
                                load_cost_table, make_planner)
 
-CACHE_BUCKET = 64  # cache lengths round up to this, as in generation.py
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
@@ -290,6 +289,7 @@ class OffloadRunner:
         self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
         self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="offload-wait")
+        self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
         self.memory_trace: list[dict[str, int | None]] = []
         self.set_policy(rc.policy, rc.policy_options)
@@ -300,7 +300,8 @@ class OffloadRunner:
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
         `engine` may change the RuntimeConfig fields `hot_table`, `async_io` and `batched_gpu` at the same time.
         With a hot table, planners that have one (`HOT_POLICIES`) get its `activation_counts`, and
-        `hot_per_layer` defaults to a quarter of the pool split evenly over the MoE layers."""
+        `hot_per_layer` defaults to a quarter of the pool split evenly over the MoE layers; `static` without
+        one keeps the whole pool resident, split evenly."""
         unknown = set(engine) - {"hot_table", "async_io", "batched_gpu"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
@@ -311,8 +312,11 @@ class OffloadRunner:
             options.setdefault("activation_counts", activation_counts(self.runtime.hot_table))
             options.setdefault("hot_per_layer", min(self.config.num_experts,
                                                     self.pool.num_slots // (4 * len(self._moe_layers))))
+        if policy == "static":
+            options.setdefault("hot_per_layer", min(self.config.num_experts,
+                                                    self.pool.num_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
-        self._wants_scores = self.predictor is not None or policy in SCORE_POLICIES
+        self._wants_scores = policy in SCORE_POLICIES
         for layer in self._moe_layers:
             self.pool.release(layer, np.arange(self.config.num_experts))
         self._pending.clear()
@@ -448,6 +452,7 @@ class OffloadRunner:
                 break
             size *= 2
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
+        self.warmed_shapes.add((batch, prompt_len, new_tokens))
         return self.compiled_programs
 
     def device_memory(self) -> dict[str, int | None]:

@@ -99,7 +99,6 @@ class ExpertStore:
         self.host_bytes = 0  # pinned bytes (the model's experts, once)
         self.cpu_copy_bytes = 0  # bytes of CPU copies made where a view could not alias
         self.bytes_moved = 0  # host -> accelerator bytes staged since construction (preloads included)
-        self.experts_moved = 0
         self._commit = jax.jit(_commit_slots, donate_argnums=(0, 1))
         self._commit_sizes: set[int] = set()
 
@@ -177,7 +176,6 @@ class ExpertStore:
         on_device = jax.device_put(srcs, self._device) if experts.size else ([], [])
         nbytes = int(sum(a.nbytes for part in srcs for a in part))
         self.bytes_moved += nbytes
-        self.experts_moved += int(experts.size)
         return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]), nbytes)
 
     def commit(self, pool: SlotPool, staged: Staged, slots: np.ndarray) -> None:

@@ -27,10 +27,6 @@ class Source:
         return cls(((key,),), transpose=transpose)
 
     @classmethod
-    def concat(cls, keys: tuple[str, ...], transpose: bool = False) -> "Source":
-        return cls((tuple(keys),), transpose=transpose)
-
-    @classmethod
     def stack(cls, keys: list[tuple[str, ...]], transpose: bool = False) -> "Source":
         return cls(tuple(tuple(k) for k in keys), transpose=transpose, stacked=True)
 

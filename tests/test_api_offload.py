@@ -1,0 +1,59 @@
+"""`pdscope_jax.load(..., policy=...)`: the offloaded runner behind the public API."""
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import pdscope_jax
+from pdscope_jax import models
+from pdscope_jax.offload.engine import OffloadRunner
+from pdscope_jax.presets import preset
+from pdscope_jax.runtime import RuntimeConfig
+
+
+def test_static_through_load_keeps_experts_resident():
+    """Without explicit options, static fills the pool with hot experts, so some decode experts run there."""
+    runner = pdscope_jax.load("tiny-deepseek-v2-lite", dtype="float32", policy="static", gpu_memory="1GB",
+                              max_seq_len=128)
+    runner.generate(np.arange(1, 9, dtype=np.int32)[None], max_new_tokens=4)
+    decode = runner.stats["decode"]
+    assert decode["gpu_experts"] > 0 and decode["experts_loaded_now"] == 0
+
+
+def test_offloaded_generate_warms_each_shape_once_and_matches_plain():
+    ids = np.arange(3, 15, dtype=np.int32)[None]
+    plain = pdscope_jax.load("tiny-qwen3-30b-a3b", dtype="float32").generate(ids, max_new_tokens=3)
+    runner = pdscope_jax.load("tiny-qwen3-30b-a3b", dtype="float32", policy="ondemand", gpu_memory="1GB",
+                              expert_pool="40KB", max_seq_len=128)
+    first = runner.generate(ids, max_new_tokens=3)
+    assert (1, 12, 3) in runner.engine.warmed_shapes
+    compiled = runner.engine.compiled_programs["total"]
+    second = runner.generate(ids, max_new_tokens=3)
+    assert runner.engine.compiled_programs["total"] == compiled  # no compilation inside the timed run
+    np.testing.assert_array_equal(first.tokens, plain.tokens)
+    np.testing.assert_array_equal(second.tokens, plain.tokens)
+
+
+class CountingPredictor:
+    """Scores every expert alike and counts how often the engine asks."""
+
+    def __init__(self, num_experts: int):
+        self.calls = 0
+        self.num_experts = num_experts
+
+    def predict(self, layer, phase, a, w, e):
+        self.calls += 1
+        return np.full((a.shape[0], self.num_experts), 0.5, np.float32)
+
+
+def test_predictor_runs_only_for_policies_that_read_scores():
+    cfg = preset("tiny-deepseek-v2-lite")
+    predictor = CountingPredictor(cfg.num_experts)
+    rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * cfg.expert_bytes(4), policy="ondemand", max_seq_len=64)
+    engine = OffloadRunner(models.build(cfg, nnx.Rngs(0), jnp.float32), rc, predictor=predictor)
+    ids = np.arange(1, 7, dtype=np.int32)[None]
+    engine.generate(ids, max_new_tokens=2)
+    assert predictor.calls == 0
+    engine.set_policy("fate")
+    engine.generate(ids, max_new_tokens=2)
+    assert predictor.calls > 0
