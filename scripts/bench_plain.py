@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "benchmark": "plain (whole model resident, no offload)",
-        "command": "python " + " ".join(shlex.quote(a) for a in [sys.argv[0], *(argv or sys.argv[1:])]),
+        "command": shlex.join(["python", f"scripts/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]),
         "model": args.model,
         "weights": "random (seeded, real architecture)" if args.weights == "random" else args.weights,
         "dtype": args.dtype,

@@ -106,6 +106,7 @@ def test_finetune_experiment_records_triggers_and_token_path(setup):
     assert tp["decode_step"]["n"] == 3 * 3
     assert len(report["per_request"]) == 3 and report["per_request"][-1]["domain"] == "ood"
     for arm in ("tuned", "frozen"):
-        for key, value in report["recall_at_k_all_layers"][arm].items():
-            assert value is None or 0.0 <= value <= 1.0
+        values = report["recall_at_k_all_layers"][arm]
+        measured = [v for v in values.values() if v is not None]
+        assert measured and all(0.0 <= v <= 1.0 for v in measured), values
     assert out_png.stat().st_size > 0
