@@ -32,11 +32,11 @@ Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engin
   route    attention + router + shared experts in one program; fetch routing to the host (the sync point);
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; load `load_now`
-           (stage + commit + wait: the exposed part); STAGE the next layer's prefetch, or in prefill its whole
-           expert set when two layers fit the pool (`stream_next_layer`), BEFORE dispatching compute, so the
-           host-to-device copies overlap it; dispatch the GPU experts (one `combine_experts` program over the
-           pool with a slot_of map) and the CPU experts (CPU backend, asynchronously) together; add the parts
-           and the shared experts;
+           (`_load_now`: stage + commit + wait: the exposed part); STAGE the next layer's prefetch, or in
+           prefill its whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`),
+           BEFORE dispatching compute, so the host-to-device copies overlap it; dispatch the GPU experts
+           (`_run_gpu`: one `combine_experts` program over the pool with a slot_of map) and the CPU experts
+           (`_run_cpu`: CPU backend, asynchronously) together; add the parts and the shared experts;
   record   wait for compute and transfers (timed from helper threads), update the statistics.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
@@ -210,6 +210,27 @@ def analytic_costs(cfg, itemsize: int) -> CostTable:
         pcie_GBps=50.0, cpu_GFLOPs=2000.0, gpu_TFLOPs=400.0, cpu_mem_GBps=30.0, model=cfg.name)
 
 
+def _split_abstract(abstract):
+    """An abstract model's structure: (graphdef, flat NNX state, {path: ShapeDtypeStruct})."""
+    graphdef, state = nnx.split(abstract)
+    flat_state = nnx.to_flat_state(state)
+    return graphdef, flat_state, {_path(p): v.get_value() for p, v in flat_state}
+
+
+def _build_programs() -> dict[str, Any]:
+    """The jitted pieces, by name (graphdef and shape arguments static)."""
+    return {
+        "embed": jax.jit(_embed, static_argnums=0),
+        "dense_layer": jax.jit(_dense_layer, static_argnums=0, donate_argnums=4),
+        "moe_route": jax.jit(_moe_route, static_argnums=(0, 5), donate_argnums=4),
+        "gate_scores": jax.jit(_gate_scores, static_argnums=0),
+        "gpu_experts": jax.jit(combine_experts),
+        "moe_combine": jax.jit(_moe_combine),
+        "logits": jax.jit(_logit_rows, static_argnums=(0, 4)),
+        "next_token": jax.jit(_next_token, static_argnums=(0, 5, 6)),
+    }
+
+
 class OffloadRunner:
     def __init__(self, model, runtime_config: RuntimeConfig, weights=None, *, cost_table: CostTable | None = None,
                  predictor=None, devices: Devices | None = None, cpu_view: str = "alias", host_alloc: str = "jax"):
@@ -224,13 +245,30 @@ class OffloadRunner:
         self._moe_layers = cfg.moe_layers
         self._next_moe = dict(zip(self._moe_layers[:-1], self._moe_layers[1:]))
         self._prev_moe = dict(zip(self._moe_layers[1:], self._moe_layers[:-1]))
-        accel = jax.sharding.SingleDeviceSharding(self.devices.accel)
 
-        # shapes and the budget, before anything is placed
-        abstract = models.abstract_model(cfg, _param_dtype(model))
-        graphdef, state = nnx.split(abstract)
-        flat_state = nnx.to_flat_state(state)
-        shapes = {_path(p): v.get_value() for p, v in flat_state}
+        abstract = models.abstract_model(cfg, _param_dtype(model))  # shapes only: nothing placed yet
+        graphdef, flat_state, shapes = _split_abstract(abstract)
+        expert_dtype = self._plan_budget(abstract, shapes, cost_table)
+        non_expert = self._take_weights(model, weights, shapes, cpu_view, host_alloc)
+        self._place_non_experts(graphdef, flat_state, non_expert)
+        self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
+                             cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
+        self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
+        self._programs = _build_programs()
+        self._row_counts: set[int] = set()  # padded token counts seen (for warm-up)
+        self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
+        self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="offload-wait")
+        self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
+        self.track_memory = False
+        self.memory_trace: list[dict[str, int | None]] = []
+        self.set_policy(rc.policy, rc.policy_options)
+
+    # ---- construction (in __init__'s order) --------------------------------------------------------------
+    def _plan_budget(self, abstract, shapes: dict[str, Any], cost_table: CostTable | None) -> np.dtype:
+        """From the abstract model's shapes, before anything is placed: set `cache_dtype`, `budget` (BudgetError
+        when the model does not fit) and `costs`. -> the routed experts' dtype."""
+        cfg, rc = self.config, self.runtime
         expert_dtype = np.dtype(shapes[f"layers.{self._moe_layers[0]}.mlp.experts.gate_up"].dtype)
         self.cache_dtype = np.dtype(shapes["embed.embedding"].dtype)
         non_expert = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if not is_expert_path(p))
@@ -242,28 +280,47 @@ class OffloadRunner:
         self._check_policy(rc.policy)
         self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
                                     else analytic_costs(cfg, expert_dtype.itemsize))
+        return expert_dtype
 
-        # weights: experts into the store layer by layer, the rest onto the accelerator
-        placement = lambda path: accel  # noqa: E731 (see the module docstring)
-        if callable(weights):
+    def _take_weights(self, model, weights, shapes: dict[str, Any], cpu_view: str, host_alloc: str) -> dict:
+        """Build `store`, moving every routed expert into it one MoE layer at a time (see the module docstring).
+        -> the non-expert weights {path: array}."""
+        accel = jax.sharding.SingleDeviceSharding(self.devices.accel)
+
+        def placement(path):  # the loader generates or reads every parameter on the accelerator
+            return accel
+
+        if callable(weights):  # a loader: non-expert parameters now, each layer's experts when the store asks
             loader = weights
-            weights = loader([p for p in shapes if not is_expert_path(p)], placement)
-            layer_weights = lambda paths: loader(list(paths), placement)  # noqa: E731
-        else:
-            weights = models.to_flat(model) if weights is None else weights
-            layer_weights = lambda paths: {p: weights.pop(p) for p in paths}  # noqa: E731
-        abstract_values = [p for p, v in weights.items() if isinstance(v, jax.ShapeDtypeStruct)]
+            flat = loader([p for p in shapes if not is_expert_path(p)], placement)
+
+            def layer_stacks(paths):
+                return loader(list(paths), placement)
+        else:  # a flat dict (or the model's own): expert entries are popped as the store takes them
+            flat = models.to_flat(model) if weights is None else weights
+
+            def layer_stacks(paths):
+                return {p: flat.pop(p) for p in paths}
+
+        abstract_values = [p for p, v in flat.items() if isinstance(v, jax.ShapeDtypeStruct)]
         if abstract_values:
             raise ValueError(f"no values for {len(abstract_values)} parameters (e.g. {abstract_values[0]}): an "
                              "abstract model needs `weights` (a dict or a loader)")
         self.store = ExpertStore(self.devices, cpu_view=cpu_view, host_alloc=host_alloc)
         for layer, paths in expert_paths(self._moe_layers).items():
-            stacks = layer_weights(paths)
+            stacks = layer_stacks(paths)
             self.store.add_layer(layer, stacks[paths[0]], stacks[paths[1]])
             del stacks  # the layer's last reference outside the store
+        return flat
+
+    def _place_non_experts(self, graphdef, flat_state, weights: dict) -> None:
+        """Fill the abstract model's state with the non-expert weights on the accelerator (expert stacks become
+        empty arrays: attention, router and shared experts never read them) and split it into the jitted pieces'
+        arguments: `_graphdef`/`_state` (whole model), `_layers` (per layer) and `_init_cache`."""
+        accel = jax.sharding.SingleDeviceSharding(self.devices.accel)
         for p, var in flat_state:
             path = _path(p)
-            if is_expert_path(path):  # never read by attention, router or shared experts
+            if is_expert_path(path):
                 var.set_value(jax.device_put(jnp.zeros((0,), var.get_value().dtype), accel))
             else:
                 var.set_value(jax.device_put(weights[path], accel))
@@ -271,28 +328,6 @@ class OffloadRunner:
         self._graphdef, self._state = nnx.split(on_accel)
         self._layers = [_Layer(*nnx.split(layer), layer.is_moe) for layer in on_accel.layers]
         self._init_cache = on_accel.init_cache
-
-        self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
-                             cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
-        self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
-        self._programs = {
-            "embed": jax.jit(_embed, static_argnums=0),
-            "dense_layer": jax.jit(_dense_layer, static_argnums=0, donate_argnums=4),
-            "moe_route": jax.jit(_moe_route, static_argnums=(0, 5), donate_argnums=4),
-            "gate_scores": jax.jit(_gate_scores, static_argnums=0),
-            "gpu_experts": jax.jit(combine_experts),
-            "moe_combine": jax.jit(_moe_combine),
-            "logits": jax.jit(_logit_rows, static_argnums=(0, 4)),
-            "next_token": jax.jit(_next_token, static_argnums=(0, 5, 6)),
-        }
-        self._row_counts: set[int] = set()  # padded token counts seen (for warm-up)
-        self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
-        self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
-        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="offload-wait")
-        self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
-        self.track_memory = False
-        self.memory_trace: list[dict[str, int | None]] = []
-        self.set_policy(rc.policy, rc.policy_options)
 
     # ---- setup -----------------------------------------------------------------------------------------
     def set_policy(self, policy: str, policy_options=(), **engine) -> None:
@@ -386,15 +421,11 @@ class OffloadRunner:
         b, t = ids.shape
         out = np.zeros((b, t, self.config.vocab_size), np.float32)
         cache, chunks = self._start(ids, 0)
-        size_max = max(1, LOGIT_ROWS // b)
         for c0, x, cache in self._prefill(chunks, cache, t):
             width = x.shape[1]
-            for s0 in range(c0, min(c0 + width, t), size_max):
-                size = min(size_max, width)
-                start = min(s0 - c0, width - size)  # clamp the last slice inside the chunk
-                rows = self._programs["logits"](self._graphdef, self._state, x, start, size)
-                take = min(size_max, t - s0, c0 + width - s0)
-                out[:, s0:s0 + take] = np.asarray(rows)[:, s0 - c0 - start: s0 - c0 - start + take]
+            for start, size, lo, hi in _logit_windows(width, min(width, t - c0), max(1, LOGIT_ROWS // b)):
+                rows = np.asarray(self._programs["logits"](self._graphdef, self._state, x, start, size))
+                out[:, c0 + lo:c0 + hi] = rows[:, lo - start:hi - start]
         return out
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
@@ -409,10 +440,13 @@ class OffloadRunner:
 
         start = time.perf_counter()
         cache, chunks = self._start(ids, max_new_tokens)
+        token = None  # the first new token: sampled in the chunk that holds the prompt's last token, t - 1
         for c0, x, cache in self._prefill(chunks, cache, t):
             if c0 <= t - 1 < c0 + x.shape[1]:
                 token = next_token(self._graphdef, self._state, x, t - 1 - c0,
                                    jax.device_put(jax.random.fold_in(root, 0), accel), temperature, top_k)
+        if token is None:  # no chunk holds a real token
+            raise ValueError(f"generate needs a prompt of at least one token, got shape {ids.shape}")
         tokens = [np.array(token)]  # a host copy (np.asarray could alias the buffer on CPU); waits
         prefill_seconds = time.perf_counter() - start
 
@@ -578,39 +612,64 @@ class OffloadRunner:
 
     def _execute(self, i: int, phase: str, plan: Plan, r: _Routed):
         """This layer's transfers, then the next layer's (staged before compute), then GPU and CPU experts."""
-        pool, store, stats = self.pool, self.store, self.phase_stats[phase]
-        if i in self._pending:
-            staged, slots = self._pending.pop(i)
-            store.commit(pool, staged, slots)
-        on_gpu = np.zeros(self.config.num_experts, bool)
+        pool, stats = self.pool, self.phase_stats[phase]
+        on_gpu = np.zeros(self.config.num_experts, bool)  # [E]
         on_gpu[plan.gpu] = True
-        pool.release(i, plan.unload[~on_gpu[plan.unload]])
-        exposed = 0.0
-        if plan.load_now.size:
-            start = time.perf_counter()
-            stats.bytes_moved += store.write(pool, i, plan.load_now, pool.allocate(i, plan.load_now, protect=(i,)))
-            pool.gate_up.block_until_ready()
-            exposed = time.perf_counter() - start
-            stats.experts_loaded_now += plan.load_now.size
+        self._commit_staged(i)
+        pool.release(i, plan.unload[~on_gpu[plan.unload]])  # unloads this layer does not compute with: free now
+        exposed = self._load_now(i, plan.load_now, stats)
+        # the next layer's copies are issued BEFORE this layer's compute is dispatched, so they overlap it
         staged_next = self._issue_next(i, self._next_moe.get(i), plan, stats)
         dispatched = time.perf_counter()
-        y_gpu = y_cpu = None
-        if plan.gpu.size:
-            slot_of = pool.slot_of(i)  # [E]
-            slot_of[~on_gpu] = -1
-            # batched: one program for every GPU expert; else one program per expert (the ablation's baseline)
-            for part in [slot_of] if self.runtime.batched_gpu else [_only(slot_of, e) for e in plan.gpu]:
-                y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down,
-                                                  jax.device_put(part, self.devices.accel))
-                y_gpu = y if y_gpu is None else y_gpu + y
-        if plan.cpu.size:
-            h_cpu = jax.device_put(r.h, self.devices.cpu)
-            acc = self.cpu_experts.dispatch(i, h_cpu, _groups(plan.cpu, r.rows, r.w_host, r.ids_host))
-            y_cpu = jax.device_put(acc, self.devices.accel)
+        y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
+        y_cpu = self._run_cpu(i, plan.cpu, r)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
         return x, _Timing(dispatched, exposed, y_gpu, y_cpu, staged_next)
+
+    def _commit_staged(self, i: int) -> None:
+        """Copy the transfers staged for layer i (by the layer before it) into their reserved slots."""
+        if i in self._pending:
+            staged, slots = self._pending.pop(i)
+            self.store.commit(self.pool, staged, slots)
+
+    def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats) -> float:
+        """Load `experts` of layer i into slots and wait for them (the exposed, blocking part). -> seconds waited."""
+        if experts.size == 0:
+            return 0.0
+        pool = self.pool
+        start = time.perf_counter()
+        stats.bytes_moved += self.store.write(pool, i, experts, pool.allocate(i, experts, protect=(i,)))
+        pool.gate_up.block_until_ready()
+        waited = time.perf_counter() - start
+        stats.experts_loaded_now += experts.size
+        return waited
+
+    def _run_gpu(self, i: int, experts: np.ndarray, on_gpu: np.ndarray, r: _Routed):
+        """Dispatch layer i's GPU `experts` over the slot pool (on_gpu [E] marks them). -> y [Nb, D], or None."""
+        if experts.size == 0:
+            return None
+        pool = self.pool
+        slot_of = pool.slot_of(i)  # [E]
+        slot_of[~on_gpu] = -1
+        # batched: one program for every GPU expert; else one program per expert (the ablation's baseline)
+        parts = [slot_of] if self.runtime.batched_gpu else [_only(slot_of, e) for e in experts]
+        y_gpu = None
+        for part in parts:
+            y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down,
+                                              jax.device_put(part, self.devices.accel))
+            y_gpu = y if y_gpu is None else y_gpu + y
+        return y_gpu
+
+    def _run_cpu(self, i: int, experts: np.ndarray, r: _Routed):
+        """Dispatch layer i's CPU `experts` on the CPU backend (asynchronously). -> y [Nb, D] f32 on the
+        accelerator, or None."""
+        if experts.size == 0:
+            return None
+        h_cpu = jax.device_put(r.h, self.devices.cpu)
+        acc = self.cpu_experts.dispatch(i, h_cpu, _groups(experts, r.rows, r.w_host, r.ids_host))
+        return jax.device_put(acc, self.devices.accel)
 
     def _record(self, phase: str, plan: Plan, t: _Timing) -> None:
         """Wait for GPU experts, CPU experts and next-layer transfers at once (helper threads time each)."""
@@ -670,6 +729,16 @@ class OffloadRunner:
         nl = self._layers[nxt]
         valid_dev = jax.device_put(valid.astype(np.float32), self.devices.accel)
         return np.asarray(self._programs["gate_scores"](nl.graphdef, nl.state, h, valid_dev))
+
+
+def _logit_windows(width: int, real: int, size_max: int):
+    """Windows covering the first `real` positions of a chunk `width` wide, all of one size (so one compiled
+    logits program). Yields (start, size, lo, hi): compute chunk positions start..start+size-1 and keep lo..hi-1,
+    rows lo-start..hi-start of the window. Windows step by `size`; the last one is moved back to end at the
+    chunk's edge when it would run past it (then start < lo), so start <= lo < hi <= start + size <= width."""
+    size = min(size_max, width)
+    for lo in range(0, real, size):
+        yield min(lo, width - size), size, lo, min(lo + size, real)
 
 
 def _only(slot_of: np.ndarray, expert: int) -> np.ndarray:
