@@ -29,9 +29,7 @@ import argparse
 import datetime
 import json
 import shlex
-import statistics
 import sys
-import time
 from pathlib import Path
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -164,15 +162,9 @@ class _Profiler:
         self._decode: dict[int, float] = {}  # decode batch -> seconds
 
     def _median(self, run) -> float:
-        import jax
+        from pdscope_jax.timing import median_seconds
 
-        jax.block_until_ready(run())
-        times = []
-        for _ in range(max(self.args.repeats, 1)):
-            start = time.perf_counter()
-            jax.block_until_ready(run())
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+        return median_seconds(run, self.args.repeats)
 
     def cpu_expert(self, tokens: int) -> float:
         import jax

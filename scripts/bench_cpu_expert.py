@@ -22,7 +22,6 @@ import platform
 import shlex
 import socket
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -33,17 +32,11 @@ from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.offload.cpu_experts import CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore
 from pdscope_jax.runtime import select_devices
+from pdscope_jax.timing import median_seconds
 
 
 def median_ms(fn, reps: int, warm: int) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+    return median_seconds(fn, reps, warm) * 1e3
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -35,17 +35,11 @@ from pdscope_jax.offload.cpu_experts import CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore, host_view
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.runtime import select_devices
+from pdscope_jax.timing import median_seconds
 
 
 def median_ms(fn, reps: int = 5, warm: int = 2) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1e3
+    return median_seconds(fn, reps, warm) * 1e3
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
