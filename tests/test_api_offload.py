@@ -46,14 +46,17 @@ class CountingPredictor:
         return np.full((a.shape[0], self.num_experts), 0.5, np.float32)
 
 
-def test_predictor_runs_only_for_policies_that_read_scores():
+def test_predictor_feeds_pdscope_only():
+    """ondemand reads no scores; fate keeps its own gate-based predictor; pdscope reads the predictor."""
     cfg = preset("tiny-deepseek-v2-lite")
     predictor = CountingPredictor(cfg.num_experts)
     rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * cfg.expert_bytes(4), policy="ondemand", max_seq_len=64)
     engine = OffloadRunner(models.build(cfg, nnx.Rngs(0), jnp.float32), rc, predictor=predictor)
     ids = np.arange(1, 7, dtype=np.int32)[None]
-    engine.generate(ids, max_new_tokens=2)
-    assert predictor.calls == 0
-    engine.set_policy("fate")
+    for policy in ("ondemand", "fate"):
+        engine.set_policy(policy)
+        engine.generate(ids, max_new_tokens=2)
+        assert predictor.calls == 0, policy
+    engine.set_policy("pdscope")
     engine.generate(ids, max_new_tokens=2)
     assert predictor.calls > 0

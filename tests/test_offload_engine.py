@@ -122,7 +122,7 @@ class CountingPredictor:
 
 def test_predictor_hook_feeds_next_scores(ds):
     predictor = CountingPredictor(ds.cfg.num_experts)
-    rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * ds.cfg.expert_bytes(4), policy="fate", max_seq_len=128)
+    rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * ds.cfg.expert_bytes(4), policy="pdscope", max_seq_len=128)
     runner = OffloadRunner(ds.model, rc, predictor=predictor)
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     layers = {call[0] for call in predictor.calls}
@@ -131,7 +131,7 @@ def test_predictor_hook_feeds_next_scores(ds):
     d, k = ds.cfg.hidden_size, ds.cfg.num_experts_per_tok
     assert (ds.ids.shape[1], d) in {call[2] for call in predictor.calls}
     assert all(call[3] == call[4] and call[3][1] == k for call in predictor.calls)
-    assert runner.stats["decode"]["experts_prefetched"] > 0
+    assert runner.stats["prefill"]["experts_prefetched"] + runner.stats["decode"]["experts_prefetched"] > 0
 
 
 def test_budget_failures_are_up_front_with_numbers(ds):

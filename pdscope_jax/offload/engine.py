@@ -40,9 +40,9 @@ Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engin
   record   wait for compute and transfers (timed from helper threads), update the statistics.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
-Next-layer scores for planners that want them (`fate`, `pdscope`): a predictor object's
-`predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else the next layer's
-gate applied to this layer's MoE input (Fate's predictor). Token counts are padded to buckets
+Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
+applied to this layer's MoE input (Fate's own predictor); `pdscope` uses a predictor object's
+`predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else that gate too. Token counts are padded to buckets
 (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled programs is bounded; padded rows
 route but carry no weight in any statistic. Prefill runs a whole prompt at batch 1 and chunks of
 `prefill_chunk` tokens per sequence otherwise.
@@ -722,7 +722,7 @@ class OffloadRunner:
         """[E] next-layer activation scores for planners that read them, else None."""
         if nxt is None or not self._wants_scores:
             return None
-        if self.predictor is not None:
+        if self.predictor is not None and self.runtime.policy != "fate":
             rows = np.flatnonzero(valid)
             scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
             return scores.mean(axis=0) if scores.ndim == 2 else scores
