@@ -38,6 +38,14 @@ def init_mla_cache(cfg: ModelConfig, batch: int, max_len: int, dtype) -> MLACach
                     jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dtype))
 
 
+def update_cache(cache, new: tuple[jax.Array, ...], positions: jax.Array):
+    """Write each new [B, T, ...] array into the matching buffer of `cache` (a KVCache or MLACache) at the rows'
+    positions [B, T]. Returns (the updated cache, key positions [B, S] of every cached index)."""
+    cache = type(cache)(*(write_cache(buffer, x, positions) for buffer, x in zip(cache, new, strict=True)))
+    b, s = cache[0].shape[:2]
+    return cache, jnp.broadcast_to(jnp.arange(s, dtype=positions.dtype), (b, s))
+
+
 def write_cache(buffer: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
     """Write new [B, T, ...] into buffer [B, S, ...] at each row's first position (positions [B, T])."""
 

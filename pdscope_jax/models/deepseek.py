@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pdscope_jax.config import ModelConfig
-from pdscope_jax.models.cache import MLACache, init_mla_cache, write_cache
+from pdscope_jax.models.cache import MLACache, init_mla_cache, update_cache
 from pdscope_jax.models.layers import (
     F32, CausalLM, DecoderLayer, DenseMLP, MoE, RMSNorm, apply_rope, attention, causal_mask, dense_mlp_sources,
     expert_sources, keep_top_groups, linear, linear_sources, rope_cos_sin, router_logits, skeleton_sources,
@@ -78,9 +78,8 @@ class MLAttention(nnx.Module):
         if cache is None:
             k_pos = positions
         else:
-            cache = MLACache(write_cache(cache.latent, latent, positions), write_cache(cache.k_rope, k_rope, positions))
-            latent, k_rope = cache.latent, cache.k_rope
-            k_pos = jnp.broadcast_to(jnp.arange(latent.shape[1], dtype=positions.dtype), (b, latent.shape[1]))
+            cache, k_pos = update_cache(cache, (latent, k_rope), positions)
+            latent, k_rope = cache
         s = latent.shape[1]
         kv = self.kv_b_proj(latent).reshape(b, s, h, dn + cfg.v_head_dim)  # [B, S, H, Dn + Dv]
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope[:, :, None, :], (b, s, h, dr))], axis=-1)

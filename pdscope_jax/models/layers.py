@@ -28,7 +28,7 @@ from flax import nnx
 
 from pdscope_jax.config import ModelConfig
 from pdscope_jax.weights.spec import Source
-from pdscope_jax.models.cache import KVCache, init_kv_cache, write_cache
+from pdscope_jax.models.cache import KVCache, init_kv_cache, update_cache
 
 F32 = jnp.float32
 # combine_experts' three exact paths, chosen statically by shape. Up to GATHER_MAX_ASSIGNMENTS (token, expert)
@@ -178,9 +178,8 @@ class GQAAttention(nnx.Module):
         if cache is None:
             k_pos = positions
         else:
-            cache = KVCache(write_cache(cache.k, k, positions), write_cache(cache.v, v, positions))
-            k, v = cache.k, cache.v
-            k_pos = jnp.broadcast_to(jnp.arange(k.shape[1], dtype=positions.dtype), (b, k.shape[1]))
+            cache, k_pos = update_cache(cache, (k, v), positions)
+            k, v = cache
         out = attention(q, k, v, causal_mask(positions, k_pos), cfg.head_dim**-0.5)
         return self.o_proj(out.reshape(b, t, -1)), cache
 
