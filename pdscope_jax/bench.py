@@ -105,10 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpu_threads])
     import jax
 
-    try:  # a CPU-only machine needs a second CPU device to stand in for the accelerator
-        jax.config.update("jax_num_cpu_devices", max(2, jax.config.jax_num_cpu_devices))
-    except RuntimeError:
-        pass  # backends already started (e.g. under pytest, whose conftest set two devices)
+    from pdscope_jax.runtime import request_cpu_stand_in
+
+    request_cpu_stand_in()
     import jax.numpy as jnp
     import numpy as np
     from rich.console import Console

@@ -46,18 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", help="float32 on CPU: XLA:CPU bf16 is slow at few rows")
     args = parser.parse_args(argv)
 
-    import jax
-
-    try:  # without a GPU, cpu:1 stands in for the accelerator and cpu:0 is the CPU backend
-        jax.config.update("jax_num_cpu_devices", max(2, jax.config.jax_num_cpu_devices))
-    except RuntimeError:
-        pass  # backends already started by the caller
     import numpy as np
     from rich.console import Console
     from rich.table import Table
 
     import pdscope_jax
-    from pdscope_jax.runtime import select_devices
+    from pdscope_jax.runtime import request_cpu_stand_in, select_devices
+
+    request_cpu_stand_in()  # without a GPU, cpu:1 stands in for the accelerator and cpu:0 is the CPU backend
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     started = time.perf_counter()

@@ -54,10 +54,9 @@ def profile_main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     import jax
 
-    try:  # a CPU-only machine needs a second CPU device to stand in for the accelerator
-        jax.config.update("jax_num_cpu_devices", max(2, jax.config.jax_num_cpu_devices))
-    except RuntimeError:
-        pass  # backends already started (e.g. under pytest, whose conftest set two devices)
+    from pdscope_jax.runtime import request_cpu_stand_in
+
+    request_cpu_stand_in()
     from rich.console import Console
     from rich.progress import Progress
 

@@ -121,6 +121,16 @@ class Devices(NamedTuple):
     cpu: jax.Device  # the CPU backend: computes CPU-placed experts
 
 
+def request_cpu_stand_in() -> None:
+    """Ask for a second CPU device to stand in for the accelerator on machines without a GPU. Call before the
+    first JAX computation; once backends have started (e.g. under pytest, whose conftest set two devices) the
+    device count is fixed and this does nothing."""
+    try:
+        jax.config.update("jax_num_cpu_devices", max(2, jax.config.jax_num_cpu_devices))
+    except RuntimeError:
+        pass
+
+
 def select_devices() -> Devices:
     """The accelerator and the CPU backend (see the module docstring for the CPU-only stand-in)."""
     cpus = jax.devices("cpu")
