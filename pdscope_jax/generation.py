@@ -39,6 +39,16 @@ class GenerationResult:
     decode_tokens_per_s: float
     text: list[str] | None = None
 
+    @classmethod
+    def timed(cls, tokens: np.ndarray, prompt_len: int, prefill_seconds: float,
+              decode_seconds: float) -> "GenerationResult":
+        """Rates from the timings: prefill covers B * prompt_len tokens and yields the first new token of each
+        sequence; decode yields the other B * (new - 1)."""
+        b, new = tokens.shape
+        decoded = b * (new - 1)
+        return cls(tokens, prefill_seconds, decode_seconds, b * prompt_len / prefill_seconds,
+                   decoded / decode_seconds if decoded else 0.0)
+
 
 def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, vocab_size: int) -> None:
     """Reject generation settings that cannot work, naming the setting and its valid range."""
@@ -155,11 +165,5 @@ class Generator:
         token.block_until_ready()
         decode_seconds = time.perf_counter() - start
 
-        decoded = b * (max_new_tokens - 1)
-        return GenerationResult(
-            tokens=np.stack([np.asarray(x) for x in tokens], axis=1),
-            prefill_seconds=prefill_seconds,
-            decode_seconds=decode_seconds,
-            prefill_tokens_per_s=b * t / prefill_seconds,
-            decode_tokens_per_s=decoded / decode_seconds if decoded else 0.0,
-        )
+        return GenerationResult.timed(np.stack([np.asarray(x) for x in tokens], axis=1), t, prefill_seconds,
+                                      decode_seconds)

@@ -460,14 +460,7 @@ class OffloadRunner:
             if self.track_memory:
                 self.memory_trace.append(self.device_memory())
         decode_seconds = time.perf_counter() - start
-        decoded = b * (max_new_tokens - 1)
-        return GenerationResult(
-            tokens=np.stack(tokens, axis=1),
-            prefill_seconds=prefill_seconds,
-            decode_seconds=decode_seconds,
-            prefill_tokens_per_s=b * t / prefill_seconds,
-            decode_tokens_per_s=decoded / decode_seconds if decoded else 0.0,
-        )
+        return GenerationResult.timed(np.stack(tokens, axis=1), t, prefill_seconds, decode_seconds)
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
         """Compile the programs of this shape: one generation on dummy tokens, every CPU expert row bucket for
