@@ -139,7 +139,8 @@ def main() -> None:
         shutil.rmtree(directory)
     result = dict(
         command=shlex.join(["python", "scripts/measure_load_memory.py", *sys.argv[1:]]),
-        model=args.model, layers=args.layers, dtype="bfloat16", checkpoint_bytes=total,
+        model=args.model, layers=args.layers, dtype="bfloat16", weights="random (seeded), generated checkpoint",
+        checkpoint_bytes=total,
         target_ratio=1.3, runs=runs,
         note="ratio = (peak RSS - RSS before loading) / checkpoint bytes; ratio_raw = peak RSS / checkpoint bytes",
     )
