@@ -148,6 +148,30 @@ def main(argv: list[str] | None = None) -> dict:
                       f"host bytes per model byte: {runner.store.host_bytes_per_model_byte:.2f}")
         if hot_table == "auto" or (args.ablation and hot_table is None):
             hot_table = _record_hot_table(runner, cfg, args, rng, write_layer_stats, stamp, console)
+    devices = select_devices()
+    accel = devices.accel
+    header = {
+        "command": shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+        "jax": jax.__version__, "python": platform.python_version(),
+        "device": f"{accel.platform}:{accel.id} {getattr(accel, 'device_kind', '')}".strip(),
+        "cpu_device": str(devices.cpu), "weights": "checkpoint" if checkpoint else "random",
+        "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,
+        "workload": "checkpoint" if checkpoint else args.workload,
+        "workload_design": workload.summary() if workload else None,
+        "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
+        "warmup": args.warmup,
+        "runtime": {k: v for k, v in vars(rc).items() if k not in ("policy", "policy_options")},
+        "host_alloc": args.host_alloc, "cpu_view": args.cpu_view,
+    }
+    stem = f"bench_{cfg.name}_{stamp}"
+    json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
+
+    def save_partial(results, errors):
+        """The results so far, so that a run stopped early (a time limit) still leaves its figures."""
+        partial = {**header, "hot_table": hot_table, **_describe(runner), "results": results, "errors": errors,
+                   "memory": None, "complete": False}
+        json_path.write_text(json.dumps(partial, indent=1, default=_jsonable))
+
     total = len(runs) * len(args.batch) * len(args.prompt_lens) * (args.warmup + args.repeats)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmark", total=total)
@@ -163,20 +187,27 @@ def main(argv: list[str] | None = None) -> dict:
             for b in args.batch:
                 for t in args.prompt_lens:
                     progress.update(task, description=f"{run['label']} batch {b} prompt {t}")
-                    for _ in range(args.warmup):
-                        runner.warmup(b, t, args.new_tokens)
-                        progress.advance(task)
-                    compiled_after_warmup = runner.compiled_programs["total"]
-                    repeats = []
-                    for _ in range(args.repeats):
-                        runner.reset_stats()
-                        out = runner.generate(prompts[b, t], args.new_tokens)
-                        tokens.setdefault((run["label"], b, t), out.tokens)
-                        repeats.append({"prefill_tok_s": out.prefill_tokens_per_s,
-                                        "decode_tok_s": out.decode_tokens_per_s, **runner.stats})
-                        progress.advance(task)
+                    try:
+                        for _ in range(args.warmup):
+                            runner.warmup(b, t, args.new_tokens)
+                            progress.advance(task)
+                        compiled_after_warmup = runner.compiled_programs["total"]
+                        repeats = []
+                        for _ in range(args.repeats):
+                            runner.reset_stats()
+                            out = runner.generate(prompts[b, t], args.new_tokens)
+                            tokens.setdefault((run["label"], b, t), out.tokens)
+                            repeats.append({"prefill_tok_s": out.prefill_tokens_per_s,
+                                            "decode_tok_s": out.decode_tokens_per_s, **runner.stats})
+                            progress.advance(task)
+                    except Exception as err:  # noqa: BLE001 (one failing shape is reported; the others still run)
+                        errors.append({"policy": run["label"], "batch": b, "prompt_len": t,
+                                       "error": f"{type(err).__name__}: {err}"[:2000]})
+                        console.print_exception(max_frames=8)
+                        continue
                     results.append(_summarise(run["policy"], t, repeats, compiled_after_warmup,
                                               variant=run["label"], batch=b, engine=engine))
+                    save_partial(results, errors)
 
         memory = None
         if args.track_memory and offload_runs:
@@ -192,24 +223,8 @@ def main(argv: list[str] | None = None) -> dict:
         if len(runs) > len(offload_runs):
             _run_plain(cfg, dtype, loader, shapes, args, prompts, results, tokens, progress, task)
 
-    devices = select_devices()
-    accel = devices.accel
-    report = {
-        "command": shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
-        "jax": jax.__version__, "python": platform.python_version(),
-        "device": f"{accel.platform}:{accel.id} {getattr(accel, 'device_kind', '')}".strip(),
-        "cpu_device": str(devices.cpu), "weights": "checkpoint" if checkpoint else "random",
-        "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,
-        "workload": "checkpoint" if checkpoint else args.workload,
-        "workload_design": workload.summary() if workload else None, "hot_table": hot_table,
-        "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "warmup": args.warmup,
-        "runtime": {k: v for k, v in vars(rc).items() if k not in ("policy", "policy_options")},
-        **report_runner, "host_alloc": args.host_alloc, "cpu_view": args.cpu_view, "results": results,
-        "errors": errors, "memory": memory,
-    }
-    stem = f"bench_{cfg.name}_{stamp}"
-    json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
+    report = {**header, "hot_table": hot_table, **report_runner, "results": results, "errors": errors,
+              "memory": memory, "complete": True}
     json_path.write_text(json.dumps(report, indent=1, default=_jsonable))
     _plot(report, png_path)
     console.print(_table(results))

@@ -1,64 +1,98 @@
 #!/usr/bin/env bash
-# The GPU-node measurements the open issues ask for, in stages that each fit one device call (< 10 min).
-# Run from the repository root on the GPU node; results land in $OUT (or benchmarks/results when OUT is unset).
+# The GPU-node measurements the open issues ask for, as stages chained into a few device calls (< 10 min each).
+# Run from the repository root on the GPU node:
 #
-#   bash scripts/gpu_session.sh probe      store/transfer probe, XLA:CPU vs torch expert FFN     (~3 min)
-#   bash scripts/gpu_session.sh plain      whole-model upper bound, DeepSeek-V2-Lite + Qwen3      (~7 min)
-#   bash scripts/gpu_session.sh offload    profile + all policies, DeepSeek-V2-Lite, uniform      (~9 min)
-#   bash scripts/gpu_session.sh skewed     all policies on the skewed workload + ablation         (~9 min)
-#   bash scripts/gpu_session.sh memory     GPU memory over 1,000 decode steps                     (~4 min)
-#   bash scripts/gpu_session.sh predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax, timed   (~8 min)
-#   bash scripts/gpu_session.sh qwen       all policies, Qwen3-30B-A3B                            (~9 min)
+#   OUT=$OUT bash scripts/gpu_session.sh STAGE[:SECONDS] [STAGE[:SECONDS] ...]
 #
+#   probe      store/transfer probe, XLA:CPU vs torch expert FFN
+#   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite
+#   profile    the cost table of DeepSeek-V2-Lite on this machine
+#   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (the offload path works here?)
+#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool, + 1,000-step memory trace
+#   skewed     every policy on the skewed workload
+#   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)
+#   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)
+#   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end
+#   qwen       whole-model and offloaded Qwen3-30B-A3B
+#
+# Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the chain goes on when
+# one fails; every stage logs to <out>/<stage>.log. Benchmarks save partial JSON as they go. With OUT set,
+# everything ends up in one archive, $OUT/results.tgz (the device tool returns at most 8 files).
 # Every benchmark here uses the real architectures with random weights; the JSON files say so.
-set -euo pipefail
+# Smaller settings (a CPU smoke test of the commands): MODEL=tiny-deepseek-v2-lite QWEN=tiny-qwen3-30b-a3b
+# LENGTHS="32 64" TOKENS=4 BUDGET="--gpu-memory 1GB --expert-pool 200KB" MEMORY_STEPS=8 PROBE_ARGS="--experts 8
+# --hidden 64 --intermediate 32 --matmul 256" CPU_EXPERT_ARGS="--hidden 64 --intermediate 32" PREDICTOR_ARGS=...
+set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-out=${OUT:-benchmarks/results}
-budget=(--gpu-memory 24GB --expert-pool 8GB)
-lengths=(--prompt-lens 128 512 1024 2048 4096)
+res=${RESULTS:-/tmp/pdscope_results}
+mkdir -p "$res"
+model=${MODEL:-deepseek-v2-lite}
+qwen=${QWEN:-qwen3-30b-a3b}
+read -r -a lengths <<< "${LENGTHS:-128 512 1024 2048 4096}"
+read -r -a budget <<< "${BUDGET:---gpu-memory 24GB --expert-pool 8GB}"
+tokens=${TOKENS:-64}
+longest=${lengths[-1]}
+costs="$res/costs_${model}.json"
+bench=(python3 -m pdscope_jax bench --new-tokens "$tokens" "${budget[@]}" --out "$res")
 
-case "${1:-}" in
-  probe)
-    python3 scripts/probe_store_gpu.py --out "$out/probe_store_gpu.json"
-    python3 scripts/bench_cpu_expert.py --out "$out/cpu_expert_vs_torch.json"
-    ;;
-  plain)
-    python3 scripts/bench_plain.py --model deepseek-v2-lite --repeats 2 --out "$out"
-    python3 scripts/bench_plain.py --model qwen3-30b-a3b --repeats 2 --out "$out"
-    ;;
-  offload)
-    python3 -m pdscope_jax profile deepseek-v2-lite --out "$out/costs_deepseek-v2-lite_h200.json"
-    python3 -m pdscope_jax bench --model deepseek-v2-lite "${lengths[@]}" --new-tokens 64 "${budget[@]}" \
-      --policies plain static ondemand greedy fate pdscope --hot-table auto \
-      --cost-table "$out/costs_deepseek-v2-lite_h200.json" --repeats 2 --out "$out"
-    ;;
-  skewed)
-    python3 -m pdscope_jax bench --model deepseek-v2-lite --workload skewed "${lengths[@]}" --new-tokens 64 \
-      "${budget[@]}" --policies static ondemand greedy fate pdscope --hot-table auto \
-      --cost-table "$out/costs_deepseek-v2-lite_h200.json" --repeats 1 --out "$out"
-    python3 -m pdscope_jax bench --model deepseek-v2-lite --workload skewed --ablation --prompt-lens 4096 \
-      --new-tokens 64 "${budget[@]}" --hot-table auto --cost-table "$out/costs_deepseek-v2-lite_h200.json" \
-      --repeats 1 --out "$out"
-    ;;
-  memory)
-    python3 -m pdscope_jax bench --model deepseek-v2-lite --policies ondemand --prompt-lens 128 --new-tokens 16 \
-      "${budget[@]}" --track-memory 1000 --repeats 1 --out "$out"
-    ;;
-  predictors)
-    start=$(date +%s)
-    python3 -m pdscope_jax collect-traces --model deepseek-v2-lite --weights random --out /tmp/traces-dsv2 \
-      --split train --prompts 64 --prompt-len 512 --decode-steps 32 --batch 8
-    python3 -m pdscope_jax train-predictors --traces /tmp/traces-dsv2 --model deepseek-v2-lite --out /tmp/predictors \
-      --groups-png "$out/layer_groups_deepseek-v2-lite.png"
-    echo "{\"offline_phase_seconds\": $(( $(date +%s) - start ))}" > "$out/predictors_deepseek-v2-lite_time.json"
-    ;;
-  qwen)
-    python3 -m pdscope_jax bench --model qwen3-30b-a3b --prompt-lens 512 4096 --new-tokens 64 "${budget[@]}" \
-      --policies static ondemand greedy fate pdscope --hot-table auto --repeats 1 --out "$out"
-    ;;
-  *)
-    sed -n '2,14p' "$0"
-    exit 2
-    ;;
-esac
+run_stage() {  # name, then the commands as one string
+  local name=$1
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  local start=$SECONDS
+  timeout -k 10 "$limit" bash -c "set -euo pipefail; $2" > "$res/$name.log" 2>&1
+  local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - start))s"
+  tail -n 25 "$res/$name.log"
+}
+
+for arg in "$@"; do
+  stage=${arg%%:*}
+  limit=240
+  [[ $arg == *:* ]] && limit=${arg#*:}
+  case "$stage" in
+    probe) run_stage probe "
+      python3 scripts/probe_store_gpu.py ${PROBE_ARGS:-} --out $res/probe_store_gpu.json
+      python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json" ;;
+    plain) run_stage plain "
+      python3 scripts/bench_plain.py --model $model --lengths ${lengths[*]} --new-tokens $tokens --repeats 2 \
+        --out $res" ;;
+    profile) run_stage profile "python3 -m pdscope_jax profile $model ${PROFILE_ARGS:-} --out $costs" ;;
+    smoke) run_stage smoke "
+      ${bench[*]} --model $model --prompt-lens $longest --policies ondemand static pdscope --cost-table $costs \
+        --repeats 1 --new-tokens 16" ;;
+    uniform) run_stage uniform "
+      ${bench[*]} --model $model --prompt-lens ${lengths[*]} --policies ondemand static greedy fate pdscope plain \
+        --hot-table auto --cost-table $costs --repeats 1 --track-memory ${MEMORY_STEPS:-1000}" ;;
+    skewed) run_stage skewed "
+      ${bench[*]} --model $model --workload skewed --prompt-lens ${lengths[*]} \
+        --policies static ondemand greedy fate pdscope --hot-table auto --cost-table $costs --repeats 1" ;;
+    ablation) run_stage ablation "
+      ${bench[*]} --model $model --workload skewed --ablation --prompt-lens $longest --cost-table $costs --repeats 1" ;;
+    batches) run_stage batches "
+      ${bench[*]} --model $model --workload skewed --prompt-lens 512 --batch 1 8 16 32 \
+        --policies greedy pdscope --hot-table auto --cost-table $costs --repeats 1" ;;
+    predictors) run_stage predictors "
+      start=\$(date +%s)
+      for split in train heldout; do
+        python3 -m pdscope_jax collect-traces --model $model --weights random --out $res/traces-\$split \
+          --split \$split ${PREDICTOR_ARGS:---prompts 64 --prompt-len 512 --decode-steps 32 --batch 8}
+      done
+      python3 -m pdscope_jax train-predictors --traces $res/traces-train --model $model --out $res/predictors \
+        --no-progress --groups-png $res/layer_groups_$model.png
+      echo \"{\\\"offline_phase_seconds\\\": \$(( \$(date +%s) - start ))}\" > $res/predictors_${model}_time.json
+      python3 scripts/eval_predictors.py --model $model --predictors $res/predictors/$model \
+        --train-traces $res/traces-train --eval heldout=$res/traces-heldout \
+        --out-json $res/predictors_$model.json --out-png $res/predictors_$model.png
+      rm -rf $res/traces-train $res/traces-heldout" ;;
+    qwen) run_stage qwen "
+      python3 scripts/bench_plain.py --model $qwen --lengths 512 $longest --new-tokens $tokens --repeats 1 --out $res
+      python3 -m pdscope_jax profile $qwen ${PROFILE_ARGS:-} --out $res/costs_$qwen.json
+      ${bench[*]} --model $qwen --prompt-lens 512 $longest --policies static ondemand greedy fate pdscope \
+        --hot-table auto --cost-table $res/costs_$qwen.json --repeats 1" ;;
+    *) sed -n '2,24p' "$0"; exit 2 ;;
+  esac
+done
+if [ -n "${OUT:-}" ]; then
+  tar -C "$res" --exclude='traces-*' -czf "$OUT/results.tgz" . && ls -la "$OUT"
+fi
