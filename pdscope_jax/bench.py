@@ -26,6 +26,8 @@ repeat's statistics) and a PNG plot into `--out`.
   +i (asynchronous I/O: copies overlap compute), +p+a (PDScope's AdaptSched with next-layer scores, full-layer
   streaming in prefill), +g+c (one batched GPU program per layer), then plain. The paper's "+c" (CPU cache prefetch of
   expert weights) has no JAX counterpart and is not modelled.
+`--cprofile N` profiles one generation of N tokens per run with cProfile after the timed runs (the host-side
+functions with the most own and cumulative time go into the JSON).
 `--track-memory N` also runs N decode steps with the first policy and records accelerator memory after every
 step (live array bytes, and the allocator's bytes in use where the device reports them), to show it stays flat.
 It prints one JSON line with the summary last. Example on the GPU node:
@@ -77,6 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host-alloc", default="jax", choices=["jax", "torch"],
                    help="pin expert memory through jax (pinned_host) or torch (+dlpack; GPU only)")
     p.add_argument("--track-memory", type=int, default=0, metavar="N", help="also record memory over N decode steps")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile (cProfile) one generation of N tokens per run, after the timed ones")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return p.parse_args(argv)
 
@@ -166,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     stem = f"bench_{cfg.name}_{stamp}"
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
 
-    def save_partial(results, errors):
+    def save_partial(runner, results, errors):
         """The results so far, so that a run stopped early (a time limit) still leaves its figures."""
         partial = {**header, "hot_table": hot_table, **_describe(runner), "results": results, "errors": errors,
                    "memory": None, "complete": False}
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
                     progress.update(task, description=f"{run['label']} batch {b} prompt {t}")
                     try:
                         for _ in range(args.warmup):
-                            runner.warmup(b, t, args.new_tokens)
+                            runner.warmup(b, t)  # decode programs do not depend on the step count
                             progress.advance(task)
                         compiled_after_warmup = runner.compiled_programs["total"]
                         repeats = []
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
                         continue
                     results.append(_summarise(run["policy"], t, repeats, compiled_after_warmup,
                                               variant=run["label"], batch=b, engine=engine))
-                    save_partial(results, errors)
+                    save_partial(runner, results, errors)
 
         memory = None
         if args.track_memory and offload_runs:
@@ -218,13 +222,15 @@ def main(argv: list[str] | None = None) -> dict:
                 runner.generate(prompts[args.batch[0], args.prompt_lens[0]], args.track_memory + 1)
             runner.track_memory = False
             memory = {"policy": first["label"], "steps": runner.memory_trace}
+        profiles = (_profile_runs(runner, offload_runs, args, prompts, console, hot_table)
+                    if args.cprofile else None)
         report_runner = _describe(runner)
         del runner  # the plain model needs the accelerator to itself
         if len(runs) > len(offload_runs):
             _run_plain(cfg, dtype, loader, shapes, args, prompts, results, tokens, progress, task)
 
     report = {**header, "hot_table": hot_table, **report_runner, "results": results, "errors": errors,
-              "memory": memory, "complete": True}
+              "memory": memory, "cprofile": profiles, "complete": True}
     json_path.write_text(json.dumps(report, indent=1, default=_jsonable))
     _plot(report, png_path)
     console.print(_table(results))
@@ -268,12 +274,46 @@ def _record_hot_table(runner, cfg, args, rng, write_layer_stats, stamp, console)
     return str(path)
 
 
+def _profile_runs(runner, runs: list[dict], args, prompts, console, hot_table) -> dict:
+    """Where the host's time goes: per run, the functions with the most own and cumulative time (cProfile) over
+    one generation of `args.cprofile` tokens at the first batch size and prompt length (after its warm-up)."""
+    import cProfile
+    import pstats
+
+    out = {}
+    for run in runs:
+        engine = {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
+                  "batched_gpu": run["batched_gpu"]}
+        runner.set_policy(run["policy"], _options(run["policy"], args), **engine)
+        prompt = prompts[args.batch[0], args.prompt_lens[0]]
+        with console.status(f"profiling {run['label']}"):
+            runner.generate(prompt, args.cprofile)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            result = runner.generate(prompt, args.cprofile)
+            profiler.disable()
+        stats = pstats.Stats(profiler)
+        rows = [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "calls": calls, "own_s": own,
+                 "cumulative_s": cum} for (path, line, name), (_, calls, own, cum, _) in stats.stats.items()]
+        out[run["label"]] = {
+            "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
+            "new_tokens": args.cprofile, "prompt_len": args.prompt_lens[0],
+            "by_own_time": sorted(rows, key=lambda r: -r["own_s"])[:25],
+            "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_s"])[:40]}
+    return out
+
+
 def _describe(runner) -> dict:
     if runner is None:
-        return {"budget": None, "slots": None, "double_buffering": None, "host_bytes_per_model_byte": None}
+        return {"budget": None, "slots": None, "double_buffering": None, "host_bytes_per_model_byte": None,
+                "host_expert_bytes": None, "host_peak_rss_bytes": None}
+    import resource
+
     return {"budget": dict(runner.budget.lines()), "slots": runner.pool.num_slots,
             "double_buffering": runner.pool.can_double_buffer,
-            "host_bytes_per_model_byte": runner.store.host_bytes_per_model_byte}
+            "host_bytes_per_model_byte": runner.store.host_bytes_per_model_byte,
+            "host_expert_bytes": runner.store.host_bytes,
+            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB
 
 
 def _run_plain(cfg, dtype, loader, shapes, args, prompts, results, tokens, progress, task) -> None:

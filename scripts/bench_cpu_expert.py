@@ -5,7 +5,10 @@ Times one routed expert (DeepSeek-V2-Lite shape by default: hidden 2048, interme
   - `xla_bf16`: the rows as they are;
   - `xla_bf16_pad{8,16,32}`: rows zero-padded up to that bucket (what `CpuExperts` does with min_rows);
   - `xla_f32`: float32 weights (twice the host memory, shown for reference);
+  - `xla_bf16_pinned_view`: rows padded to the engine's bucket, weights read through the expert store's CPU view
+    of pinned memory (as the engine reads them) instead of ordinary host memory;
   - `engine_bf16`: the engine's real path, `CpuExperts.dispatch` (gather, padded FFN, weighted scatter-add);
+    `engine_bf16_copy` the same over a store that keeps a CPU copy in ordinary memory (`cpu_view="copy"`);
   - `torch_bf16`, `torch_f32`: torch CPU with separate gate/up/down matmuls, when torch is installed.
 Prints one JSON object per measurement, then a summary with the recommended minimum row bucket, and writes all
 of it to --out (default benchmarks/results/cpu_expert_<host>.json). Runs on any machine; the figures that
@@ -61,6 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
     store = ExpertStore(select_devices())
     store.add_layer(0, gu32.astype(jnp.bfloat16)[None], dn32.astype(jnp.bfloat16)[None])
     engine = CpuExperts(store)
+    copy_store = ExpertStore(select_devices(), cpu_view="copy")  # the same expert in ordinary host memory
+    copy_store.add_layer(0, gu32.astype(jnp.bfloat16)[None], dn32.astype(jnp.bfloat16)[None])
+    engine_copy = CpuExperts(copy_store)
 
     results = []
 
@@ -81,9 +87,15 @@ def main(argv: list[str] | None = None) -> dict:
             gu, dn = weights[wname]
             emit(what="cpu_expert_ffn", variant=name, tokens=t, rows=int(x.shape[0]),
                  ms=median_ms(lambda: ffn(x, gu, dn).block_until_ready(), args.reps, args.warm))
+        rows = max(engine.min_rows, t)
+        x_rows = jax.device_put(np.resize(x32, (rows, d)).astype(jnp.bfloat16), cpu)
+        pinned_gu, pinned_dn = store.cpu_weights(0, 0)
+        emit(what="cpu_expert_ffn", variant="xla_bf16_pinned_view", tokens=t, rows=rows,
+             ms=median_ms(lambda: ffn(x_rows, pinned_gu, pinned_dn).block_until_ready(), args.reps, args.warm))
         groups = [(0, np.arange(t), np.ones(t, np.float32))]
-        emit(what="cpu_expert_ffn", variant="engine_bf16", tokens=t, rows=max(engine.min_rows, t),
-             ms=median_ms(lambda: engine.dispatch(0, x_bf, groups).block_until_ready(), args.reps, args.warm))
+        for name, runner in (("engine_bf16", engine), ("engine_bf16_copy", engine_copy)):
+            emit(what="cpu_expert_ffn", variant=name, tokens=t, rows=rows,
+                 ms=median_ms(lambda: runner.dispatch(0, x_bf, groups).block_until_ready(), args.reps, args.warm))
     try:
         import torch
 

@@ -4,11 +4,13 @@
 #
 #   OUT=$OUT bash scripts/gpu_session.sh STAGE[:SECONDS] [STAGE[:SECONDS] ...]
 #
-#   probe      store/transfer probe, XLA:CPU vs torch expert FFN
+#   probe      store/transfer probe
+#   cpu        XLA:CPU vs torch expert FFN
 #   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite
 #   profile    the cost table of DeepSeek-V2-Lite on this machine
 #   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (the offload path works here?)
-#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool, + 1,000-step memory trace
+#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool
+#   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile) of decode
 #   skewed     every policy on the skewed workload
 #   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)
 #   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)
@@ -33,7 +35,7 @@ read -r -a lengths <<< "${LENGTHS:-128 512 1024 2048 4096}"
 read -r -a budget <<< "${BUDGET:---gpu-memory 24GB --expert-pool 8GB}"
 tokens=${TOKENS:-64}
 longest=${lengths[-1]}
-costs="$res/costs_${model}.json"
+costs=${COSTS:-$res/costs_${model}.json}  # COSTS: a cost table measured in an earlier call
 bench=(python3 -m pdscope_jax bench --new-tokens "$tokens" "${budget[@]}" --out "$res")
 
 run_stage() {  # name, then the commands as one string
@@ -51,9 +53,8 @@ for arg in "$@"; do
   limit=240
   [[ $arg == *:* ]] && limit=${arg#*:}
   case "$stage" in
-    probe) run_stage probe "
-      python3 scripts/probe_store_gpu.py ${PROBE_ARGS:-} --out $res/probe_store_gpu.json
-      python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json" ;;
+    probe) run_stage probe "python3 scripts/probe_store_gpu.py ${PROBE_ARGS:-} --out $res/probe_store_gpu.json" ;;
+    cpu) run_stage cpu "python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json" ;;
     plain) run_stage plain "
       python3 scripts/bench_plain.py --model $model --lengths ${lengths[*]} --new-tokens $tokens --repeats 2 \
         --out $res" ;;
@@ -62,11 +63,14 @@ for arg in "$@"; do
       ${bench[*]} --model $model --prompt-lens $longest --policies ondemand static pdscope --cost-table $costs \
         --repeats 1 --new-tokens 16" ;;
     uniform) run_stage uniform "
-      ${bench[*]} --model $model --prompt-lens ${lengths[*]} --policies ondemand static greedy fate pdscope plain \
-        --hot-table auto --cost-table $costs --repeats 1 --track-memory ${MEMORY_STEPS:-1000}" ;;
+      ${bench[*]} --model $model --prompt-lens ${lengths[*]} --policies ondemand static greedy pdscope fate plain \
+        --hot-table auto --cost-table $costs --repeats 1" ;;
+    memory) run_stage memory "
+      ${bench[*]} --model $model --prompt-lens ${lengths[0]} --policies ondemand pdscope --cost-table $costs \
+        --repeats 1 --new-tokens 8 --cprofile ${PROFILE_TOKENS:-8} --track-memory ${MEMORY_STEPS:-1000}" ;;
     skewed) run_stage skewed "
-      ${bench[*]} --model $model --workload skewed --prompt-lens ${lengths[*]} \
-        --policies static ondemand greedy fate pdscope --hot-table auto --cost-table $costs --repeats 1" ;;
+      ${bench[*]} --model $model --workload skewed --prompt-lens ${SKEWED_LENGTHS:-${lengths[*]}} \
+        --policies ${SKEWED_POLICIES:-static ondemand greedy pdscope fate} --hot-table auto --cost-table $costs --repeats 1" ;;
     ablation) run_stage ablation "
       ${bench[*]} --model $model --workload skewed --ablation --prompt-lens $longest --cost-table $costs --repeats 1" ;;
     batches) run_stage batches "

@@ -140,6 +140,21 @@ def test_combine_experts_slot_maps_partition_the_sum(n, tiles_for_small_experts)
     assert np.abs(np.asarray(part_a)).max() > 0 and np.abs(np.asarray(part_b)).max() > 0
 
 
+@pytest.mark.parametrize("n", [4, 50, 200])
+def test_combine_experts_over_a_pool_larger_than_the_layer(n, tiles_for_small_experts):
+    """The engine's case: a pool of more slots than the layer has experts, some of them other layers' (slot 0
+    among those, where invalid assignments point), and experts scattered over it."""
+    rng = np.random.default_rng(5)
+    x, weights, ids, gate_up, down = _experts(rng, n=n)
+    e = gate_up.shape[0]
+    full = combine_experts(x, weights, ids, gate_up, down, jnp.arange(e, dtype=jnp.int32))
+    slot_of = np.array([3, 17, 9, 1, 12, 6], np.int32)  # 6 experts in a pool of 20 slots
+    pool_gu = jnp.asarray(rng.normal(size=(20, *gate_up.shape[1:])), jnp.float32).at[slot_of].set(gate_up)
+    pool_dn = jnp.asarray(rng.normal(size=(20, *down.shape[1:])), jnp.float32).at[slot_of].set(down)
+    got = jax.jit(combine_experts)(x, weights, ids, pool_gu, pool_dn, jnp.asarray(slot_of))
+    np.testing.assert_allclose(got, full, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_flat_state_round_trip_and_sources_cover_parameters(name):
     model = tiny_model(name)

@@ -34,7 +34,11 @@ F32 = jnp.float32
 # combine_experts' three exact paths, chosen statically by shape. Up to GATHER_MAX_ASSIGNMENTS (token, expert)
 # assignments: gather one weight copy per assignment (decode). From TILED_MIN_ROWS_PER_SLOT assignments per slot
 # on average: tiles of TILE_ROWS rows, one slot each (on an H200, DeepSeek-V2-Lite layer, 4096 tokens: 11.7 ms
-# against ragged_dot's 36.6 ms; at 512 tokens both about 4 ms). In between: sort + ragged_dot.
+# against ragged_dot's 36.6 ms; at 512 tokens both about 4 ms). In between: sort + ragged_dot. ragged_dot's cost
+# grows with the number of groups, not only with the rows: over the offload engine's pool of 462 slots (64 used)
+# it took about 270 ms per DeepSeek-V2-Lite layer at 4,096 tokens on the H200. So with more slots than experts
+# (only E of them can be used by one layer) large experts always take the tiled path, whose tile count is bounded
+# by the E slots in use.
 GATHER_MAX_ASSIGNMENTS = 64
 TILED_MIN_ROWS_PER_SLOT = 64
 TILE_ROWS = 128
@@ -229,9 +233,10 @@ def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
         y = jax.vmap(per_token)(x, gate_up[slots], down[slots])  # [N, K, D]
         y = jnp.where(valid[..., None], y.astype(F32) * weights[..., None], 0.0)
         return y.sum(axis=1).astype(x.dtype)
+    num_slots, num_experts = gate_up.shape[0], slot_of.shape[0]
     big_experts = gate_up.shape[1] * gate_up.shape[2] >= TILED_MIN_EXPERT_ELEMENTS
-    if big_experts and n * k >= TILED_MIN_ROWS_PER_SLOT * gate_up.shape[0]:
-        return _combine_tiled(x, weights, slots, valid, gate_up, down, TILE_ROWS)
+    if big_experts and (num_slots > num_experts or n * k >= TILED_MIN_ROWS_PER_SLOT * num_slots):
+        return _combine_tiled(x, weights, slots, valid, gate_up, down, TILE_ROWS, min(num_slots, num_experts + 1))
     return _combine_ragged(x, weights, slots, valid, gate_up, down)
 
 
@@ -250,8 +255,10 @@ def _combine_ragged(x, weights, slots, valid, gate_up, down):
     return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(y).astype(x.dtype)
 
 
-def _combine_tiled(x, weights, slots, valid, gate_up, down, tile):
-    """Many tokens: sort assignments by slot, pad each slot's rows to whole tiles, run expert_ffn tile by tile."""
+def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots):
+    """Many tokens: sort assignments by slot, pad each slot's rows to whole tiles, run expert_ffn tile by tile.
+    At most `max_used_slots` distinct slots occur in `slots` (the layer's E experts, and slot 0 where invalid
+    assignments point), which bounds the tiles of padding."""
     n, k = slots.shape
     num_slots = gate_up.shape[0]
     a = n * k
@@ -262,7 +269,7 @@ def _combine_tiled(x, weights, slots, valid, gate_up, down, tile):
     padded = (sizes + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
     dest = (padded_end - padded)[sorted_slots] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[sorted_slots]
-    num_tiles = -(-(a + num_slots * (tile - 1)) // tile)
+    num_tiles = -(-(a + max_used_slots * (tile - 1)) // tile)
     rows = jnp.zeros((num_tiles * tile,), jnp.int32).at[dest].set((order // k).astype(jnp.int32))
     w = jnp.where(valid.reshape(-1)[order], weights.reshape(-1)[order], 0.0)
     w_rows = jnp.zeros((num_tiles * tile,), F32).at[dest].set(w)

@@ -68,6 +68,7 @@ from pdscope_jax.offload.cpu_experts import CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore, Staged, expert_paths, is_expert_path
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
+from pdscope_jax.static_graph import StaticGraph, static_graph
 from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, activation_counts, check_plan,
                                load_cost_table, make_planner)
 
@@ -77,17 +78,17 @@ HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert tab
 
 
 # ---- jitted pieces (graphdef static; one trace per shape) --------------------------------------------------
-def _embed(graphdef, state, ids):
-    return nnx.merge(graphdef, state).embed(ids)  # [B, T, D]
+def _embed(graph, state, ids):
+    return nnx.merge(graph.graphdef, state).embed(ids)  # [B, T, D]
 
 
-def _dense_layer(graphdef, state, x, positions, layer_cache):
-    return nnx.merge(graphdef, state)(x, positions, layer_cache)
+def _dense_layer(graph, state, x, positions, layer_cache):
+    return nnx.merge(graph.graphdef, state)(x, positions, layer_cache)
 
 
-def _moe_route(graphdef, state, x, positions, layer_cache, n_pad):
+def _moe_route(graph, state, x, positions, layer_cache, n_pad):
     """Attention, MoE input, router and shared experts; routed inputs padded to n_pad rows."""
-    layer = nnx.merge(graphdef, state)
+    layer = nnx.merge(graph.graphdef, state)
     x, layer_cache = layer.attend(x, positions, layer_cache)  # [B, T, D]
     h = layer.mlp_input(x).reshape(-1, x.shape[-1])  # [N, D]
     weights, ids = layer.mlp.route(h)  # [N, K] f32, [N, K] int32
@@ -96,9 +97,9 @@ def _moe_route(graphdef, state, x, positions, layer_cache, n_pad):
     return x, jnp.pad(h, rows), jnp.pad(weights, rows), jnp.pad(ids, rows), shared, layer_cache
 
 
-def _gate_scores(graphdef, state, h, valid):
+def _gate_scores(graph, state, h, valid):
     """Fate's prediction: the next layer's router on this layer's MoE input h [N, D] -> [E] share of tokens."""
-    layer = nnx.merge(graphdef, state)
+    layer = nnx.merge(graph.graphdef, state)
     _, ids = layer.mlp.route(h)  # [N, K]
     chosen = jax.nn.one_hot(ids, layer.mlp.num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
     chosen = chosen * valid[:, None]
@@ -114,16 +115,16 @@ def _moe_combine(x, shared, y_gpu, y_cpu):
     return x + (routed + shared).reshape(x.shape)
 
 
-def _logit_rows(graphdef, state, x, start, size):
+def _logit_rows(graph, state, x, start, size):
     """Logits [B, size, V] of positions start..start+size-1 of x [B, T, D]."""
     rows = jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-    return nnx.merge(graphdef, state).logits(rows)
+    return nnx.merge(graph.graphdef, state).logits(rows)
 
 
-def _next_token(graphdef, state, x, index, key, temperature, top_k):
+def _next_token(graph, state, x, index, key, temperature, top_k):
     """Sample from the logits at position `index` of x [B, T, D] -> int32 [B]."""
     row = jax.lax.dynamic_slice_in_dim(x, index, 1, axis=1)  # [B, 1, D]
-    return sample(nnx.merge(graphdef, state).logits(row)[:, 0], key, temperature, top_k)
+    return sample(nnx.merge(graph.graphdef, state).logits(row)[:, 0], key, temperature, top_k)
 
 
 # ---- statistics ---------------------------------------------------------------------------------------------
@@ -172,7 +173,7 @@ class PhaseStats:
 
 @dataclasses.dataclass
 class _Layer:
-    graphdef: Any
+    graphdef: StaticGraph
     state: Any
     moe: bool
 
@@ -325,8 +326,12 @@ class OffloadRunner:
             else:
                 var.set_value(jax.device_put(weights[path], accel))
         on_accel = nnx.merge(graphdef, nnx.from_flat_state(flat_state))
-        self._graphdef, self._state = nnx.split(on_accel)
-        self._layers = [_Layer(*nnx.split(layer), layer.is_moe) for layer in on_accel.layers]
+        graphdef, self._state = nnx.split(on_accel)
+        self._graphdef = static_graph(graphdef)
+        self._layers = []
+        for layer in on_accel.layers:
+            layer_graphdef, state = nnx.split(layer)
+            self._layers.append(_Layer(static_graph(layer_graphdef), state, layer.is_moe))
         self._init_cache = on_accel.init_cache
 
     # ---- setup -----------------------------------------------------------------------------------------
