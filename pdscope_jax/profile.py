@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--decode-context", type=int, default=512, help="cached positions a decode step attends to")
     p.add_argument("--decode-max-batch", type=int, default=64, help="largest decode batch measured")
-    p.add_argument("--cpu-min-rows", type=int, default=16, help="the engine's CPU row padding")
+    p.add_argument("--cpu-min-rows", type=int, default=8, help="the engine's CPU row padding")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: the cost-table directory)")
     return p.parse_args(argv)

@@ -10,6 +10,7 @@
 #   profile    the cost table of DeepSeek-V2-Lite on this machine
 #   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (the offload path works here?)
 #   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool
+#   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile
 #   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile) of decode
 #   skewed     every policy on the skewed workload
 #   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)
@@ -65,6 +66,10 @@ for arg in "$@"; do
     uniform) run_stage uniform "
       ${bench[*]} --model $model --prompt-lens ${lengths[*]} --policies ondemand static greedy pdscope fate plain \
         --hot-table auto --cost-table $costs --repeats 1" ;;
+    compare) run_stage compare "
+      ${bench[*]} --model $model --prompt-lens ${COMPARE_LENGTHS:-${lengths[0]} $longest} \
+        --policies ${COMPARE_POLICIES:-ondemand static pdscope} --hot-table auto --cost-table $costs --repeats 1 \
+        --cprofile ${PROFILE_TOKENS:-8} --track-memory ${MEMORY_STEPS:-300}" ;;
     memory) run_stage memory "
       ${bench[*]} --model $model --prompt-lens ${lengths[0]} --policies ondemand pdscope --cost-table $costs \
         --repeats 1 --new-tokens 8 --cprofile ${PROFILE_TOKENS:-8} --track-memory ${MEMORY_STEPS:-1000}" ;;
@@ -83,11 +88,12 @@ for arg in "$@"; do
           --split \$split ${PREDICTOR_ARGS:---prompts 64 --prompt-len 512 --decode-steps 32 --batch 8}
       done
       python3 -m pdscope_jax train-predictors --traces $res/traces-train --model $model --out $res/predictors \
-        --no-progress --groups-png $res/layer_groups_$model.png
+        --no-progress --groups-png $res/layer_groups_$model.png ${TRAIN_ARGS:-}
       echo \"{\\\"offline_phase_seconds\\\": \$(( \$(date +%s) - start ))}\" > $res/predictors_${model}_time.json
       python3 scripts/eval_predictors.py --model $model --predictors $res/predictors/$model \
         --train-traces $res/traces-train --eval heldout=$res/traces-heldout \
         --out-json $res/predictors_$model.json --out-png $res/predictors_$model.png
+      du -sb $res/predictors/$model
       rm -rf $res/traces-train $res/traces-heldout" ;;
     qwen) run_stage qwen "
       python3 scripts/bench_plain.py --model $qwen --lengths 512 $longest --new-tokens $tokens --repeats 1 --out $res
@@ -98,5 +104,5 @@ for arg in "$@"; do
   esac
 done
 if [ -n "${OUT:-}" ]; then
-  tar -C "$res" --exclude='traces-*' -czf "$OUT/results.tgz" . && ls -la "$OUT"
+  tar -C "$res" --exclude='./traces-*' --exclude='./predictors' -czf "$OUT/results.tgz" . && ls -la "$OUT"
 fi

@@ -3,7 +3,8 @@
 Contract: `CpuExperts.dispatch(layer, h, groups)` takes the layer's MoE input h [N, D] already on the CPU
 backend and, per expert placed on the CPU, the rows (token indices) routed to it and their routing weights;
 it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]). It only
-dispatches (one small jitted program per expert, chained through a donated accumulator), so the caller gets
+dispatches (one small jitted program per expert, chained through a donated accumulator that the first one
+creates), so the caller gets
 the result back at once and can keep the accelerator busy meanwhile. Row counts are padded to a power of two
 of at least `min_rows` (padding rows read token 0 with weight 0): XLA:CPU is pathologically slow on bf16
 matmuls with one row, and padding bounds the set of compiled programs (`precompile` compiles them all for a
@@ -28,16 +29,22 @@ def _accumulate(acc, h, rows, weights, gate_up, down):
     return acc.at[rows].add(y * weights[:, None])
 
 
+def _first(h, rows, weights, gate_up, down):
+    """The first expert of a dispatch: `_accumulate` into zeros made inside the program."""
+    return _accumulate(jnp.zeros(h.shape, F32), h, rows, weights, gate_up, down)
+
+
 def row_bucket(rows: int, min_rows: int) -> int:
     return max(min_rows, 1 << max(rows - 1, 0).bit_length())
 
 
 class CpuExperts:
-    def __init__(self, store: ExpertStore, min_rows: int = 16):
+    def __init__(self, store: ExpertStore, min_rows: int = 8):
         self.store = store
         self.cpu = store.devices.cpu
         self.min_rows = min_rows
         self._step = jax.jit(_accumulate, donate_argnums=0)
+        self._first = jax.jit(_first)
         self._shapes: set[tuple[int, int]] = set()  # (N, R) pairs compiled
         self.expert_runs = 0
 
@@ -52,15 +59,14 @@ class CpuExperts:
         top = row_bucket(n, self.min_rows)
         sizes = {row_bucket(1 << b, self.min_rows) for b in range(top.bit_length())} | {top}
         for r in sorted(s for s in sizes if s <= top):
-            acc = jax.device_put(np.zeros(h.shape, np.float32), self.cpu)
-            zeros_r = jax.device_put(np.zeros(r, np.int32), self.cpu)
-            self._step(acc, h, zeros_r, jax.device_put(np.zeros(r, np.float32), self.cpu), gate_up, down)
+            acc = self._first(h, np.zeros(r, np.int32), np.zeros(r, np.float32), gate_up, down)
+            self._step(acc, h, np.zeros(r, np.int32), np.zeros(r, np.float32), gate_up, down)
             self._shapes.add((n, r))
 
     def dispatch(self, layer: int, h: jax.Array, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> jax.Array:
         """h [N, D] on the CPU backend; groups: (expert, rows [r] int, weights [r] float) -> y [N, D] f32."""
         n, d = h.shape
-        acc = jax.device_put(np.zeros((n, d), np.float32), self.cpu)
+        acc = None
         for expert, rows, weights in groups:
             r = row_bucket(len(rows), self.min_rows)
             rows_p = np.zeros(r, np.int32)
@@ -68,8 +74,11 @@ class CpuExperts:
             weights_p = np.zeros(r, np.float32)
             weights_p[: len(rows)] = weights
             gate_up, down = self.store.cpu_weights(layer, expert)
-            acc = self._step(acc, h, jax.device_put(rows_p, self.cpu), jax.device_put(weights_p, self.cpu),
-                             gate_up, down)
+            # host arrays go straight into the call (jit places them beside h): cheaper than a device_put each
+            if acc is None:
+                acc = self._first(h, rows_p, weights_p, gate_up, down)
+            else:
+                acc = self._step(acc, h, rows_p, weights_p, gate_up, down)
             self._shapes.add((n, r))
             self.expert_runs += 1
-        return acc
+        return acc if acc is not None else jax.device_put(np.zeros((n, d), np.float32), self.cpu)

@@ -655,8 +655,7 @@ class OffloadRunner:
         parts = [slot_of] if self.runtime.batched_gpu else [_only(slot_of, e) for e in experts]
         y_gpu = None
         for part in parts:
-            y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down,
-                                              jax.device_put(part, self.devices.accel))
+            y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down, part)  # part: host [E]
             y_gpu = y if y_gpu is None else y_gpu + y
         return y_gpu
 
@@ -725,8 +724,7 @@ class OffloadRunner:
             scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
             return scores.mean(axis=0) if scores.ndim == 2 else scores
         nl = self._layers[nxt]
-        valid_dev = jax.device_put(valid.astype(np.float32), self.devices.accel)
-        return np.asarray(self._programs["gate_scores"](nl.graphdef, nl.state, h, valid_dev))
+        return np.asarray(self._programs["gate_scores"](nl.graphdef, nl.state, h, valid.astype(np.float32)))
 
 
 def _logit_windows(width: int, real: int, size_max: int):

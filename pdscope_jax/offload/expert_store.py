@@ -185,7 +185,7 @@ class ExpertStore:
             return
         size = _pow2(n)
         pad = np.concatenate([np.arange(n), np.full(size - n, n - 1)])
-        slot_ids = jax.device_put(np.asarray(slots, np.int32)[pad], self._device)
+        slot_ids = np.asarray(slots, np.int32)[pad]  # host: the jitted commit places it beside the pool
         pool.gate_up, pool.down = self._commit(pool.gate_up, pool.down, tuple(staged.gate_ups[i] for i in pad),
                                                tuple(staged.downs[i] for i in pad), slot_ids)
         self._commit_sizes.add(size)
