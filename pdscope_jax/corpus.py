@@ -16,6 +16,10 @@ Contract:
     3. "stdlib-text": the interpreter's own non-Python text files (`LICENSE.txt`, `*.txt`, `*.rst` anywhere
        under the stdlib, test data included: none of it is Python source);
     4. "none": an empty list, when nothing above exists.
+- `cjk_text(stdlib=None)`: Chinese, Japanese and Korean sample texts, UTF-8, that CPython ships for its codec
+  tests (`test/cjkencodings/*-utf8.txt` under the stdlib; empty where a distribution strips the tests). A
+  harder switch of corpus than `out_of_domain`'s English prose for a model trained on Python: a byte-level BPE
+  tokenizer splits them into byte pieces that Python source almost never produces.
 - `load_corpus(...)` bundles the three sets; `token_stream(encode_batch, docs, eos_id)` concatenates
   documents' token ids, each document followed by the end-of-text id (`encode_batch(texts) -> list of id
   lists`; `tokenizer_encoder(tokenizer)` makes one from a `tokenizers.Tokenizer`); `sample_windows` and
@@ -143,6 +147,11 @@ def out_of_domain(max_chars: int = 2_000_000, stdlib: Path | None = None,
         if sum(len(d.text) for d in docs) >= MIN_OOD_CHARS:
             return name, docs
     return "none", []
+
+
+def cjk_text(stdlib: Path | None = None) -> list[Document]:
+    root = stdlib_root() if stdlib is None else Path(stdlib)
+    return _collect_text(sorted((root / "test" / "cjkencodings").glob("*-utf8.txt")), root, 2_000_000)
 
 
 def load_corpus(heldout_fraction: float = 0.05, seed: int = 0, max_files: int | None = None,

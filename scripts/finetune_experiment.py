@@ -5,7 +5,8 @@ Contract
   split): a FROZEN copy and a copy handed to `phaseper.OnlineFineTuner` (window 16 input-group tokens,
   threshold 25%, 128 prefill / 32 decode recent tokens: the paper's settings unless flags say otherwise).
 - Streams requests through the model at batch 1: first `--before` prompts of the in-domain held-out stdlib
-  split, then `--after` prompts of the out-of-domain corpus (the corpus switch); each request is one prefill
+  split, then `--after` prompts of another corpus (the switch): `--switch-to ood`, the out-of-domain text of
+  `corpus.out_of_domain`, or `cjk`, `corpus.cjk_text`; each request is one prefill
   of `--prompt-len` tokens and `--decode-steps` greedy decode steps, with a jitted layer-by-layer forward
   (`phaseper.collect.walk`) that exposes every MoE layer's input, routing weights and experts. A first,
   unrecorded warm-up request compiles the forwards, the predictors' shapes and the fine-tuner's programs.
@@ -53,8 +54,11 @@ _jit_forward = jax.jit(_forward, static_argnums=0, donate_argnums=4)
 
 
 def prompts_of(runner, data: corpus.Corpus, split: str, count: int, length: int, seed: int) -> tuple[np.ndarray, str]:
-    """[count, length] prompts from the held-out or out-of-domain part of `data` (split seed 0, as collected)."""
-    docs = {"heldout": data.heldout, "ood": data.ood}[split]
+    """[count, length] prompts from the held-out, out-of-domain or CJK part of `data` (split seed 0, as
+    collected)."""
+    docs = {"heldout": data.heldout, "ood": data.ood, "cjk": corpus.cjk_text()}[split]
+    if not docs:
+        raise SystemExit(f"no {split} text on this machine (corpus.{'cjk_text' if split == 'cjk' else 'load_corpus'})")
     if runner.tokenizer is not None:
         encode = corpus.tokenizer_encoder(tokenizers.Tokenizer.from_file(str(runner.tokenizer.path)))
     else:
@@ -62,7 +66,7 @@ def prompts_of(runner, data: corpus.Corpus, split: str, count: int, length: int,
         encode = lambda texts: [np.frombuffer(t.encode(), np.uint8).astype(np.int32) % vocab for t in texts]  # noqa: E731
     eos = runner.config.eos_token_id or 0
     stream = corpus.token_stream(encode, docs, eos)
-    source = data.ood_source if split == "ood" else "stdlib held-out"
+    source = {"ood": data.ood_source, "cjk": "cjk (stdlib test/cjkencodings)", "heldout": "stdlib held-out"}[split]
     return corpus.sample_windows(stream, length, count, np.random.default_rng(seed)), source
 
 
@@ -78,7 +82,7 @@ def run(args) -> dict:
     tracked = [l for l in sources if tuned.group(l) in ("input",)]
     data = corpus.load_corpus(seed=0)
     before, src_before = prompts_of(runner, data, "heldout", args.before, args.prompt_len, args.seed)
-    after, src_after = prompts_of(runner, data, "ood", args.after, args.prompt_len, args.seed)
+    after, src_after = prompts_of(runner, data, args.switch_to, args.after, args.prompt_len, args.seed)
     requests = [("in-domain", p) for p in before] + [("ood", p) for p in after]
     graphdef, state = nnx.split(model)
     dtype = model.embed.embedding[...].dtype
@@ -178,6 +182,7 @@ def run(args) -> dict:
                   "window": args.window, "threshold": args.threshold, "steps_per_finetune": args.steps,
                   "lr": args.lr, "tracked_layers": tracked, "moe_layers": layers,
                   "recent_tokens": tuner.recent_tokens},
+        "switch_to": args.switch_to,
         "tracked_tokens_before_switch": tokens_before,
         "recall_at_k_all_layers": recall,
         "tracked_error_mean": {arm: {ph: {"before": float(np.mean(e_[:tokens_before[ph]])) if tokens_before[ph] else None,
@@ -216,7 +221,7 @@ def plot(report: dict, path: Path) -> None:
             ax.plot(np.arange(len(y)) * stride, y, color=color, lw=0.8,
                     label="without fine-tuning" if arm == "frozen" else "with online fine-tuning")
         switch = report["tracked_tokens_before_switch"][phase]
-        ax.axvline(switch, color="red", ls="--", label="corpus switch (stdlib -> OOD)")
+        ax.axvline(switch, color="red", ls="--", label=f"corpus switch (stdlib -> {report['switch_to']})")
         for pos in report["finetune"]["trigger_positions_tracked_tokens"][phase]:
             ax.axvline(pos, color="tab:green", alpha=0.15, lw=0.6)
         ax.axhline(report["setup"]["threshold"], color="black", ls=":", lw=0.8, label="threshold")
@@ -237,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--predictors", type=Path, required=True)
     p.add_argument("--before", type=int, default=16, help="in-domain (held-out stdlib) prompts before the switch")
     p.add_argument("--after", type=int, default=32, help="out-of-domain prompts after the switch")
+    p.add_argument("--switch-to", default="ood", choices=("ood", "cjk"),
+                   help="the corpus after the switch: corpus.out_of_domain's text, or corpus.cjk_text")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--window", type=int, default=16)

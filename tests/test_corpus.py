@@ -95,3 +95,13 @@ def test_token_stream_and_windows():
     assert (np.diff(w1, axis=1) == 1).all()  # contiguous slices of the stream
     with pytest.raises(ValueError, match="no window"):
         corpus.sample_windows(np.arange(4), 8, 1, np.random.default_rng(0))
+
+
+def test_cjk_text_reads_the_utf8_codec_samples_only(tmp_path):
+    samples = tmp_path / "test" / "cjkencodings"
+    samples.mkdir(parents=True)
+    (samples / "gb2312-utf8.txt").write_text("中文样本", encoding="utf-8")
+    (samples / "gb2312.txt").write_bytes("中文样本".encode("gb2312"))  # the encoded twin: not UTF-8, not read
+    docs = corpus.cjk_text(tmp_path)
+    assert [(d.name, d.text) for d in docs] == [("test/cjkencodings/gb2312-utf8.txt", "中文样本")]
+    assert corpus.cjk_text(tmp_path / "elsewhere") == []

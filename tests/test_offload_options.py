@@ -77,6 +77,8 @@ def test_hot_table_from_recorded_counts(ref, tmp_path):
         hottest = np.sort(np.lexsort((np.arange(total.size), -total))[:2])
         np.testing.assert_array_equal(np.flatnonzero(runner.pool.resident(layer)), hottest)
     np.testing.assert_array_equal(runner.generate(ids, 5).tokens, tokens)
+    runner.set_policy("static", hot_table=str(path))  # default: the whole pool (6 slots), 2 per layer
+    assert all(runner.pool.resident(layer).sum() == 6 // len(cfg.moe_layers) for layer in cfg.moe_layers)
     wide = _runner(ref, "pdscope", 12, hot_table=str(path))  # default: a quarter of the 12 slots, 1 per layer
     for layer in cfg.moe_layers:
         np.testing.assert_array_equal(np.flatnonzero(wide.pool.resident(layer)), [np.argmax(loaded[layer])])

@@ -339,22 +339,22 @@ class OffloadRunner:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
         `engine` may change the RuntimeConfig fields `hot_table`, `async_io` and `batched_gpu` at the same time.
-        With a hot table, planners that have one (`HOT_POLICIES`) get its `activation_counts`, and
-        `hot_per_layer` defaults to a quarter of the pool split evenly over the MoE layers; `static` without
-        one keeps the whole pool resident, split evenly."""
+        With a hot table, planners that have one (`HOT_POLICIES`) get its `activation_counts`. `hot_per_layer`
+        defaults to the whole pool split evenly over the MoE layers for `static` (it loads nothing at run time),
+        and to a quarter of it for the others (the rest of the pool serves their loads)."""
         unknown = set(engine) - {"hot_table", "async_io", "batched_gpu"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
         self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options, **engine)
         options = self.runtime.policy_kwargs
+        if policy == "static":  # no loads at run time: the whole pool holds hot experts
+            options.setdefault("hot_per_layer", min(self.config.num_experts,
+                                                    self.pool.num_slots // len(self._moe_layers)))
         if self.runtime.hot_table and policy in HOT_POLICIES:
             options.setdefault("activation_counts", activation_counts(self.runtime.hot_table))
             options.setdefault("hot_per_layer", min(self.config.num_experts,
                                                     self.pool.num_slots // (4 * len(self._moe_layers))))
-        if policy == "static":
-            options.setdefault("hot_per_layer", min(self.config.num_experts,
-                                                    self.pool.num_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
         self._wants_scores = policy in SCORE_POLICIES
         for layer in self._moe_layers:
