@@ -4,19 +4,22 @@
 #
 #   OUT=$OUT bash scripts/gpu_session.sh STAGE[:SECONDS] [STAGE[:SECONDS] ...]
 #
-#   probe      store/transfer probe
-#   cpu        XLA:CPU vs torch expert FFN
-#   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite
-#   profile    the cost table of DeepSeek-V2-Lite on this machine
+#   (seconds: what a stage took on the H200 on 2026-11-29; "limit" where it ran out before finishing)
+#   probe      store/transfer probe                                                                        42
+#   cpu        XLA:CPU vs torch expert FFN                                                                 10
+#   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite                           124
+#   profile    the cost table of DeepSeek-V2-Lite on this machine                                           71
 #   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (the offload path works here?)
-#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool
-#   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile
-#   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile) of decode
+#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool      limit 330 at 14/30
+#   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile  244
+#   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile)  limit 215
 #   skewed     every policy on the skewed workload
 #   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)
 #   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)
-#   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end
+#   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end              191
 #   qwen       whole-model and offloaded Qwen3-30B-A3B
+# Building the offloaded DeepSeek-V2-Lite takes about a minute per benchmark process; a decode of 64 tokens
+# takes 7-15 s per policy at the speeds measured, so a full `uniform` needs its own call of ~10 minutes.
 #
 # Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the chain goes on when
 # one fails; every stage logs to <out>/<stage>.log. Benchmarks save partial JSON as they go. With OUT set,
