@@ -26,6 +26,8 @@ repeat's statistics) and a PNG plot into `--out`.
   +i (asynchronous I/O: copies overlap compute), +p+a (PDScope's AdaptSched with next-layer scores, full-layer
   streaming in prefill), +g+c (one batched GPU program per layer), then plain. The paper's "+c" (CPU cache prefetch of
   expert weights) has no JAX counterpart and is not modelled.
+After every policy/batch/length point the JSON so far is written with `"complete": false` (a run stopped by a
+time limit keeps its figures), and a point that raises is recorded under "errors" while the others still run.
 `--cprofile N` profiles one generation of N tokens per run with cProfile after the timed runs (the host-side
 functions with the most own and cumulative time go into the JSON).
 `--track-memory N` also runs N decode steps with the first policy and records accelerator memory after every
