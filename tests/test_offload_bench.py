@@ -33,6 +33,34 @@ def test_bench_writes_json_png_and_flat_memory(tmp_path):
     assert len(live) == 8 and min(live) == max(live)
 
 
+def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypatch):
+    """A point that raises is recorded and the rest still run; the partial JSON is replaced by the complete one;
+    --cprofile lists host functions per run."""
+    from pdscope_jax.offload.engine import OffloadRunner
+
+    real_warmup = OffloadRunner.warmup
+
+    def warmup(self, batch, prompt_len, new_tokens=2):
+        if prompt_len == 12:
+            raise RuntimeError("injected failure at 12 tokens")
+        return real_warmup(self, batch, prompt_len, new_tokens)
+
+    monkeypatch.setattr(OffloadRunner, "warmup", warmup)
+    slot = preset("tiny-deepseek-v2-lite").expert_bytes(4)
+    report = bench_main(["--model", "tiny-deepseek-v2-lite", "--policies", "ondemand", "--prompt-lens", "8", "12",
+                         "16", "--new-tokens", "3", "--repeats", "1", "--gpu-memory", "1GB",
+                         "--expert-pool", str(6 * slot), "--dtype", "float32", "--cprofile", "2",
+                         "--out", str(tmp_path)])
+    assert [r["prompt_len"] for r in report["results"]] == [8, 16]
+    assert [(e["prompt_len"], e["error"]) for e in report["errors"]] == [(12, "RuntimeError: injected failure at "
+                                                                              "12 tokens")]
+    saved = json.loads(next(tmp_path.glob("bench_*.json")).read_text())
+    assert saved["complete"] and len(saved["results"]) == 2
+    profile = saved["cprofile"]["ondemand"]
+    assert profile["new_tokens"] == 2 and profile["by_cumulative_time"][0]["cumulative_s"] > 0
+    assert any("generate" in row["function"] for row in profile["by_cumulative_time"])
+
+
 def test_cpu_expert_script_smoke(tmp_path):
     main = runpy.run_path(str(SCRIPTS / "bench_cpu_expert.py"))["main"]
     summary = main(["--hidden", "64", "--intermediate", "32", "--tokens", "1", "16", "--pads", "16", "--reps", "1",
