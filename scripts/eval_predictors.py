@@ -21,7 +21,7 @@ Contract
                  predicted ranking = per-expert sum of scores over the prompt, a true top-6 expert hits if its
                  predicted rank is within +-2 of its (tie-aware) true rank; in decode the step is one token
                  (its k experts are the true set: m = min(6, k) = k, so Table-5 there is close to recall@(k+2)).
-- Predictor cost: parameter bytes per network kind and in total, the checkpoint's bytes on disk, and the CPU
+- Predictor cost: parameter bytes per network kind and in total, the checkpoint's bytes on disk, and the
   latency of `PredictorSet.predict` (host arrays in, probabilities out) for 1 token (decode) and T tokens
   (one prefill request): median and p90 over repetitions after compilation, with the parameters on the CPU
   backend and, where there is one, on the accelerator.

@@ -173,7 +173,7 @@ class PhaseStats:
 
 @dataclasses.dataclass
 class _Layer:
-    graphdef: StaticGraph
+    graph: StaticGraph  # the layer's graphdef, hashed once
     state: Any
     moe: bool
 
@@ -317,7 +317,7 @@ class OffloadRunner:
     def _place_non_experts(self, graphdef, flat_state, weights: dict) -> None:
         """Fill the abstract model's state with the non-expert weights on the accelerator (expert stacks become
         empty arrays: attention, router and shared experts never read them) and split it into the jitted pieces'
-        arguments: `_graphdef`/`_state` (whole model), `_layers` (per layer) and `_init_cache`."""
+        arguments: `_graph`/`_state` (whole model), `_layers` (per layer) and `_init_cache`."""
         accel = jax.sharding.SingleDeviceSharding(self.devices.accel)
         for p, var in flat_state:
             path = _path(p)
@@ -327,7 +327,7 @@ class OffloadRunner:
                 var.set_value(jax.device_put(weights[path], accel))
         on_accel = nnx.merge(graphdef, nnx.from_flat_state(flat_state))
         graphdef, self._state = nnx.split(on_accel)
-        self._graphdef = static_graph(graphdef)
+        self._graph = static_graph(graphdef)
         self._layers = []
         for layer in on_accel.layers:
             layer_graphdef, state = nnx.split(layer)
@@ -429,7 +429,7 @@ class OffloadRunner:
         for c0, x, cache in self._prefill(chunks, cache, t):
             width = x.shape[1]
             for start, size, lo, hi in _logit_windows(width, min(width, t - c0), max(1, LOGIT_ROWS // b)):
-                rows = np.asarray(self._programs["logits"](self._graphdef, self._state, x, start, size))
+                rows = np.asarray(self._programs["logits"](self._graph, self._state, x, start, size))
                 out[:, c0 + lo:c0 + hi] = rows[:, lo - start:hi - start]
         return out
 
@@ -448,7 +448,7 @@ class OffloadRunner:
         token = None  # the first new token: sampled in the chunk that holds the prompt's last token, t - 1
         for c0, x, cache in self._prefill(chunks, cache, t):
             if c0 <= t - 1 < c0 + x.shape[1]:
-                token = next_token(self._graphdef, self._state, x, t - 1 - c0,
+                token = next_token(self._graph, self._state, x, t - 1 - c0,
                                    jax.device_put(jax.random.fold_in(root, 0), accel), temperature, top_k)
         if token is None:  # no chunk holds a real token
             raise ValueError(f"generate needs a prompt of at least one token, got shape {ids.shape}")
@@ -459,7 +459,7 @@ class OffloadRunner:
         for step in range(1, max_new_tokens):
             positions = jax.device_put(np.full((b, 1), t + step - 1, np.int32), accel)
             x, cache = self._step(token[:, None], positions, cache, "decode", np.ones(b, bool))
-            token = next_token(self._graphdef, self._state, x, 0,
+            token = next_token(self._graph, self._state, x, 0,
                                jax.device_put(jax.random.fold_in(root, step), accel), temperature, top_k)
             tokens.append(np.array(token))  # a host copy, so nothing on the accelerator grows with the output
             if self.track_memory:
@@ -546,12 +546,12 @@ class OffloadRunner:
         if phase == "prefill" and self._streams_prefill and self.pool.can_double_buffer:
             first = self._moe_layers[0]  # streams behind the embedding and the layers before it
             self._stage_ahead(first, np.flatnonzero(~self.pool.resident(first)), (), self.phase_stats[phase])
-        x = self._programs["embed"](self._graphdef, self._state, ids)
+        x = self._programs["embed"](self._graph, self._state, ids)
         for i, layer in enumerate(self._layers):
             if layer.moe:
                 x, cache[i] = self._moe_layer(i, x, positions, cache[i], phase, valid_pad)
             else:
-                x, cache[i] = self._programs["dense_layer"](layer.graphdef, layer.state, x, positions, cache[i])
+                x, cache[i] = self._programs["dense_layer"](layer.graph, layer.state, x, positions, cache[i])
         x.block_until_ready()
         reported = self.devices.accel.memory_stats() or {}
         if "peak_bytes_in_use" in reported:
@@ -573,7 +573,7 @@ class OffloadRunner:
         """Attention, router and shared experts on the accelerator; routing to the host (the layer's sync point)."""
         layer = self._layers[i]
         x, h, w, ids, shared, layer_cache = self._programs["moe_route"](
-            layer.graphdef, layer.state, x, positions, layer_cache, valid.size)
+            layer.graph, layer.state, x, positions, layer_cache, valid.size)
         scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
         w_np, ids_np = jax.device_get((w, ids))
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
@@ -724,7 +724,7 @@ class OffloadRunner:
             scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
             return scores.mean(axis=0) if scores.ndim == 2 else scores
         nl = self._layers[nxt]
-        return np.asarray(self._programs["gate_scores"](nl.graphdef, nl.state, h, valid.astype(np.float32)))
+        return np.asarray(self._programs["gate_scores"](nl.graph, nl.state, h, valid.astype(np.float32)))
 
 
 def _logit_windows(width: int, real: int, size_max: int):
