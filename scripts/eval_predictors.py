@@ -45,6 +45,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from pdscope_jax.api import resolve
 from pdscope_jax.phaseper.checkpoint import load_predictors
 from pdscope_jax.phaseper.groups import GROUP_NAMES
 from pdscope_jax.phaseper.traces import PHASES, Traces, load_traces
@@ -299,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = pset.sizes()
     report = {
         "command": "python scripts/eval_predictors.py " + shlex.join(argv),
-        "model": cfg.name, "fingerprint": cfg.fingerprint(),
+        "model": cfg.name, "weights": "checkpoint" if resolve(args.model)[1] else "random",
+        "fingerprint": cfg.fingerprint(),
         "predictors": {"path": str(args.predictors), "corpus": manifest["corpus"], "hparams": manifest["hparams"],
                        "groups": manifest["groups"], "moe_layers": manifest["moe_layers"],
                        "param_bytes_per_network": sizes,

@@ -92,7 +92,7 @@ for arg in "$@"; do
       done
       python3 -m pdscope_jax train-predictors --traces $res/traces-train --model $model --out $res/predictors \
         --no-progress --groups-png $res/layer_groups_$model.png ${TRAIN_ARGS:-}
-      echo \"{\\\"offline_phase_seconds\\\": \$(( \$(date +%s) - start ))}\" > $res/predictors_${model}_time.json
+      echo \"{\\\"offline_phase_seconds\\\": \$(( \$(date +%s) - start )), \\\"weights\\\": \\\"random\\\", \\\"command\\\": \\\"gpu_session.sh predictors (collect-traces train+heldout, train-predictors)\\\"}\" > $res/predictors_${model}_time.json
       python3 scripts/eval_predictors.py --model $model --predictors $res/predictors/$model \
         --train-traces $res/traces-train --eval heldout=$res/traces-heldout \
         --out-json $res/predictors_$model.json --out-png $res/predictors_$model.png

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 import threading
 import time
 from pathlib import Path
@@ -61,7 +63,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     E, D, F = args.experts, args.hidden, args.intermediate  # noqa: N806 (the file's shape letters)
     dev = select_devices()
-    emit(what="env", jax=jax.__version__, accel=str(dev.accel), cpu=str(dev.cpu),
+    emit(what="env", command=shlex.join(["python", "scripts/probe_store_gpu.py", *(argv if argv is not None
+                                                                                   else sys.argv[1:])]),
+         jax=jax.__version__, accel=str(dev.accel), cpu=str(dev.cpu),
          accel_memories=[str(m) for m in dev.accel.addressable_memories()])
 
     # 1-2. placement and CPU views

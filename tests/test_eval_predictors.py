@@ -63,6 +63,7 @@ def test_eval_predictors_reports_every_group_phase_and_baseline(setup):
     acc = report["acceptance"]
     assert acc["ood_drop_prefill_table5_points"]["value"] == pytest.approx(0.0)
     assert report["latency"]["cpu:0"]["shallow_1_tokens"]["median_ms"] > 0
+    assert report["weights"] == "random"
     assert report["predictors"]["checkpoint_bytes_on_disk"] > 0 and report["predictors"]["param_bytes_total"] > 0
     assert out_png.stat().st_size > 0
 
