@@ -58,7 +58,11 @@ for arg in "$@"; do
   [[ $arg == *:* ]] && limit=${arg#*:}
   case "$stage" in
     probe) run_stage probe "python3 scripts/probe_store_gpu.py ${PROBE_ARGS:-} --out $res/probe_store_gpu.json" ;;
-    cpu) run_stage cpu "python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json" ;;
+    cpu) run_stage cpu "python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json
+      for flag in ${CPU_XLA_FLAGS:-}; do  # XLA:CPU options to compare, e.g. --xla_cpu_use_xnnpack=true
+        XLA_FLAGS=\$flag python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} \
+          --out $res/cpu_expert_\${flag//[^a-z0-9]/_}.json || true
+      done" ;;
     plain) run_stage plain "
       python3 scripts/bench_plain.py --model $model --lengths ${lengths[*]} --new-tokens $tokens --repeats 2 \
         --out $res" ;;

@@ -104,10 +104,13 @@ def _experts(rng, e=6, d=16, f=8, n=50, k=2):
     return x, weights, ids, gate_up, down
 
 
-@pytest.fixture
-def tiles_for_small_experts(monkeypatch):
-    """The tiled path normally waits for large experts; let these toy ones reach it."""
+@pytest.fixture(params=["batched", "tile_after_tile"])
+def tiles_for_small_experts(request, monkeypatch):
+    """The tiled path normally waits for large experts; let these toy ones reach it, in both of its forms (all
+    tiles as one batched matmul, or one tile after another when the gathered weights would be too large)."""
     monkeypatch.setattr(layers, "TILED_MIN_EXPERT_ELEMENTS", 0)
+    if request.param == "tile_after_tile":
+        monkeypatch.setattr(layers, "GROUPED_MAX_BYTES", 0)
 
 
 @pytest.mark.parametrize("n", [4, 50, 200])  # 8, 100, 400 assignments over 6 experts: gather, ragged_dot, tiles
@@ -118,6 +121,21 @@ def test_combine_experts_matches_per_expert_sum(n, tiles_for_small_experts):
     each = np.stack([np.asarray(expert_ffn(x, gate_up[i], down[i])) for i in range(e)], axis=1)  # [N, E, D]
     want = np.einsum("nk,nkd->nd", np.asarray(weights), np.take_along_axis(each, np.asarray(ids)[..., None], 1))
     got = jax.jit(combine_experts)(x, weights, ids, gate_up, down, jnp.arange(e, dtype=jnp.int32))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_combine_experts_tiles_hold_skewed_routing(tiles_for_small_experts):
+    """Every token on the same two experts (the most tiles one slot can need) over a pool with more slots than
+    experts, as in the offload engine: the tiles still cover every assignment."""
+    rng = np.random.default_rng(5)
+    x, weights, _, gate_up, down = _experts(rng, e=6, n=300)
+    ids = jnp.tile(jnp.asarray([[4, 1]], jnp.int32), (300, 1))
+    slot_of = jnp.asarray([7, 2, 9, 0, 5, 3], jnp.int32)  # 6 experts in a pool of 10 slots
+    pool_gu = jnp.zeros((10,) + gate_up.shape[1:], gate_up.dtype).at[slot_of].set(gate_up)
+    pool_dn = jnp.zeros((10,) + down.shape[1:], down.dtype).at[slot_of].set(down)
+    want = sum(np.asarray(weights[:, j:j + 1]) * np.asarray(expert_ffn(x, gate_up[e], down[e]))
+               for j, e in enumerate((4, 1)))
+    got = jax.jit(combine_experts)(x, weights, ids, pool_gu, pool_dn, slot_of)
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 

@@ -33,17 +33,22 @@ from pdscope_jax.models.cache import KVCache, init_kv_cache, update_cache
 F32 = jnp.float32
 # combine_experts' three exact paths, chosen statically by shape. Up to GATHER_MAX_ASSIGNMENTS (token, expert)
 # assignments: gather one weight copy per assignment (decode). From TILED_MIN_ROWS_PER_SLOT assignments per slot
-# on average: tiles of TILE_ROWS rows, one slot each (on an H200, DeepSeek-V2-Lite layer, 4096 tokens: 11.7 ms
-# against ragged_dot's 36.6 ms; at 512 tokens both about 4 ms). In between: sort + ragged_dot. ragged_dot's cost
-# grows with the number of groups, not only with the rows: over the offload engine's pool of 462 slots (64 used)
-# it took about 270 ms per DeepSeek-V2-Lite layer at 4,096 tokens on the H200. So with more slots than experts
-# (only E of them can be used by one layer) large experts always take the tiled path, whose tile count is bounded
-# by the E slots in use.
+# on average, or whenever there are more slots than experts: tiles, each of one slot's rows. In between: sort +
+# ragged_dot. ragged_dot's cost grows with the number of groups, not only with the rows: over the offload engine's
+# pool of 462 slots (64 used) it took about 270 ms per DeepSeek-V2-Lite layer at 4,096 tokens on the H200. The
+# tiles' count is bounded by the E slots one layer can use. Tiles run as ONE batched matmul over a gathered copy
+# of each tile's weights while that copy stays under GROUPED_MAX_BYTES (the tile grows with the tokens, so the
+# copy holds at most about 2E + 1 experts); larger experts (Mixtral's) run tile after tile (`lax.map`) over tiles
+# of TILE_ROWS rows instead. On an H200 (DeepSeek-V2-Lite layer, 4,096 tokens) the tile-after-tile loop of
+# 128-row tiles took 11.7 ms against ragged_dot's 36.6 ms: its tiles are too small to leave the loop's overhead.
 GATHER_MAX_ASSIGNMENTS = 64
 TILED_MIN_ROWS_PER_SLOT = 64
 TILE_ROWS = 128
-# Tiles run one after another, so they only pay when each tile's matmul is large: with a small expert
-# (e.g. hidden 160, width 64) hundreds of tiny sequential tiles made a training step 7.5x slower than ragged_dot.
+GROUPED_MIN_TILE = 64
+GROUPED_MAX_TILE = 512
+GROUPED_MAX_BYTES = 3 * 10**9
+# Tiles only pay when each tile's matmul is large: with a small expert (e.g. hidden 160, width 64) hundreds of
+# tiny sequential tiles made a training step 7.5x slower than ragged_dot.
 TILED_MIN_EXPERT_ELEMENTS = 1 << 20  # D * 2F of one expert's gate_up
 
 
@@ -236,8 +241,26 @@ def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     num_slots, num_experts = gate_up.shape[0], slot_of.shape[0]
     big_experts = gate_up.shape[1] * gate_up.shape[2] >= TILED_MIN_EXPERT_ELEMENTS
     if big_experts and (num_slots > num_experts or n * k >= TILED_MIN_ROWS_PER_SLOT * num_slots):
-        return _combine_tiled(x, weights, slots, valid, gate_up, down, TILE_ROWS, min(num_slots, num_experts + 1))
+        used = min(num_slots, num_experts + 1)
+        expert_bytes = (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * gate_up.dtype.itemsize
+        tile, num_tiles = grouped_tiles(n * k, used)
+        if num_tiles * expert_bytes <= GROUPED_MAX_BYTES:
+            return _combine_tiled(x, weights, slots, valid, gate_up, down, tile, used, batched=True)
+        return _combine_tiled(x, weights, slots, valid, gate_up, down, TILE_ROWS, used, batched=False)
     return _combine_ragged(x, weights, slots, valid, gate_up, down)
+
+
+def grouped_tiles(assignments: int, used_slots: int) -> tuple[int, int]:
+    """(tile rows, tile count) of the batched tiled path for `assignments` rows over at most `used_slots` slots:
+    the tile is the power of two nearest above the mean rows per slot, within [GROUPED_MIN_TILE, GROUPED_MAX_TILE];
+    the count bounds the tiles any routing can fill (every slot's last tile may be partly empty)."""
+    mean = -(-assignments // max(used_slots, 1))
+    tile = min(max(1 << max(mean - 1, 0).bit_length(), GROUPED_MIN_TILE), GROUPED_MAX_TILE)
+    return tile, _tile_count(assignments, used_slots, tile)
+
+
+def _tile_count(assignments: int, used_slots: int, tile: int) -> int:
+    return -(-(assignments + used_slots * (tile - 1)) // tile)
 
 
 def _combine_ragged(x, weights, slots, valid, gate_up, down):
@@ -255,8 +278,9 @@ def _combine_ragged(x, weights, slots, valid, gate_up, down):
     return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(y).astype(x.dtype)
 
 
-def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots):
-    """Many tokens: sort assignments by slot, pad each slot's rows to whole tiles, run expert_ffn tile by tile.
+def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots, batched):
+    """Many tokens: sort assignments by slot, pad each slot's rows to whole tiles, run expert_ffn per tile: all
+    tiles as one batched matmul over a gathered copy of their weights (`batched`), or one after another.
     At most `max_used_slots` distinct slots occur in `slots` (the layer's E experts, and slot 0 where invalid
     assignments point), which bounds the tiles of padding."""
     n, k = slots.shape
@@ -269,21 +293,24 @@ def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots
     padded = (sizes + tile - 1) // tile * tile
     padded_end = jnp.cumsum(padded)
     dest = (padded_end - padded)[sorted_slots] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[sorted_slots]
-    num_tiles = -(-(a + max_used_slots * (tile - 1)) // tile)
+    num_tiles = _tile_count(a, max_used_slots, tile)
     rows = jnp.zeros((num_tiles * tile,), jnp.int32).at[dest].set((order // k).astype(jnp.int32))
     w = jnp.where(valid.reshape(-1)[order], weights.reshape(-1)[order], 0.0)
     w_rows = jnp.zeros((num_tiles * tile,), F32).at[dest].set(w)
     starts = jnp.arange(num_tiles) * tile
     tile_slot = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_slots - 1)
-    used = starts < padded_end[-1]
     xt = x[rows].reshape(num_tiles, tile, x.shape[1])
+    if batched:  # rows of unused tiles carry weight 0, so they need no mask
+        gu, dn = gate_up[tile_slot], down[tile_slot]  # [T, D, 2F], [T, F, D]
+        h = jnp.einsum("tcd,tdf->tcf", xt.astype(gu.dtype), gu, preferred_element_type=F32)
+        y = jnp.einsum("tcf,tfd->tcd", _swiglu(h).astype(dn.dtype), dn, preferred_element_type=F32).astype(x.dtype)
+    else:
+        def one_tile(args):
+            xg, slot, live = args
+            return jax.lax.cond(live, lambda: expert_ffn(xg, gate_up[slot], down[slot]), lambda: jnp.zeros_like(xg))
 
-    def one_tile(args):
-        xg, slot, live = args
-        return jax.lax.cond(live, lambda: expert_ffn(xg, gate_up[slot], down[slot]), lambda: jnp.zeros_like(xg))
-
-    y = jax.lax.map(one_tile, (xt, tile_slot, used)).reshape(num_tiles * tile, -1)
-    y = y.astype(F32) * w_rows[:, None]
+        y = jax.lax.map(one_tile, (xt, tile_slot, starts < padded_end[-1]))
+    y = y.reshape(num_tiles * tile, -1).astype(F32) * w_rows[:, None]
     return jnp.zeros((n, x.shape[1]), F32).at[rows].add(y).astype(x.dtype)
 
 

@@ -2,8 +2,8 @@
 
 Contract: `plan_budget(...)` splits `RuntimeConfig.gpu_memory` into non-expert weights (exact, from their
 shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step (an upper
-estimate, see `activation_bytes`), transfer staging (device temporaries of one slot-write program, at most one
-layer of experts) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a
+estimate, see `activation_bytes`), transfer staging (the device copies of staged experts before they are written
+into their slots: while one layer's copies wait for their slot write, the next layer's are issued, so two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a
 whole number of slots, one slot per expert (gate_up [D,2F] + down [F,D]). When the fixed parts do not fit,
 it raises `BudgetError` with every number, before anything is allocated. It never touches a device.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdscope_jax.config import ModelConfig
-from pdscope_jax.models.layers import GATHER_MAX_ASSIGNMENTS
+from pdscope_jax.models.layers import GATHER_MAX_ASSIGNMENTS, GROUPED_MAX_BYTES, grouped_tiles
 from pdscope_jax.runtime import RuntimeConfig, format_size
 
 
@@ -27,7 +27,7 @@ class Budget:
     non_expert: int  # embedding, attention, norms, routers, shared experts, dense MLPs, lm_head
     kv_cache: int
     activations: int
-    staging: int  # device temporaries of one slot-write program
+    staging: int  # device copies of staged experts awaiting their slot write (two layers)
     slot_bytes: int  # one expert in a slot
     slots: int  # S: slots in the global pool
     pool_cap: int | None  # RuntimeConfig.expert_pool
@@ -71,19 +71,24 @@ def activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
     scores = 2 * b * heads * tq * tk * 4  # scores and probabilities, float32
     keys = b * tk * heads * attn_dim * 4  # MLA re-expands keys/values from the latent
     router = 3 * n * e * 4
-    experts = n * k * (d * itemsize + 2 * f * 4 + f * itemsize + 2 * d * 4)  # sorted combine: gathered rows
+    # sorted combine: gathered rows; the tiled path pads them to whole tiles and may gather each tile's weights
+    tile, tiles = grouped_tiles(n * k, e + 1)
+    tile_weights = tiles * cfg.expert_bytes(itemsize)
+    rows = max(n * k, tiles * tile)
+    experts = rows * (d * itemsize + 2 * f * 4 + f * itemsize + 2 * d * 4)
     mlp = 3 * n * max(cfg.intermediate_size, f * max(cfg.num_shared_experts, 1)) * 4
     logits = min(n, 256) * cfg.vocab_size * 4  # logits are produced in slices of at most 256 rows
     # With few tokens, combine_experts gathers one weight copy per (token, expert) assignment.
     gathered = min(b * k, GATHER_MAX_ASSIGNMENTS) * cfg.expert_bytes(itemsize)
-    return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered)
+    return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered
+               + (tile_weights if tile_weights <= GROUPED_MAX_BYTES else 0))
 
 
 def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, kv_cache_bytes: int,
                 itemsize: int) -> Budget:
     """Fixed parts first, the slot pool from what is left (see the module docstring)."""
     slot_bytes = cfg.expert_bytes(itemsize)
-    staging = slot_bytes * cfg.num_experts
+    staging = 2 * slot_bytes * cfg.num_experts
     budget = Budget(total=rc.gpu_memory, non_expert=non_expert_bytes, kv_cache=kv_cache_bytes,
                     activations=activation_bytes(cfg, rc, itemsize), staging=staging, slot_bytes=slot_bytes,
                     slots=0, pool_cap=rc.expert_pool)

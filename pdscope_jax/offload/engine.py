@@ -24,7 +24,7 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   `warmup(batch, prompt_len, new_tokens)` compiles the programs of a shape before timing;
   `set_policy(name, options, **engine)` switches planners (and the engine switches below) without rebuilding.
 - RuntimeConfig switches read here: `cost_table` (a name or path, `sched.load_cost_table`; else the analytic
-  table), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
+  table), `calibrate_costs` (see "Cost calibration" below), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
   every staged copy is waited for where it is issued, before compute, so nothing overlaps: the ablation's
   synchronous I/O), `batched_gpu` (False: one GPU program per expert instead of one per layer).
 
@@ -40,9 +40,18 @@ Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engin
   record   wait for compute and transfers (timed from helper threads), update the statistics.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
+Cost calibration: the profiled table times each piece alone, but at run time CPU experts share the host's memory
+and cores with the copies and the engine's own threads. So the engine compares every layer's CPU expert time and
+on-demand load time (issue to done) with what the table predicts for them and keeps an exponential average of
+each ratio (`CALIBRATION_WEIGHT` per layer, clipped to `CALIBRATION_RANGE`); planners get the table with CPU and
+transfer times scaled by those two factors (`CostTable.scaled`), updated at the end of each step. The factors
+describe the machine, so they persist across `set_policy`; `stats["cost_scale"]` reports them.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
 applied to this layer's MoE input (Fate's own predictor); `pdscope` uses a predictor object's
-`predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else that gate too. Token counts are padded to buckets
+`predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else that gate too; in
+prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole next layer streams whatever they
+say, and AdaptSched's streaming test then reads the current layer's tokens), which saves a host round trip per
+layer. Token counts are padded to buckets
 (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled programs is bounded; padded rows
 route but carry no weight in any statistic. Prefill runs a whole prompt at batch 1 and chunks of
 `prefill_chunk` tokens per sequence otherwise.
@@ -74,6 +83,8 @@ from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, a
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
+CALIBRATION_WEIGHT = 0.1  # weight of one layer's observed/predicted ratio in the running cost scale
+CALIBRATION_RANGE = (0.25, 8.0)
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
 
@@ -197,11 +208,27 @@ class _Routed:
 
 @dataclasses.dataclass
 class _Timing:
-    dispatched: float  # perf_counter when compute was dispatched
-    exposed_load: float  # seconds waited for on-demand loads
+    start: float  # perf_counter when the layer's on-demand loads were issued
+    dispatched: float  # ... when its GPU experts were dispatched
+    cpu_start: float  # ... when its CPU experts were handed to the CPU worker
+    cpu_end: float | None  # ... when they were done (None: none ran)
+    loads: tuple | None  # arrays of its on-demand loads still in flight
+    loads_end: float | None  # ... or when they were done, where they were waited for (synchronous I/O)
     y_gpu: jax.Array | None
-    y_cpu: jax.Array | None
     staged_next: tuple | None  # arrays of the next layer's transfers
+
+
+@dataclasses.dataclass
+class _Pending:
+    """One layer's statistics waiting for its helper threads' timestamps (settled at the end of the step)."""
+
+    phase: str
+    gpu_experts: int
+    cpu_experts: int
+    cpu_predicted: float  # the (unscaled) cost table's seconds for the layer's CPU experts
+    load_predicted: float  # ... for its on-demand loads
+    timing: _Timing  # with its array fields emptied, so no device buffer is kept alive
+    ready: dict[str, concurrent.futures.Future]  # "gpu" / "load" / "transfer" -> perf_counter when done
 
 
 def analytic_costs(cfg, itemsize: int) -> CostTable:
@@ -259,7 +286,10 @@ class OffloadRunner:
         self._row_counts: set[int] = set()  # padded token counts seen (for warm-up)
         self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
         self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
-        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=3, thread_name_prefix="offload-wait")
+        self._streamed: dict[int, np.ndarray] = {}  # layer -> experts streamed into it (transient slots)
+        self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
+        self._cpu_worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
+        self._unsettled: list[_Pending] = []
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
         self.memory_trace: list[dict[str, int | None]] = []
@@ -279,8 +309,10 @@ class OffloadRunner:
         self.budget: Budget = plan_budget(cfg, rc, non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes),
                                           itemsize=expert_dtype.itemsize)
         self._check_policy(rc.policy)
-        self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
-                                    else analytic_costs(cfg, expert_dtype.itemsize))
+        self.cost_table = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
+                                         else analytic_costs(cfg, expert_dtype.itemsize))
+        self.cost_scale = {"cpu": 1.0, "transfer": 1.0}  # run-time calibration (module docstring)
+        self.costs = self.cost_table  # what the planners see
         return expert_dtype
 
     def _take_weights(self, model, weights, shapes: dict[str, Any], cpu_view: str, host_alloc: str) -> dict:
@@ -317,7 +349,7 @@ class OffloadRunner:
     def _place_non_experts(self, graphdef, flat_state, weights: dict) -> None:
         """Fill the abstract model's state with the non-expert weights on the accelerator (expert stacks become
         empty arrays: attention, router and shared experts never read them) and split it into the jitted pieces'
-        arguments: `_graph`/`_state` (whole model), `_layers` (per layer) and `_init_cache`."""
+        arguments: `_graph`/`_state` (the model without its layers), `_layers` (per layer) and `_init_cache`."""
         accel = jax.sharding.SingleDeviceSharding(self.devices.accel)
         for p, var in flat_state:
             path = _path(p)
@@ -326,23 +358,30 @@ class OffloadRunner:
             else:
                 var.set_value(jax.device_put(weights[path], accel))
         on_accel = nnx.merge(graphdef, nnx.from_flat_state(flat_state))
-        graphdef, self._state = nnx.split(on_accel)
-        self._graph = static_graph(graphdef)
         self._layers = []
         for layer in on_accel.layers:
             layer_graphdef, state = nnx.split(layer)
             self._layers.append(_Layer(static_graph(layer_graphdef), state, layer.is_moe))
         self._init_cache = on_accel.init_cache
+        # the whole-model pieces (embedding, logits) get the model without its layers: passing every layer's
+        # arrays to each of their calls cost about a millisecond per decode step in argument handling alone
+        layers, on_accel.layers = on_accel.layers, nnx.List([])
+        graphdef, self._state = nnx.split(on_accel)
+        on_accel.layers = layers
+        self._graph = static_graph(graphdef)
 
     # ---- setup -----------------------------------------------------------------------------------------
     def set_policy(self, policy: str, policy_options=(), **engine) -> None:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
-        `engine` may change the RuntimeConfig fields `hot_table`, `async_io` and `batched_gpu` at the same time.
+        `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu` and `calibrate_costs`
+        at the same time.
         With a hot table, planners that have one (`HOT_POLICIES`) get its `activation_counts`. `hot_per_layer`
-        defaults to the whole pool split evenly over the MoE layers for `static` (it loads nothing at run time),
-        and to a quarter of it for the others (the rest of the pool serves their loads)."""
-        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu"}
+        defaults to the whole pool split evenly over the MoE layers for `static` (it loads nothing at run time);
+        for `pdscope` to the pool less two full layers when those fit (prefill streams every other expert
+        through the two layer buffers, which decode then uses for its loads and prefetches), else a quarter of
+        it; and to a quarter of it for `greedy` (the rest of the pool serves its loads)."""
+        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "calibrate_costs"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -353,14 +392,18 @@ class OffloadRunner:
                                                     self.pool.num_slots // len(self._moe_layers)))
         if self.runtime.hot_table and policy in HOT_POLICIES:
             options.setdefault("activation_counts", activation_counts(self.runtime.hot_table))
-            options.setdefault("hot_per_layer", min(self.config.num_experts,
-                                                    self.pool.num_slots // (4 * len(self._moe_layers))))
+            hot_slots = self.pool.num_slots // 4
+            if policy == "pdscope" and self.pool.can_double_buffer:
+                hot_slots = self.pool.num_slots - 2 * self.config.num_experts
+            options.setdefault("hot_per_layer", min(self.config.num_experts, hot_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
+        self.costs = self.cost_table.scaled(**self.cost_scale) if self.runtime.calibrate_costs else self.cost_table
         self._wants_scores = policy in SCORE_POLICIES
         for layer in self._moe_layers:
             self.pool.release(layer, np.arange(self.config.num_experts))
         self._pending.clear()
         self._prefetched.clear()
+        self._streamed.clear()
         self._streams_prefill = False
         self._preload()
         self.reset_stats()
@@ -414,6 +457,7 @@ class OffloadRunner:
             "double_buffering": self.pool.can_double_buffer,
             "evictions": self.pool.evictions,
             "budget": {name: value for name, value in self.budget.lines()},
+            "cost_scale": dict(self.cost_scale) if self.runtime.calibrate_costs else None,
             "host_expert_bytes": self.store.host_bytes,
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
             "device_peak_bytes": self.device_peak_bytes,
@@ -543,9 +587,11 @@ class OffloadRunner:
         self._row_counts.add(n_pad)
         valid_pad = np.zeros(n_pad, bool)
         valid_pad[:n] = valid
-        if phase == "prefill" and self._streams_prefill and self.pool.can_double_buffer:
+        if phase == "decode":
+            self._streamed.clear()  # what prefill streamed is now part of the decode cache
+        elif self._streams_prefill and self.pool.can_double_buffer:
             first = self._moe_layers[0]  # streams behind the embedding and the layers before it
-            self._stage_ahead(first, np.flatnonzero(~self.pool.resident(first)), (), self.phase_stats[phase])
+            self._stream(first, (), self.phase_stats[phase])
         x = self._programs["embed"](self._graph, self._state, ids)
         for i, layer in enumerate(self._layers):
             if layer.moe:
@@ -553,6 +599,7 @@ class OffloadRunner:
             else:
                 x, cache[i] = self._programs["dense_layer"](layer.graph, layer.state, x, positions, cache[i])
         x.block_until_ready()
+        self._settle()
         reported = self.devices.accel.memory_stats() or {}
         if "peak_bytes_in_use" in reported:
             self.device_peak_bytes = max(self.device_peak_bytes or 0, int(reported["peak_bytes_in_use"]))
@@ -566,7 +613,7 @@ class OffloadRunner:
         r = self._route(i, x, positions, layer_cache, phase, valid)
         plan = self._plan(i, phase, r)
         x, timing = self._execute(i, phase, plan, r)
-        self._record(phase, plan, timing)
+        self._record(phase, plan, timing, r.tokens)
         return x, r.layer_cache
 
     def _route(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray) -> _Routed:
@@ -609,22 +656,29 @@ class OffloadRunner:
         return plan
 
     def _execute(self, i: int, phase: str, plan: Plan, r: _Routed):
-        """This layer's transfers, then the next layer's (staged before compute), then GPU and CPU experts."""
+        """CPU experts (on a worker thread) and this layer's loads first, then the next layer's transfers (staged
+        before compute), then the GPU experts; nothing here waits for the accelerator."""
         pool, stats = self.pool, self.phase_stats[phase]
         on_gpu = np.zeros(self.config.num_experts, bool)  # [E]
         on_gpu[plan.gpu] = True
         self._commit_staged(i)
         pool.release(i, plan.unload[~on_gpu[plan.unload]])  # unloads this layer does not compute with: free now
-        exposed = self._load_now(i, plan.load_now, stats)
+        cpu_job, cpu_start = None, time.perf_counter()
+        if plan.cpu.size and self.runtime.async_io:  # the CPU experts run while the loads copy
+            cpu_job = self._cpu_worker.submit(self._run_cpu, i, plan.cpu, r)
+        start = time.perf_counter()
+        loads, loads_end = self._load_now(i, plan.load_now, stats)
         # the next layer's copies are issued BEFORE this layer's compute is dispatched, so they overlap it
         staged_next = self._issue_next(i, self._next_moe.get(i), plan, stats)
         dispatched = time.perf_counter()
+        if plan.cpu.size and not self.runtime.async_io:  # synchronous I/O: nothing overlapped the copies
+            cpu_job, cpu_start = self._cpu_worker.submit(self._run_cpu, i, plan.cpu, r), dispatched
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
-        y_cpu = self._run_cpu(i, plan.cpu, r)
+        y_cpu, cpu_end = cpu_job.result() if cpu_job is not None else (None, None)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
-        return x, _Timing(dispatched, exposed, y_gpu, y_cpu, staged_next)
+        return x, _Timing(start, dispatched, cpu_start, cpu_end, loads, loads_end, y_gpu, staged_next)
 
     def _commit_staged(self, i: int) -> None:
         """Copy the transfers staged for layer i (by the layer before it) into their reserved slots."""
@@ -632,17 +686,23 @@ class OffloadRunner:
             staged, slots = self._pending.pop(i)
             self.store.commit(self.pool, staged, slots)
 
-    def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats) -> float:
-        """Load `experts` of layer i into slots and wait for them (the exposed, blocking part). -> seconds waited."""
+    def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats) -> tuple[tuple | None, float | None]:
+        """Issue the load of `experts` of layer i into slots (ordered before every later reader of the pool).
+        -> (the staged arrays, ready when the copy is done; None) or, with `async_io` off, where the copy is
+        waited for here, (None, perf_counter when it was done); (None, None) when nothing was loaded."""
         if experts.size == 0:
-            return 0.0
+            return None, None
         pool = self.pool
-        start = time.perf_counter()
-        stats.bytes_moved += self.store.write(pool, i, experts, pool.allocate(i, experts, protect=(i,)))
-        pool.gate_up.block_until_ready()
-        waited = time.perf_counter() - start
+        slots = pool.allocate(i, experts, protect=(i,))
+        staged = self.store.stage(i, experts)
+        self.store.commit(pool, staged, slots)
+        stats.bytes_moved += staged.nbytes
         stats.experts_loaded_now += experts.size
-        return waited
+        arrays = staged.gate_ups + staged.downs
+        if not self.runtime.async_io:
+            jax.block_until_ready(arrays)
+            return None, time.perf_counter()
+        return arrays, None
 
     def _run_gpu(self, i: int, experts: np.ndarray, on_gpu: np.ndarray, r: _Routed):
         """Dispatch layer i's GPU `experts` over the slot pool (on_gpu [E] marks them). -> y [Nb, D], or None."""
@@ -660,48 +720,87 @@ class OffloadRunner:
         return y_gpu
 
     def _run_cpu(self, i: int, experts: np.ndarray, r: _Routed):
-        """Dispatch layer i's CPU `experts` on the CPU backend (asynchronously). -> y [Nb, D] f32 on the
-        accelerator, or None."""
-        if experts.size == 0:
-            return None
+        """Run layer i's CPU `experts` on the CPU backend (called on the CPU worker thread). -> (y [Nb, D] f32 on
+        the accelerator, perf_counter when the CPU was done)."""
         h_cpu = jax.device_put(r.h, self.devices.cpu)
         acc = self.cpu_experts.dispatch(i, h_cpu, _groups(experts, r.rows, r.w_host, r.ids_host))
-        return jax.device_put(acc, self.devices.accel)
+        acc.block_until_ready()
+        done = time.perf_counter()
+        return jax.device_put(acc, self.devices.accel), done
 
-    def _record(self, phase: str, plan: Plan, t: _Timing) -> None:
-        """Wait for GPU experts, CPU experts and next-layer transfers at once (helper threads time each)."""
-        stats = self.phase_stats[phase]
-        futures = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
-                   (("gpu", t.y_gpu), ("cpu", t.y_cpu), ("transfer", t.staged_next)) if arrays is not None}
-        done = {name: future.result() for name, future in futures.items()}
-        gpu_end, cpu_end = done.get("gpu", t.dispatched), done.get("cpu", t.dispatched)
-        stats.gpu_seconds += gpu_end - t.dispatched
-        stats.cpu_seconds += cpu_end - t.dispatched
-        stats.gpu_experts += plan.gpu.size
-        stats.cpu_experts += plan.cpu.size
-        exposed = t.exposed_load
-        stats.transfer_seconds += t.exposed_load
-        if "transfer" in done:
-            stats.transfer_seconds += done["transfer"] - t.dispatched
-            exposed += max(0.0, done["transfer"] - max(gpu_end, cpu_end))
-        stats.exposed_transfer_seconds += exposed
+    def _record(self, phase: str, plan: Plan, t: _Timing, tokens: np.ndarray) -> None:
+        """Hand the layer's GPU result and transfers to helper threads that time when each is done; the step
+        settles the statistics at its end (`_settle`), so no layer waits for its own compute here."""
+        ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
+                 (("gpu", t.y_gpu), ("load", t.loads), ("transfer", t.staged_next)) if arrays is not None}
+        timing = dataclasses.replace(t, loads=None, y_gpu=None, staged_next=None)
+        table = self.cost_table
+        self._unsettled.append(_Pending(phase, plan.gpu.size, plan.cpu.size, table.t_cpu(tokens[plan.cpu]),
+                                        float(table.t_transfer(plan.load_now.size)), timing, ready))
+
+    def _settle(self) -> None:
+        """Add the timed layers of the step to the statistics. Loads are exposed where the CPU experts were not
+        running; next-layer transfers where they outlast this layer's compute."""
+        for p in self._unsettled:
+            stats, t = self.phase_stats[p.phase], p.timing
+            done = {name: future.result() for name, future in p.ready.items()}
+            load_end = done.get("load", t.loads_end if t.loads_end is not None else t.start)
+            cpu_end = t.cpu_end if t.cpu_end is not None else t.cpu_start
+            gpu_start = max(t.dispatched, load_end)  # the GPU experts wait for the loads
+            gpu_end = done.get("gpu", gpu_start)
+            stats.gpu_seconds += max(0.0, gpu_end - gpu_start)
+            stats.cpu_seconds += cpu_end - t.cpu_start
+            stats.gpu_experts += p.gpu_experts
+            stats.cpu_experts += p.cpu_experts
+            stats.transfer_seconds += load_end - t.start
+            covered = max(0.0, min(load_end, cpu_end) - max(t.start, t.cpu_start))  # loads under CPU compute
+            exposed = load_end - t.start - covered
+            if "transfer" in done:
+                stats.transfer_seconds += done["transfer"] - t.dispatched
+                exposed += max(0.0, done["transfer"] - max(gpu_end, cpu_end))
+            stats.exposed_transfer_seconds += exposed
+            if t.cpu_end is not None and p.cpu_predicted > 0:
+                self._calibrate("cpu", (cpu_end - t.cpu_start) / p.cpu_predicted)
+            if "load" in done and p.load_predicted > 0:
+                self._calibrate("transfer", (load_end - t.start) / p.load_predicted)
+        self._unsettled.clear()
+        if self.runtime.calibrate_costs:
+            self.costs = self.cost_table.scaled(**self.cost_scale)
+
+    def _calibrate(self, part: str, ratio: float) -> None:
+        """Move the running scale of `part` ("cpu" or "transfer") toward one layer's observed/predicted ratio."""
+        lo, hi = CALIBRATION_RANGE
+        scale = (1 - CALIBRATION_WEIGHT) * self.cost_scale[part] + CALIBRATION_WEIGHT * ratio
+        self.cost_scale[part] = min(max(scale, lo), hi)
 
     def _issue_next(self, i: int, nxt: int | None, plan: Plan, stats: PhaseStats):
         """Stage the next layer's experts (whole layer when streaming fits, else the plan's prefetch)."""
         if nxt is None:
             return None
         if plan.stream_next_layer and self.pool.can_double_buffer:
-            return self._stage_ahead(nxt, np.flatnonzero(~self.pool.resident(nxt)), (i,), stats)
+            return self._stream(nxt, (i,), stats)
         return self._stage_ahead(nxt, plan.prefetch, (i,), stats)
 
-    def _stage_ahead(self, layer: int, experts: np.ndarray, protect: tuple[int, ...], stats: PhaseStats):
-        """Reserve slots and issue the copy of `experts` of `layer`, committed when `layer` runs. -> staged arrays,
-        or None when nothing is in flight (no experts, or `async_io` off: then the copy is waited for here, before
-        any compute is dispatched, and all of it counts as exposed)."""
+    def _stream(self, layer: int, protect: tuple[int, ...], stats: PhaseStats):
+        """Stage every non-resident expert of `layer` into slots streamed into for layers already computed (then
+        free or LRU ones), so experts resident before the prefill stay resident."""
+        done = [(other, experts) for other, experts in self._streamed.items() if other != layer and
+                other not in protect]
+        transient = np.concatenate([self.pool.slot_of(other)[experts] for other, experts in done] or [[]])
+        experts = np.flatnonzero(~self.pool.resident(layer))
+        self._streamed[layer] = experts
+        return self._stage_ahead(layer, experts, protect, stats, prefer=transient[transient >= 0])
+
+    def _stage_ahead(self, layer: int, experts: np.ndarray, protect: tuple[int, ...], stats: PhaseStats,
+                     prefer: np.ndarray | None = None):
+        """Reserve slots (`prefer`red ones first, see `SlotPool.allocate`) and issue the copy of `experts` of
+        `layer`, committed when `layer` runs. -> staged arrays, or None when nothing is in flight (no experts, or
+        `async_io` off: then the copy is waited for here, before any compute is dispatched, and all of it counts
+        as exposed)."""
         if experts.size == 0:
             return None
         start = time.perf_counter()
-        slots = self.pool.allocate(layer, experts, protect=protect)
+        slots = self.pool.allocate(layer, experts, protect=protect, prefer=prefer)
         staged = self.store.stage(layer, experts)
         self._pending[layer] = (staged, slots)
         self._prefetched[layer] = experts
@@ -719,6 +818,8 @@ class OffloadRunner:
         """[E] next-layer activation scores for planners that read them, else None."""
         if nxt is None or not self._wants_scores:
             return None
+        if phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer:
+            return None  # the next layer streams whole (module docstring)
         if self.predictor is not None and self.runtime.policy != "fate":
             rows = np.flatnonzero(valid)
             scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))

@@ -22,7 +22,7 @@ Contract:
   reallocation), compiled once per batch size: sizes are padded to a power of two by repeating the last expert
   (an idempotent write). A slot write cannot itself overlap compute that reads the pool: donation orders it
   after every pending reader, which is why the host-to-device part is staged outside the pool. Staged arrays
-  live until their commit; the budget counts one layer of them ("transfer staging").
+  live until their commit; the budget counts two layers of them ("transfer staging").
   `write(pool, layer, experts, slots)` is stage + commit, for loads needed right away.
 """
 

@@ -3,10 +3,11 @@
 Contract: `SlotPool(num_slots, ...)` allocates gate_up [S, D, 2F] and down [S, F, D] on the accelerator once;
 they are never reallocated (slot writes donate and replace them in place, see `ExpertStore.commit`). The
 table maps (layer, expert) -> slot; `slot_of(layer)` gives the [E] int32 map that `combine_experts` takes
-(-1: not in a slot). Slots are handed out free-first, then least recently used, never taking a slot from a
-protected layer (the layer being computed), so:
+(-1: not in a slot). Slots are handed out free-first, then from the caller's `prefer`red slots, then least recently used,
+never taking a slot from a protected layer (the layer being computed), so:
 - prefill: streaming layer l+1 while layer l computes takes E slots other than layer l's; with S >= 2E these
-  are the two full-layer buffers (`can_double_buffer`), alternating by LRU order;
+  are the two full-layer buffers (`can_double_buffer`): the engine prefers the slots it streamed into for layers
+  already computed, so the rest of the pool (hot or cached experts) stays resident and is not streamed again;
 - decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
 An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
 copy into the slot before any program of that layer reads the pool. The pool holds no host memory and moves
@@ -59,9 +60,11 @@ class SlotPool:
         """Slots that can be (re)assigned without evicting an expert of a protected layer."""
         return int((~np.isin(self.owner_layer, protect)).sum())
 
-    def allocate(self, layer: int, experts: np.ndarray, protect: tuple[int, ...] = ()) -> np.ndarray:
-        """Assign slots to `experts` of `layer` (none may be resident yet); evicts LRU victims outside `protect`
-        (the target layer's other experts are evictable unless it is protected too).
+    def allocate(self, layer: int, experts: np.ndarray, protect: tuple[int, ...] = (),
+                 prefer: np.ndarray | None = None) -> np.ndarray:
+        """Assign slots to `experts` of `layer` (none may be resident yet): free slots first, then the slots in
+        `prefer`, then LRU victims, never a slot of a layer in `protect` (the target layer's other experts are
+        evictable unless it is protected too).
 
         Returns the slots [n] in the order of `experts`. Raises ValueError when not enough slots are free.
         """
@@ -74,8 +77,11 @@ class SlotPool:
         if candidates.size < experts.size:
             raise ValueError(f"layer {layer}: {experts.size} slots needed, {candidates.size} can be freed "
                              f"(pool of {self.num_slots}, protected layers {protect})")
-        free_first = np.lexsort((self.last_use[candidates], self.owner_layer[candidates] >= 0))
-        slots = candidates[free_first[: experts.size]]
+        rank = np.where(self.owner_layer[candidates] < 0, 0, 2)  # free, then preferred, then the rest
+        if prefer is not None:
+            rank[(rank == 2) & np.isin(candidates, prefer)] = 1
+        order = np.lexsort((self.last_use[candidates], rank))
+        slots = candidates[order[: experts.size]]
         for slot in slots[self.owner_layer[slots] >= 0]:
             self._slot_of[int(self.owner_layer[slot])][self.owner_expert[slot]] = -1
             self.evictions += 1
