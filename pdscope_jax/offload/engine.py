@@ -24,7 +24,7 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   `warmup(batch, prompt_len, new_tokens)` compiles the programs of a shape before timing;
   `set_policy(name, options, **engine)` switches planners (and the engine switches below) without rebuilding.
 - RuntimeConfig switches read here: `cost_table` (a name or path, `sched.load_cost_table`; else the analytic
-  table), `calibrate_costs` (see "Cost calibration" below), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
+  table), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
   every staged copy is waited for where it is issued, before compute, so nothing overlaps: the ablation's
   synchronous I/O), `batched_gpu` (False: one GPU program per expert instead of one per layer).
 
@@ -40,12 +40,6 @@ Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engin
   record   wait for compute and transfers (timed from helper threads), update the statistics.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
-Cost calibration: the profiled table times each piece alone, but at run time CPU experts share the host's memory
-and cores with the copies and the engine's own threads. So the engine compares every layer's CPU expert time and
-on-demand load time (issue to done) with what the table predicts for them and keeps an exponential average of
-each ratio (`CALIBRATION_WEIGHT` per layer, clipped to `CALIBRATION_RANGE`); planners get the table with CPU and
-transfer times scaled by those two factors (`CostTable.scaled`), updated at the end of each step. The factors
-describe the machine, so they persist across `set_policy`; `stats["cost_scale"]` reports them.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
 applied to this layer's MoE input (Fate's own predictor); `pdscope` uses a predictor object's
 `predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else that gate too; in
@@ -83,8 +77,6 @@ from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, a
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
-CALIBRATION_WEIGHT = 0.1  # weight of one layer's observed/predicted ratio in the running cost scale
-CALIBRATION_RANGE = (0.25, 8.0)
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
 
@@ -225,8 +217,6 @@ class _Pending:
     phase: str
     gpu_experts: int
     cpu_experts: int
-    cpu_predicted: float  # the (unscaled) cost table's seconds for the layer's CPU experts
-    load_predicted: float  # ... for its on-demand loads
     timing: _Timing  # with its array fields emptied, so no device buffer is kept alive
     ready: dict[str, concurrent.futures.Future]  # "gpu" / "load" / "transfer" -> perf_counter when done
 
@@ -309,10 +299,8 @@ class OffloadRunner:
         self.budget: Budget = plan_budget(cfg, rc, non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes),
                                           itemsize=expert_dtype.itemsize)
         self._check_policy(rc.policy)
-        self.cost_table = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
-                                         else analytic_costs(cfg, expert_dtype.itemsize))
-        self.cost_scale = {"cpu": 1.0, "transfer": 1.0}  # run-time calibration (module docstring)
-        self.costs = self.cost_table  # what the planners see
+        self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
+                                    else analytic_costs(cfg, expert_dtype.itemsize))
         return expert_dtype
 
     def _take_weights(self, model, weights, shapes: dict[str, Any], cpu_view: str, host_alloc: str) -> dict:
@@ -374,14 +362,13 @@ class OffloadRunner:
     def set_policy(self, policy: str, policy_options=(), **engine) -> None:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
-        `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu` and `calibrate_costs`
-        at the same time.
+        `engine` may change the RuntimeConfig fields `hot_table`, `async_io` and `batched_gpu` at the same time.
         With a hot table, planners that have one (`HOT_POLICIES`) get its `activation_counts`. `hot_per_layer`
         defaults to the whole pool split evenly over the MoE layers for `static` (it loads nothing at run time);
         for `pdscope` to the pool less two full layers when those fit (prefill streams every other expert
         through the two layer buffers, which decode then uses for its loads and prefetches), else a quarter of
         it; and to a quarter of it for `greedy` (the rest of the pool serves its loads)."""
-        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "calibrate_costs"}
+        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -397,7 +384,6 @@ class OffloadRunner:
                 hot_slots = self.pool.num_slots - 2 * self.config.num_experts
             options.setdefault("hot_per_layer", min(self.config.num_experts, hot_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
-        self.costs = self.cost_table.scaled(**self.cost_scale) if self.runtime.calibrate_costs else self.cost_table
         self._wants_scores = policy in SCORE_POLICIES
         for layer in self._moe_layers:
             self.pool.release(layer, np.arange(self.config.num_experts))
@@ -457,7 +443,6 @@ class OffloadRunner:
             "double_buffering": self.pool.can_double_buffer,
             "evictions": self.pool.evictions,
             "budget": {name: value for name, value in self.budget.lines()},
-            "cost_scale": dict(self.cost_scale) if self.runtime.calibrate_costs else None,
             "host_expert_bytes": self.store.host_bytes,
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
             "device_peak_bytes": self.device_peak_bytes,
@@ -613,7 +598,7 @@ class OffloadRunner:
         r = self._route(i, x, positions, layer_cache, phase, valid)
         plan = self._plan(i, phase, r)
         x, timing = self._execute(i, phase, plan, r)
-        self._record(phase, plan, timing, r.tokens)
+        self._record(phase, plan, timing)
         return x, r.layer_cache
 
     def _route(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray) -> _Routed:
@@ -728,15 +713,13 @@ class OffloadRunner:
         done = time.perf_counter()
         return jax.device_put(acc, self.devices.accel), done
 
-    def _record(self, phase: str, plan: Plan, t: _Timing, tokens: np.ndarray) -> None:
+    def _record(self, phase: str, plan: Plan, t: _Timing) -> None:
         """Hand the layer's GPU result and transfers to helper threads that time when each is done; the step
         settles the statistics at its end (`_settle`), so no layer waits for its own compute here."""
         ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
                  (("gpu", t.y_gpu), ("load", t.loads), ("transfer", t.staged_next)) if arrays is not None}
         timing = dataclasses.replace(t, loads=None, y_gpu=None, staged_next=None)
-        table = self.cost_table
-        self._unsettled.append(_Pending(phase, plan.gpu.size, plan.cpu.size, table.t_cpu(tokens[plan.cpu]),
-                                        float(table.t_transfer(plan.load_now.size)), timing, ready))
+        self._unsettled.append(_Pending(phase, plan.gpu.size, plan.cpu.size, timing, ready))
 
     def _settle(self) -> None:
         """Add the timed layers of the step to the statistics. Loads are exposed where the CPU experts were not
@@ -759,19 +742,7 @@ class OffloadRunner:
                 stats.transfer_seconds += done["transfer"] - t.dispatched
                 exposed += max(0.0, done["transfer"] - max(gpu_end, cpu_end))
             stats.exposed_transfer_seconds += exposed
-            if t.cpu_end is not None and p.cpu_predicted > 0:
-                self._calibrate("cpu", (cpu_end - t.cpu_start) / p.cpu_predicted)
-            if "load" in done and p.load_predicted > 0:
-                self._calibrate("transfer", (load_end - t.start) / p.load_predicted)
         self._unsettled.clear()
-        if self.runtime.calibrate_costs:
-            self.costs = self.cost_table.scaled(**self.cost_scale)
-
-    def _calibrate(self, part: str, ratio: float) -> None:
-        """Move the running scale of `part` ("cpu" or "transfer") toward one layer's observed/predicted ratio."""
-        lo, hi = CALIBRATION_RANGE
-        scale = (1 - CALIBRATION_WEIGHT) * self.cost_scale[part] + CALIBRATION_WEIGHT * ratio
-        self.cost_scale[part] = min(max(scale, lo), hi)
 
     def _issue_next(self, i: int, nxt: int | None, plan: Plan, stats: PhaseStats):
         """Stage the next layer's experts (whole layer when streaming fits, else the plan's prefetch)."""

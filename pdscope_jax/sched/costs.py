@@ -221,13 +221,6 @@ class CostTable:
                    attn_decode_seconds=tuple(attn), gpu_launch_seconds=gpu_launch_seconds, source="analytic",
                    model=model, meta=meta)
 
-    def scaled(self, cpu: float = 1.0, transfer: float = 1.0) -> "CostTable":
-        """The same table with every CPU expert time multiplied by `cpu` and every transfer time (t_io, alpha and
-        the measured curve) by `transfer`: how the engine folds in what it observes at run time."""
-        return dataclasses.replace(
-            self, cpu_expert_seconds=tuple(cpu * v for v in self.cpu_expert_seconds), t_io=transfer * self.t_io,
-            alpha=transfer * self.alpha, transfer_seconds=tuple(transfer * v for v in self.transfer_seconds))
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "version": VERSION,
