@@ -1,5 +1,6 @@
 """`pdscope_jax.load(..., policy=...)`: the offloaded runner behind the public API."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -32,6 +33,26 @@ def test_offloaded_generate_warms_each_shape_once_and_matches_plain():
     assert runner.engine.compiled_programs["total"] == compiled  # no compilation inside the timed run
     np.testing.assert_array_equal(first.tokens, plain.tokens)
     np.testing.assert_array_equal(second.tokens, plain.tokens)
+
+
+def test_warmup_compiles_every_mix_of_gpu_and_cpu_parts():
+    """Warm-up runs dummy tokens, whose routing may never give a layer only GPU experts, or only CPU ones; a real
+    prompt may. Every mix of the layer combination's parts is compiled for every shape warm-up saw."""
+    cfg = preset("tiny-deepseek-v2-lite")
+    runner = pdscope_jax.load("tiny-deepseek-v2-lite", dtype="float32", policy="static", gpu_memory="1GB",
+                              expert_pool=len(cfg.moe_layers) * cfg.expert_bytes(4), max_seq_len=128)
+    engine = runner.engine
+    engine.warmup(1, 12, 4)
+    compiled = engine.compiled_programs["moe_combine"]
+    shapes = {(x_shape, rows) for x_shape, rows in engine._combine_shapes}
+    assert {x_shape[1] for x_shape, _ in shapes} == {16, 1}  # the prefill bucket and decode
+    d, accel = cfg.hidden_size, engine.devices.accel
+    for x_shape, rows in shapes:
+        x, shared, y_gpu, y_cpu = (jax.device_put(np.zeros(shape, np.float32), accel) for shape in
+                                   (x_shape, (x_shape[0] * x_shape[1], d), (rows, d), (rows, d)))
+        for parts in ((y_gpu, None), (None, y_cpu), (y_gpu, y_cpu), (None, None)):
+            engine._programs["moe_combine"](x, shared, *parts)
+    assert engine.compiled_programs["moe_combine"] == compiled
 
 
 class CountingPredictor:

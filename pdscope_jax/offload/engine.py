@@ -274,6 +274,7 @@ class OffloadRunner:
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
         self._programs = _build_programs()
         self._row_counts: set[int] = set()  # padded token counts seen (for warm-up)
+        self._combine_shapes: set[tuple[tuple[int, ...], int]] = set()  # (x shape, padded rows) seen (warm-up)
         self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
         self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
         self._streamed: dict[int, np.ndarray] = {}  # layer -> experts streamed into it (transient slots)
@@ -497,13 +498,15 @@ class OffloadRunner:
         return GenerationResult.timed(np.stack(tokens, axis=1), t, prefill_seconds, decode_seconds)
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
-        """Compile the programs of this shape: one generation on dummy tokens, every CPU expert row bucket for
-        the token counts it used and every slot-commit batch size (routing decides which ones a real run
-        needs). Then the pool and the statistics start afresh, as after `set_policy`."""
+        """Compile the programs of this shape: one generation on dummy tokens, then what routing decides
+        whether a real run needs: every CPU expert row bucket for the token counts it used, the layer
+        combination with and without GPU and CPU parts, and every slot-commit batch size. Then the pool and the
+        statistics start afresh, as after `set_policy`."""
         self.generate(np.zeros((batch, prompt_len), np.int32), max_new_tokens=max(new_tokens, 2))
         first = self._moe_layers[0]
         for n in sorted(self._row_counts):
             self.cpu_experts.precompile(first, n, self.cache_dtype)
+        self._precompile_combine()
         limit, size = min(self.config.num_experts, self.pool.num_slots), 1
         while limit:  # commit programs come in power-of-two sizes: up to the one `limit` experts pad to
             experts = np.arange(min(size, limit))
@@ -515,6 +518,18 @@ class OffloadRunner:
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
         self.warmed_shapes.add((batch, prompt_len, new_tokens))
         return self.compiled_programs
+
+    def _precompile_combine(self) -> None:
+        """Run `moe_combine` on zeros for each shape seen with every mix of parts: GPU only, CPU only, both and
+        neither (a layer's plan decides which one it gets)."""
+        accel, dtype, d = self.devices.accel, self.cache_dtype, self.config.hidden_size
+        for x_shape, rows in sorted(self._combine_shapes):
+            x = jax.device_put(np.zeros(x_shape, dtype), accel)
+            shared = jax.device_put(np.zeros((x_shape[0] * x_shape[1], d), dtype), accel)
+            y_gpu = jax.device_put(np.zeros((rows, d), dtype), accel)
+            y_cpu = jax.device_put(np.zeros((rows, d), np.float32), accel)
+            for parts in ((y_gpu, None), (None, y_cpu), (y_gpu, y_cpu), (None, None)):
+                self._programs["moe_combine"](x, shared, *parts)
 
     def device_memory(self) -> dict[str, int | None]:
         """Accelerator bytes held by live arrays, and the device allocator's bytes in use where it reports them."""
@@ -661,6 +676,7 @@ class OffloadRunner:
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
         y_cpu, cpu_end = cpu_job.result() if cpu_job is not None else (None, None)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
+        self._combine_shapes.add((tuple(r.x.shape), r.h.shape[0]))
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
         return x, _Timing(start, dispatched, cpu_start, cpu_end, loads, loads_end, y_gpu, staged_next)
