@@ -17,7 +17,9 @@ repeat's statistics) and a PNG plot into `--out`.
 - Policy "plain" (the upper bound): after the offload runs, the offload engine is dropped and the whole model
   runs on the default device (the GPU where there is one, as `pdscope_jax.load` runs it) through
   `generation.Generator`, ignoring the budget; every offload result then
-  records whether its first repeat's tokens equal the plain model's (`tokens_match_plain`). Policy "gpu" is
+  records whether its first repeat's tokens equal the plain model's (`tokens_match_plain`) and how many new
+  tokens agree before the first difference (`tokens_before_divergence`; in bfloat16, reductions that add in
+  another order can flip a near-tie between two tokens, after which the texts differ). Policy "gpu" is
   the engine with every expert resident, when the budget allows it.
 - Hot table: `--hot-table PATH` (layer_stats.json or a trace directory, `sched.hot`) for the planners that have
   one; `--hot-table auto` first records activation counts from one untimed on-demand generation over other
@@ -241,7 +243,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"json": str(json_path), "png": str(png_path), "model": cfg.name, "device": report["device"],
                "workload": report["workload"],
                "results": [{k: r.get(k) for k in ("variant", "policy", "batch", "prompt_len", "prefill_tok_s",
-                                                  "decode_tok_s", "tokens_match_plain")} for r in results],
+                                                  "decode_tok_s", "tokens_match_plain", "tokens_before_divergence")}
+                           for r in results],
                "errors": errors}
     print(json.dumps(summary), flush=True)
     return report
@@ -347,7 +350,19 @@ def _run_plain(cfg, dtype, loader, shapes, args, prompts, results, tokens, progr
     for r in results:
         plain = tokens.get(("plain", r["batch"], r["prompt_len"]))
         mine = tokens.get((r["variant"], r["batch"], r["prompt_len"]))
-        r["tokens_match_plain"] = bool(np.array_equal(plain, mine)) if r["policy"] != "plain" else None
+        if r["policy"] == "plain" or plain is None or mine is None:
+            r["tokens_match_plain"] = r["tokens_before_divergence"] = None
+            continue
+        r["tokens_match_plain"] = bool(np.array_equal(plain, mine))
+        r["tokens_before_divergence"] = _common_prefix(plain, mine)
+
+
+def _common_prefix(a, b) -> int:
+    """New tokens the two [B, T] outputs agree on before their first difference (in any sequence)."""
+    import numpy as np
+
+    differs = np.flatnonzero((np.asarray(a) != np.asarray(b)).any(axis=0))
+    return int(differs[0]) if differs.size else int(np.asarray(a).shape[1])
 
 
 def _options(policy: str, args) -> dict:
@@ -383,11 +398,12 @@ def _table(results: list[dict]):
     table = Table(title="offload benchmark (medians; times summed over layers, seconds)")
     for name in ("run", "batch", "prompt", "prefill tok/s", "decode tok/s", "prefill cpu/gpu/xfer/exposed",
                  "decode cpu/gpu/xfer/exposed", "GB moved (p/d)", "decode hit rate", "prefetch acc (p/d)",
-                 "planner ms/layer (p/d)", "= plain"):
+                 "planner ms/layer (p/d)", "= plain (tokens)"):
         table.add_column(name, justify="right")
     fmt = lambda v, digits=2: "-" if v is None else f"{v:.{digits}f}"  # noqa: E731
     for r in results:
-        match = {None: "-", True: "yes", False: "no"}[r.get("tokens_match_plain")]
+        match = {None: "-", True: "yes", False: f"no ({r.get('tokens_before_divergence')})"}[
+            r.get("tokens_match_plain")]
         head = (r["variant"], str(r["batch"]), str(r["prompt_len"]), f"{r['prefill_tok_s']:.1f}",
                 f"{r['decode_tok_s']:.2f}")
         if r["policy"] == "plain":

@@ -6,21 +6,22 @@
 #
 #   (seconds: what a stage took on the H200 on 2026-11-29; "limit" where it ran out before finishing)
 #   probe      store/transfer probe                                                                        42
-#   cpu        XLA:CPU vs torch expert FFN                                                                 10
+#   cpu        XLA:CPU vs torch expert FFN (and once more per flag set in CPU_XLA_FLAGS)          10 (+10 each)
 #   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite                           124
-#   profile    the cost table of DeepSeek-V2-Lite on this machine                                           71
+#   profile    the cost table of DeepSeek-V2-Lite on this machine                                           73
 #   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (the offload path works here?)
-#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool      limit 330 at 14/30
-#   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile  244
+#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool      limit 410 at 19/30
+#   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile
+#              (all six policies and 1,000 memory steps: 368)
 #   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile)  limit 215
-#   skewed     every policy on the skewed workload
-#   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)
+#   skewed     every policy on the skewed workload                         limit 280 at 10/12 (two prompt lengths)
+#   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)                          limit 185 at 1/6
 #   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)
 #   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end              191
 #   qwen       whole-model and offloaded Qwen3-30B-A3B
 # Building the offloaded DeepSeek-V2-Lite takes about a minute per benchmark process; a decode of 64 tokens
-# takes 7-15 s per policy at the speeds measured, so a full `uniform` needs its own call of ~10 minutes.
-#
+# takes 6-14 s per policy at the speeds measured, so `uniform`, `skewed` and `ablation` each need a call of
+# their own (~10 minutes) to finish.
 # Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the chain goes on when
 # one fails; every stage logs to <out>/<stage>.log. Benchmarks save partial JSON as they go. With OUT set,
 # everything ends up in one archive, $OUT/results.tgz (the device tool returns at most 8 files).

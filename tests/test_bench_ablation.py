@@ -27,6 +27,7 @@ def test_ablation_on_skewed_tiny_model(tmp_path):
         if r["policy"] == "plain":
             continue
         assert r["tokens_match_plain"]  # every engine configuration gives the plain model's tokens
+        assert r["tokens_before_divergence"] == 3
         assert r["prefill"]["planner_ms_per_layer"] > 0 and r["decode"]["planner_ms_per_layer"] > 0
         assert r["async_io"] == (r["variant"] not in ("greedy", "+h"))
         assert r["batched_gpu"] == (r["variant"] == "+g+c")

@@ -4,6 +4,7 @@ import json
 import runpy
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pdscope_jax.bench import main as bench_main
@@ -79,3 +80,12 @@ def test_store_probe_script_smoke(tmp_path):
     assert by["cpu_view"]["cpu_array_aliases"] and by["cpu_view"]["view_matches"]
     assert by["slot_write_in_place"]["same_address"]
     assert {row["variant"] for row in found if row["what"] == "overlap"} >= {"stage_before_compute"}
+
+
+def test_tokens_before_divergence_counts_the_common_prefix():
+    from pdscope_jax.bench import _common_prefix
+
+    plain = np.array([[5, 6, 7, 8], [1, 2, 3, 4]])
+    assert _common_prefix(plain, plain.copy()) == 4
+    assert _common_prefix(plain, np.array([[5, 6, 7, 9], [1, 2, 0, 4]])) == 2  # the earliest difference counts
+    assert _common_prefix(plain, np.array([[0, 6, 7, 8], [1, 2, 3, 4]])) == 0

@@ -8,9 +8,11 @@ from flax import nnx
 
 from pdscope_jax import models
 from pdscope_jax.generation import Generator
+from pdscope_jax.models import layers
 from pdscope_jax.offload.budget import BudgetError
 from pdscope_jax.offload.engine import OffloadRunner
 from pdscope_jax.offload.expert_store import is_expert_path
+from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.presets import preset
 from pdscope_jax.runtime import RuntimeConfig
 from pdscope_jax.weights.random_init import random_state
@@ -73,6 +75,16 @@ def test_policy_matches_plain_model(ds, policy, pool):
         assert prefill["experts_loaded_now"] > 0 and prefill["cpu_experts"] > 0 and stats["evictions"] > 0
     if policy == "fate":
         assert prefill["experts_prefetched"] + decode["experts_prefetched"] > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_batched_tiles_over_the_pool_match_plain_model(ds, policy, monkeypatch):
+    """With a pool of more slots than experts, prefill's experts run as batched tiles over the pool (the path
+    the H200 takes; tiny experts normally skip it): the plain model's logits and tokens still."""
+    monkeypatch.setattr(layers, "TILED_MIN_EXPERT_ELEMENTS", 0)
+    runner = ds.runner(policy, _slots(ds, "double"))
+    np.testing.assert_allclose(runner.logits(ds.ids), ds.logits, atol=TOL, rtol=0)
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
 
 
 def test_sampling_matches_plain_model(ds):
@@ -179,3 +191,30 @@ def test_device_memory_flat_over_decode_steps(ds):
     live = [m["live_array_bytes"] for m in runner.memory_trace]
     assert len(live) == 23 and max(live[2:]) == min(live[2:])
     assert max(live) <= runner.budget.total
+
+
+def test_streaming_keeps_experts_resident_before_the_prefill(monkeypatch):
+    """A prefill that streams whole layers through two layer buffers takes the slots it streamed into for layers
+    already computed, not the experts the decode cache (or a hot table) holds: fewer experts are streamed again
+    than with least-recently-used slots, and the logits stay the plain model's."""
+    cfg = preset("tiny-deepseek-v2-lite").replace(num_layers=7)  # six MoE layers of eight experts
+    model = models.build(cfg, nnx.Rngs(0), jnp.float32)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
+    want = Generator(model).logits(ids)
+
+    def streamed_again(prefer_streamed: bool) -> int:
+        if not prefer_streamed:  # every slot by least recent use, as before slots were preferred
+            allocate = SlotPool.allocate
+            monkeypatch.setattr(SlotPool, "allocate", lambda self, layer, experts, protect=(), prefer=None:
+                                allocate(self, layer, experts, protect))
+        config = RuntimeConfig(gpu_memory="1GB", expert_pool=(3 * cfg.num_experts) * cfg.expert_bytes(4),
+                               policy="ondemand", max_seq_len=128)
+        runner = OffloadRunner(model, config)
+        runner.generate(ids, 8)  # the decode cache fills the pool beyond the two layer buffers
+        runner.reset_stats()
+        np.testing.assert_allclose(runner.logits(ids), want, atol=TOL, rtol=TOL)
+        monkeypatch.undo()
+        return runner.stats["prefill"]["experts_prefetched"]
+
+    kept, lru = streamed_again(True), streamed_again(False)
+    assert kept < lru <= len(cfg.moe_layers) * cfg.num_experts

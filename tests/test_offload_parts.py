@@ -83,6 +83,18 @@ def test_slot_pool_lru_and_protection():
         pool.allocate(1, np.array([0]))
 
 
+def test_slot_pool_takes_free_then_preferred_then_lru_slots():
+    pool = _pool(5)
+    pool.allocate(1, np.array([0, 1, 2, 3]))
+    pool.touch(1, np.array([0, 1, 2]))  # expert 3 of layer 1 is now the least recently used
+    prefer = pool.slot_of(1)[[1]]
+    first = pool.allocate(2, np.array([4, 5]), prefer=prefer)  # the free slot, then the preferred one
+    assert pool.resident(1)[[0, 2, 3]].all() and not pool.resident(1)[1]
+    assert int(prefer[0]) in first.tolist()
+    pool.allocate(2, np.array([6]), prefer=np.zeros(0, np.int32))  # nothing preferred: least recently used
+    assert not pool.resident(1)[3] and pool.resident(1)[[0, 2]].all()
+
+
 def _stacks(seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((E, D, 2 * F)).astype(dtype) * 0.1, rng.standard_normal((E, F, D)).astype(dtype) * 0.1)

@@ -2,10 +2,11 @@
 
 Contract: `plan_budget(...)` splits `RuntimeConfig.gpu_memory` into non-expert weights (exact, from their
 shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step (an upper
-estimate, see `activation_bytes`), transfer staging (the device copies of staged experts before they are written
-into their slots: while one layer's copies wait for their slot write, the next layer's are issued, so two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a
-whole number of slots, one slot per expert (gate_up [D,2F] + down [F,D]). When the fixed parts do not fit,
-it raises `BudgetError` with every number, before anything is allocated. It never touches a device.
+estimate, see `activation_bytes`), transfer staging (the device copies of staged experts before they are
+written into their slots: while one layer's copies wait for their slot write, the next layer's are issued, so
+two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a whole
+number of slots, one slot per expert (gate_up [D,2F] + down [F,D]). When the fixed parts do not fit, it raises
+`BudgetError` with every number, before anything is allocated. It never touches a device.
 """
 
 from __future__ import annotations

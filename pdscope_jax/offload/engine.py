@@ -31,13 +31,19 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
 Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engine does, in this order:
   route    attention + router + shared experts in one program; fetch routing to the host (the sync point);
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
-  execute  commit transfers staged for this layer into their slots; free unloaded slots; load `load_now`
-           (`_load_now`: stage + commit + wait: the exposed part); STAGE the next layer's prefetch, or in
-           prefill its whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`),
-           BEFORE dispatching compute, so the host-to-device copies overlap it; dispatch the GPU experts
-           (`_run_gpu`: one `combine_experts` program over the pool with a slot_of map) and the CPU experts
-           (`_run_cpu`: CPU backend, asynchronously) together; add the parts and the shared experts;
-  record   wait for compute and transfers (timed from helper threads), update the statistics.
+  execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
+           to the CPU worker thread (`_run_cpu`: CPU backend, then the sum to the accelerator); issue the
+           loads of `load_now` (`_load_now`: stage + commit, ordered before every later reader of the pool),
+           so the CPU experts compute while they copy; STAGE the next layer's prefetch, or in prefill its
+           whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`; `_stream` takes
+           the slots streamed into for layers already computed, so resident experts stay), BEFORE dispatching
+           compute, so the host-to-device copies overlap it; dispatch the GPU experts (`_run_gpu`: one
+           `combine_experts` program over the pool with a slot_of map); wait for the CPU worker's part; add
+           the parts and the shared experts;
+  record   hand the GPU result and the copies to helper threads that stamp when each is done; the step adds
+           every layer's times to the statistics at its end (`_settle`), so no layer waits for its own compute
+           and the next layer's programs queue behind it.
+With `async_io` off, each copy is waited for where it is issued and the CPU experts start after the copies.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
@@ -415,6 +421,7 @@ class OffloadRunner:
 
     def reset_stats(self) -> None:
         self.phase_stats = {"prefill": PhaseStats(), "decode": PhaseStats()}
+        self._unsettled.clear()  # layers of a step that raised before settling
         # tokens routed to each expert, per phase and MoE layer (real tokens only): a hot table's raw counts
         self.activation_counts = {phase: {layer: np.zeros(self.config.num_experts, np.int64)
                                           for layer in self._moe_layers} for phase in ("prefill", "decode")}

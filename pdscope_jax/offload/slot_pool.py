@@ -3,8 +3,8 @@
 Contract: `SlotPool(num_slots, ...)` allocates gate_up [S, D, 2F] and down [S, F, D] on the accelerator once;
 they are never reallocated (slot writes donate and replace them in place, see `ExpertStore.commit`). The
 table maps (layer, expert) -> slot; `slot_of(layer)` gives the [E] int32 map that `combine_experts` takes
-(-1: not in a slot). Slots are handed out free-first, then from the caller's `prefer`red slots, then least recently used,
-never taking a slot from a protected layer (the layer being computed), so:
+(-1: not in a slot). Slots are handed out free-first, then from the caller's `prefer`red slots, then least
+recently used, never taking a slot from a protected layer (the layer being computed), so:
 - prefill: streaming layer l+1 while layer l computes takes E slots other than layer l's; with S >= 2E these
   are the two full-layer buffers (`can_double_buffer`): the engine prefers the slots it streamed into for layers
   already computed, so the rest of the pool (hot or cached experts) stays resident and is not streamed again;
