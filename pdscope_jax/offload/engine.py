@@ -38,11 +38,11 @@ Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engin
            whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`; `_stream` takes
            the slots streamed into for layers already computed, so resident experts stay), BEFORE dispatching
            compute, so the host-to-device copies overlap it; dispatch the GPU experts (`_run_gpu`: one
-           `combine_experts` program over the pool with a slot_of map); wait for the CPU worker's part; add
-           the parts and the shared experts;
-  record   hand the GPU result and the copies to helper threads that stamp when each is done; the step adds
-           every layer's times to the statistics at its end (`_settle`), so no layer waits for its own compute
-           and the next layer's programs queue behind it.
+           `combine_experts` program over the pool with a slot_of map); hand the GPU result and the copies to
+           helper threads that stamp when each is done; wait for the CPU worker's part; add the parts and the
+           shared experts;
+  record   keep the layer's times; the step adds them to the statistics at its end (`_settle`), so no layer
+           waits for its own compute and the next layer's programs queue behind it.
 With `async_io` off, each copy is waited for where it is issued and the CPU experts start after the copies.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
@@ -206,25 +206,25 @@ class _Routed:
 
 @dataclasses.dataclass
 class _Timing:
+    """When one layer's parts started and ended; `ready` holds helper-thread futures of the parts still running
+    when it was made ("gpu", "load", "transfer" -> perf_counter when done), settled at the end of the step."""
+
     start: float  # perf_counter when the layer's on-demand loads were issued
     dispatched: float  # ... when its GPU experts were dispatched
     cpu_start: float  # ... when its CPU experts were handed to the CPU worker
     cpu_end: float | None  # ... when they were done (None: none ran)
-    loads: tuple | None  # arrays of its on-demand loads still in flight
-    loads_end: float | None  # ... or when they were done, where they were waited for (synchronous I/O)
-    y_gpu: jax.Array | None
-    staged_next: tuple | None  # arrays of the next layer's transfers
+    loads_end: float | None  # ... when the loads were done, where they were waited for (synchronous I/O)
+    ready: dict[str, concurrent.futures.Future]
 
 
 @dataclasses.dataclass
 class _Pending:
-    """One layer's statistics waiting for its helper threads' timestamps (settled at the end of the step)."""
+    """One layer's statistics waiting for its timestamps (settled at the end of the step)."""
 
     phase: str
     gpu_experts: int
     cpu_experts: int
-    timing: _Timing  # with its array fields emptied, so no device buffer is kept alive
-    ready: dict[str, concurrent.futures.Future]  # "gpu" / "load" / "transfer" -> perf_counter when done
+    timing: _Timing
 
 
 def analytic_costs(cfg, itemsize: int) -> CostTable:
@@ -681,12 +681,15 @@ class OffloadRunner:
         if plan.cpu.size and not self.runtime.async_io:  # synchronous I/O: nothing overlapped the copies
             cpu_job, cpu_start = self._cpu_worker.submit(self._run_cpu, i, plan.cpu, r), dispatched
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
+        # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
+        ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
+                 (("gpu", y_gpu), ("load", loads), ("transfer", staged_next)) if arrays is not None}
         y_cpu, cpu_end = cpu_job.result() if cpu_job is not None else (None, None)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
         self._combine_shapes.add((tuple(r.x.shape), r.h.shape[0]))
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
-        return x, _Timing(start, dispatched, cpu_start, cpu_end, loads, loads_end, y_gpu, staged_next)
+        return x, _Timing(start, dispatched, cpu_start, cpu_end, loads_end, ready)
 
     def _commit_staged(self, i: int) -> None:
         """Copy the transfers staged for layer i (by the layer before it) into their reserved slots."""
@@ -737,19 +740,15 @@ class OffloadRunner:
         return jax.device_put(acc, self.devices.accel), done
 
     def _record(self, phase: str, plan: Plan, t: _Timing) -> None:
-        """Hand the layer's GPU result and transfers to helper threads that time when each is done; the step
-        settles the statistics at its end (`_settle`), so no layer waits for its own compute here."""
-        ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
-                 (("gpu", t.y_gpu), ("load", t.loads), ("transfer", t.staged_next)) if arrays is not None}
-        timing = dataclasses.replace(t, loads=None, y_gpu=None, staged_next=None)
-        self._unsettled.append(_Pending(phase, plan.gpu.size, plan.cpu.size, timing, ready))
+        """Keep the layer's timing for the end of the step (`_settle`), so no layer waits for its own compute."""
+        self._unsettled.append(_Pending(phase, plan.gpu.size, plan.cpu.size, t))
 
     def _settle(self) -> None:
         """Add the timed layers of the step to the statistics. Loads are exposed where the CPU experts were not
         running; next-layer transfers where they outlast this layer's compute."""
         for p in self._unsettled:
             stats, t = self.phase_stats[p.phase], p.timing
-            done = {name: future.result() for name, future in p.ready.items()}
+            done = {name: future.result() for name, future in t.ready.items()}
             load_end = done.get("load", t.loads_end if t.loads_end is not None else t.start)
             cpu_end = t.cpu_end if t.cpu_end is not None else t.cpu_start
             gpu_start = max(t.dispatched, load_end)  # the GPU experts wait for the loads
