@@ -391,6 +391,7 @@ class OffloadRunner:
                 hot_slots = self.pool.num_slots - 2 * self.config.num_experts
             options.setdefault("hot_per_layer", min(self.config.num_experts, hot_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
+        self._observing = isinstance(self.planner, ObservingPlanner)  # a Protocol check: slow, so once here
         self._wants_scores = policy in SCORE_POLICIES
         for layer in self._moe_layers:
             self.pool.release(layer, np.arange(self.config.num_experts))
@@ -634,7 +635,7 @@ class OffloadRunner:
         tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]
         self.activation_counts[phase][i] += tokens
         activated = np.flatnonzero(tokens)
-        if isinstance(self.planner, ObservingPlanner) and i in self._prev_moe:
+        if self._observing and i in self._prev_moe:
             self.planner.observe(self._prev_moe[i], phase, activated)
         prefetched = self._prefetched.pop(i, None)
         if prefetched is not None:
