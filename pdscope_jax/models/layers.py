@@ -243,20 +243,22 @@ def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     if big_experts and (num_slots > num_experts or n * k >= TILED_MIN_ROWS_PER_SLOT * num_slots):
         used = min(num_slots, num_experts + 1)
         expert_bytes = (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * gate_up.dtype.itemsize
-        tile, num_tiles = grouped_tiles(n * k, used)
-        if num_tiles * expert_bytes <= GROUPED_MAX_BYTES:
-            return _combine_tiled(x, weights, slots, valid, gate_up, down, tile, used, batched=True)
-        return _combine_tiled(x, weights, slots, valid, gate_up, down, TILE_ROWS, used, batched=False)
+        tile, _, batched = grouped_tiles(n * k, used, expert_bytes)
+        return _combine_tiled(x, weights, slots, valid, gate_up, down, tile if batched else TILE_ROWS, used,
+                              batched=batched)
     return _combine_ragged(x, weights, slots, valid, gate_up, down)
 
 
-def grouped_tiles(assignments: int, used_slots: int) -> tuple[int, int]:
-    """(tile rows, tile count) of the batched tiled path for `assignments` rows over at most `used_slots` slots:
-    the tile is the power of two nearest above the mean rows per slot, within [GROUPED_MIN_TILE, GROUPED_MAX_TILE];
-    the count bounds the tiles any routing can fill (every slot's last tile may be partly empty)."""
+def grouped_tiles(assignments: int, used_slots: int, expert_bytes: int) -> tuple[int, int, bool]:
+    """(tile rows, tile count, batched) of the batched tiled path for `assignments` rows over at most
+    `used_slots` slots of `expert_bytes` each: the tile is the power of two nearest above the mean rows per slot,
+    within [GROUPED_MIN_TILE, GROUPED_MAX_TILE]; the count bounds the tiles any routing can fill (every slot's
+    last tile may be partly empty); `batched` says whether the gathered copy of the tiles' weights fits
+    GROUPED_MAX_BYTES (if not, `combine_experts` runs TILE_ROWS tiles one after another instead)."""
     mean = -(-assignments // max(used_slots, 1))
     tile = min(max(1 << max(mean - 1, 0).bit_length(), GROUPED_MIN_TILE), GROUPED_MAX_TILE)
-    return tile, _tile_count(assignments, used_slots, tile)
+    count = _tile_count(assignments, used_slots, tile)
+    return tile, count, count * expert_bytes <= GROUPED_MAX_BYTES
 
 
 def _tile_count(assignments: int, used_slots: int, tile: int) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdscope_jax.config import ModelConfig
-from pdscope_jax.models.layers import GATHER_MAX_ASSIGNMENTS, GROUPED_MAX_BYTES, grouped_tiles
+from pdscope_jax.models.layers import GATHER_MAX_ASSIGNMENTS, grouped_tiles
 from pdscope_jax.runtime import RuntimeConfig, format_size
 
 
@@ -73,16 +73,15 @@ def activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
     keys = b * tk * heads * attn_dim * 4  # MLA re-expands keys/values from the latent
     router = 3 * n * e * 4
     # sorted combine: gathered rows; the tiled path pads them to whole tiles and may gather each tile's weights
-    tile, tiles = grouped_tiles(n * k, e + 1)
-    tile_weights = tiles * cfg.expert_bytes(itemsize)
+    tile, tiles, batched = grouped_tiles(n * k, e + 1, cfg.expert_bytes(itemsize))
+    tile_weights = tiles * cfg.expert_bytes(itemsize) if batched else 0
     rows = max(n * k, tiles * tile)
     experts = rows * (d * itemsize + 2 * f * 4 + f * itemsize + 2 * d * 4)
     mlp = 3 * n * max(cfg.intermediate_size, f * max(cfg.num_shared_experts, 1)) * 4
     logits = min(n, 256) * cfg.vocab_size * 4  # logits are produced in slices of at most 256 rows
     # With few tokens, combine_experts gathers one weight copy per (token, expert) assignment.
     gathered = min(b * k, GATHER_MAX_ASSIGNMENTS) * cfg.expert_bytes(itemsize)
-    return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered
-               + (tile_weights if tile_weights <= GROUPED_MAX_BYTES else 0))
+    return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered + tile_weights)
 
 
 def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, kv_cache_bytes: int,

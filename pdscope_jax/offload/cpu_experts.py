@@ -25,9 +25,9 @@ F32 = jnp.float32
 
 def _accumulate(acc, h, rows, weights, gate_up, down):
     """acc [N,D] f32 += weights[:,None] * expert_ffn(h[rows]); h [N,D], rows [R] int32, weights [R] f32.
-    Optimization barriers keep the gather and the scatter out of the matmuls' fusions, so XLA:CPU runs the two
-    matmuls as plain dots (on the GPU node, jax 0.11.2, this program took twice the bare expert's time without
-    them, at every row count)."""
+    Optimization barriers keep the gather and the scatter out of the matmuls' fusions. On the GPU node (jax
+    0.11.2) this program took about twice the bare expert's time without them at every row count, and 1.2-1.4x
+    with them (benchmarks/results/cpu_expert_vs_torch_h200_run{2,3}.json)."""
     x = jax.lax.optimization_barrier(h[rows])  # [R, D]
     y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))  # [R, D]
     return acc.at[rows].add(y.astype(F32) * weights[:, None])
