@@ -44,12 +44,12 @@ def test_warmup_compiles_every_mix_of_gpu_and_cpu_parts():
     engine = runner.engine
     engine.warmup(1, 12, 4)
     compiled = engine.compiled_programs["moe_combine"]
-    shapes = {(x_shape, rows) for x_shape, rows in engine._combine_shapes}
-    assert {x_shape[1] for x_shape, _ in shapes} == {16, 1}  # the prefill bucket and decode
+    shapes = engine._step_shapes  # (batch, tokens, padded rows) of the steps warm-up ran
+    assert {t for _, t, _ in shapes} == {16, 1}  # the prefill bucket and decode
     d, accel = cfg.hidden_size, engine.devices.accel
-    for x_shape, rows in shapes:
+    for b, t, rows in shapes:
         x, shared, y_gpu, y_cpu = (jax.device_put(np.zeros(shape, np.float32), accel) for shape in
-                                   (x_shape, (x_shape[0] * x_shape[1], d), (rows, d), (rows, d)))
+                                   ((b, t, d), (b * t, d), (rows, d), (rows, d)))
         for parts in ((y_gpu, None), (None, y_cpu), (y_gpu, y_cpu), (None, None)):
             engine._programs["moe_combine"](x, shared, *parts)
     assert engine.compiled_programs["moe_combine"] == compiled

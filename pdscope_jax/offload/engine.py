@@ -28,7 +28,8 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   every staged copy is waited for where it is issued, before compute, so nothing overlaps: the ablation's
   synchronous I/O), `batched_gpu` (False: one GPU program per expert instead of one per layer).
 
-Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, `_record`) the engine does, in this order:
+Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, then its timing is kept) the engine does, in this
+order:
   route    attention + router + shared experts in one program; fetch routing to the host (the sync point);
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
@@ -206,25 +207,19 @@ class _Routed:
 
 @dataclasses.dataclass
 class _Timing:
-    """When one layer's parts started and ended; `ready` holds helper-thread futures of the parts still running
-    when it was made ("gpu", "load", "transfer" -> perf_counter when done), settled at the end of the step."""
+    """One layer's statistics waiting for the end of the step (`_settle`): its expert counts, when its parts
+    started and ended, and in `ready` helper-thread futures of the parts still running when it was made
+    ("gpu", "load", "transfer" -> perf_counter when done)."""
 
+    phase: str
+    gpu_experts: int
+    cpu_experts: int
     start: float  # perf_counter when the layer's on-demand loads were issued
     dispatched: float  # ... when its GPU experts were dispatched
     cpu_start: float  # ... when its CPU experts were handed to the CPU worker
     cpu_end: float | None  # ... when they were done (None: none ran)
     loads_end: float | None  # ... when the loads were done, where they were waited for (synchronous I/O)
     ready: dict[str, concurrent.futures.Future]
-
-
-@dataclasses.dataclass
-class _Pending:
-    """One layer's statistics waiting for its timestamps (settled at the end of the step)."""
-
-    phase: str
-    gpu_experts: int
-    cpu_experts: int
-    timing: _Timing
 
 
 def analytic_costs(cfg, itemsize: int) -> CostTable:
@@ -279,14 +274,13 @@ class OffloadRunner:
                              cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
         self._programs = _build_programs()
-        self._row_counts: set[int] = set()  # padded token counts seen (for warm-up)
-        self._combine_shapes: set[tuple[tuple[int, ...], int]] = set()  # (x shape, padded rows) seen (warm-up)
+        self._step_shapes: set[tuple[int, int, int]] = set()  # (batch, tokens, padded rows) of steps run (warm-up)
         self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
         self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
         self._streamed: dict[int, np.ndarray] = {}  # layer -> experts streamed into it (transient slots)
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
         self._cpu_worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
-        self._unsettled: list[_Pending] = []
+        self._unsettled: list[_Timing] = []
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
         self.memory_trace: list[dict[str, int | None]] = []
@@ -512,7 +506,7 @@ class OffloadRunner:
         statistics start afresh, as after `set_policy`."""
         self.generate(np.zeros((batch, prompt_len), np.int32), max_new_tokens=max(new_tokens, 2))
         first = self._moe_layers[0]
-        for n in sorted(self._row_counts):
+        for n in sorted({n_pad for _, _, n_pad in self._step_shapes}):
             self.cpu_experts.precompile(first, n, self.cache_dtype)
         self._precompile_combine()
         limit, size = min(self.config.num_experts, self.pool.num_slots), 1
@@ -531,9 +525,9 @@ class OffloadRunner:
         """Run `moe_combine` on zeros for each shape seen with every mix of parts: GPU only, CPU only, both and
         neither (a layer's plan decides which one it gets)."""
         accel, dtype, d = self.devices.accel, self.cache_dtype, self.config.hidden_size
-        for x_shape, rows in sorted(self._combine_shapes):
-            x = jax.device_put(np.zeros(x_shape, dtype), accel)
-            shared = jax.device_put(np.zeros((x_shape[0] * x_shape[1], d), dtype), accel)
+        for b, t, rows in sorted(self._step_shapes):
+            x = jax.device_put(np.zeros((b, t, d), dtype), accel)
+            shared = jax.device_put(np.zeros((b * t, d), dtype), accel)
             y_gpu = jax.device_put(np.zeros((rows, d), dtype), accel)
             y_cpu = jax.device_put(np.zeros((rows, d), np.float32), accel)
             for parts in ((y_gpu, None), (None, y_cpu), (y_gpu, y_cpu), (None, None)):
@@ -592,7 +586,7 @@ class OffloadRunner:
         start = time.perf_counter()
         n = valid.size
         n_pad = bucket(n, self.runtime.decode_buckets if phase == "decode" else self.runtime.prefill_buckets)
-        self._row_counts.add(n_pad)
+        self._step_shapes.add((*ids.shape, n_pad))
         valid_pad = np.zeros(n_pad, bool)
         valid_pad[:n] = valid
         if phase == "decode":
@@ -621,7 +615,7 @@ class OffloadRunner:
         r = self._route(i, x, positions, layer_cache, phase, valid)
         plan = self._plan(i, phase, r)
         x, timing = self._execute(i, phase, plan, r)
-        self._record(phase, plan, timing)
+        self._unsettled.append(timing)  # settled at the end of the step, so no layer waits for its own compute
         return x, r.layer_cache
 
     def _route(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray) -> _Routed:
@@ -687,10 +681,10 @@ class OffloadRunner:
                  (("gpu", y_gpu), ("load", loads), ("transfer", staged_next)) if arrays is not None}
         y_cpu, cpu_end = cpu_job.result() if cpu_job is not None else (None, None)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
-        self._combine_shapes.add((tuple(r.x.shape), r.h.shape[0]))
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
-        return x, _Timing(start, dispatched, cpu_start, cpu_end, loads_end, ready)
+        return x, _Timing(phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end, loads_end,
+                          ready)
 
     def _commit_staged(self, i: int) -> None:
         """Copy the transfers staged for layer i (by the layer before it) into their reserved slots."""
@@ -740,15 +734,11 @@ class OffloadRunner:
         done = time.perf_counter()
         return jax.device_put(acc, self.devices.accel), done
 
-    def _record(self, phase: str, plan: Plan, t: _Timing) -> None:
-        """Keep the layer's timing for the end of the step (`_settle`), so no layer waits for its own compute."""
-        self._unsettled.append(_Pending(phase, plan.gpu.size, plan.cpu.size, t))
-
     def _settle(self) -> None:
         """Add the timed layers of the step to the statistics. Loads are exposed where the CPU experts were not
         running; next-layer transfers where they outlast this layer's compute."""
-        for p in self._unsettled:
-            stats, t = self.phase_stats[p.phase], p.timing
+        for t in self._unsettled:
+            stats = self.phase_stats[t.phase]
             done = {name: future.result() for name, future in t.ready.items()}
             load_end = done.get("load", t.loads_end if t.loads_end is not None else t.start)
             cpu_end = t.cpu_end if t.cpu_end is not None else t.cpu_start
@@ -756,8 +746,8 @@ class OffloadRunner:
             gpu_end = done.get("gpu", gpu_start)
             stats.gpu_seconds += max(0.0, gpu_end - gpu_start)
             stats.cpu_seconds += cpu_end - t.cpu_start
-            stats.gpu_experts += p.gpu_experts
-            stats.cpu_experts += p.cpu_experts
+            stats.gpu_experts += t.gpu_experts
+            stats.cpu_experts += t.cpu_experts
             stats.transfer_seconds += load_end - t.start
             covered = max(0.0, min(load_end, cpu_end) - max(t.start, t.cpu_start))  # loads under CPU compute
             exposed = load_end - t.start - covered
