@@ -31,7 +31,8 @@ repeat's statistics) and a PNG plot into `--out`.
 After every policy/batch/length point the JSON so far is written with `"complete": false` (a run stopped by a
 time limit keeps its figures), and a point that raises is recorded under "errors" while the others still run.
 `--cprofile N` profiles one generation of N tokens per run with cProfile after the timed runs (the host-side
-functions with the most own and cumulative time go into the JSON).
+functions with the most own and cumulative time go into the JSON), then records one more generation's stage
+timeline (`offload.timeline`: median ms between the stages of a MoE layer, per phase).
 `--track-memory N` also runs N decode steps with the first policy and records accelerator memory after every
 step (live array bytes, and the allocator's bytes in use where the device reports them), to show it stays flat.
 It prints one JSON line with the summary last. Example on the GPU node:
@@ -285,6 +286,8 @@ def _profile_runs(runner, runs: list[dict], args, prompts, console, hot_table) -
     import cProfile
     import pstats
 
+    from pdscope_jax.offload.timeline import Timeline
+
     out = {}
     for run in runs:
         engine = {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
@@ -297,12 +300,15 @@ def _profile_runs(runner, runs: list[dict], args, prompts, console, hot_table) -
             profiler.enable()
             result = runner.generate(prompt, args.cprofile)
             profiler.disable()
+            runner.timeline = Timeline()  # once more without the profiler: stage timestamps per layer
+            runner.generate(prompt, args.cprofile)
+            timeline, runner.timeline = runner.timeline.summary(), None
         stats = pstats.Stats(profiler)
         rows = [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "calls": calls, "own_s": own,
                  "cumulative_s": cum} for (path, line, name), (_, calls, own, cum, _) in stats.stats.items()]
         out[run["label"]] = {
             "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
-            "new_tokens": args.cprofile, "prompt_len": args.prompt_lens[0],
+            "new_tokens": args.cprofile, "prompt_len": args.prompt_lens[0], "timeline_ms": timeline,
             "by_own_time": sorted(rows, key=lambda r: -r["own_s"])[:25],
             "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_s"])[:40]}
     return out

@@ -3,8 +3,8 @@
 Contract: `profile_main(argv) -> dict` (the saved table as a dict) measures, for one model (a preset name or a
 checkpoint directory; only shapes matter, so weights are seeded random values, never read from disk) in the
 chosen dtype, on the accelerator and the CPU backend that `runtime.select_devices` picks:
-- `cpu_expert_seconds[b]`: one routed expert over b tokens with the engine's CPU program
-  (`offload.cpu_experts`, rows padded to the engine's row bucket) on the CPU backend;
+- `cpu_expert_seconds[b]`: one routed expert over b tokens (h of b rows) through the engine's CPU path
+  (`offload.cpu_experts`, the expert read through the expert store's CPU view of pinned memory);
 - `gpu_expert_seconds[b]`: one expert over b tokens as one `combine_experts` program on the accelerator;
   `gpu_launch_seconds`: a trivial program on the accelerator (capped at the fastest expert time);
 - `transfer_seconds[n]` for n = 1, 2, 4, ..., E experts copied pinned_host -> accelerator device memory in one
@@ -132,7 +132,8 @@ class _Profiler:
         import numpy as np
 
         from pdscope_jax import models
-        from pdscope_jax.offload.cpu_experts import _accumulate
+        from pdscope_jax.offload.cpu_experts import CpuExperts
+        from pdscope_jax.offload.expert_store import ExpertStore
         from pdscope_jax.models.layers import combine_experts
 
         self.cfg, self.devices, self.args = cfg, devices, args
@@ -144,9 +145,10 @@ class _Profiler:
             return (rng.standard_normal(shape, np.float32) * 0.02).astype(self.dtype)
 
         self.gate_up_np, self.down_np = weights((d, 2 * f)), weights((f, d))
-        self.cpu_w = jax.device_put((self.gate_up_np, self.down_np), devices.cpu)
+        store = ExpertStore(devices)  # one expert in pinned memory, read through its CPU view as the engine does
+        store.add_layer(0, self.gate_up_np[None], self.down_np[None])
+        self._cpu_experts = CpuExperts(store, args.cpu_min_rows)
         self.gpu_w = jax.device_put((self.gate_up_np[None], self.down_np[None]), devices.accel)
-        self._cpu_step = jax.jit(_accumulate, donate_argnums=0)
         self._gpu_step = jax.jit(combine_experts)
         self._noop = jax.jit(lambda x: x + 1)
         pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
@@ -169,19 +171,9 @@ class _Profiler:
         import jax
         import numpy as np
 
-        from pdscope_jax.offload.cpu_experts import row_bucket
-
-        rows = row_bucket(tokens, self.args.cpu_min_rows)
-        cpu = self.devices.cpu
-        h = jax.device_put(np.ones((rows, self.cfg.hidden_size), self.dtype), cpu)
-        idx = jax.device_put(np.arange(rows, dtype=np.int32), cpu)
-        w = jax.device_put(np.ones(rows, np.float32), cpu)
-
-        def run():
-            acc = jax.device_put(np.zeros((rows, self.cfg.hidden_size), np.float32), cpu)
-            return self._cpu_step(acc, h, idx, w, *self.cpu_w)
-
-        return self._median(run)
+        h = jax.device_put(np.ones((tokens, self.cfg.hidden_size), self.dtype), self.devices.cpu)
+        groups = [(0, np.arange(tokens), np.ones(tokens, np.float32))]
+        return self._median(lambda: self._cpu_experts.dispatch(0, h, groups))
 
     def gpu_expert(self, tokens: int) -> float:
         import jax

@@ -60,6 +60,20 @@ def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypat
     profile = saved["cprofile"]["ondemand"]
     assert profile["new_tokens"] == 2 and profile["by_cumulative_time"][0]["cumulative_s"] > 0
     assert any("generate" in row["function"] for row in profile["by_cumulative_time"])
+    moe_layers = len(preset("tiny-deepseek-v2-lite").moe_layers)
+    decode = profile["timeline_ms"]["decode"]  # one decode step
+    assert decode["layers"] == moe_layers and decode["routed -> planned"] >= 0
+    assert decode["route_dispatched -> gpu_done"] > 0 and profile["timeline_ms"]["prefill"]["layers"] == moe_layers
+
+
+def test_decode_paths_probe_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_decode_paths.py"))["main"]
+    result = main(["--hidden", "64", "--intermediate", "32", "--experts", "1", "2", "--reps", "1",
+                   "--out", str(tmp_path / "paths.json")])
+    kinds = {(r["kind"], r.get("experts")) for r in result["records"]}
+    assert {("cpu_chain", 2), ("cpu_one_program", 2), ("cpu_threads", 1), ("copy_issue", 2), ("copy_done", 1)} <= kinds
+    assert all(r["GBps"] > 0 for r in result["records"])
+    assert json.loads((tmp_path / "paths.json").read_text())["expert_shape"]["hidden"] == 64
 
 
 def test_cpu_expert_script_smoke(tmp_path):

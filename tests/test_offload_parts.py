@@ -132,14 +132,23 @@ def test_store_aliases_cpu_views_and_writes_slots_in_place():
             ExpertStore(dev, host_alloc="torch")
 
 
-def test_cpu_experts_match_direct_computation():
+@pytest.mark.parametrize("tokens, experts, programs", [
+    (5, 2, {("dense", 5, 2)}),  # few rows: one dense program for both experts
+    (5, 8, {("dense", 5, 8)}),
+    (3, 7, {("dense", 3, 7)}),
+    (40, 3, {("gathered", 40, 16), ("gathered", 40, 32)}),  # many rows: one gathered program per row bucket
+])
+def test_cpu_experts_match_direct_computation(tokens, experts, programs):
     dev = select_devices()
     store = ExpertStore(dev)
     gu, dn = _stacks(1)
     store.add_layer(1, gu, dn)
     rng = np.random.default_rng(2)
-    h = rng.standard_normal((5, D)).astype(np.float32)
-    groups = [(2, np.array([0, 3]), np.array([0.5, 0.25])), (6, np.array([3]), np.array([1.0]))]
+    h = rng.standard_normal((tokens, D)).astype(np.float32)
+    chosen = rng.choice(E, experts, replace=False)
+    groups = [(int(e), np.sort(rng.choice(tokens, rng.integers(1, min(tokens, 20) + 1), replace=False)),
+               rng.uniform(0.1, 1.0, tokens).astype(np.float32)) for e in chosen]
+    groups = [(e, rows, w[: rows.size]) for e, rows, w in groups]
     cpu = CpuExperts(store, min_rows=16)
     y = cpu.dispatch(1, jax.device_put(h, dev.cpu), groups)
     assert y.devices() == {dev.cpu}
@@ -147,4 +156,7 @@ def test_cpu_experts_match_direct_computation():
     for e, rows, w in groups:
         want[rows] += np.asarray(expert_ffn(jnp.asarray(h[rows]), gu[e], dn[e])) * w[:, None]
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)
-    assert cpu.compiled_programs == 1 and cpu.expert_runs == 2
+    assert cpu._shapes <= programs and cpu.expert_runs == experts
+    cpu.precompile(1, tokens, np.float32)
+    assert cpu.expert_runs == experts  # warm-up runs are not counted
+    assert cpu.compiled_programs == (8 if tokens <= 16 else 3)  # gathered: row buckets 16, 32 and 64

@@ -3,12 +3,16 @@
 Contract: `CpuExperts.dispatch(layer, h, groups)` takes the layer's MoE input h [N, D] already on the CPU
 backend and, per expert placed on the CPU, the rows (token indices) routed to it and their routing weights;
 it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]). It only
-dispatches (one small jitted program per expert, chained through a donated accumulator that the first one
-creates), so the caller gets
-the result back at once and can keep the accelerator busy meanwhile. Row counts are padded to a power of two
-of at least `min_rows` (padding rows read token 0 with weight 0): XLA:CPU is pathologically slow on bf16
-matmuls with one row, and padding bounds the set of compiled programs (`precompile` compiles them all for a
-token count). Weights come from the expert store's CPU views; this module never copies or moves expert weights.
+dispatches, so the caller gets the result back at once and can keep the accelerator busy meanwhile. Two paths,
+chained through one donated accumulator:
+- few rows (N <= `DENSE_MAX_ROWS`, decode): every row through every expert, weighted by a dense [k, N]
+  coefficient matrix (zero where a token is not routed to the expert), up to `DENSE_EXPERTS` experts per
+  program; no gather or scatter, one program per layer for up to that many experts. Rows are padded inside the
+  program to `min_rows`: XLA:CPU is pathologically slow on bf16 matmuls with one row;
+- many rows (prefill): one program per expert that gathers its rows, padded to a power of two of at least
+  `min_rows` (padding rows read token 0 with weight 0), and scatter-adds the result.
+Padding bounds the set of compiled programs; `precompile` compiles them all for a token count. Weights come
+from the expert store's CPU views; this module never copies or moves expert weights.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.offload.expert_store import ExpertStore
 
 F32 = jnp.float32
+DENSE_MAX_ROWS = 16  # at most this many rows: the dense path (an expert at 16 rows costs about what 8 do)
+DENSE_EXPERTS = 8  # experts per dense program
 
 
-def _accumulate(acc, h, rows, weights, gate_up, down):
+def _gathered(acc, h, rows, weights, gate_up, down):
     """acc [N,D] f32 += weights[:,None] * expert_ffn(h[rows]); h [N,D], rows [R] int32, weights [R] f32.
     Optimization barriers keep the gather and the scatter out of the matmuls' fusions. On the GPU node (jax
     0.11.2) this program took about twice the bare expert's time without them at every row count, and 1.2-1.4x
@@ -33,9 +39,14 @@ def _accumulate(acc, h, rows, weights, gate_up, down):
     return acc.at[rows].add(y.astype(F32) * weights[:, None])
 
 
-def _first(h, rows, weights, gate_up, down):
-    """The first expert of a dispatch: `_accumulate` into zeros made inside the program."""
-    return _accumulate(jnp.zeros(h.shape, F32), h, rows, weights, gate_up, down)
+def _dense(acc, h, coef, gate_ups, downs, min_rows):
+    """acc [N,D] f32 += sum_j coef[j][:,None] * expert_ffn(h, gate_ups[j], downs[j]); coef [k, N] f32."""
+    n = h.shape[0]
+    x = jax.lax.optimization_barrier(jnp.pad(h, ((0, max(min_rows - n, 0)), (0, 0))))  # [max(N, min_rows), D]
+    for j, (gate_up, down) in enumerate(zip(gate_ups, downs)):
+        y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))[:n]  # [N, D]
+        acc = acc + y.astype(F32) * coef[j][:, None]
+    return acc
 
 
 def row_bucket(rows: int, min_rows: int) -> int:
@@ -47,9 +58,9 @@ class CpuExperts:
         self.store = store
         self.cpu = store.devices.cpu
         self.min_rows = min_rows
-        self._step = jax.jit(_accumulate, donate_argnums=0)
-        self._first = jax.jit(_first)
-        self._shapes: set[tuple[int, int]] = set()  # (N, R) pairs compiled
+        self._gathered = jax.jit(_gathered, donate_argnums=0)
+        self._dense = jax.jit(_dense, donate_argnums=0, static_argnums=5)
+        self._shapes: set[tuple[str, int, int]] = set()  # (path, N, rows or experts) compiled
         self.expert_runs = 0
 
     @property
@@ -57,32 +68,49 @@ class CpuExperts:
         return len(self._shapes)
 
     def precompile(self, layer: int, n: int, dtype) -> None:
-        """Compile the programs for h of n rows in `dtype`, one per row bucket up to n (runs each on zeros)."""
-        gate_up, down = self.store.cpu_weights(layer, 0)
-        h = jax.device_put(np.zeros((n, gate_up.shape[0]), dtype), self.cpu)
-        top = row_bucket(n, self.min_rows)
-        sizes = {row_bucket(1 << b, self.min_rows) for b in range(top.bit_length())} | {top}
-        for r in sorted(s for s in sizes if s <= top):
-            acc = self._first(h, np.zeros(r, np.int32), np.zeros(r, np.float32), gate_up, down)
-            self._step(acc, h, np.zeros(r, np.int32), np.zeros(r, np.float32), gate_up, down)
-            self._shapes.add((n, r))
+        """Compile the programs for h of n rows in `dtype` (runs each on zeros): the dense path's for 1 to
+        `DENSE_EXPERTS` experts, or the gathered path's for every row bucket up to n."""
+        h = jax.device_put(np.zeros((n, self.store.cpu_weights(layer, 0)[0].shape[0]), dtype), self.cpu)
+        if n <= DENSE_MAX_ROWS:
+            calls = [[(0, np.zeros(0, np.int64), np.zeros(0, np.float32))] * k for k in range(1, DENSE_EXPERTS + 1)]
+        else:
+            top = row_bucket(n, self.min_rows)
+            sizes = {row_bucket(1 << b, self.min_rows) for b in range(top.bit_length())} | {top}
+            calls = [[(0, np.zeros(r, np.int64), np.zeros(r, np.float32))] for r in sorted(sizes)]
+        runs = self.expert_runs
+        for groups in calls:
+            self.dispatch(layer, h, groups)
+        self.expert_runs = runs
 
     def dispatch(self, layer: int, h: jax.Array, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> jax.Array:
         """h [N, D] on the CPU backend; groups: (expert, rows [r] int, weights [r] float) -> y [N, D] f32."""
         n, d = h.shape
-        acc = None
-        for expert, rows, weights in groups:
-            r = row_bucket(len(rows), self.min_rows)
-            rows_p = np.zeros(r, np.int32)
-            rows_p[: len(rows)] = rows
-            weights_p = np.zeros(r, np.float32)
-            weights_p[: len(rows)] = weights
-            gate_up, down = self.store.cpu_weights(layer, expert)
-            # host arrays go straight into the call (jit places them beside h): cheaper than a device_put each
-            if acc is None:
-                acc = self._first(h, rows_p, weights_p, gate_up, down)
-            else:
-                acc = self._step(acc, h, rows_p, weights_p, gate_up, down)
-            self._shapes.add((n, r))
-            self.expert_runs += 1
-        return acc if acc is not None else jax.device_put(np.zeros((n, d), np.float32), self.cpu)
+        acc = jax.device_put(np.zeros((n, d), np.float32), self.cpu)
+        if n <= DENSE_MAX_ROWS:
+            for lo in range(0, len(groups), DENSE_EXPERTS):
+                acc = self._dense_chunk(layer, acc, h, groups[lo:lo + DENSE_EXPERTS])
+        else:
+            for expert, rows, weights in groups:
+                acc = self._gathered_expert(layer, acc, h, expert, rows, weights)
+        self.expert_runs += len(groups)
+        return acc
+
+    def _dense_chunk(self, layer: int, acc, h, groups) -> jax.Array:
+        n = h.shape[0]
+        coef = np.zeros((len(groups), n), np.float32)  # [k, N]
+        for j, (_, rows, weights) in enumerate(groups):
+            np.add.at(coef[j], rows, weights)
+        weights = [self.store.cpu_weights(layer, expert) for expert, _, _ in groups]
+        self._shapes.add(("dense", n, len(groups)))
+        # host arrays go straight into the call (jit places them beside h): cheaper than a device_put each
+        return self._dense(acc, h, coef, tuple(w[0] for w in weights), tuple(w[1] for w in weights), self.min_rows)
+
+    def _gathered_expert(self, layer: int, acc, h, expert: int, rows: np.ndarray, weights: np.ndarray):
+        r = row_bucket(len(rows), self.min_rows)
+        rows_p = np.zeros(r, np.int32)
+        rows_p[: len(rows)] = rows
+        weights_p = np.zeros(r, np.float32)
+        weights_p[: len(rows)] = weights
+        gate_up, down = self.store.cpu_weights(layer, expert)
+        self._shapes.add(("gathered", h.shape[0], r))
+        return self._gathered(acc, h, rows_p, weights_p, gate_up, down)

@@ -23,6 +23,7 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   holds the tokens routed to each expert since the last reset (raw counts for a hot table, see `sched.hot`).
   `warmup(batch, prompt_len, new_tokens)` compiles the programs of a shape before timing;
   `set_policy(name, options, **engine)` switches planners (and the engine switches below) without rebuilding.
+  `timeline`: set it to an `offload.timeline.Timeline` to record when each stage of each MoE layer happened.
 - RuntimeConfig switches read here: `cost_table` (a name or path, `sched.load_cost_table`; else the analytic
   table), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
   every staged copy is waited for where it is issued, before compute, so nothing overlaps: the ablation's
@@ -77,6 +78,7 @@ from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
 from pdscope_jax.offload.cpu_experts import CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore, Staged, expert_paths, is_expert_path
 from pdscope_jax.offload.slot_pool import SlotPool
+from pdscope_jax.offload.timeline import Timeline
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.static_graph import StaticGraph, static_graph
 from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, activation_counts, check_plan,
@@ -211,6 +213,7 @@ class _Timing:
     started and ended, and in `ready` helper-thread futures of the parts still running when it was made
     ("gpu", "load", "transfer" -> perf_counter when done)."""
 
+    layer: int
     phase: str
     gpu_experts: int
     cpu_experts: int
@@ -283,6 +286,7 @@ class OffloadRunner:
         self._unsettled: list[_Timing] = []
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
+        self.timeline: Timeline | None = None  # set to a Timeline to record each layer's stages (a profile)
         self.memory_trace: list[dict[str, int | None]] = []
         self.set_policy(rc.policy, rc.policy_options)
 
@@ -623,8 +627,10 @@ class OffloadRunner:
         layer = self._layers[i]
         x, h, w, ids, shared, layer_cache = self._programs["moe_route"](
             layer.graph, layer.state, x, positions, layer_cache, valid.size)
+        self._mark(phase, "route_dispatched", i)
         scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
-        w_np, ids_np = jax.device_get((w, ids))
+        w_np, ids_np, scores = jax.device_get((w, ids, scores))  # one round trip for all three
+        self._mark(phase, "routed", i)
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]
         self.activation_counts[phase][i] += tokens
@@ -648,6 +654,7 @@ class OffloadRunner:
         plan = self.planner.plan(demand, self.costs)
         planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
+        self._mark(phase, "planned", i)
         if phase == "prefill" and nxt is not None:
             self._streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
         stats = self.phase_stats[phase]
@@ -668,23 +675,34 @@ class OffloadRunner:
         cpu_job, cpu_start = None, time.perf_counter()
         if plan.cpu.size and self.runtime.async_io:  # the CPU experts run while the loads copy
             cpu_job = self._cpu_worker.submit(self._run_cpu, i, plan.cpu, r)
+            self._mark(phase, "cpu_submitted", i)
         start = time.perf_counter()
         loads, loads_end = self._load_now(i, plan.load_now, stats)
+        self._mark(phase, "loads_issued", i)
         # the next layer's copies are issued BEFORE this layer's compute is dispatched, so they overlap it
         staged_next = self._issue_next(i, self._next_moe.get(i), plan, stats)
+        self._mark(phase, "next_issued", i)
         dispatched = time.perf_counter()
         if plan.cpu.size and not self.runtime.async_io:  # synchronous I/O: nothing overlapped the copies
             cpu_job, cpu_start = self._cpu_worker.submit(self._run_cpu, i, plan.cpu, r), dispatched
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
+        self._mark(phase, "gpu_dispatched", i)
         # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
         ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
                  (("gpu", y_gpu), ("load", loads), ("transfer", staged_next)) if arrays is not None}
         y_cpu, cpu_end = cpu_job.result() if cpu_job is not None else (None, None)
+        self._mark(phase, "cpu_joined", i)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
+        self._mark(phase, "combined", i)
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
-        return x, _Timing(phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end, loads_end,
+        return x, _Timing(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end, loads_end,
                           ready)
+
+    def _mark(self, phase: str, event: str, layer: int, at: float | None = None) -> None:
+        """Record a stage of layer `layer` in the timeline, when one is being recorded."""
+        if self.timeline is not None:
+            self.timeline.mark(phase, event, layer, time.perf_counter() if at is None else at)
 
     def _commit_staged(self, i: int) -> None:
         """Copy the transfers staged for layer i (by the layer before it) into their reserved slots."""
@@ -740,6 +758,9 @@ class OffloadRunner:
         for t in self._unsettled:
             stats = self.phase_stats[t.phase]
             done = {name: future.result() for name, future in t.ready.items()}
+            for name, at in (("cpu", t.cpu_end), *done.items()):
+                if at is not None:
+                    self._mark(t.phase, f"{name}_done", t.layer, at)
             load_end = done.get("load", t.loads_end if t.loads_end is not None else t.start)
             cpu_end = t.cpu_end if t.cpu_end is not None else t.cpu_start
             gpu_start = max(t.dispatched, load_end)  # the GPU experts wait for the loads
@@ -799,7 +820,8 @@ class OffloadRunner:
         return None
 
     def _next_scores(self, i: int, nxt: int | None, phase: str, h, w, ids, valid: np.ndarray):
-        """[E] next-layer activation scores for planners that read them, else None."""
+        """[E] next-layer activation scores for planners that read them (host, or on the accelerator still, to
+        be fetched with the routing), else None."""
         if nxt is None or not self._wants_scores:
             return None
         if phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer:
@@ -809,7 +831,7 @@ class OffloadRunner:
             scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
             return scores.mean(axis=0) if scores.ndim == 2 else scores
         nl = self._layers[nxt]
-        return np.asarray(self._programs["gate_scores"](nl.graph, nl.state, h, valid.astype(np.float32)))
+        return self._programs["gate_scores"](nl.graph, nl.state, h, valid.astype(np.float32))
 
 
 def _logit_windows(width: int, real: int, size_max: int):

@@ -1,0 +1,52 @@
+"""Where a step's host time goes: timestamps of the engine's stages per MoE layer, and their medians.
+
+Contract: while `OffloadRunner.timeline` is a `Timeline`, the engine calls `mark(phase, event, layer, at=None)` at
+each stage of a MoE layer, in the order it does them on the host (`LAYER_EVENTS`), and, when the step settles,
+with `at` = when each part that ran on another thread or device was done (`DONE_EVENTS`: perf_counter stamps
+taken by helper threads). `summary()` -> {phase: {"a -> b": median ms, ..., "route_dispatched -> x_done":
+median ms, "layer": median ms from one layer's route_dispatched to the next's, "layers": count}}: the host
+intervals between consecutive stages present in a layer, the done-stamps as offsets from the layer's start, and
+the layer's wall time. Recording costs a list append per stage; the engine records nothing when it is None.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+LAYER_EVENTS = ("route_dispatched", "routed", "planned", "cpu_submitted", "loads_issued", "next_issued",
+                "gpu_dispatched", "cpu_joined", "combined")
+DONE_EVENTS = ("cpu_done", "load_done", "gpu_done", "transfer_done")
+
+
+class Timeline:
+    def __init__(self):
+        self.events: list[tuple[str, str, int, float]] = []  # (phase, event, layer, perf_counter)
+        self._layers: list[tuple[str, int, dict[str, float]]] = []  # (phase, layer, event -> time), in order
+        self._open: dict[int, dict[str, float]] = {}  # layer -> its latest record (done-stamps land there)
+
+    def mark(self, phase: str, event: str, layer: int, at: float) -> None:
+        if event not in LAYER_EVENTS and event not in DONE_EVENTS:
+            raise ValueError(f"unknown timeline event {event!r}")
+        self.events.append((phase, event, layer, at))
+        if event == LAYER_EVENTS[0]:
+            self._open[layer] = {}
+            self._layers.append((phase, layer, self._open[layer]))
+        self._open[layer][event] = at
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        intervals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for index, (phase, _, times) in enumerate(self._layers):
+            out = intervals[phase]
+            seen = [e for e in LAYER_EVENTS if e in times]
+            for a, b in zip(seen, seen[1:]):
+                out[f"{a} -> {b}"].append(times[b] - times[a])
+            start = times[LAYER_EVENTS[0]]
+            for e in DONE_EVENTS:
+                if e in times:
+                    out[f"{LAYER_EVENTS[0]} -> {e}"].append(times[e] - start)
+            if index + 1 < len(self._layers) and self._layers[index + 1][0] == phase:
+                out["layer"].append(self._layers[index + 1][2][LAYER_EVENTS[0]] - start)
+        return {phase: {**{name: 1e3 * statistics.median(values) for name, values in out.items()},
+                        "layers": sum(1 for p, _, _ in self._layers if p == phase)}
+                for phase, out in intervals.items()}
