@@ -22,6 +22,7 @@
 # Building the offloaded DeepSeek-V2-Lite takes about a minute per benchmark process; a decode of 64 tokens
 # takes 6-14 s per policy at the speeds measured, so `uniform`, `skewed` and `ablation` each need a call of
 # their own (~10 minutes) to finish.
+# BENCH_EXTRA: more bench options for `uniform` and `skewed` (e.g. --cprofile 8 for a host profile and timeline).
 # Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the chain goes on when
 # one fails; every stage logs to <out>/<stage>.log. Benchmarks save partial JSON as they go. With OUT set,
 # everything ends up in one archive, $OUT/results.tgz (the device tool returns at most 8 files).
@@ -73,7 +74,7 @@ for arg in "$@"; do
         --repeats 1 --new-tokens 16" ;;
     uniform) run_stage uniform "
       ${bench[*]} --model $model --prompt-lens ${lengths[*]} --policies ondemand static greedy pdscope fate plain \
-        --hot-table auto --cost-table $costs --repeats 1" ;;
+        --hot-table auto --cost-table $costs --repeats 1 ${BENCH_EXTRA:-}" ;;
     compare) run_stage compare "
       ${bench[*]} --model $model --prompt-lens ${COMPARE_LENGTHS:-${lengths[0]} $longest} \
         --policies ${COMPARE_POLICIES:-ondemand static pdscope} --hot-table auto --cost-table $costs --repeats 1 \
@@ -83,7 +84,8 @@ for arg in "$@"; do
         --repeats 1 --new-tokens 8 --cprofile ${PROFILE_TOKENS:-8} --track-memory ${MEMORY_STEPS:-1000}" ;;
     skewed) run_stage skewed "
       ${bench[*]} --model $model --workload skewed --prompt-lens ${SKEWED_LENGTHS:-${lengths[*]}} \
-        --policies ${SKEWED_POLICIES:-static ondemand greedy pdscope fate} --hot-table auto --cost-table $costs --repeats 1" ;;
+        --policies ${SKEWED_POLICIES:-static ondemand greedy pdscope fate} --hot-table auto --cost-table $costs --repeats 1 \
+        ${BENCH_EXTRA:-}" ;;
     ablation) run_stage ablation "
       ${bench[*]} --model $model --workload skewed --ablation --prompt-lens $longest --cost-table $costs --repeats 1" ;;
     batches) run_stage batches "

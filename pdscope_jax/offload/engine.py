@@ -31,18 +31,19 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
 
 Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, then its timing is kept) the engine does, in this
 order:
-  route    attention + router + shared experts in one program; fetch routing to the host (the sync point);
+  route    attention + router + shared experts in one program; fetch routing to the host (the sync point; with
+           few rows, decode, the MoE input comes along for the CPU experts);
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
-           to the CPU worker thread (`_run_cpu`: CPU backend, then the sum to the accelerator); issue the
+           to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads); issue the
            loads of `load_now` (`_load_now`: stage + commit, ordered before every later reader of the pool),
            so the CPU experts compute while they copy; STAGE the next layer's prefetch, or in prefill its
            whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`; `_stream` takes
            the slots streamed into for layers already computed, so resident experts stay), BEFORE dispatching
            compute, so the host-to-device copies overlap it; dispatch the GPU experts (`_run_gpu`: one
            `combine_experts` program over the pool with a slot_of map); hand the GPU result and the copies to
-           helper threads that stamp when each is done; wait for the CPU worker's part; add the parts and the
-           shared experts;
+           helper threads that stamp when each is done; wait for the CPU part; add the parts and the shared
+           experts;
   record   keep the layer's times; the step adds them to the statistics at its end (`_settle`), so no layer
            waits for its own compute and the next layer's programs queue behind it.
 With `async_io` off, each copy is waited for where it is issued and the CPU experts start after the copies.
@@ -75,7 +76,7 @@ from pdscope_jax import models
 from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_sampling, sample
 from pdscope_jax.models.layers import combine_experts
 from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
-from pdscope_jax.offload.cpu_experts import CpuExperts
+from pdscope_jax.offload.cpu_experts import DENSE_MAX_ROWS, CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore, Staged, expert_paths, is_expert_path
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.offload.timeline import Timeline
@@ -200,6 +201,7 @@ class _Routed:
     ids: jax.Array  # [Nb, K] expert ids
     shared: jax.Array  # [N, D] shared-expert output
     layer_cache: Any
+    h_host: np.ndarray | None  # [Nb, D] host copy of h, fetched with the routing when there are few rows
     rows: np.ndarray  # [Nv] indices of real tokens among the Nb rows
     w_host: np.ndarray  # [Nv, K]
     ids_host: np.ndarray  # [Nv, K]
@@ -282,7 +284,6 @@ class OffloadRunner:
         self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
         self._streamed: dict[int, np.ndarray] = {}  # layer -> experts streamed into it (transient slots)
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
-        self._cpu_worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
         self._unsettled: list[_Timing] = []
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
@@ -629,7 +630,10 @@ class OffloadRunner:
             layer.graph, layer.state, x, positions, layer_cache, valid.size)
         self._mark(phase, "route_dispatched", i)
         scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
-        w_np, ids_np, scores = jax.device_get((w, ids, scores))  # one round trip for all three
+        # one round trip for the routing, the scores and, with few rows, h for the CPU experts (so they need not
+        # wait for a copy queued behind this layer's GPU work)
+        h_np = h if valid.size <= DENSE_MAX_ROWS else None
+        w_np, ids_np, scores, h_np = jax.device_get((w, ids, scores, h_np))
         self._mark(phase, "routed", i)
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]
@@ -640,7 +644,7 @@ class OffloadRunner:
         prefetched = self._prefetched.pop(i, None)
         if prefetched is not None:
             self.phase_stats[phase].prefetch_used += int(np.isin(prefetched, activated).sum())
-        return _Routed(x, h, w, ids, shared, layer_cache, rows, w_np[rows], ids_np[rows], tokens, scores)
+        return _Routed(x, h, w, ids, shared, layer_cache, h_np, rows, w_np[rows], ids_np[rows], tokens, scores)
 
     def _plan(self, i: int, phase: str, r: _Routed) -> Plan:
         nxt, pool = self._next_moe.get(i), self.pool
@@ -665,16 +669,17 @@ class OffloadRunner:
         return plan
 
     def _execute(self, i: int, phase: str, plan: Plan, r: _Routed):
-        """CPU experts (on a worker thread) and this layer's loads first, then the next layer's transfers (staged
-        before compute), then the GPU experts; nothing here waits for the accelerator."""
+        """CPU experts (dispatched: they run on the CPU backend's threads) and this layer's loads first, then the
+        next layer's transfers (staged before compute), then the GPU experts; then only the CPU part is waited for
+        (the accelerator runs ahead)."""
         pool, stats = self.pool, self.phase_stats[phase]
         on_gpu = np.zeros(self.config.num_experts, bool)  # [E]
         on_gpu[plan.gpu] = True
         self._commit_staged(i)
         pool.release(i, plan.unload[~on_gpu[plan.unload]])  # unloads this layer does not compute with: free now
-        cpu_job, cpu_start = None, time.perf_counter()
+        cpu_acc, cpu_start = None, time.perf_counter()
         if plan.cpu.size and self.runtime.async_io:  # the CPU experts run while the loads copy
-            cpu_job = self._cpu_worker.submit(self._run_cpu, i, plan.cpu, r)
+            cpu_acc = self._run_cpu(i, plan.cpu, r)
             self._mark(phase, "cpu_submitted", i)
         start = time.perf_counter()
         loads, loads_end = self._load_now(i, plan.load_now, stats)
@@ -684,13 +689,13 @@ class OffloadRunner:
         self._mark(phase, "next_issued", i)
         dispatched = time.perf_counter()
         if plan.cpu.size and not self.runtime.async_io:  # synchronous I/O: nothing overlapped the copies
-            cpu_job, cpu_start = self._cpu_worker.submit(self._run_cpu, i, plan.cpu, r), dispatched
+            cpu_acc, cpu_start = self._run_cpu(i, plan.cpu, r), dispatched
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
         self._mark(phase, "gpu_dispatched", i)
         # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
         ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
                  (("gpu", y_gpu), ("load", loads), ("transfer", staged_next)) if arrays is not None}
-        y_cpu, cpu_end = cpu_job.result() if cpu_job is not None else (None, None)
+        y_cpu, cpu_end = self._join_cpu(cpu_acc)
         self._mark(phase, "cpu_joined", i)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
         self._mark(phase, "combined", i)
@@ -743,11 +748,15 @@ class OffloadRunner:
             y_gpu = y if y_gpu is None else y_gpu + y
         return y_gpu
 
-    def _run_cpu(self, i: int, experts: np.ndarray, r: _Routed):
-        """Run layer i's CPU `experts` on the CPU backend (called on the CPU worker thread). -> (y [Nb, D] f32 on
-        the accelerator, perf_counter when the CPU was done)."""
-        h_cpu = jax.device_put(r.h, self.devices.cpu)
-        acc = self.cpu_experts.dispatch(i, h_cpu, _groups(experts, r.rows, r.w_host, r.ids_host))
+    def _run_cpu(self, i: int, experts: np.ndarray, r: _Routed) -> jax.Array:
+        """Dispatch layer i's CPU `experts` on the CPU backend (returns at once). -> y [Nb, D] f32 there."""
+        h_cpu = jax.device_put(r.h if r.h_host is None else r.h_host, self.devices.cpu)
+        return self.cpu_experts.dispatch(i, h_cpu, _groups(experts, r.rows, r.w_host, r.ids_host))
+
+    def _join_cpu(self, acc: jax.Array | None) -> tuple[jax.Array | None, float | None]:
+        """Wait for the CPU part. -> (it on the accelerator, perf_counter when the CPU was done), or (None, None)."""
+        if acc is None:
+            return None, None
         acc.block_until_ready()
         done = time.perf_counter()
         return jax.device_put(acc, self.devices.accel), done

@@ -58,7 +58,7 @@ class SlotPool:
 
     def free_slots(self, protect: tuple[int, ...] = ()) -> int:
         """Slots that can be (re)assigned without evicting an expert of a protected layer."""
-        return int((~np.isin(self.owner_layer, protect)).sum())
+        return self.num_slots - sum(int(np.count_nonzero(self.owner_layer == layer)) for layer in set(protect))
 
     def allocate(self, layer: int, experts: np.ndarray, protect: tuple[int, ...] = (),
                  prefer: np.ndarray | None = None) -> np.ndarray:

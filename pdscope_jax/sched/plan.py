@@ -190,10 +190,10 @@ def check_plan(demand: LayerDemand, plan: Plan) -> None:
         if ids.size and (ids.min() < 0 or ids.max() >= e):
             p.append(f"{name} has ids outside [0, {e}): {ids[(ids < 0) | (ids >= e)].tolist()}")
             ids = ids[(ids >= 0) & (ids < e)]
-        if np.unique(ids).size != ids.size:
-            p.append(f"{name} repeats ids: {ids.tolist()}")
         m = np.zeros(e, dtype=bool)
         m[ids] = True
+        if np.count_nonzero(m) != ids.size:
+            p.append(f"{name} repeats ids: {ids.tolist()}")
         masks[name] = m
     gpu, cpu, load, pre, unl = (masks[k] for k in ("gpu", "cpu", "load_now", "prefetch", "unload"))
     if (gpu & cpu).any():
