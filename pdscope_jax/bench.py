@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-threads", type=int, default=None, help="pin the process to this many cores")
+    p.add_argument("--xla-cpu-cores", type=int, default=None,
+                   help="give XLA:CPU's compute threads this many cores; host threads keep every core "
+                        "(runtime.start_backends)")
     p.add_argument("--cpu-view", default="alias", choices=["alias", "copy"],
                    help="CPU experts read pinned memory in place (alias) or from a second host copy")
     p.add_argument("--host-alloc", default="jax", choices=["jax", "torch"],
@@ -114,9 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpu_threads])
     import jax
 
-    from pdscope_jax.runtime import request_cpu_stand_in
+    from pdscope_jax.runtime import request_cpu_stand_in, start_backends
 
     request_cpu_stand_in()
+    start_backends(args.xla_cpu_cores)
     import jax.numpy as jnp
     import numpy as np
     from rich.console import Console
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "warmup": args.warmup,
         "runtime": {k: v for k, v in vars(rc).items() if k not in ("policy", "policy_options")},
-        "host_alloc": args.host_alloc, "cpu_view": args.cpu_view,
+        "host_alloc": args.host_alloc, "cpu_view": args.cpu_view, "xla_cpu_cores": args.xla_cpu_cores,
     }
     stem = f"bench_{cfg.name}_{stamp}"
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"

@@ -132,6 +132,26 @@ def request_cpu_stand_in() -> None:
         pass
 
 
+def start_backends(xla_cpu_cores: int | None = None) -> None:
+    """Start JAX's backends now. With `xla_cpu_cores`, XLA:CPU's compute threads (which size themselves from
+    the cores the process may use when the backends start, and ignore XLA's thread flags) get the first that
+    many cores, while the calling thread and every thread it starts later keep all of them: the host thread that
+    drives the accelerator then never competes with the CPU experts' matmuls for a core. Does nothing to the
+    thread pools when the backends have already started."""
+    import os
+
+    everything = os.sched_getaffinity(0)
+    if xla_cpu_cores is not None:
+        if not 0 < xla_cpu_cores <= len(everything):
+            raise ValueError(f"xla_cpu_cores must lie in [1, {len(everything)}] (the cores this process may use), "
+                             f"got {xla_cpu_cores}")
+        os.sched_setaffinity(0, sorted(everything)[:xla_cpu_cores])
+    try:
+        jax.devices()
+    finally:
+        os.sched_setaffinity(0, everything)
+
+
 def select_devices() -> Devices:
     """The accelerator and the CPU backend (see the module docstring for the CPU-only stand-in)."""
     cpus = jax.devices("cpu")

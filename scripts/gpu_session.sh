@@ -16,6 +16,7 @@
 #   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile)  limit 215
 #   skewed     every policy on the skewed workload                         limit 280 at 10/12 (two prompt lengths)
 #   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)                          limit 185 at 1/6
+#   cores      static and pdscope decode with XLA:CPU's threads on every core, then on XLA_CPU_CORES (14)
 #   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)
 #   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end              191
 #   qwen       whole-model and offloaded Qwen3-30B-A3B
@@ -88,6 +89,11 @@ for arg in "$@"; do
         ${BENCH_EXTRA:-}" ;;
     ablation) run_stage ablation "
       ${bench[*]} --model $model --workload skewed --ablation --prompt-lens $longest --cost-table $costs --repeats 1" ;;
+    cores) run_stage cores "
+      for cores in \$(nproc) ${XLA_CPU_CORES:-14}; do  # XLA:CPU's threads on all cores, then on fewer
+        ${bench[*]} --model $model --prompt-lens ${lengths[0]} --policies static pdscope --hot-table auto \
+          --cost-table $costs --repeats 1 --new-tokens 32 --xla-cpu-cores \$cores
+      done" ;;
     batches) run_stage batches "
       ${bench[*]} --model $model --workload skewed --prompt-lens 512 --batch 1 8 16 32 \
         --policies greedy pdscope --hot-table auto --cost-table $costs --repeats 1" ;;

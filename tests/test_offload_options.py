@@ -118,3 +118,16 @@ def test_cost_table_by_name_or_path(ref, tmp_path, monkeypatch):
     runner = _runner(ref, "pdscope", 6, cost_table="tiny-cpu")
     assert runner.costs == table
 
+
+
+def test_start_backends_restores_the_callers_cores_and_checks_the_count():
+    import os
+
+    from pdscope_jax.runtime import start_backends
+
+    cores = os.sched_getaffinity(0)
+    start_backends(1)  # backends already run under pytest: only the affinity dance happens
+    assert os.sched_getaffinity(0) == cores
+    with pytest.raises(ValueError, match=r"xla_cpu_cores must lie in \[1, "):
+        start_backends(len(cores) + 1)
+    assert os.sched_getaffinity(0) == cores
