@@ -85,7 +85,7 @@ class CpuExperts:
     def dispatch(self, layer: int, h: jax.Array, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> jax.Array:
         """h [N, D] on the CPU backend; groups: (expert, rows [r] int, weights [r] float) -> y [N, D] f32."""
         n, d = h.shape
-        acc = jax.device_put(np.zeros((n, d), np.float32), self.cpu)
+        acc = jnp.zeros((n, d), F32, device=self.cpu)  # made by XLA:CPU, not copied from a host buffer
         if n <= DENSE_MAX_ROWS:
             for lo in range(0, len(groups), DENSE_EXPERTS):
                 acc = self._dense_chunk(layer, acc, h, groups[lo:lo + DENSE_EXPERTS])
