@@ -4,24 +4,24 @@
 #
 #   OUT=$OUT bash scripts/gpu_session.sh STAGE[:SECONDS] [STAGE[:SECONDS] ...]
 #
-#   (seconds: what a stage took on the H200 on 2026-11-29; "limit" where it ran out before finishing)
+#   (seconds: what a stage took on the H200 on 2026-11-29, latest call; "limit" where it ran out before finishing)
 #   probe      store/transfer probe                                                                        42
-#   cpu        XLA:CPU vs torch expert FFN (and once more per flag set in CPU_XLA_FLAGS)          10 (+10 each)
+#   cpu        XLA:CPU vs torch expert FFN (and once more per flag set in CPU_XLA_FLAGS)          11 (+10 each)
 #   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite                           124
-#   profile    the cost table of DeepSeek-V2-Lite on this machine                                           73
+#   profile    the cost table of DeepSeek-V2-Lite on this machine                                           69
 #   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (the offload path works here?)
-#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool      limit 410 at 19/30
+#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool                   506
 #   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile
-#              (all six policies and 1,000 memory steps: 368)
+#              (all six policies and 1,000 memory steps: 368; with 20 memory steps: 299)
 #   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile)  limit 215
 #   skewed     every policy on the skewed workload                         limit 280 at 10/12 (two prompt lengths)
-#   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)                          limit 185 at 1/6
-#   cores      static and pdscope decode with XLA:CPU's threads on every core, then on XLA_CPU_CORES (14)
-#   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)
+#   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)         limit 195 at 5/6 (TOKENS=32)
+#   cores      static and pdscope decode, XLA:CPU's threads on every core, then on XLA_CPU_CORES (14)    211
+#   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)             limit 165 at 2/8 (TOKENS=32)
 #   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end              191
 #   qwen       whole-model and offloaded Qwen3-30B-A3B
 # Building the offloaded DeepSeek-V2-Lite takes about a minute per benchmark process; a decode of 64 tokens
-# takes 6-14 s per policy at the speeds measured, so `uniform`, `skewed` and `ablation` each need a call of
+# takes 5-10 s per policy at the speeds measured, so `uniform`, `skewed` and `ablation` each need a call of
 # their own (~10 minutes) to finish.
 # BENCH_EXTRA: more bench options for `uniform` and `skewed` (e.g. --cprofile 8 for a host profile and timeline).
 # Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the chain goes on when

@@ -221,7 +221,7 @@ class _Timing:
     cpu_experts: int
     start: float  # perf_counter when the layer's on-demand loads were issued
     dispatched: float  # ... when its GPU experts were dispatched
-    cpu_start: float  # ... when its CPU experts were handed to the CPU worker
+    cpu_start: float  # ... when its CPU experts were dispatched to the CPU backend
     cpu_end: float | None  # ... when they were done (None: none ran)
     loads_end: float | None  # ... when the loads were done, where they were waited for (synchronous I/O)
     ready: dict[str, concurrent.futures.Future]
