@@ -36,6 +36,8 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from pdscope_jax.runtime import RuntimeConfig
+
     p = argparse.ArgumentParser(prog="pdscope-jax profile", description=__doc__.splitlines()[0])
     p.add_argument("model", help="preset name or checkpoint directory (only its config.json is read)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -44,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--decode-context", type=int, default=512, help="cached positions a decode step attends to")
     p.add_argument("--decode-max-batch", type=int, default=64, help="largest decode batch measured")
-    p.add_argument("--cpu-min-rows", type=int, default=8, help="the engine's CPU row padding")
+    p.add_argument("--cpu-min-rows", type=int, default=RuntimeConfig.cpu_min_rows,
+                   help="the engine's CPU row padding (default: RuntimeConfig's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: the cost-table directory)")
     return p.parse_args(argv)

@@ -56,7 +56,7 @@ _jit_forward = jax.jit(_forward, static_argnums=0, donate_argnums=4)
 def prompts_of(runner, data: corpus.Corpus, split: str, count: int, length: int, seed: int) -> tuple[np.ndarray, str]:
     """[count, length] prompts from the held-out, out-of-domain or CJK part of `data` (split seed 0, as
     collected)."""
-    docs = {"heldout": data.heldout, "ood": data.ood, "cjk": corpus.cjk_text()}[split]
+    docs = corpus.cjk_text() if split == "cjk" else {"heldout": data.heldout, "ood": data.ood}[split]
     if not docs:
         raise SystemExit(f"no {split} text on this machine (corpus.{'cjk_text' if split == 'cjk' else 'load_corpus'})")
     if runner.tokenizer is not None:

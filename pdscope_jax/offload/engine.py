@@ -632,8 +632,8 @@ class OffloadRunner:
         scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
         # one round trip for the routing, the scores and, with few rows, h for the CPU experts (so they need not
         # wait for a copy queued behind this layer's GPU work)
-        h_np = h if valid.size <= DENSE_MAX_ROWS else None
-        w_np, ids_np, scores, h_np = jax.device_get((w, ids, scores, h_np))
+        h_for_cpu = h if valid.size <= DENSE_MAX_ROWS else None
+        w_np, ids_np, scores, h_np = jax.device_get((w, ids, scores, h_for_cpu))
         self._mark(phase, "routed", i)
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]

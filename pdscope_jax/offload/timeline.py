@@ -21,14 +21,12 @@ DONE_EVENTS = ("cpu_done", "load_done", "gpu_done", "transfer_done")
 
 class Timeline:
     def __init__(self):
-        self.events: list[tuple[str, str, int, float]] = []  # (phase, event, layer, perf_counter)
         self._layers: list[tuple[str, int, dict[str, float]]] = []  # (phase, layer, event -> time), in order
         self._open: dict[int, dict[str, float]] = {}  # layer -> its latest record (done-stamps land there)
 
     def mark(self, phase: str, event: str, layer: int, at: float) -> None:
         if event not in LAYER_EVENTS and event not in DONE_EVENTS:
             raise ValueError(f"unknown timeline event {event!r}")
-        self.events.append((phase, event, layer, at))
         if event == LAYER_EVENTS[0]:
             self._open[layer] = {}
             self._layers.append((phase, layer, self._open[layer]))
