@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     best_pad = min(pads, key=pads.get) if pads else None
     summary = dict(
         what="summary", host=socket.gethostname(), jax=jax.__version__, python=platform.python_version(),
-        cpus=os.cpu_count(), shape=dict(hidden=d, intermediate=f), xla_flags=os.environ.get("XLA_FLAGS"),
+        cpus=os.cpu_count(), shape=dict(hidden=d, intermediate=f), weights="random",
+        xla_flags=os.environ.get("XLA_FLAGS"),
         command=shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
         one_row_ms=one_row, recommended_min_rows=best_pad,
         note="RuntimeConfig.cpu_min_rows pads CPU expert rows to this bucket",
