@@ -7,6 +7,7 @@ import pytest
 
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.offload.budget import BudgetError, plan_budget
+from pdscope_jax.offload import expert_store
 from pdscope_jax.offload.cpu_experts import CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore
 from pdscope_jax.offload.slot_pool import SlotPool
@@ -116,13 +117,14 @@ def test_store_aliases_cpu_views_and_writes_slots_in_place():
     pool = _pool(4)
     address = pool.gate_up.unsafe_buffer_pointer()
     slots = pool.allocate(1, np.array([5, 2, 7]))
-    moved = store.write(pool, 1, np.array([5, 2, 7]), slots)
-    assert moved == 3 * (gu[0].nbytes + dn[0].nbytes) and store.bytes_moved == moved
+    written = store.write(pool, 1, np.array([5, 2, 7]), slots)
+    assert written.nbytes == 3 * (gu[0].nbytes + dn[0].nbytes) and store.bytes_moved == written.nbytes
+    np.testing.assert_array_equal(np.asarray(written.done), slots)
     assert pool.gate_up.unsafe_buffer_pointer() == address  # donated: written in place
     for e, s in zip((5, 2, 7), slots):
         np.testing.assert_array_equal(np.asarray(pool.gate_up[s]), gu[e])
         np.testing.assert_array_equal(np.asarray(pool.down[s]), dn[e])
-    assert store.compiled_programs == 1  # three experts padded to a batch of four
+    assert store.compiled_programs == 1  # one pull-and-commit program, for three experts
 
     copies = ExpertStore(dev, cpu_view="copy")
     copies.add_layer(1, gu, dn)
@@ -130,6 +132,21 @@ def test_store_aliases_cpu_views_and_writes_slots_in_place():
     if dev.accel.platform == "cpu":  # torch pinning needs a GPU
         with pytest.raises(ValueError, match="host_alloc='torch' needs torch with CUDA"):
             ExpertStore(dev, host_alloc="torch")
+
+
+def test_store_write_of_many_experts_stages_then_commits(monkeypatch):
+    monkeypatch.setattr(expert_store, "FUSED_MAX", 2)  # three experts are "many": stage + commit
+    store = ExpertStore(select_devices())
+    gu, dn = _stacks()
+    store.add_layer(1, gu, dn)
+    pool = _pool(4)
+    slots = pool.allocate(1, np.array([6, 0, 3]))
+    written = store.write(pool, 1, np.array([6, 0, 3]), slots)
+    assert written.nbytes == store.bytes_moved == 3 * (gu[0].nbytes + dn[0].nbytes)
+    for e, s in zip((6, 0, 3), slots):
+        np.testing.assert_array_equal(np.asarray(pool.gate_up[s]), gu[e])
+        np.testing.assert_array_equal(np.asarray(pool.down[s]), dn[e])
+    assert store.compiled_programs == 1  # one commit, three experts padded to four
 
 
 @pytest.mark.parametrize("tokens, experts, programs", [

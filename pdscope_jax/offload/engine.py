@@ -36,7 +36,7 @@ order:
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
            to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads); issue the
-           loads of `load_now` (`_load_now`: stage + commit, ordered before every later reader of the pool),
+           loads of `load_now` (`_load_now`: `ExpertStore.write`, ordered before every later reader of the pool),
            so the CPU experts compute while they copy; STAGE the next layer's prefetch, or in prefill its
            whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`; `_stream` takes
            the slots streamed into for layers already computed, so resident experts stay), BEFORE dispatching
@@ -77,7 +77,7 @@ from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_samplin
 from pdscope_jax.models.layers import combine_experts
 from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
 from pdscope_jax.offload.cpu_experts import DENSE_MAX_ROWS, CpuExperts
-from pdscope_jax.offload.expert_store import ExpertStore, Staged, expert_paths, is_expert_path
+from pdscope_jax.offload.expert_store import FUSED_MAX, ExpertStore, Staged, expert_paths, is_expert_path
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.offload.timeline import Timeline
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
@@ -99,15 +99,19 @@ def _dense_layer(graph, state, x, positions, layer_cache):
     return nnx.merge(graph.graphdef, state)(x, positions, layer_cache)
 
 
-def _moe_route(graph, state, x, positions, layer_cache, n_pad):
-    """Attention, MoE input, router and shared experts; routed inputs padded to n_pad rows."""
+def _moe_route(graph, state, x, positions, layer_cache, n_pad, with_h):
+    """Attention, MoE input, router and shared experts; routed inputs padded to n_pad rows. `routing` packs what
+    the host fetches into ONE f32 array [n_pad, 2K (+ D with_h)]: weights, expert ids (exact in f32) and, with_h,
+    h. One fetch instead of three took a third of the time even on the CPU backend (scripts/probe_copy_issue.py)."""
     layer = nnx.merge(graph.graphdef, state)
     x, layer_cache = layer.attend(x, positions, layer_cache)  # [B, T, D]
     h = layer.mlp_input(x).reshape(-1, x.shape[-1])  # [N, D]
     weights, ids = layer.mlp.route(h)  # [N, K] f32, [N, K] int32
     shared = layer.mlp.shared_output(h)  # [N, D]
     rows = ((0, n_pad - h.shape[0]), (0, 0))
-    return x, jnp.pad(h, rows), jnp.pad(weights, rows), jnp.pad(ids, rows), shared, layer_cache
+    h, weights, ids = jnp.pad(h, rows), jnp.pad(weights, rows), jnp.pad(ids, rows)
+    routing = jnp.concatenate([weights, ids.astype(jnp.float32)] + ([h.astype(jnp.float32)] if with_h else []), 1)
+    return x, h, weights, ids, routing, shared, layer_cache
 
 
 def _gate_scores(graph, state, h, valid):
@@ -246,7 +250,7 @@ def _build_programs() -> dict[str, Any]:
     return {
         "embed": jax.jit(_embed, static_argnums=0),
         "dense_layer": jax.jit(_dense_layer, static_argnums=0, donate_argnums=4),
-        "moe_route": jax.jit(_moe_route, static_argnums=(0, 5), donate_argnums=4),
+        "moe_route": jax.jit(_moe_route, static_argnums=(0, 5, 6), donate_argnums=4),
         "gate_scores": jax.jit(_gate_scores, static_argnums=0),
         "gpu_experts": jax.jit(combine_experts),
         "moe_combine": jax.jit(_moe_combine),
@@ -280,10 +284,14 @@ class OffloadRunner:
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
         self._programs = _build_programs()
         self._step_shapes: set[tuple[int, int, int]] = set()  # (batch, tokens, padded rows) of steps run (warm-up)
-        self._pending: dict[int, tuple[Staged, np.ndarray]] = {}  # layer -> staged experts and their slots
+        # layer -> (staging of its experts, issued on the stager thread; their slots)
+        self._pending: dict[int, tuple[concurrent.futures.Future[Staged], np.ndarray]] = {}
         self._prefetched: dict[int, np.ndarray] = {}  # layer -> experts staged for it before it routed
         self._streamed: dict[int, np.ndarray] = {}  # layer -> experts streamed into it (transient slots)
         self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
+        # issues staged copies: `device_put` holds its caller ~0.25 ms + 0.05 ms per expert on the H200, a helper
+        # thread 0.02 ms (scripts/probe_copy_issue.py); one worker keeps them in issue order
+        self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-stage")
         self._unsettled: list[_Timing] = []
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
@@ -514,17 +522,26 @@ class OffloadRunner:
         for n in sorted({n_pad for _, _, n_pad in self._step_shapes}):
             self.cpu_experts.precompile(first, n, self.cache_dtype)
         self._precompile_combine()
-        limit, size = min(self.config.num_experts, self.pool.num_slots), 1
-        while limit:  # commit programs come in power-of-two sizes: up to the one `limit` experts pad to
-            experts = np.arange(min(size, limit))
-            self.pool.release(first, experts)
-            self.store.write(self.pool, first, experts, self.pool.allocate(first, experts))
-            if size >= limit:
-                break
-            size *= 2
+        self._precompile_slot_writes(first)
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
         self.warmed_shapes.add((batch, prompt_len, new_tokens))
         return self.compiled_programs
+
+    def _precompile_slot_writes(self, layer: int) -> None:
+        """Compile every slot-writing program a run can ask for: the commits of staged copies (power-of-two
+        sizes up to the one a whole layer pads to) and the pull-and-commit loads (each count up to FUSED_MAX)."""
+        limit, size = min(self.config.num_experts, self.pool.num_slots), 1
+        while limit:  # commits pad to a power of two: up to the one `limit` experts pad to
+            experts = np.arange(min(size, limit))
+            self.pool.release(layer, experts)
+            self.store.commit(self.pool, self.store.stage(layer, experts), self.pool.allocate(layer, experts))
+            if size >= limit:
+                break
+            size *= 2
+        for size in range(1, min(FUSED_MAX, limit) + 1):
+            experts = np.arange(size)
+            self.pool.release(layer, experts)
+            self.store.write(self.pool, layer, experts, self.pool.allocate(layer, experts))
 
     def _precompile_combine(self) -> None:
         """Run `moe_combine` on zeros for each shape seen with every mix of parts: GPU only, CPU only, both and
@@ -626,15 +643,18 @@ class OffloadRunner:
     def _route(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray) -> _Routed:
         """Attention, router and shared experts on the accelerator; routing to the host (the layer's sync point)."""
         layer = self._layers[i]
-        x, h, w, ids, shared, layer_cache = self._programs["moe_route"](
-            layer.graph, layer.state, x, positions, layer_cache, valid.size)
+        # with few rows, h comes to the host with the routing for the CPU experts (so they need not wait for a
+        # copy queued behind this layer's GPU work)
+        with_h = valid.size <= DENSE_MAX_ROWS
+        x, h, w, ids, routing, shared, layer_cache = self._programs["moe_route"](
+            layer.graph, layer.state, x, positions, layer_cache, valid.size, with_h)
         self._mark(phase, "route_dispatched", i)
         scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
-        # one round trip for the routing, the scores and, with few rows, h for the CPU experts (so they need not
-        # wait for a copy queued behind this layer's GPU work)
-        h_for_cpu = h if valid.size <= DENSE_MAX_ROWS else None
-        w_np, ids_np, scores, h_np = jax.device_get((w, ids, scores, h_for_cpu))
+        routing, scores = jax.device_get((routing, scores))  # one round trip
         self._mark(phase, "routed", i)
+        k = w.shape[1]
+        w_np, ids_np = routing[:, :k], routing[:, k:2 * k].astype(np.int32)
+        h_np = routing[:, 2 * k:].astype(h.dtype) if with_h else None
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]
         self.activation_counts[phase][i] += tokens
@@ -694,7 +714,9 @@ class OffloadRunner:
         self._mark(phase, "gpu_dispatched", i)
         # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
         ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
-                 (("gpu", y_gpu), ("load", loads), ("transfer", staged_next)) if arrays is not None}
+                 (("gpu", y_gpu), ("load", loads)) if arrays is not None}
+        if staged_next is not None:
+            ready["transfer"] = self._waiter.submit(_staged_ready_at, staged_next)
         y_cpu, cpu_end = self._join_cpu(cpu_acc)
         self._mark(phase, "cpu_joined", i)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
@@ -712,26 +734,22 @@ class OffloadRunner:
     def _commit_staged(self, i: int) -> None:
         """Copy the transfers staged for layer i (by the layer before it) into their reserved slots."""
         if i in self._pending:
-            staged, slots = self._pending.pop(i)
-            self.store.commit(self.pool, staged, slots)
+            staging, slots = self._pending.pop(i)
+            self.store.commit(self.pool, staging.result(), slots)
 
     def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats) -> tuple[tuple | None, float | None]:
         """Issue the load of `experts` of layer i into slots (ordered before every later reader of the pool).
-        -> (the staged arrays, ready when the copy is done; None) or, with `async_io` off, where the copy is
+        -> (an array ready when the load is done, None) or, with `async_io` off, where the copy is
         waited for here, (None, perf_counter when it was done); (None, None) when nothing was loaded."""
         if experts.size == 0:
             return None, None
-        pool = self.pool
-        slots = pool.allocate(i, experts, protect=(i,))
-        staged = self.store.stage(i, experts)
-        self.store.commit(pool, staged, slots)
-        stats.bytes_moved += staged.nbytes
+        written = self.store.write(self.pool, i, experts, self.pool.allocate(i, experts, protect=(i,)))
+        stats.bytes_moved += written.nbytes
         stats.experts_loaded_now += experts.size
-        arrays = staged.gate_ups + staged.downs
         if not self.runtime.async_io:
-            jax.block_until_ready(arrays)
+            written.done.block_until_ready()
             return None, time.perf_counter()
-        return arrays, None
+        return written.done, None
 
     def _run_gpu(self, i: int, experts: np.ndarray, on_gpu: np.ndarray, r: _Routed):
         """Dispatch layer i's GPU `experts` over the slot pool (on_gpu [E] marks them). -> y [Nb, D], or None."""
@@ -807,21 +825,24 @@ class OffloadRunner:
 
     def _stage_ahead(self, layer: int, experts: np.ndarray, protect: tuple[int, ...], stats: PhaseStats,
                      prefer: np.ndarray | None = None):
-        """Reserve slots (`prefer`red ones first, see `SlotPool.allocate`) and issue the copy of `experts` of
-        `layer`, committed when `layer` runs. -> staged arrays, or None when nothing is in flight (no experts, or
-        `async_io` off: then the copy is waited for here, before any compute is dispatched, and all of it counts
-        as exposed)."""
+        """Reserve slots (`prefer`red ones first, see `SlotPool.allocate`) and have the stager thread issue the
+        copy of `experts` of `layer`, committed when `layer` runs. -> the staging (a Future of `Staged`), or None
+        when nothing is in flight (no experts, or `async_io` off: then the copy is waited for here, before any
+        compute is dispatched, and all of it counts as exposed)."""
         if experts.size == 0:
             return None
         start = time.perf_counter()
         slots = self.pool.allocate(layer, experts, protect=protect, prefer=prefer)
-        staged = self.store.stage(layer, experts)
-        self._pending[layer] = (staged, slots)
+        staging = self._stager.submit(self.store.stage, layer, experts)
+        nbytes = self.store.expert_nbytes(layer, experts)
+        self.store.count_staged(nbytes)
+        self._pending[layer] = (staging, slots)
         self._prefetched[layer] = experts
-        stats.bytes_moved += staged.nbytes
+        stats.bytes_moved += nbytes
         stats.experts_prefetched += experts.size
         if self.runtime.async_io:
-            return staged.gate_ups + staged.downs
+            return staging
+        staged = staging.result()
         jax.block_until_ready(staged.gate_ups + staged.downs)
         waited = time.perf_counter() - start
         stats.transfer_seconds += waited
@@ -877,6 +898,11 @@ def _groups(experts: np.ndarray, rows: np.ndarray, w: np.ndarray, ids: np.ndarra
 def _cache_size(jitted) -> int | None:
     size = getattr(jitted, "_cache_size", None)  # private in jax; present in 0.10-0.12
     return size() if size is not None else None
+
+
+def _staged_ready_at(staging: concurrent.futures.Future[Staged]) -> float:
+    staged = staging.result()
+    return _ready_at(staged.gate_ups + staged.downs)
 
 
 def _ready_at(arrays) -> float:
