@@ -17,9 +17,9 @@
 #   skewed     every policy on the skewed workload                         limit 280 at 10/12 (two prompt lengths)
 #   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)         limit 195 at 5/6 (TOKENS=32)
 #   cores      static and pdscope decode, XLA:CPU's threads on every core, then on XLA_CPU_CORES (14)    211
-#   batches    batch 1, 8, 16, 32 with chunked prefill of 256 (skewed)             limit 165 at 2/8 (TOKENS=32)
+#   batches    BATCHES (1 8 16 32) x BATCH_POLICIES, chunked prefill of 256 (skewed)             limit 165 at 2/8 (TOKENS=32)
 #   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end              191
-#   qwen       whole-model and offloaded Qwen3-30B-A3B
+#   qwen       whole-model (QWEN_PLAIN=1, empty: skip) and offloaded Qwen3-30B-A3B at QWEN_LENGTHS, QWEN_POLICIES
 # Building the offloaded DeepSeek-V2-Lite takes about a minute per benchmark process; a decode of 64 tokens
 # takes 5-10 s per policy at the speeds measured, so `uniform`, `skewed` and `ablation` each need a call of
 # their own (~10 minutes) to finish.
@@ -95,8 +95,8 @@ for arg in "$@"; do
           --cost-table $costs --repeats 1 --new-tokens 32 --xla-cpu-cores \$cores
       done" ;;
     batches) run_stage batches "
-      ${bench[*]} --model $model --workload skewed --prompt-lens 512 --batch 1 8 16 32 \
-        --policies greedy pdscope --hot-table auto --cost-table $costs --repeats 1" ;;
+      ${bench[*]} --model $model --workload skewed --prompt-lens 512 --batch ${BATCHES:-1 8 16 32} \
+        --policies ${BATCH_POLICIES:-greedy pdscope} --hot-table auto --cost-table $costs --repeats 1" ;;
     predictors) run_stage predictors "
       start=\$(date +%s)
       for split in train heldout; do
@@ -112,10 +112,14 @@ for arg in "$@"; do
       du -sb $res/predictors/$model
       rm -rf $res/traces-train $res/traces-heldout" ;;
     qwen) run_stage qwen "
-      python3 scripts/bench_plain.py --model $qwen --lengths 512 $longest --new-tokens $tokens --repeats 1 --out $res
+      if [ -n \"${QWEN_PLAIN-1}\" ]; then
+        python3 scripts/bench_plain.py --model $qwen --lengths ${QWEN_LENGTHS:-512 $longest} --new-tokens $tokens \
+          --repeats 1 --out $res
+      fi
       python3 -m pdscope_jax profile $qwen ${PROFILE_ARGS:-} --out $res/costs_$qwen.json
-      ${bench[*]} --model $qwen --prompt-lens 512 $longest --policies static ondemand greedy fate pdscope \
-        --hot-table auto --cost-table $res/costs_$qwen.json --repeats 1" ;;
+      ${bench[*]} --model $qwen --prompt-lens ${QWEN_LENGTHS:-512 $longest} \
+        --policies ${QWEN_POLICIES:-static ondemand greedy fate pdscope} --hot-table auto \
+        --cost-table $res/costs_$qwen.json --repeats 1" ;;
     *) sed -n '2,24p' "$0"; exit 2 ;;
   esac
 done

@@ -150,10 +150,11 @@ def test_store_write_of_many_experts_stages_then_commits(monkeypatch):
 
 
 @pytest.mark.parametrize("tokens, experts, programs", [
-    (5, 2, {("dense", 5, 2)}),  # few rows: one dense program for both experts
-    (5, 8, {("dense", 5, 8)}),
-    (3, 7, {("dense", 3, 7)}),
-    (40, 3, {("gathered", 40, 16), ("gathered", 40, 32)}),  # many rows: one gathered program per row bucket
+    (5, 2, {("dense", 5, 2, True)}),  # few rows: one dense program for both experts
+    (5, 8, {("dense", 5, 8, True)}),
+    (3, 7, {("dense", 3, 7, True)}),
+    # many rows: one gathered program per expert, the first one making the accumulator
+    (40, 3, {("gathered", 40, r, first) for r in (16, 32) for first in (True, False)}),
 ])
 def test_cpu_experts_match_direct_computation(tokens, experts, programs):
     dev = select_devices()
@@ -176,4 +177,5 @@ def test_cpu_experts_match_direct_computation(tokens, experts, programs):
     assert cpu._shapes <= programs and cpu.expert_runs == experts
     cpu.precompile(1, tokens, np.float32)
     assert cpu.expert_runs == experts  # warm-up runs are not counted
-    assert cpu.compiled_programs == (8 if tokens <= 16 else 3)  # gathered: row buckets 16, 32 and 64
+    # dense: 1-8 experts as a layer's first program and as a later one; gathered: row buckets 16, 32, 64, each both
+    assert cpu.compiled_programs == (16 if tokens <= 16 else 6)

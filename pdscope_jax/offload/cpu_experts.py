@@ -3,8 +3,8 @@
 Contract: `CpuExperts.dispatch(layer, h, groups)` takes the layer's MoE input h [N, D] already on the CPU
 backend and, per expert placed on the CPU, the rows (token indices) routed to it and their routing weights;
 it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]). It only
-dispatches, so the caller gets the result back at once and can keep the accelerator busy meanwhile. Two paths,
-chained through one donated accumulator:
+dispatches, so the caller gets the result back at once and can keep the accelerator busy meanwhile. Two paths; the first
+program of a layer makes the f32 accumulator itself, later ones add to it (donated):
 - few rows (N <= `DENSE_MAX_ROWS`, decode): every row through every expert, weighted by a dense [k, N]
   coefficient matrix (zero where a token is not routed to the expert), up to `DENSE_EXPERTS` experts per
   program; no gather or scatter, one program per layer for up to that many experts. Rows are padded inside the
@@ -30,22 +30,23 @@ DENSE_EXPERTS = 8  # experts per dense program
 
 
 def _gathered(acc, h, rows, weights, gate_up, down):
-    """acc [N,D] f32 += weights[:,None] * expert_ffn(h[rows]); h [N,D], rows [R] int32, weights [R] f32.
+    """acc [N,D] f32 (None: zeros) + weights[:,None] * expert_ffn(h[rows]); h [N,D], rows [R] int32, weights [R].
     Optimization barriers keep the gather and the scatter out of the matmuls' fusions. On the GPU node (jax
     0.11.2) this program took about twice the bare expert's time without them at every row count, and 1.2-1.4x
     with them (benchmarks/results/cpu_expert_vs_torch_h200_run{2,3}.json)."""
     x = jax.lax.optimization_barrier(h[rows])  # [R, D]
     y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))  # [R, D]
+    acc = jnp.zeros(h.shape, F32) if acc is None else acc
     return acc.at[rows].add(y.astype(F32) * weights[:, None])
 
 
 def _dense(acc, h, coef, gate_ups, downs, min_rows):
-    """acc [N,D] f32 += sum_j coef[j][:,None] * expert_ffn(h, gate_ups[j], downs[j]); coef [k, N] f32."""
+    """acc [N,D] f32 (None: zeros) + sum_j coef[j][:,None] * expert_ffn(h, gate_ups[j], downs[j]); coef [k, N]."""
     n = h.shape[0]
     x = jax.lax.optimization_barrier(jnp.pad(h, ((0, max(min_rows - n, 0)), (0, 0))))  # [max(N, min_rows), D]
     for j, (gate_up, down) in enumerate(zip(gate_ups, downs)):
-        y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))[:n]  # [N, D]
-        acc = acc + y.astype(F32) * coef[j][:, None]
+        y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))[:n].astype(F32) * coef[j][:, None]  # [N, D]
+        acc = y if acc is None else acc + y
     return acc
 
 
@@ -60,7 +61,7 @@ class CpuExperts:
         self.min_rows = min_rows
         self._gathered = jax.jit(_gathered, donate_argnums=0)
         self._dense = jax.jit(_dense, donate_argnums=0, static_argnums=5)
-        self._shapes: set[tuple[str, int, int]] = set()  # (path, N, rows or experts) compiled
+        self._shapes: set[tuple[str, int, int, bool]] = set()  # (path, N, experts or rows, first) compiled
         self.expert_runs = 0
 
     @property
@@ -68,15 +69,17 @@ class CpuExperts:
         return len(self._shapes)
 
     def precompile(self, layer: int, n: int, dtype) -> None:
-        """Compile the programs for h of n rows in `dtype` (runs each on zeros): the dense path's for 1 to
-        `DENSE_EXPERTS` experts, or the gathered path's for every row bucket up to n."""
+        """Compile the programs for h of n rows in `dtype` (runs each on zeros), each as a layer's first program
+        and as a later one: the dense path's for 1 to `DENSE_EXPERTS` experts, or the gathered path's for every
+        row bucket up to n."""
         h = jax.device_put(np.zeros((n, self.store.cpu_weights(layer, 0)[0].shape[0]), dtype), self.cpu)
         if n <= DENSE_MAX_ROWS:
-            calls = [[(0, np.zeros(0, np.int64), np.zeros(0, np.float32))] * k for k in range(1, DENSE_EXPERTS + 1)]
+            group = (0, np.zeros(0, np.int64), np.zeros(0, np.float32))
+            calls = [[group] * (DENSE_EXPERTS * later + k) for later in (0, 1) for k in range(1, DENSE_EXPERTS + 1)]
         else:
             top = row_bucket(n, self.min_rows)
             sizes = {row_bucket(1 << b, self.min_rows) for b in range(top.bit_length())} | {top}
-            calls = [[(0, np.zeros(r, np.int64), np.zeros(r, np.float32))] for r in sorted(sizes)]
+            calls = [[(0, np.zeros(r, np.int64), np.zeros(r, np.float32))] * 2 for r in sorted(sizes)]
         runs = self.expert_runs
         for groups in calls:
             self.dispatch(layer, h, groups)
@@ -84,8 +87,8 @@ class CpuExperts:
 
     def dispatch(self, layer: int, h: jax.Array, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> jax.Array:
         """h [N, D] on the CPU backend; groups: (expert, rows [r] int, weights [r] float) -> y [N, D] f32."""
-        n, d = h.shape
-        acc = jnp.zeros((n, d), F32, device=self.cpu)  # made by XLA:CPU, not copied from a host buffer
+        n = h.shape[0]
+        acc = None  # the first program makes it: no separate program, no host buffer (one program per decode layer)
         if n <= DENSE_MAX_ROWS:
             for lo in range(0, len(groups), DENSE_EXPERTS):
                 acc = self._dense_chunk(layer, acc, h, groups[lo:lo + DENSE_EXPERTS])
@@ -101,7 +104,7 @@ class CpuExperts:
         for j, (_, rows, weights) in enumerate(groups):
             np.add.at(coef[j], rows, weights)
         weights = [self.store.cpu_weights(layer, expert) for expert, _, _ in groups]
-        self._shapes.add(("dense", n, len(groups)))
+        self._shapes.add(("dense", n, len(groups), acc is None))
         # host arrays go straight into the call (jit places them beside h): cheaper than a device_put each
         return self._dense(acc, h, coef, tuple(w[0] for w in weights), tuple(w[1] for w in weights), self.min_rows)
 
@@ -112,5 +115,5 @@ class CpuExperts:
         weights_p = np.zeros(r, np.float32)
         weights_p[: len(rows)] = weights
         gate_up, down = self.store.cpu_weights(layer, expert)
-        self._shapes.add(("gathered", h.shape[0], r))
+        self._shapes.add(("gathered", h.shape[0], r, acc is None))
         return self._gathered(acc, h, rows_p, weights_p, gate_up, down)
