@@ -52,9 +52,9 @@ experts before the embedding, so that copy hides behind the layers before it.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
 applied to this layer's MoE input (Fate's own predictor); `pdscope` uses a predictor object's
 `predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else that gate too; in
-both phases (they come with the routing, in the same fetch): AdaptSched decides per layer whether the next one
-streams whole, and where routing concentrates on few experts (random-weight Qwen3-30B-A3B activates about 30 of
-128 per layer in a 4,096-token prefill) it does not, and then needs them. Token counts are padded to buckets
+prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole next layer streams whatever they
+say, and AdaptSched's streaming test then reads the current layer's tokens), which saves a host round trip per
+layer. Token counts are padded to buckets
 (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled programs is bounded; padded rows
 route but carry no weight in any statistic. Prefill runs a whole prompt at batch 1 and chunks of
 `prefill_chunk` tokens per sequence otherwise.
@@ -854,6 +854,8 @@ class OffloadRunner:
         be fetched with the routing), else None."""
         if nxt is None or not self._wants_scores:
             return None
+        if phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer:
+            return None  # the next layer streams whole (module docstring)
         if self.predictor is not None and self.runtime.policy != "fate":
             rows = np.flatnonzero(valid)
             scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
