@@ -14,12 +14,13 @@
 #   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile
 #              (all six policies and 1,000 memory steps: 368; with 20 memory steps: 299)
 #   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile)  limit 215
-#   skewed     every policy on the skewed workload                         limit 280 at 10/12 (two prompt lengths)
+#   skewed     every policy on the skewed workload           262 (six policies, two prompt lengths, --cprofile 8)
 #   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)         limit 195 at 5/6 (TOKENS=32)
 #   cores      static and pdscope decode, XLA:CPU's threads on every core, then on XLA_CPU_CORES (14)    211
-#   batches    BATCHES (1 8 16 32) x BATCH_POLICIES, chunked prefill of 256 (skewed)             limit 165 at 2/8 (TOKENS=32)
+#   batches    BATCHES (1 8 16 32) x BATCH_POLICIES, chunked prefill of 256 (skewed)   limit 225 at 2/4 (16 32, two)
 #   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end              191
 #   qwen       whole-model (QWEN_PLAIN=1, empty: skip) and offloaded Qwen3-30B-A3B at QWEN_LENGTHS, QWEN_POLICIES
+#              (no whole model, 4,096 tokens, four policies, TOKENS=32: 273)
 # Building the offloaded DeepSeek-V2-Lite takes about a minute per benchmark process; a decode of 64 tokens
 # takes 5-10 s per policy at the speeds measured, so `uniform`, `skewed` and `ablation` each need a call of
 # their own (~10 minutes) to finish.
