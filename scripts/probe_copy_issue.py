@@ -22,20 +22,18 @@ Every figure is a median over repeats. Run from the repository root:
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.probes import expert_shape_parser, many_experts, random_experts
 from pdscope_jax.runtime import select_devices
 
 
@@ -57,10 +55,6 @@ def _commit(pool_gu, pool_dn, gus, dns, slots):
         pool_gu = jax.lax.dynamic_update_slice(pool_gu, gu[None], (slots[i], 0, 0))
         pool_dn = jax.lax.dynamic_update_slice(pool_dn, dn[None], (slots[i], 0, 0))
     return pool_gu, pool_dn
-
-
-def _cpu_many(x, gate_ups, downs):
-    return sum(expert_ffn(x, gu, dn).astype(jnp.float32) for gu, dn in zip(gate_ups, downs))
 
 
 def _route_like(x):
@@ -89,21 +83,14 @@ def _timed(fn, reps: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--experts", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser = expert_shape_parser(__doc__.splitlines()[0], reps=15)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     d, f, kmax = args.hidden, args.intermediate, max(args.experts)
     devices = select_devices()
     pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
     device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
-    rng = np.random.default_rng(0)
-    gu_np = [(rng.standard_normal((d, 2 * f)) * 0.02).astype(jnp.bfloat16) for _ in range(kmax)]
-    dn_np = [(rng.standard_normal((f, d)) * 0.02).astype(jnp.bfloat16) for _ in range(kmax)]
+    gu_np, dn_np = random_experts(d, f, kmax)
     gus = [jax.device_put(a, pinned) for a in gu_np]
     dns = [jax.device_put(a, pinned) for a in dn_np]
     merged = [jax.device_put(np.concatenate([g, n.T], axis=1), pinned) for g, n in zip(gu_np, dn_np)]
@@ -159,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         for kind, fn in ways.items():
             record(kind, k, *_timed(fn, args.reps))
 
-    cpu_many = jax.jit(_cpu_many)
+    cpu_many = jax.jit(many_experts)
     x_cpu = jax.device_put(np.zeros((8, d), jnp.bfloat16), devices.cpu)
     cpu_gus = [jax.device_put(a, devices.cpu) for a in gu_np]
     cpu_dns = [jax.device_put(a, devices.cpu) for a in dn_np]

@@ -16,49 +16,37 @@ Run from the repository root: `PYTHONPATH=. python scripts/probe_decode_paths.py
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import json
 import os
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.probes import expert_shape_parser, many_experts, random_experts
 from pdscope_jax.runtime import select_devices
 from pdscope_jax.timing import median_seconds
 
 
-def _many(x, gate_ups, downs):
-    return sum(expert_ffn(x, gu, dn).astype(jnp.float32) for gu, dn in zip(gate_ups, downs))
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--intermediate", type=int, default=1408)
-    parser.add_argument("--experts", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser = expert_shape_parser(__doc__.splitlines()[0], reps=9)
     parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     d, f, kmax = args.hidden, args.intermediate, max(args.experts)
     devices = select_devices()
     cpu = devices.cpu
-    rng = np.random.default_rng(0)
-    gu_np = [(rng.standard_normal((d, 2 * f)) * 0.02).astype(jnp.bfloat16) for _ in range(kmax)]
-    dn_np = [(rng.standard_normal((f, d)) * 0.02).astype(jnp.bfloat16) for _ in range(kmax)]
+    gu_np, dn_np = random_experts(d, f, kmax)
     expert_bytes = gu_np[0].nbytes + dn_np[0].nbytes
     gus = [jax.device_put(a, cpu) for a in gu_np]
     dns = [jax.device_put(a, cpu) for a in dn_np]
     x = jax.device_put(np.zeros((args.rows, d), jnp.bfloat16), cpu)
     one = jax.jit(expert_ffn)
-    many = jax.jit(_many)
+    many = jax.jit(many_experts)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=kmax)
     records = []
 

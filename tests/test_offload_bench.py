@@ -103,3 +103,15 @@ def test_tokens_before_divergence_counts_the_common_prefix():
     assert _common_prefix(plain, plain.copy()) == 4
     assert _common_prefix(plain, np.array([[5, 6, 7, 9], [1, 2, 0, 4]])) == 2  # the earliest difference counts
     assert _common_prefix(plain, np.array([[0, 6, 7, 8], [1, 2, 3, 4]])) == 0
+
+
+def test_copy_issue_probe_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_copy_issue.py"))["main"]
+    result = main(["--hidden", "64", "--intermediate", "32", "--experts", "1", "2", "--slots", "4", "--reps", "1",
+                   "--out", str(tmp_path / "copies.json")])
+    kinds = {(r["kind"], r["experts"]) for r in result["records"]}
+    ways = ("put_pairs", "put_merged", "jit_pull", "jit_pull_commit", "put_then_commit", "thread_put")
+    assert {(way, k) for way in ways for k in (1, 2)} | {("cpu_alone", 1), ("cpu_beside_copy", 1)} <= kinds
+    assert {("route_roundtrip", 0), ("route_roundtrip_packed", 0)} <= kinds
+    assert all(r["done_ms"] > 0 and r["issue_ms"] >= 0 for r in result["records"])
+    assert json.loads((tmp_path / "copies.json").read_text())["expert_shape"]["hidden"] == 64

@@ -1,0 +1,39 @@
+"""Pieces shared by the decode-path probe scripts (`scripts/probe_decode_paths.py`, `scripts/probe_copy_issue.py`).
+
+Contract:
+- `expert_shape_parser(description, reps)` -> an argparse parser with the expert shape (--hidden, --intermediate,
+  DeepSeek-V2-Lite's by default), --experts (how many experts per measurement), --reps and --out;
+- `random_experts(d, f, k)` -> (gate_ups, downs): k seeded random bf16 numpy arrays [D, 2F] and [F, D];
+- `many_experts(x, gate_ups, downs)` -> the f32 sum of k experts' FFN over x (jit it; one program for k experts).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+
+from pdscope_jax.models.layers import expert_ffn
+
+
+def expert_shape_parser(description: str, reps: int) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--intermediate", type=int, default=1408)
+    parser.add_argument("--experts", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--reps", type=int, default=reps)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def random_experts(d: int, f: int, k: int, seed: int = 0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    gate_ups = [(rng.standard_normal((d, 2 * f)) * 0.02).astype(jnp.bfloat16) for _ in range(k)]
+    downs = [(rng.standard_normal((f, d)) * 0.02).astype(jnp.bfloat16) for _ in range(k)]
+    return gate_ups, downs
+
+
+def many_experts(x, gate_ups, downs):
+    return sum(expert_ffn(x, gu, dn).astype(jnp.float32) for gu, dn in zip(gate_ups, downs))
