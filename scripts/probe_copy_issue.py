@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import shlex
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdscope_jax.probes import expert_shape_parser, many_experts, random_experts
+from pdscope_jax.probes import expert_shape_parser, many_experts, probe_result, random_experts
 from pdscope_jax.runtime import select_devices
 
 
@@ -173,17 +171,9 @@ def main(argv: list[str] | None = None) -> dict:
     packed = jax.jit(_route_like_packed)
     record("route_roundtrip_packed", 0, *_timed(lambda: held(lambda: jax.device_get(packed(x))), args.reps * 4))
 
-    result = {
-        "what": "ways of issuing a decode layer's expert copies: host held vs done (random weights)",
-        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "accelerator": str(devices.accel), "jax": jax.__version__,
-        "expert_shape": {"hidden": d, "intermediate": f, "dtype": "bfloat16", "expert_bytes": expert_bytes},
-        "records": records,
-    }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return probe_result("ways of issuing a decode layer's expert copies: host held vs done (random weights)",
+                        devices, {"hidden": d, "intermediate": f, "dtype": "bfloat16", "expert_bytes": expert_bytes},
+                        records, args.out)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import shlex
-import sys
 import time
 
 import jax
@@ -28,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.probes import expert_shape_parser, many_experts, random_experts
+from pdscope_jax.probes import expert_shape_parser, many_experts, probe_result, random_experts
 from pdscope_jax.runtime import select_devices
 from pdscope_jax.timing import median_seconds
 
@@ -112,18 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
         record("copy_issue", k, float(np.median(issue)))
         record("copy_done", k, float(np.median(done)))
 
-    result = {
-        "what": "decode paths for missed experts: CPU compute vs host-to-device copy (random weights)",
-        "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-        "accelerator": str(devices.accel), "cpu_count": os.cpu_count(), "jax": jax.__version__,
-        "expert_shape": {"hidden": d, "intermediate": f, "dtype": "bfloat16", "rows": args.rows,
-                         "expert_bytes": expert_bytes},
-        "records": records,
-    }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return probe_result("decode paths for missed experts: CPU compute vs host-to-device copy (random weights)",
+                        devices, {"hidden": d, "intermediate": f, "dtype": "bfloat16", "rows": args.rows,
+                                  "expert_bytes": expert_bytes}, records, args.out, cpu_count=os.cpu_count())
 
 
 if __name__ == "__main__":
