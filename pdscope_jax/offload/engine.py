@@ -37,10 +37,12 @@ order:
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
            to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads); issue the
            loads of `load_now` (`_load_now`: `ExpertStore.write`, ordered before every later reader of the pool),
-           so the CPU experts compute while they copy; STAGE the next layer's prefetch, or in prefill its
+           so the CPU experts compute while they copy; STAGE (from the stager thread, `_stage_ahead`: a
+           `device_put` holds the thread that issues it) the next layer's prefetch, or in prefill its
            whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`; `_stream` takes
-           the slots streamed into for layers already computed, so resident experts stay), BEFORE dispatching
-           compute, so the host-to-device copies overlap it; dispatch the GPU experts (`_run_gpu`: one
+           the slots streamed into for layers already computed, so resident experts stay), submitted before
+           compute is dispatched (a copy issued from a second thread overlaps compute, PRIMITIVES.md); dispatch
+           the GPU experts (`_run_gpu`: one
            `combine_experts` program over the pool with a slot_of map); hand the GPU result and the copies to
            helper threads that stamp when each is done; wait for the CPU part; add the parts and the shared
            experts;
@@ -737,7 +739,7 @@ class OffloadRunner:
             staging, slots = self._pending.pop(i)
             self.store.commit(self.pool, staging.result(), slots)
 
-    def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats) -> tuple[tuple | None, float | None]:
+    def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats) -> tuple[jax.Array | None, float | None]:
         """Issue the load of `experts` of layer i into slots (ordered before every later reader of the pool).
         -> (an array ready when the load is done, None) or, with `async_io` off, where the copy is
         waited for here, (None, perf_counter when it was done); (None, None) when nothing was loaded."""
