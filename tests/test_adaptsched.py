@@ -229,6 +229,16 @@ def test_decode_mode_d_cross_layer():
     assert plan.unload.size == 0
 
 
+def test_tiny_next_scores_predict_without_overflow():
+    """Scores of subnormal size (a predictor's probabilities can underflow) share this layer's assignments like
+    any others: predicted tokens come from shares, not from dividing by a vanishing sum."""
+    scores = PREFILL_SCORES * 1e-310
+    with np.errstate(all="raise"):
+        plan, dec = run(AdaptSched(), demand(PREFILL_TOKENS, next_scores=scores), linear_costs())
+    _, want = run(AdaptSched(), demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES), linear_costs())
+    assert dec.n_next == want.n_next == 5 and dec.prefetches == want.prefetches
+
+
 def test_last_layer_and_no_predictor():
     for d in (demand(PREFILL_TOKENS, next_layer=None), demand(PREFILL_TOKENS)):
         plan, dec = run(AdaptSched(), d, linear_costs())

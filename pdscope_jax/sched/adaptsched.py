@@ -216,7 +216,7 @@ class AdaptSched:
         top = ranked[np.argsort(-scores[ranked], kind="stable")][:np.count_nonzero(tok)]  # ties: lower id
         if top.size == 0:
             return empty, np.zeros(0), np.zeros(0)
-        expected = scores * (tok.sum() / scores[ranked].sum())
+        expected = _predicted_tokens(scores, tok.sum())
         missing = d.next_not_resident()[top]
         nxt = cold_to_hot(top[missing], expected)
         return nxt, expected[nxt], expected[top[~missing]]
@@ -238,6 +238,12 @@ class AdaptSched:
         return cand[np.lexsort((cand, self._last_used[layer][cand]))][:count]
 
 
+def _predicted_tokens(scores: np.ndarray, assignments: int) -> np.ndarray:
+    """Next-layer tokens per expert: each positive score's share of this layer's assignments (shares first, so
+    scores of subnormal size do not overflow the division)."""
+    return np.maximum(scores, 0) / scores[scores > 0].sum() * assignments
+
+
 def _stream_pays(d: LayerDemand, costs: CostTable, tok: np.ndarray, prefetch: np.ndarray, window: float,
                  r_hit: float) -> bool:
     """Whether streaming the whole next layer beats the plan for it (module docstring, "Full-layer double
@@ -247,7 +253,7 @@ def _stream_pays(d: LayerDemand, costs: CostTable, tok: np.ndarray, prefetch: np
         return False
     scores = d.next_scores
     if scores is not None and scores.sum() > 0:
-        expected = scores * (tok.sum() / scores.sum())
+        expected = _predicted_tokens(scores, tok.sum())
     else:
         expected = tok
     active = expected > 0
