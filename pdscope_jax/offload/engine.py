@@ -836,8 +836,7 @@ class OffloadRunner:
         start = time.perf_counter()
         slots = self.pool.allocate(layer, experts, protect=protect, prefer=prefer)
         staging = self._stager.submit(self.store.stage, layer, experts)
-        nbytes = self.store.expert_nbytes(layer, experts)
-        self.store.count_staged(nbytes)
+        nbytes = self.store.count_moved(layer, experts)
         self._pending[layer] = (staging, slots)
         self._prefetched[layer] = experts
         stats.bytes_moved += nbytes

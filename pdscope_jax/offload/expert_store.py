@@ -30,7 +30,7 @@ Contract:
   `scripts/probe_copy_issue.py`); compiled once per exact count, since padding would copy a repeated expert
   twice. More experts go through stage + commit. `Written.done` is a small array ready when the write is.
   Staging may run on another thread (`device_put` releases the caller there); `bytes_moved` is then updated
-  by the caller's thread only through `write` and `count_staged`.
+  by the caller's thread only, through `write` and `count_moved`.
 """
 
 from __future__ import annotations
@@ -189,6 +189,13 @@ class ExpertStore:
         gus, dns = self._host[layer]
         return int(sum(gus[e].nbytes + dns[e].nbytes for e in np.asarray(experts, np.int64)))
 
+    def count_moved(self, layer: int, experts: np.ndarray) -> int:
+        """Add the bytes of `experts` of `layer` to `bytes_moved` (on the caller's thread: `stage` may run on a
+        helper thread and counts nothing). -> those bytes."""
+        nbytes = self.expert_nbytes(layer, experts)
+        self.bytes_moved += nbytes
+        return nbytes
+
     def cpu_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
         """(gate_up [D,2F], down [F,D]) of one expert on the CPU backend (aliasing the pinned copy when possible)."""
         gus, dns = self._cpu[layer]
@@ -202,17 +209,12 @@ class ExpertStore:
     # ---- moving ----------------------------------------------------------------------------------------
     def stage(self, layer: int, experts: np.ndarray) -> Staged:
         """Issue the host-to-device copy of `experts` of `layer` (one batched device_put); returns at once. Safe
-        to call from another thread: it counts nothing (`count_staged` does, on the caller's thread)."""
+        to call from another thread: it counts nothing (`count_moved` does, on the caller's thread)."""
         experts = np.asarray(experts, np.int64)
         gus, dns = self._host[layer]
         srcs = ([gus[e] for e in experts], [dns[e] for e in experts])
         on_device = jax.device_put(srcs, self._device) if experts.size else ([], [])
-        nbytes = int(sum(a.nbytes for part in srcs for a in part))
-        return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]), nbytes)
-
-    def count_staged(self, nbytes: int) -> None:
-        """Add staged bytes to `bytes_moved` (kept off `stage`, which may run on a helper thread)."""
-        self.bytes_moved += nbytes
+        return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]), self.expert_nbytes(layer, experts))
 
     def commit(self, pool: SlotPool, staged: Staged, slots: np.ndarray) -> None:
         """Copy staged experts into `slots` of `pool` (one donated program; ordered after earlier pool readers)."""
@@ -231,17 +233,15 @@ class ExpertStore:
         pull-and-commit program for up to FUSED_MAX experts, else stage + commit."""
         experts = np.asarray(experts, np.int64)
         slot_ids = np.asarray(slots, np.int32)
+        nbytes = self.count_moved(layer, experts)
         if experts.size > FUSED_MAX:
             staged = self.stage(layer, experts)
-            self.count_staged(staged.nbytes)
             self.commit(pool, staged, slot_ids)
-            return Written(staged.nbytes, staged.downs[-1])  # the copy's end; the commit follows in order
+            return Written(nbytes, staged.downs[-1])  # the copy's end; the commit follows in order
         gus, dns = self._host[layer]
         pool.gate_up, pool.down, done = self._pull(pool.gate_up, pool.down, tuple(gus[e] for e in experts),
                                                    tuple(dns[e] for e in experts), slot_ids)
         self._pull_sizes.add(experts.size)
-        nbytes = self.expert_nbytes(layer, experts)
-        self.bytes_moved += nbytes
         return Written(nbytes, done)
 
 
