@@ -63,7 +63,7 @@ def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypat
     moe_layers = len(preset("tiny-deepseek-v2-lite").moe_layers)
     decode = profile["timeline_ms"]["decode"]  # one decode step
     assert decode["layers"] == moe_layers and decode["routed -> planned"] >= 0
-    assert decode["route_dispatched -> gpu_done"] > 0 and profile["timeline_ms"]["prefill"]["layers"] == moe_layers
+    assert decode["layer_start -> gpu_done"] > 0 and decode["layer_start -> route_dispatched"] > 0 and profile["timeline_ms"]["prefill"]["layers"] == moe_layers
 
 
 def test_decode_paths_probe_smoke(tmp_path):
@@ -115,3 +115,26 @@ def test_copy_issue_probe_smoke(tmp_path):
     assert {("route_roundtrip", 0), ("route_roundtrip_packed", 0)} <= kinds
     assert all(r["done_ms"] > 0 and r["issue_ms"] >= 0 for r in result["records"])
     assert json.loads((tmp_path / "copies.json").read_text())["expert_shape"]["hidden"] == 64
+
+
+def test_decode_host_probe_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_decode_host.py"))["main"]
+    result = main(["--model", "tiny-deepseek-v2-lite", "--policies", "pdscope", "--variants", "engine", "inline",
+                   "switch_0.001", "--tokens", "3", "--repeats", "1", "--gpu-memory", "1GB", "--expert-pool", "200KB",
+                   "--out", str(tmp_path / "host.json")])
+    assert [(r["policy"], r["variant"]) for r in result["records"]] == [
+        ("pdscope", "engine"), ("pdscope", "inline"), ("pdscope", "switch_0.001")]
+    for record in result["records"]:
+        assert record["decode_ms_per_step"] > 0 and record["timeline_ms"]["layer_start -> route_dispatched"] > 0
+    assert json.loads((tmp_path / "host.json").read_text())["weights"] == "random"
+
+
+def test_dispatch_probe_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_dispatch.py"))["main"]
+    result = main(["--model", "tiny-deepseek-v2-lite", "--reps", "2", "--busy-experts", "2", "--later-ms", "0.1",
+                   "--out", str(tmp_path / "dispatch.json")])
+    cases = {r["case"] for r in result["records"]}
+    assert {"route", "route_leaves", "trivial_numpy", "trivial_pinned_busy_put", "device_put_numpy_busy_pull",
+            "trivial_busy_put_later"} <= cases
+    assert all(r["host_ms"] > 0 for r in result["records"])
+    assert json.loads((tmp_path / "dispatch.json").read_text())["state_leaves"] > 0

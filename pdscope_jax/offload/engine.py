@@ -636,6 +636,7 @@ class OffloadRunner:
         return x, cache
 
     def _moe_layer(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray):
+        self._mark(phase, "layer_start", i)
         r = self._route(i, x, positions, layer_cache, phase, valid)
         plan = self._plan(i, phase, r)
         x, timing = self._execute(i, phase, plan, r)
@@ -652,6 +653,8 @@ class OffloadRunner:
             layer.graph, layer.state, x, positions, layer_cache, valid.size, with_h)
         self._mark(phase, "route_dispatched", i)
         scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
+        if scores is not None:
+            self._mark(phase, "scores_dispatched", i)
         routing, scores = jax.device_get((routing, scores))  # one round trip
         self._mark(phase, "routed", i)
         k = w.shape[1]

@@ -3,8 +3,8 @@
 Contract: while `OffloadRunner.timeline` is a `Timeline`, the engine calls `mark(phase, event, layer, at=None)` at
 each stage of a MoE layer, in the order it does them on the host (`LAYER_EVENTS`), and, when the step settles,
 with `at` = when each part that ran on another thread or device was done (`DONE_EVENTS`: perf_counter stamps
-taken by helper threads). `summary()` -> {phase: {"a -> b": median ms, ..., "route_dispatched -> x_done":
-median ms, "layer": median ms from one layer's route_dispatched to the next's, "layers": count}}: the host
+taken by helper threads). `summary()` -> {phase: {"a -> b": median ms, ..., "layer_start -> x_done":
+median ms, "layer": median ms from one layer's layer_start to the next's, "layers": count}}: the host
 intervals between consecutive stages present in a layer, the done-stamps as offsets from the layer's start, and
 the layer's wall time. Recording costs a list append per stage; the engine records nothing when it is None.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-LAYER_EVENTS = ("route_dispatched", "routed", "planned", "cpu_submitted", "loads_issued", "next_issued",
-                "gpu_dispatched", "cpu_joined", "combined")
+LAYER_EVENTS = ("layer_start", "route_dispatched", "scores_dispatched", "routed", "planned", "cpu_submitted",
+                "loads_issued", "next_issued", "gpu_dispatched", "cpu_joined", "combined")
 DONE_EVENTS = ("cpu_done", "load_done", "gpu_done", "transfer_done")
 
 
