@@ -24,6 +24,7 @@ def test_summary_takes_medians_of_intervals_per_phase():
     assert decode["planned -> combined"] == pytest.approx(140.0)
     assert decode["layer_start -> gpu_done"] == pytest.approx(350.0)
     assert decode["layer"] == pytest.approx(400.0)  # 400, 600, 400, 600, 400 ms between layer starts
+    assert decode["layer_mean"] == pytest.approx(480.0)
     assert decode["layers"] == 6
     assert summary["prefill"] == {"layer_start -> routed": pytest.approx(500.0), "layers": 1}
 

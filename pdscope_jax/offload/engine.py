@@ -31,8 +31,9 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
 
 Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, then its timing is kept) the engine does, in this
 order:
-  route    attention + router + shared experts in one program; fetch routing to the host (the sync point; with
-           few rows, decode, the MoE input comes along for the CPU experts);
+  route    attention + router + shared experts in one program (with the next layer's gate scores when the
+           planner reads them); fetch routing to the host (the sync point; with few rows, decode, the MoE input
+           comes along for the CPU experts);
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
            to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads); issue the
@@ -52,7 +53,7 @@ With `async_io` off, each copy is waited for where it is issued and the CPU expe
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
-applied to this layer's MoE input (Fate's own predictor); `pdscope` uses a predictor object's
+applied to this layer's MoE input (Fate's own predictor, computed by the route program itself: one dispatch); `pdscope` uses a predictor object's
 `predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else that gate too; in
 prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole next layer streams whatever they
 say, and AdaptSched's streaming test then reads the current layer's tokens), which saves a host round trip per
@@ -123,6 +124,13 @@ def _gate_scores(graph, state, h, valid):
     chosen = jax.nn.one_hot(ids, layer.mlp.num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
     chosen = chosen * valid[:, None]
     return chosen.sum(axis=0) / jnp.maximum(valid.sum(), 1)
+
+
+def _moe_route_scored(graph, state, x, positions, layer_cache, n_pad, with_h, next_graph, next_state, valid):
+    """`_moe_route` and, from its h, `_gate_scores` of the next layer (graph/state next_*; valid [n_pad] f32) in
+    ONE program: a dispatch held the H200's host 0.3-0.4 ms in decode (scripts/probe_decode_host.py)."""
+    out = _moe_route(graph, state, x, positions, layer_cache, n_pad, with_h)
+    return (*out, _gate_scores(next_graph, next_state, out[1], valid))
 
 
 def _moe_combine(x, shared, y_gpu, y_cpu):
@@ -253,7 +261,7 @@ def _build_programs() -> dict[str, Any]:
         "embed": jax.jit(_embed, static_argnums=0),
         "dense_layer": jax.jit(_dense_layer, static_argnums=0, donate_argnums=4),
         "moe_route": jax.jit(_moe_route, static_argnums=(0, 5, 6), donate_argnums=4),
-        "gate_scores": jax.jit(_gate_scores, static_argnums=0),
+        "moe_route_scored": jax.jit(_moe_route_scored, static_argnums=(0, 5, 6, 7), donate_argnums=4),
         "gpu_experts": jax.jit(combine_experts),
         "moe_combine": jax.jit(_moe_combine),
         "logits": jax.jit(_logit_rows, static_argnums=(0, 4)),
@@ -613,6 +621,8 @@ class OffloadRunner:
         self._step_shapes.add((*ids.shape, n_pad))
         valid_pad = np.zeros(n_pad, bool)
         valid_pad[:n] = valid
+        # the next-layer gate's row mask, on the accelerator once per step rather than once per layer
+        valid_device = jax.device_put(valid_pad.astype(np.float32), self.devices.accel) if self._wants_scores else None
         if phase == "decode":
             self._streamed.clear()  # what prefill streamed is now part of the decode cache
         elif self._streams_prefill and self.pool.can_double_buffer:
@@ -621,7 +631,7 @@ class OffloadRunner:
         x = self._programs["embed"](self._graph, self._state, ids)
         for i, layer in enumerate(self._layers):
             if layer.moe:
-                x, cache[i] = self._moe_layer(i, x, positions, cache[i], phase, valid_pad)
+                x, cache[i] = self._moe_layer(i, x, positions, cache[i], phase, valid_pad, valid_device)
             else:
                 x, cache[i] = self._programs["dense_layer"](layer.graph, layer.state, x, positions, cache[i])
         x.block_until_ready()
@@ -635,25 +645,34 @@ class OffloadRunner:
         stats.seconds += time.perf_counter() - start
         return x, cache
 
-    def _moe_layer(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray):
+    def _moe_layer(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray, valid_device):
         self._mark(phase, "layer_start", i)
-        r = self._route(i, x, positions, layer_cache, phase, valid)
+        r = self._route(i, x, positions, layer_cache, phase, valid, valid_device)
         plan = self._plan(i, phase, r)
         x, timing = self._execute(i, phase, plan, r)
         self._unsettled.append(timing)  # settled at the end of the step, so no layer waits for its own compute
         return x, r.layer_cache
 
-    def _route(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray) -> _Routed:
+    def _route(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray, valid_device) -> _Routed:
         """Attention, router and shared experts on the accelerator; routing to the host (the layer's sync point)."""
         layer = self._layers[i]
         # with few rows, h comes to the host with the routing for the CPU experts (so they need not wait for a
         # copy queued behind this layer's GPU work)
         with_h = valid.size <= DENSE_MAX_ROWS
-        x, h, w, ids, routing, shared, layer_cache = self._programs["moe_route"](
-            layer.graph, layer.state, x, positions, layer_cache, valid.size, with_h)
+        gate = self._scoring_gate(i, phase)
+        if gate is None:
+            x, h, w, ids, routing, shared, layer_cache = self._programs["moe_route"](
+                layer.graph, layer.state, x, positions, layer_cache, valid.size, with_h)
+            scores = None
+        else:  # the next layer's gate scores this layer's h in the same program
+            x, h, w, ids, routing, shared, layer_cache, scores = self._programs["moe_route_scored"](
+                layer.graph, layer.state, x, positions, layer_cache, valid.size, with_h, gate.graph, gate.state,
+                valid_device)
         self._mark(phase, "route_dispatched", i)
-        scores = self._next_scores(i, self._next_moe.get(i), phase, h, w, ids, valid)
-        if scores is not None:
+        if gate is None and self._predicts(i, phase):
+            rows = np.flatnonzero(valid)
+            scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
+            scores = scores.mean(axis=0) if scores.ndim == 2 else scores
             self._mark(phase, "scores_dispatched", i)
         routing, scores = jax.device_get((routing, scores))  # one round trip
         self._mark(phase, "routed", i)
@@ -853,19 +872,22 @@ class OffloadRunner:
         stats.exposed_transfer_seconds += waited
         return None
 
-    def _next_scores(self, i: int, nxt: int | None, phase: str, h, w, ids, valid: np.ndarray):
-        """[E] next-layer activation scores for planners that read them (host, or on the accelerator still, to
-        be fetched with the routing), else None."""
-        if nxt is None or not self._wants_scores:
+    def _wants_scores_for(self, i: int, phase: str) -> bool:
+        """Whether layer i's plan reads next-layer scores (see the module docstring)."""
+        if i not in self._next_moe or not self._wants_scores:
+            return False
+        # pdscope's prefill streams the next layer whole when two layers fit, whatever scores say
+        return not (phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer)
+
+    def _predicts(self, i: int, phase: str) -> bool:
+        """Whether layer i's next-layer scores come from the predictor object (pdscope with one)."""
+        return self._wants_scores_for(i, phase) and self.predictor is not None and self.runtime.policy != "fate"
+
+    def _scoring_gate(self, i: int, phase: str) -> _Layer | None:
+        """The next MoE layer, when its gate on layer i's h gives the scores (Fate's predictor), else None."""
+        if not self._wants_scores_for(i, phase) or self._predicts(i, phase):
             return None
-        if phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer:
-            return None  # the next layer streams whole (module docstring)
-        if self.predictor is not None and self.runtime.policy != "fate":
-            rows = np.flatnonzero(valid)
-            scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
-            return scores.mean(axis=0) if scores.ndim == 2 else scores
-        nl = self._layers[nxt]
-        return self._programs["gate_scores"](nl.graph, nl.state, h, valid.astype(np.float32))
+        return self._layers[self._next_moe[i]]
 
 
 def _logit_windows(width: int, real: int, size_max: int):

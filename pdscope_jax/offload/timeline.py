@@ -4,9 +4,9 @@ Contract: while `OffloadRunner.timeline` is a `Timeline`, the engine calls `mark
 each stage of a MoE layer, in the order it does them on the host (`LAYER_EVENTS`), and, when the step settles,
 with `at` = when each part that ran on another thread or device was done (`DONE_EVENTS`: perf_counter stamps
 taken by helper threads). `summary()` -> {phase: {"a -> b": median ms, ..., "layer_start -> x_done":
-median ms, "layer": median ms from one layer's layer_start to the next's, "layers": count}}: the host
-intervals between consecutive stages present in a layer, the done-stamps as offsets from the layer's start, and
-the layer's wall time. Recording costs a list append per stage; the engine records nothing when it is None.
+median ms, "layer": median ms from one layer's layer_start to the next's, "layer_mean": their mean (a median
+hides slow layers), "layers": count}}: the host intervals between consecutive stages present in a layer, the
+done-stamps as offsets from the layer's start, and the layer's wall time. Recording costs a list append per stage; the engine records nothing when it is None.
 """
 
 from __future__ import annotations
@@ -46,5 +46,6 @@ class Timeline:
             if index + 1 < len(self._layers) and self._layers[index + 1][0] == phase:
                 out["layer"].append(self._layers[index + 1][2][LAYER_EVENTS[0]] - start)
         return {phase: {**{name: 1e3 * statistics.median(values) for name, values in out.items()},
+                        **({"layer_mean": 1e3 * statistics.fmean(out["layer"])} if out.get("layer") else {}),
                         "layers": sum(1 for p, _, _ in self._layers if p == phase)}
                 for phase, out in intervals.items()}
