@@ -10,10 +10,12 @@ after the clock stops, so no call waits on the one before):
   trivial_pinned   that numpy array put into the accelerator's pinned host memory first (a host copy), then given
                    to a program that copies it to device memory itself;
   device_put_numpy `jax.device_put` of that numpy array alone;
-and the last three again while the copy of `--busy-experts` experts from pinned host memory is in flight, issued
+and every case but the route programs again while the copy of `--busy-experts` experts from pinned host memory is in flight, issued
 in one of three ways just before the call (`..._busy_put`: one batched `jax.device_put`; `..._busy_pull`: a jitted
 program that copies them to device memory itself; `..._busy_put_later`: a `device_put`, then `--later-ms` of
-waiting before the call, to tell the copy's issue from its flight).
+waiting before the call, to tell the copy's issue from its flight). `--host-alloc torch` pins the experts' host
+memory with torch instead of jax (the expert store's option), to tell whether copies from that memory get in the
+way of dispatches less.
 Run from the repository root: `PYTHONPATH=. python scripts/probe_dispatch.py --out FILE`.
 """
 
@@ -34,6 +36,8 @@ def parse_args(argv):
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--busy-experts", type=int, default=8)
     p.add_argument("--later-ms", type=float, default=1.0)
+    p.add_argument("--host-alloc", default="jax", choices=["jax", "torch"],
+                   help="who pins the experts' host memory (offload.expert_store; torch: GPU only)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -58,7 +62,8 @@ def main(argv: list[str] | None = None) -> dict:
     layer_index = cfg.moe_layers[0]
     shapes = models.abstract_state(cfg, jnp.bfloat16)
     runner = OffloadRunner(models.abstract_model(cfg, jnp.bfloat16), RuntimeConfig(policy="ondemand", max_seq_len=64),
-                           lambda paths, placement: random_state({p: shapes[p] for p in paths}, 0, placement))
+                           lambda paths, placement: random_state({p: shapes[p] for p in paths}, 0, placement),
+                           host_alloc=args.host_alloc)
     accel = runner.devices.accel
     layer = runner._layers[layer_index]
     cache = list(runner._init_cache(1, 64, runner.cache_dtype))[layer_index]
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
             records.append(record)
     result = {"what": "host time of one dispatch per kind of call (random weights)",
               "command": "python3 " + shlex.join(sys.argv), "jax": jax.__version__, "accelerator": str(accel),
-              "model": cfg.name, "state_leaves": len(leaves), "records": records}
+              "model": cfg.name, "host_alloc": args.host_alloc, "state_leaves": len(leaves), "records": records}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
