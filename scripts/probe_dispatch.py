@@ -10,12 +10,12 @@ after the clock stops, so no call waits on the one before):
   trivial_pinned   that numpy array put into the accelerator's pinned host memory first (a host copy), then given
                    to a program that copies it to device memory itself;
   device_put_numpy `jax.device_put` of that numpy array alone;
-and every case but the route programs again while the copy of `--busy-experts` experts from pinned host memory is in flight, issued
-in one of three ways just before the call (`..._busy_put`: one batched `jax.device_put`; `..._busy_pull`: a jitted
-program that copies them to device memory itself; `..._busy_put_later`: a `device_put`, then `--later-ms` of
-waiting before the call, to tell the copy's issue from its flight). `--host-alloc torch` pins the experts' host
-memory with torch instead of jax (the expert store's option), to tell whether copies from that memory get in the
-way of dispatches less.
+and every case but the route programs again while the copy of `--busy-experts` experts from pinned host memory
+is in flight, issued in one of three ways just before the call (`..._busy_put`: one batched `jax.device_put`;
+`..._busy_pull`: a jitted program that copies them to device memory itself; `..._busy_put_later`: a
+`device_put`, then `--later-ms` of waiting before the call, to tell the copy's issue from its flight).
+`--host-alloc torch` pins the experts' host memory with torch instead of jax (the expert store's option), to tell
+whether copies from that memory get in the way of dispatches less.
 Run from the repository root: `PYTHONPATH=. python scripts/probe_dispatch.py --out FILE`.
 """
 

@@ -63,7 +63,8 @@ def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypat
     moe_layers = len(preset("tiny-deepseek-v2-lite").moe_layers)
     decode = profile["timeline_ms"]["decode"]  # one decode step
     assert decode["layers"] == moe_layers and decode["routed -> planned"] >= 0
-    assert decode["layer_start -> gpu_done"] > 0 and decode["layer_start -> route_dispatched"] > 0 and profile["timeline_ms"]["prefill"]["layers"] == moe_layers
+    assert decode["layer_start -> gpu_done"] > 0 and decode["layer_start -> route_dispatched"] > 0
+    assert profile["timeline_ms"]["prefill"]["layers"] == moe_layers
 
 
 def test_decode_paths_probe_smoke(tmp_path):

@@ -53,8 +53,9 @@ With `async_io` off, each copy is waited for where it is issued and the CPU expe
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
-applied to this layer's MoE input (Fate's own predictor, computed by the route program itself: one dispatch); `pdscope` uses a predictor object's
-`predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one is given, else that gate too; in
+applied to this layer's MoE input (Fate's own predictor, computed by the route program itself: one dispatch);
+`pdscope` uses a predictor object's `predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one
+is given, else that gate too; in
 prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole next layer streams whatever they
 say, and AdaptSched's streaming test then reads the current layer's tokens), which saves a host round trip per
 layer. Token counts are padded to buckets
@@ -128,7 +129,8 @@ def _gate_scores(graph, state, h, valid):
 
 def _moe_route_scored(graph, state, x, positions, layer_cache, n_pad, with_h, next_graph, next_state, valid):
     """`_moe_route` and, from its h, `_gate_scores` of the next layer (graph/state next_*; valid [n_pad] f32) in
-    ONE program: a dispatch held the H200's host 0.3-0.4 ms in decode (scripts/probe_decode_host.py)."""
+    ONE program. A separate scores dispatch held the H200's host 0.3-0.4 ms per decode layer
+    (scripts/probe_decode_host.py); merged, throughput moved within run-to-run noise (benchmarks/results, call 21)."""
     out = _moe_route(graph, state, x, positions, layer_cache, n_pad, with_h)
     return (*out, _gate_scores(next_graph, next_state, out[1], valid))
 

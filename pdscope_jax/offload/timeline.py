@@ -6,7 +6,8 @@ with `at` = when each part that ran on another thread or device was done (`DONE_
 taken by helper threads). `summary()` -> {phase: {"a -> b": median ms, ..., "layer_start -> x_done":
 median ms, "layer": median ms from one layer's layer_start to the next's, "layer_mean": their mean (a median
 hides slow layers), "layers": count}}: the host intervals between consecutive stages present in a layer, the
-done-stamps as offsets from the layer's start, and the layer's wall time. Recording costs a list append per stage; the engine records nothing when it is None.
+done-stamps as offsets from the layer's start, and the layer's wall time. Recording costs a list append per
+stage; the engine records nothing when it is None.
 """
 
 from __future__ import annotations
