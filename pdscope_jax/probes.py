@@ -1,12 +1,12 @@
-"""Pieces shared by the decode-path probe scripts (`scripts/probe_decode_paths.py`, `scripts/probe_copy_issue.py`).
+"""Pieces shared by the decode-path probe scripts (`scripts/probe_{decode_paths,copy_issue,decode_host,dispatch}.py`).
 
 Contract:
 - `expert_shape_parser(description, reps)` -> an argparse parser with the expert shape (--hidden, --intermediate,
   DeepSeek-V2-Lite's by default), --experts (how many experts per measurement), --reps and --out;
 - `random_experts(d, f, k)` -> (gate_ups, downs): k seeded random bf16 numpy arrays [D, 2F] and [F, D];
 - `many_experts(x, gate_ups, downs)` -> the f32 sum of k experts' FFN over x (jit it; one program for k experts);
-- `probe_result(what, devices, expert_shape, records, out, **extra)` -> the result dict (with the command line,
-  accelerator and jax version), also written as JSON to `out` when given.
+- `probe_result(what, devices, records, out, **extra)` -> the result dict (the command line, accelerator and jax
+  version, then `extra`, e.g. the expert shape, then the records), also written as JSON to `out` when given.
 """
 
 from __future__ import annotations
@@ -45,10 +45,9 @@ def many_experts(x, gate_ups, downs):
     return sum(expert_ffn(x, gu, dn).astype(jnp.float32) for gu, dn in zip(gate_ups, downs))
 
 
-def probe_result(what: str, devices, expert_shape: dict, records: list[dict], out: Path | None, **extra) -> dict:
+def probe_result(what: str, devices, records: list[dict], out: Path | None, **extra) -> dict:
     result = {"what": what, "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
-              "accelerator": str(devices.accel), "jax": jax.__version__, **extra, "expert_shape": expert_shape,
-              "records": records}
+              "accelerator": str(devices.accel), "jax": jax.__version__, **extra, "records": records}
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")

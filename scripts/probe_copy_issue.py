@@ -172,8 +172,8 @@ def main(argv: list[str] | None = None) -> dict:
     record("route_roundtrip_packed", 0, *_timed(lambda: held(lambda: jax.device_get(packed(x))), args.reps * 4))
 
     return probe_result("ways of issuing a decode layer's expert copies: host held vs done (random weights)",
-                        devices, {"hidden": d, "intermediate": f, "dtype": "bfloat16", "expert_bytes": expert_bytes},
-                        records, args.out)
+                        devices, records, args.out,
+                        expert_shape={"hidden": d, "intermediate": f, "dtype": "bfloat16", "expert_bytes": expert_bytes})
 
 
 if __name__ == "__main__":

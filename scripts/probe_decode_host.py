@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import shlex
 import statistics
 import sys
 import tempfile
@@ -69,7 +68,6 @@ def main(argv: list[str] | None = None) -> dict:
     from pdscope_jax.runtime import request_cpu_stand_in
 
     request_cpu_stand_in()
-    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -78,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pdscope_jax.bench import _loader
     from pdscope_jax.offload.engine import OffloadRunner
     from pdscope_jax.offload.timeline import Timeline
+    from pdscope_jax.probes import probe_result
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.sched.hot import write_layer_stats
 
@@ -118,15 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
             records.append(record)
     runner._waiter, runner._stager = waiter, stager
     sys.setswitchinterval(switch)
-    result = {"what": "decode host time per variant of the engine's helper threads (random weights)",
-              "command": "python3 " + shlex.join(sys.argv), "jax": jax.__version__,
-              "accelerator": str(runner.devices.accel), "model": cfg.name, "weights": "random",
-              "workload": args.workload, "prompt_len": args.prompt_len, "tokens": args.tokens,
-              "budget": {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}, "records": records}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return probe_result("decode host time per variant of the engine's helper threads (random weights)",
+                        runner.devices, records, args.out, model=cfg.name, weights="random",
+                        workload=args.workload, prompt_len=args.prompt_len, tokens=args.tokens,
+                        budget={"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool})
 
 
 if __name__ == "__main__":

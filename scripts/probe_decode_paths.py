@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> dict:
         record("copy_done", k, float(np.median(done)))
 
     return probe_result("decode paths for missed experts: CPU compute vs host-to-device copy (random weights)",
-                        devices, {"hidden": d, "intermediate": f, "dtype": "bfloat16", "rows": args.rows,
-                                  "expert_bytes": expert_bytes}, records, args.out, cpu_count=os.cpu_count())
+                        devices, records, args.out, cpu_count=os.cpu_count(),
+                        expert_shape={"hidden": d, "intermediate": f, "dtype": "bfloat16", "rows": args.rows,
+                                      "expert_bytes": expert_bytes})
 
 
 if __name__ == "__main__":

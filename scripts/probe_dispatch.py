@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -55,6 +53,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pdscope_jax.offload.engine import _moe_route
     from pdscope_jax.offload.engine import OffloadRunner
     from pdscope_jax.presets import preset
+    from pdscope_jax.probes import probe_result
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.weights.random_init import random_state
 
@@ -132,13 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "host_ms_p90": 1e3 * sorted(held)[int(0.9 * len(held))]}
             print(json.dumps(record), flush=True)
             records.append(record)
-    result = {"what": "host time of one dispatch per kind of call (random weights)",
-              "command": "python3 " + shlex.join(sys.argv), "jax": jax.__version__, "accelerator": str(accel),
-              "model": cfg.name, "host_alloc": args.host_alloc, "state_leaves": len(leaves), "records": records}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+    return probe_result("host time of one dispatch per kind of call (random weights)", runner.devices, records,
+                        args.out, model=cfg.name, host_alloc=args.host_alloc, state_leaves=len(leaves))
 
 
 if __name__ == "__main__":
