@@ -30,9 +30,9 @@ repeat's statistics) and a PNG plot into `--out`.
   expert weights) has no JAX counterpart and is not modelled.
 After every policy/batch/length point the JSON so far is written with `"complete": false` (a run stopped by a
 time limit keeps its figures), and a point that raises is recorded under "errors" while the others still run.
-`--cprofile N` profiles one generation of N tokens per run with cProfile after the timed runs (the host-side
-functions with the most own and cumulative time go into the JSON), then records one more generation's stage
-timeline (`offload.timeline`: median ms between the stages of a MoE layer, per phase).
+`--cprofile N` profiles one generation of N tokens per run at the longest prompt with cProfile after the timed
+runs (the host-side functions with the most own and cumulative time go into the JSON), then records one more
+generation's stage timeline (`offload.timeline`: median ms between the stages of a MoE layer, per phase).
 `--track-memory N` also runs N decode steps with the first policy and records accelerator memory after every
 step (live array bytes, and the allocator's bytes in use where the device reports them), to show it stays flat.
 It prints one JSON line with the summary last. Example on the GPU node:
@@ -286,7 +286,8 @@ def _record_hot_table(runner, cfg, args, rng, write_layer_stats, stamp, console)
 
 def _profile_runs(runner, runs: list[dict], args, prompts, console, hot_table) -> dict:
     """Where the host's time goes: per run, the functions with the most own and cumulative time (cProfile) over
-    one generation of `args.cprofile` tokens at the first batch size and prompt length (after its warm-up)."""
+    one generation of `args.cprofile` tokens at the first batch size and the longest prompt (after its warm-up:
+    the long prefill is the one worth a timeline)."""
     import cProfile
     import pstats
 
@@ -297,7 +298,7 @@ def _profile_runs(runner, runs: list[dict], args, prompts, console, hot_table) -
         engine = {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
                   "batched_gpu": run["batched_gpu"]}
         runner.set_policy(run["policy"], _options(run["policy"], args), **engine)
-        prompt = prompts[args.batch[0], args.prompt_lens[0]]
+        prompt = prompts[args.batch[0], args.prompt_lens[-1]]
         with console.status(f"profiling {run['label']}"):
             runner.generate(prompt, args.cprofile)
             profiler = cProfile.Profile()
@@ -312,7 +313,7 @@ def _profile_runs(runner, runs: list[dict], args, prompts, console, hot_table) -
                  "cumulative_s": cum} for (path, line, name), (_, calls, own, cum, _) in stats.stats.items()]
         out[run["label"]] = {
             "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
-            "new_tokens": args.cprofile, "prompt_len": args.prompt_lens[0], "timeline_ms": timeline,
+            "new_tokens": args.cprofile, "prompt_len": args.prompt_lens[-1], "timeline_ms": timeline,
             "by_own_time": sorted(rows, key=lambda r: -r["own_s"])[:25],
             "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_s"])[:40]}
     return out

@@ -6,6 +6,8 @@
 #
 #   (seconds: what a stage took on the H200 on 2026-11-29, latest call; "limit" where it ran out before finishing)
 #   probe      store/transfer probe                                                                        42
+#   host       decode host time: helper-thread variants (ondemand pdscope static), then one dispatch's host
+#              time idle and with copies in flight (scripts/probe_decode_host.py, probe_dispatch.py)      ~280
 #   cpu        XLA:CPU vs torch expert FFN (and once more per flag set in CPU_XLA_FLAGS)          11 (+10 each)
 #   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite                           124
 #   profile    the cost table of DeepSeek-V2-Lite on this machine                                           69
@@ -62,6 +64,10 @@ for arg in "$@"; do
   [[ $arg == *:* ]] && limit=${arg#*:}
   case "$stage" in
     probe) run_stage probe "python3 scripts/probe_store_gpu.py ${PROBE_ARGS:-} --out $res/probe_store_gpu.json" ;;
+    host) run_stage host "
+      python3 scripts/probe_decode_host.py --model $model ${budget[*]} --policies ondemand pdscope static \
+        \$( [ -f $costs ] && echo --cost-table $costs ) --out $res/probe_decode_host.json
+      python3 scripts/probe_dispatch.py --model $model --out $res/probe_dispatch.json" ;;
     cpu) run_stage cpu "python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json
       for flag in ${CPU_XLA_FLAGS:-}; do  # XLA:CPU options to compare, e.g. --xla_cpu_use_xnnpack=true
         XLA_FLAGS=\$flag python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} \
