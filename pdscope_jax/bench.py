@@ -56,11 +56,14 @@ PHASE_TIMES = ("cpu_seconds", "gpu_seconds", "transfer_seconds", "exposed_transf
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from pdscope_jax.sched import PLANNERS
+
     p = argparse.ArgumentParser(prog="pdscope-jax bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deepseek-v2-lite",
                    help="preset name (random weights) or checkpoint directory (its weights)")
     p.add_argument("--policies", nargs="+", default=["static", "ondemand", "greedy", "fate", "pdscope", "plain"],
-                   help="planner names, and 'plain' for the whole model without offloading")
+                   choices=[*PLANNERS, "plain"], metavar="POLICY",
+                   help=f"planner names ({', '.join(PLANNERS)}), and 'plain' for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
                    help="routing of random-weight models (pdscope_jax.workloads)")

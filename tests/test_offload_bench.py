@@ -139,3 +139,9 @@ def test_dispatch_probe_smoke(tmp_path):
             "trivial_busy_put_later"} <= cases
     assert all(r["host_ms"] > 0 for r in result["records"])
     assert json.loads((tmp_path / "dispatch.json").read_text())["state_leaves"] > 0
+
+
+def test_bench_refuses_an_unknown_policy_before_building(capsys):
+    with pytest.raises(SystemExit):
+        bench_main(["--model", "tiny-deepseek-v2-lite", "--policies", "ondemand", "nope", "--prompt-lens", "8"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
