@@ -81,3 +81,30 @@ def test_predictor_feeds_pdscope_only():
     engine.set_policy("pdscope")
     engine.generate(ids, max_new_tokens=2)
     assert predictor.calls > 0
+
+
+def test_progress_bars_nest_when_loading_an_offloaded_checkpoint(monkeypatch):
+    """Above the size threshold the engine shows a bar over the MoE layers it takes into pinned memory while the
+    checkpoint loader shows its own inside it, on the same console: the bars must nest (rich >= 14.1), and
+    what loads must equal the plain model."""
+    from pathlib import Path
+
+    import pdscope_jax.offload.engine as engine_module
+    import pdscope_jax.weights.checkpoint as checkpoint_module
+
+    bars = []
+
+    class RecordingProgress(engine_module.Progress):
+        def add_task(self, description, *args, **kwargs):
+            bars.append((description, self.disable))
+            return super().add_task(description, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "Progress", RecordingProgress)
+    monkeypatch.setattr(engine_module, "PROGRESS_BYTES", 0)
+    monkeypatch.setattr(checkpoint_module, "PROGRESS_BYTES", 0)
+    path = Path(__file__).parent / "data" / "deepseek_v2"
+    ids = np.arange(1, 9, dtype=np.int32)[None]
+    plain = pdscope_jax.load(str(path), dtype="float32").logits(ids)
+    runner = pdscope_jax.load(str(path), dtype="float32", policy="ondemand", gpu_memory="1GB", max_seq_len=64)
+    np.testing.assert_allclose(runner.logits(ids), plain, rtol=1e-5, atol=1e-5)
+    assert bars == [("routed experts -> pinned host memory (MoE layers)", False)]

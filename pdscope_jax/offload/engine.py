@@ -8,7 +8,8 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   subset. The runner calls it once for every non-expert parameter, then once per MoE layer for that layer's two
   expert stacks, with `placement` = the accelerator for all: each layer's experts are generated or read there,
   copied into pinned host memory and dropped, so the accelerator holds at most one layer of them (the budget's
-  "transfer staging" line) and the host never holds the model twice.
+  "transfer staging" line) and the host never holds the model twice. A progress bar counts the MoE layers taken
+  in when their experts reach `PROGRESS_BYTES`.
   `cpu_view` and `host_alloc` choose how the expert store keeps its one host copy (see `offload.expert_store`).
 - The budget (`offload.budget`) is checked before anything is placed; the accelerator then holds the
   non-expert weights, the KV cache and ONE slot pool (`offload.slot_pool`) that is never reallocated. Every
@@ -75,6 +76,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from rich.progress import Progress
 
 from pdscope_jax import models
 from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_sampling, sample
@@ -88,6 +90,7 @@ from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.static_graph import StaticGraph, static_graph
 from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, activation_counts, check_plan,
                                load_cost_table, make_planner)
+from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
@@ -354,10 +357,15 @@ class OffloadRunner:
             raise ValueError(f"no values for {len(abstract_values)} parameters (e.g. {abstract_values[0]}): an "
                              "abstract model needs `weights` (a dict or a loader)")
         self.store = ExpertStore(self.devices, cpu_view=cpu_view, host_alloc=host_alloc)
-        for layer, paths in expert_paths(self._moe_layers).items():
-            stacks = layer_stacks(paths)
-            self.store.add_layer(layer, stacks[paths[0]], stacks[paths[1]])
-            del stacks  # the layer's last reference outside the store
+        layers = expert_paths(self._moe_layers)
+        expert_bytes = sum(shapes[p].size * np.dtype(shapes[p].dtype).itemsize for ps in layers.values() for p in ps)
+        with Progress(transient=True, disable=expert_bytes < PROGRESS_BYTES) as progress:
+            task = progress.add_task("routed experts -> pinned host memory (MoE layers)", total=len(layers))
+            for layer, paths in layers.items():
+                stacks = layer_stacks(paths)
+                self.store.add_layer(layer, stacks[paths[0]], stacks[paths[1]])
+                del stacks  # the layer's last reference outside the store
+                progress.advance(task)
         return flat
 
     def _place_non_experts(self, graphdef, flat_state, weights: dict) -> None:

@@ -58,7 +58,7 @@ ITEM_SIZES = {
 _CHUNK_BYTES = 32 << 20  # a read buffer; bounds the extra memory of transposing or converting a tensor
 _TRANSPOSE_ROWS = 64  # transposing a few rows at a time keeps the strided writes in cache: ~4x faster
 _MAX_LINES = 100  # message lines shown; `CheckpointError.problems` keeps them all
-_PROGRESS_BYTES = 256 << 20  # checkpoints at least this large show a progress bar
+PROGRESS_BYTES = 256 << 20  # loading at least this many bytes shows a progress bar
 _REDOWNLOAD = "download or convert the checkpoint again"
 
 
@@ -266,7 +266,7 @@ def checkpoint_loader(
 
     def loader(paths: list[str], placement: Callable[[str], jax.sharding.Sharding]) -> dict[str, jax.Array]:
         state: dict[str, jax.Array] = {}
-        with Progress(transient=True, disable=ckpt.nbytes < _PROGRESS_BYTES) as progress:
+        with Progress(transient=True, disable=ckpt.nbytes < PROGRESS_BYTES) as progress:
             task = progress.add_task(f"loading {ckpt.path.name}", total=len(paths))
             for path in paths:
                 host = ckpt.read(sources[path], shapes[path].shape, shapes[path].dtype)
