@@ -7,7 +7,8 @@
 #   (seconds: what a stage took on the H200 on 2026-11-29, latest call; "limit" where it ran out before finishing)
 #   probe      store/transfer probe                                                                        42
 #   host       decode host time: helper-thread variants (ondemand pdscope static), then one dispatch's host
-#              time idle and with copies in flight (scripts/probe_decode_host.py, probe_dispatch.py)      ~280
+#              time idle and with copies in flight (scripts/probe_decode_host.py, probe_dispatch.py)
+#              (not yet run as one stage: the two probes took 252 and 16-37 s in calls 16 and 18-24)
 #   cpu        XLA:CPU vs torch expert FFN (and once more per flag set in CPU_XLA_FLAGS)          11 (+10 each)
 #   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite                           124
 #   profile    the cost table of DeepSeek-V2-Lite on this machine                                           69
