@@ -50,8 +50,8 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
 
     from pdscope_jax import models
-    from pdscope_jax.offload.engine import _moe_route
     from pdscope_jax.offload.engine import OffloadRunner
+    from pdscope_jax.offload.programs import moe_route
     from pdscope_jax.presets import preset
     from pdscope_jax.probes import probe_result
     from pdscope_jax.runtime import RuntimeConfig
@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> dict:
     cache = jax.device_put(cache, accel)
     x = jax.device_put(np.zeros((1, 1, cfg.hidden_size), runner.cache_dtype), accel)
     positions = jax.device_put(np.zeros((1, 1), np.int32), accel)
-    route = jax.jit(_moe_route, static_argnums=(0, 5, 6), donate_argnums=4)
+    route = jax.jit(moe_route, static_argnums=(0, 5, 6), donate_argnums=4)
     leaves, treedef = jax.tree.flatten(layer.state)
 
     def route_from_leaves(graph, leaves, x, positions, layer_cache, n_pad, with_h):
-        return _moe_route(graph, jax.tree.unflatten(treedef, leaves), x, positions, layer_cache, n_pad, with_h)
+        return moe_route(graph, jax.tree.unflatten(treedef, leaves), x, positions, layer_cache, n_pad, with_h)
 
     route_leaves = jax.jit(route_from_leaves, static_argnums=(0, 5, 6), donate_argnums=4)
     trivial = jax.jit(lambda a: a + 1)

@@ -33,8 +33,8 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
 Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, then its timing is kept) the engine does, in this
 order:
   route    attention + router + shared experts in one program (with the next layer's gate scores when the
-           planner reads them); fetch routing to the host (the sync point; with few rows, decode, the MoE input
-           comes along for the CPU experts);
+           planner reads them; the jitted pieces are `offload.programs`); fetch routing to the host (the sync
+           point; with few rows, decode, the MoE input comes along for the CPU experts);
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
            to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads); issue the
@@ -48,8 +48,8 @@ order:
            `combine_experts` program over the pool with a slot_of map); hand the GPU result and the copies to
            helper threads that stamp when each is done; wait for the CPU part; add the parts and the shared
            experts;
-  record   keep the layer's times; the step adds them to the statistics at its end (`_settle`), so no layer
-           waits for its own compute and the next layer's programs queue behind it.
+  record   keep the layer's times (`offload.stats.LayerTiming`); the step adds them to the statistics at its
+           end (`_settle`), so no layer waits for its own compute and the next layer's programs queue behind it.
 With `async_io` off, each copy is waited for where it is issued and the CPU experts start after the copies.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
@@ -79,12 +79,13 @@ from flax import nnx
 from rich.progress import Progress
 
 from pdscope_jax import models
-from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_sampling, sample
-from pdscope_jax.models.layers import combine_experts
+from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_sampling
 from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
 from pdscope_jax.offload.cpu_experts import DENSE_MAX_ROWS, CpuExperts
 from pdscope_jax.offload.expert_store import FUSED_MAX, ExpertStore, Staged, expert_paths, is_expert_path
+from pdscope_jax.offload.programs import build_programs, cache_size
 from pdscope_jax.offload.slot_pool import SlotPool
+from pdscope_jax.offload.stats import LayerTiming, PhaseStats
 from pdscope_jax.offload.timeline import Timeline
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.static_graph import StaticGraph, static_graph
@@ -95,112 +96,6 @@ from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
-
-
-# ---- jitted pieces (graphdef static; one trace per shape) --------------------------------------------------
-def _embed(graph, state, ids):
-    return nnx.merge(graph.graphdef, state).embed(ids)  # [B, T, D]
-
-
-def _dense_layer(graph, state, x, positions, layer_cache):
-    return nnx.merge(graph.graphdef, state)(x, positions, layer_cache)
-
-
-def _moe_route(graph, state, x, positions, layer_cache, n_pad, with_h):
-    """Attention, MoE input, router and shared experts; routed inputs padded to n_pad rows. `routing` packs what
-    the host fetches into ONE f32 array [n_pad, 2K (+ D with_h)]: weights, expert ids (exact in f32) and, with_h,
-    h. One fetch instead of three took a third of the time even on the CPU backend (scripts/probe_copy_issue.py)."""
-    layer = nnx.merge(graph.graphdef, state)
-    x, layer_cache = layer.attend(x, positions, layer_cache)  # [B, T, D]
-    h = layer.mlp_input(x).reshape(-1, x.shape[-1])  # [N, D]
-    weights, ids = layer.mlp.route(h)  # [N, K] f32, [N, K] int32
-    shared = layer.mlp.shared_output(h)  # [N, D]
-    rows = ((0, n_pad - h.shape[0]), (0, 0))
-    h, weights, ids = jnp.pad(h, rows), jnp.pad(weights, rows), jnp.pad(ids, rows)
-    routing = jnp.concatenate([weights, ids.astype(jnp.float32)] + ([h.astype(jnp.float32)] if with_h else []), 1)
-    return x, h, weights, ids, routing, shared, layer_cache
-
-
-def _gate_scores(graph, state, h, valid):
-    """Fate's prediction: the next layer's router on this layer's MoE input h [N, D] -> [E] share of tokens."""
-    layer = nnx.merge(graph.graphdef, state)
-    _, ids = layer.mlp.route(h)  # [N, K]
-    chosen = jax.nn.one_hot(ids, layer.mlp.num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
-    chosen = chosen * valid[:, None]
-    return chosen.sum(axis=0) / jnp.maximum(valid.sum(), 1)
-
-
-def _moe_route_scored(graph, state, x, positions, layer_cache, n_pad, with_h, next_graph, next_state, valid):
-    """`_moe_route` and, from its h, `_gate_scores` of the next layer (graph/state next_*; valid [n_pad] f32) in
-    ONE program. A separate scores dispatch held the H200's host 0.3-0.4 ms per decode layer
-    (scripts/probe_decode_host.py); merged, throughput moved within run-to-run noise (benchmarks/results, call 21)."""
-    out = _moe_route(graph, state, x, positions, layer_cache, n_pad, with_h)
-    return (*out, _gate_scores(next_graph, next_state, out[1], valid))
-
-
-def _moe_combine(x, shared, y_gpu, y_cpu):
-    """x [B,T,D] + routed (GPU part [Nb,D] + CPU part [Nb,D] f32, either may be None) + shared [N,D]."""
-    n = shared.shape[0]
-    routed = jnp.zeros_like(shared) if y_gpu is None else y_gpu[:n]
-    if y_cpu is not None:
-        routed = routed + y_cpu[:n].astype(routed.dtype)
-    return x + (routed + shared).reshape(x.shape)
-
-
-def _logit_rows(graph, state, x, start, size):
-    """Logits [B, size, V] of positions start..start+size-1 of x [B, T, D]."""
-    rows = jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
-    return nnx.merge(graph.graphdef, state).logits(rows)
-
-
-def _next_token(graph, state, x, index, key, temperature, top_k):
-    """Sample from the logits at position `index` of x [B, T, D] -> int32 [B]."""
-    row = jax.lax.dynamic_slice_in_dim(x, index, 1, axis=1)  # [B, 1, D]
-    return sample(nnx.merge(graph.graphdef, state).logits(row)[:, 0], key, temperature, top_k)
-
-
-# ---- statistics ---------------------------------------------------------------------------------------------
-@dataclasses.dataclass
-class PhaseStats:
-    steps: int = 0
-    tokens: int = 0
-    seconds: float = 0.0  # wall time of the steps
-    cpu_seconds: float = 0.0  # CPU expert compute, dispatch to done, summed over layers
-    gpu_seconds: float = 0.0  # GPU expert compute, dispatch to done
-    transfer_seconds: float = 0.0  # on-demand loads (issue to done) + prefetch/stream (issue to done)
-    exposed_transfer_seconds: float = 0.0  # transfer time nothing else was running to hide
-    bytes_moved: int = 0
-    experts_loaded_now: int = 0
-    experts_prefetched: int = 0  # prefetched or streamed
-    activated: int = 0  # (layer, expert) activations seen by the planner
-    hits: int = 0  # ... of them resident (or in flight) when routed
-    prefetch_used: int = 0  # prefetched experts activated when their layer routed
-    gpu_experts: int = 0
-    cpu_experts: int = 0
-    planner_seconds: float = 0.0  # time inside the planner's `plan`, summed over layers
-    planner_calls: int = 0  # layers planned
-
-    @property
-    def planner_ms_per_layer(self) -> float | None:
-        return 1e3 * self.planner_seconds / self.planner_calls if self.planner_calls else None
-
-    @property
-    def hit_rate(self) -> float | None:
-        return self.hits / self.activated if self.activated else None
-
-    @property
-    def prefetch_accuracy(self) -> float | None:
-        return self.prefetch_used / self.experts_prefetched if self.experts_prefetched else None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        return self.tokens / self.seconds if self.seconds else None
-
-    def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s,
-                   planner_ms_per_layer=self.planner_ms_per_layer)
-        return out
 
 
 @dataclasses.dataclass
@@ -228,24 +123,6 @@ class _Routed:
     next_scores: np.ndarray | None  # [E]
 
 
-@dataclasses.dataclass
-class _Timing:
-    """One layer's statistics waiting for the end of the step (`_settle`): its expert counts, when its parts
-    started and ended, and in `ready` helper-thread futures of the parts still running when it was made
-    ("gpu", "load", "transfer" -> perf_counter when done)."""
-
-    layer: int
-    phase: str
-    gpu_experts: int
-    cpu_experts: int
-    start: float  # perf_counter when the layer's on-demand loads were issued
-    dispatched: float  # ... when its GPU experts were dispatched
-    cpu_start: float  # ... when its CPU experts were dispatched to the CPU backend
-    cpu_end: float | None  # ... when they were done (None: none ran)
-    loads_end: float | None  # ... when the loads were done, where they were waited for (synchronous I/O)
-    ready: dict[str, concurrent.futures.Future]
-
-
 def analytic_costs(cfg, itemsize: int) -> CostTable:
     """A roofline cost table for the benchmark node (H200, PCIe Gen5, AMX CPU) from PRIMITIVES.md's figures."""
     return CostTable.analytic(
@@ -258,20 +135,6 @@ def _split_abstract(abstract):
     graphdef, state = nnx.split(abstract)
     flat_state = nnx.to_flat_state(state)
     return graphdef, flat_state, {_path(p): v.get_value() for p, v in flat_state}
-
-
-def _build_programs() -> dict[str, Any]:
-    """The jitted pieces, by name (graphdef and shape arguments static)."""
-    return {
-        "embed": jax.jit(_embed, static_argnums=0),
-        "dense_layer": jax.jit(_dense_layer, static_argnums=0, donate_argnums=4),
-        "moe_route": jax.jit(_moe_route, static_argnums=(0, 5, 6), donate_argnums=4),
-        "moe_route_scored": jax.jit(_moe_route_scored, static_argnums=(0, 5, 6, 7), donate_argnums=4),
-        "gpu_experts": jax.jit(combine_experts),
-        "moe_combine": jax.jit(_moe_combine),
-        "logits": jax.jit(_logit_rows, static_argnums=(0, 4)),
-        "next_token": jax.jit(_next_token, static_argnums=(0, 5, 6)),
-    }
 
 
 class OffloadRunner:
@@ -297,7 +160,7 @@ class OffloadRunner:
         self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
                              cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
-        self._programs = _build_programs()
+        self._programs = build_programs()
         self._step_shapes: set[tuple[int, int, int]] = set()  # (batch, tokens, padded rows) of steps run (warm-up)
         # layer -> (staging of its experts, issued on the stager thread; their slots)
         self._pending: dict[int, tuple[concurrent.futures.Future[Staged], np.ndarray]] = {}
@@ -307,7 +170,7 @@ class OffloadRunner:
         # issues staged copies: `device_put` holds its caller ~0.25 ms + 0.05 ms per expert on the H200, a helper
         # thread 0.02 ms (scripts/probe_copy_issue.py); one worker keeps them in issue order
         self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-stage")
-        self._unsettled: list[_Timing] = []
+        self._unsettled: list[LayerTiming] = []
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
         self.timeline: Timeline | None = None  # set to a Timeline to record each layer's stages (a profile)
@@ -459,7 +322,7 @@ class OffloadRunner:
     @property
     def compiled_programs(self) -> dict[str, int]:
         """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
-        counts = {name: _cache_size(fn) for name, fn in self._programs.items()}
+        counts = {name: cache_size(fn) for name, fn in self._programs.items()}
         counts["slot_commit"] = self.store.compiled_programs
         counts["cpu_expert"] = self.cpu_experts.compiled_programs
         counts["total"] = sum(v for v in counts.values() if v is not None)
@@ -757,7 +620,7 @@ class OffloadRunner:
         self._mark(phase, "combined", i)
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
-        return x, _Timing(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end, loads_end,
+        return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end, loads_end,
                           ready)
 
     def _mark(self, phase: str, event: str, layer: int, at: float | None = None) -> None:
@@ -814,29 +677,14 @@ class OffloadRunner:
         return jax.device_put(acc, self.devices.accel), done
 
     def _settle(self) -> None:
-        """Add the timed layers of the step to the statistics. Loads are exposed where the CPU experts were not
-        running; next-layer transfers where they outlast this layer's compute."""
+        """Add the timed layers of the step to the statistics (`LayerTiming.settle_into`), and their done-times
+        to the timeline."""
         for t in self._unsettled:
-            stats = self.phase_stats[t.phase]
             done = {name: future.result() for name, future in t.ready.items()}
             for name, at in (("cpu", t.cpu_end), *done.items()):
                 if at is not None:
                     self._mark(t.phase, f"{name}_done", t.layer, at)
-            load_end = done.get("load", t.loads_end if t.loads_end is not None else t.start)
-            cpu_end = t.cpu_end if t.cpu_end is not None else t.cpu_start
-            gpu_start = max(t.dispatched, load_end)  # the GPU experts wait for the loads
-            gpu_end = done.get("gpu", gpu_start)
-            stats.gpu_seconds += max(0.0, gpu_end - gpu_start)
-            stats.cpu_seconds += cpu_end - t.cpu_start
-            stats.gpu_experts += t.gpu_experts
-            stats.cpu_experts += t.cpu_experts
-            stats.transfer_seconds += load_end - t.start
-            covered = max(0.0, min(load_end, cpu_end) - max(t.start, t.cpu_start))  # loads under CPU compute
-            exposed = load_end - t.start - covered
-            if "transfer" in done:
-                stats.transfer_seconds += done["transfer"] - t.dispatched
-                exposed += max(0.0, done["transfer"] - max(gpu_end, cpu_end))
-            stats.exposed_transfer_seconds += exposed
+            t.settle_into(self.phase_stats[t.phase], done)
         self._unsettled.clear()
 
     def _issue_next(self, i: int, nxt: int | None, plan: Plan, stats: PhaseStats):
@@ -929,11 +777,6 @@ def _groups(experts: np.ndarray, rows: np.ndarray, w: np.ndarray, ids: np.ndarra
         picks = order[lo:hi]
         out.append((int(e), rows[picks // k], w.reshape(-1)[picks]))
     return out
-
-
-def _cache_size(jitted) -> int | None:
-    size = getattr(jitted, "_cache_size", None)  # private in jax; present in 0.10-0.12
-    return size() if size is not None else None
 
 
 def _staged_ready_at(staging: concurrent.futures.Future[Staged]) -> float:

@@ -1,0 +1,94 @@
+"""What the offload engine counts: per-phase statistics, and the timing of one MoE layer until its step settles.
+
+Contract: `PhaseStats` accumulates one phase's figures (wall time, CPU / GPU expert compute, transfer and
+exposed transfer seconds summed over layers, bytes moved, hits, prefetch use, planner time) and derives hit
+rate, prefetch accuracy, tokens/s and planner ms per layer (`to_dict` for JSON). A `LayerTiming` is made when a
+layer's work has been dispatched; at the end of the step, once the helper threads have stamped when each part
+was done, `settle_into(stats, done)` adds it. Nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass
+class PhaseStats:
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0  # wall time of the steps
+    cpu_seconds: float = 0.0  # CPU expert compute, dispatch to done, summed over layers
+    gpu_seconds: float = 0.0  # GPU expert compute, dispatch to done
+    transfer_seconds: float = 0.0  # on-demand loads (issue to done) + prefetch/stream (issue to done)
+    exposed_transfer_seconds: float = 0.0  # transfer time nothing else was running to hide
+    bytes_moved: int = 0
+    experts_loaded_now: int = 0
+    experts_prefetched: int = 0  # prefetched or streamed
+    activated: int = 0  # (layer, expert) activations seen by the planner
+    hits: int = 0  # ... of them resident (or in flight) when routed
+    prefetch_used: int = 0  # prefetched experts activated when their layer routed
+    gpu_experts: int = 0
+    cpu_experts: int = 0
+    planner_seconds: float = 0.0  # time inside the planner's `plan`, summed over layers
+    planner_calls: int = 0  # layers planned
+
+    @property
+    def planner_ms_per_layer(self) -> float | None:
+        return 1e3 * self.planner_seconds / self.planner_calls if self.planner_calls else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.activated if self.activated else None
+
+    @property
+    def prefetch_accuracy(self) -> float | None:
+        return self.prefetch_used / self.experts_prefetched if self.experts_prefetched else None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds else None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s,
+                   planner_ms_per_layer=self.planner_ms_per_layer)
+        return out
+
+
+@dataclasses.dataclass
+class LayerTiming:
+    """One layer's statistics waiting for the end of its step: its expert counts, when its parts started and
+    ended, and in `ready` helper-thread futures of the parts still running when it was made ("gpu", "load",
+    "transfer" -> perf_counter when done)."""
+
+    layer: int
+    phase: str
+    gpu_experts: int
+    cpu_experts: int
+    start: float  # perf_counter when the layer's on-demand loads were issued
+    dispatched: float  # ... when its GPU experts were dispatched
+    cpu_start: float  # ... when its CPU experts were dispatched to the CPU backend
+    cpu_end: float | None  # ... when they were done (None: none ran)
+    loads_end: float | None  # ... when the loads were done, where they were waited for (synchronous I/O)
+    ready: dict[str, concurrent.futures.Future]
+
+    def settle_into(self, stats: PhaseStats, done: dict[str, float]) -> None:
+        """Add this layer to `stats`, `done` holding its `ready` futures' results. Loads are exposed where the
+        CPU experts were not running; next-layer transfers where they outlast this layer's compute."""
+        load_end = done.get("load", self.loads_end if self.loads_end is not None else self.start)
+        cpu_end = self.cpu_end if self.cpu_end is not None else self.cpu_start
+        gpu_start = max(self.dispatched, load_end)  # the GPU experts wait for the loads
+        gpu_end = done.get("gpu", gpu_start)
+        stats.gpu_seconds += max(0.0, gpu_end - gpu_start)
+        stats.cpu_seconds += cpu_end - self.cpu_start
+        stats.gpu_experts += self.gpu_experts
+        stats.cpu_experts += self.cpu_experts
+        stats.transfer_seconds += load_end - self.start
+        covered = max(0.0, min(load_end, cpu_end) - max(self.start, self.cpu_start))  # loads under CPU compute
+        exposed = load_end - self.start - covered
+        if "transfer" in done:
+            stats.transfer_seconds += done["transfer"] - self.dispatched
+            exposed += max(0.0, done["transfer"] - max(gpu_end, cpu_end))
+        stats.exposed_transfer_seconds += exposed
