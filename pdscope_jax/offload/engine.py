@@ -44,10 +44,9 @@ order:
            whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`; `_stream` takes
            the slots streamed into for layers already computed, so resident experts stay), submitted before
            compute is dispatched (a copy issued from a second thread overlaps compute, PRIMITIVES.md); dispatch
-           the GPU experts (`_run_gpu`: one
-           `combine_experts` program over the pool with a slot_of map); hand the GPU result and the copies to
-           helper threads that stamp when each is done; wait for the CPU part; add the parts and the shared
-           experts;
+           the GPU experts (`_run_gpu`: one `combine_experts` program over the pool with a slot_of map); hand
+           the GPU result and the copies to helper threads that stamp when each is done; wait for the CPU part;
+           add the parts and the shared experts;
   record   keep the layer's times (`offload.stats.LayerTiming`); the step adds them to the statistics at its
            end (`_settle`), so no layer waits for its own compute and the next layer's programs queue behind it.
 With `async_io` off, each copy is waited for where it is issued and the CPU experts start after the copies.
@@ -56,10 +55,9 @@ experts before the embedding, so that copy hides behind the layers before it.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
 applied to this layer's MoE input (Fate's own predictor, computed by the route program itself: one dispatch);
 `pdscope` uses a predictor object's `predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one
-is given, else that gate too; in
-prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole next layer streams whatever they
-say, and AdaptSched's streaming test then reads the current layer's tokens), which saves a host round trip per
-layer. Token counts are padded to buckets
+is given, else that gate too; in prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole
+next layer streams whatever they say, and AdaptSched's streaming test then reads the current layer's tokens),
+which saves a host round trip per layer. Token counts are padded to buckets
 (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled programs is bounded; padded rows
 route but carry no weight in any statistic. Prefill runs a whole prompt at batch 1 and chunks of
 `prefill_chunk` tokens per sequence otherwise.
@@ -532,7 +530,12 @@ class OffloadRunner:
         # with few rows, h comes to the host with the routing for the CPU experts (so they need not wait for a
         # copy queued behind this layer's GPU work)
         with_h = valid.size <= DENSE_MAX_ROWS
-        gate = self._scoring_gate(i, phase)
+        rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
+        # where next-layer scores come from, if the plan reads them: the predictor object (pdscope with one),
+        # else the next layer's gate on this layer's h, in the route program
+        wants = self._wants_scores_for(i, phase)
+        predicts = wants and self.predictor is not None and self.runtime.policy != "fate"
+        gate = self._layers[self._next_moe[i]] if wants and not predicts else None
         if gate is None:
             x, h, w, ids, routing, shared, layer_cache = self._programs["moe_route"](
                 layer.graph, layer.state, x, positions, layer_cache, valid.size, with_h)
@@ -542,8 +545,7 @@ class OffloadRunner:
                 layer.graph, layer.state, x, positions, layer_cache, valid.size, with_h, gate.graph, gate.state,
                 valid_device)
         self._mark(phase, "route_dispatched", i)
-        if gate is None and self._predicts(i, phase):
-            rows = np.flatnonzero(valid)
+        if predicts:
             scores = np.asarray(self.predictor.predict(layer=i, phase=phase, a=h[rows], w=w[rows], e=ids[rows]))
             scores = scores.mean(axis=0) if scores.ndim == 2 else scores
             self._mark(phase, "scores_dispatched", i)
@@ -552,7 +554,6 @@ class OffloadRunner:
         k = w.shape[1]
         w_np, ids_np = routing[:, :k], routing[:, k:2 * k].astype(np.int32)
         h_np = routing[:, 2 * k:].astype(h.dtype) if with_h else None
-        rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         tokens = np.bincount(ids_np[rows].reshape(-1), minlength=self.config.num_experts)  # [E]
         self.activation_counts[phase][i] += tokens
         activated = np.flatnonzero(tokens)
@@ -620,8 +621,8 @@ class OffloadRunner:
         self._mark(phase, "combined", i)
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
-        return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end, loads_end,
-                          ready)
+        return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end,
+                              loads_end, ready)
 
     def _mark(self, phase: str, event: str, layer: int, at: float | None = None) -> None:
         """Record a stage of layer `layer` in the timeline, when one is being recorded."""
@@ -737,15 +738,6 @@ class OffloadRunner:
         # pdscope's prefill streams the next layer whole when two layers fit, whatever scores say
         return not (phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer)
 
-    def _predicts(self, i: int, phase: str) -> bool:
-        """Whether layer i's next-layer scores come from the predictor object (pdscope with one)."""
-        return self._wants_scores_for(i, phase) and self.predictor is not None and self.runtime.policy != "fate"
-
-    def _scoring_gate(self, i: int, phase: str) -> _Layer | None:
-        """The next MoE layer, when its gate on layer i's h gives the scores (Fate's predictor), else None."""
-        if not self._wants_scores_for(i, phase) or self._predicts(i, phase):
-            return None
-        return self._layers[self._next_moe[i]]
 
 
 def _logit_windows(width: int, real: int, size_max: int):
