@@ -7,8 +7,9 @@ are not rebuilt), batch size (`--batch 1 8 16 32`; batches above one prefill in 
 prompt length runs `--warmup` untimed warm-ups (`OffloadRunner.warmup`: one generation plus every CPU expert
 program of that shape) and `--repeats` timed generations of random prompts, each generating `--new-tokens`
 tokens. It reports medians of prefill tok/s and decode tok/s, the time split per phase (CPU experts, GPU experts,
-transfer, exposed transfer, all summed over layers), bytes moved, slot hit rate, prefetch accuracy and the
-planner's own milliseconds per layer, in a rich table, and writes `bench_<model>_<time>.json` (command line,
+transfer, exposed transfer, all summed over layers; a decode run as one accelerator program per step,
+`offload.device_decode`, has none and shows "one program/step"), bytes moved, slot hit rate, prefetch accuracy
+and the planner's own milliseconds per layer, in a rich table, and writes `bench_<model>_<time>.json` (command line,
 jax version, device, "weights": "random" | "checkpoint", "workload", the runtime config, the budget, every
 repeat's statistics) and a PNG plot into `--out`.
 - Workloads (`pdscope_jax.workloads`, random weights only): `--workload uniform` (the weights as generated) or
@@ -24,9 +25,12 @@ repeat's statistics) and a PNG plot into `--out`.
 - Hot table: `--hot-table PATH` (layer_stats.json or a trace directory, `sched.hot`) for the planners that have
   one; `--hot-table auto` first records activation counts from one untimed on-demand generation over other
   prompts and saves them as `<out>/hot_<model>_<time>.json`.
+- A policy name with the suffix ":host" (e.g. `ondemand:host`) runs that policy with RuntimeConfig.device_decode
+  off: the host plans every decode layer, as every policy did before device decode; both can run side by side.
 - `--ablation` replaces `--policies` with: greedy (synchronous I/O, one GPU program per expert), +h (hot table),
   +i (asynchronous I/O: copies overlap compute), +p+a (PDScope's AdaptSched with next-layer scores, full-layer
-  streaming in prefill), +g+c (one batched GPU program per layer), then plain. The paper's "+c" (CPU cache prefetch of
+  streaming in prefill), +g+c (one batched GPU program per layer in prefill, and decode as one program per step),
+  then plain. The paper's "+c" (CPU cache prefetch of
   expert weights) has no JAX counterpart and is not modelled.
 After every policy/batch/length point the JSON so far is written with `"complete": false` (a run stopped by a
 time limit keeps its figures), and a point that raises is recorded under "errors" while the others still run.
@@ -62,8 +66,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="deepseek-v2-lite",
                    help="preset name (random weights) or checkpoint directory (its weights)")
     p.add_argument("--policies", nargs="+", default=["static", "ondemand", "greedy", "fate", "pdscope", "plain"],
-                   choices=[*PLANNERS, "plain"], metavar="POLICY",
-                   help=f"planner names ({', '.join(PLANNERS)}), and 'plain' for the whole model without offloading")
+                   choices=[*PLANNERS, *(f"{name}{HOST_DECODE}" for name in PLANNERS), "plain"], metavar="POLICY",
+                   help=f"planner names ({', '.join(PLANNERS)}), each also as NAME{HOST_DECODE} (decode planned by "
+                        "the host layer by layer, never as one accelerator program per step), and 'plain' for the "
+                        "whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
                    help="routing of random-weight models (pdscope_jax.workloads)")
@@ -87,8 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(runtime.start_backends)")
     p.add_argument("--cpu-view", default="alias", choices=["alias", "copy"],
                    help="CPU experts read pinned memory in place (alias) or from a second host copy")
-    p.add_argument("--host-alloc", default="jax", choices=["jax", "torch"],
-                   help="pin expert memory through jax (pinned_host) or torch (+dlpack; GPU only)")
+    p.add_argument("--host-alloc", default="auto", choices=["auto", "jax", "torch"],
+                   help="pin expert memory through jax (pinned_host) or torch (+dlpack; GPU only); auto: torch on a "
+                        "GPU where torch has CUDA (offload.expert_store)")
     p.add_argument("--track-memory", type=int, default=0, metavar="N", help="also record memory over N decode steps")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile (cProfile) one generation of N tokens per run, after the timed ones")
@@ -96,6 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+HOST_DECODE = ":host"  # a policy name's suffix: RuntimeConfig.device_decode off
 ABLATION = (  # (label, policy, hot table, async_io, batched_gpu)
     ("greedy", "greedy", False, False, False),
     ("+h", "greedy", True, False, False),
@@ -108,10 +116,18 @@ ABLATION = (  # (label, policy, hot table, async_io, batched_gpu)
 def _runs(args) -> list[dict]:
     """The runs in order: label, policy and engine switches (the hot table is filled in once it is known)."""
     if args.ablation:
-        return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched}
-                for label, policy, hot, aio, batched in ABLATION] + [{"label": "plain", "policy": "plain"}]
-    return [{"label": policy, "policy": policy, "hot": args.hot_table is not None, "async_io": True,
-             "batched_gpu": True} for policy in args.policies]
+        return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched,
+                 "device_decode": True} for label, policy, hot, aio, batched in ABLATION] + [
+            {"label": "plain", "policy": "plain"}]
+    return [{"label": label, "policy": label.removesuffix(HOST_DECODE), "hot": args.hot_table is not None,
+             "async_io": True, "batched_gpu": True, "device_decode": not label.endswith(HOST_DECODE)}
+            for label in args.policies]
+
+
+def _engine(run: dict, hot_table) -> dict:
+    """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
+    return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
+            "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"]}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -177,7 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
         "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "warmup": args.warmup,
         "runtime": {k: v for k, v in vars(rc).items() if k not in ("policy", "policy_options")},
-        "host_alloc": args.host_alloc, "cpu_view": args.cpu_view, "xla_cpu_cores": args.xla_cpu_cores,
+        "host_alloc": runner.store.host_alloc if runner else args.host_alloc, "cpu_view": args.cpu_view,
+        "xla_cpu_cores": args.xla_cpu_cores,
     }
     stem = f"bench_{cfg.name}_{stamp}"
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
@@ -192,8 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("benchmark", total=total)
         for run in offload_runs:
-            engine = {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
-                      "batched_gpu": run["batched_gpu"]}
+            engine = _engine(run, hot_table)
             try:
                 runner.set_policy(run["policy"], _options(run["policy"], args), **engine)
             except Exception as err:  # noqa: BLE001 (a policy the budget cannot run is reported, not fatal)
@@ -228,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
         memory = None
         if args.track_memory and offload_runs:
             first = offload_runs[0]
-            runner.set_policy(first["policy"], _options(first["policy"], args))
+            runner.set_policy(first["policy"], _options(first["policy"], args), **_engine(first, hot_table))
             runner.track_memory = True
             with console.status(f"tracking memory over {args.track_memory} decode steps"):
                 runner.generate(prompts[args.batch[0], args.prompt_lens[0]], args.track_memory + 1)
@@ -298,8 +314,7 @@ def _profile_runs(runner, runs: list[dict], args, prompts, console, hot_table) -
 
     out = {}
     for run in runs:
-        engine = {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
-                  "batched_gpu": run["batched_gpu"]}
+        engine = _engine(run, hot_table)
         runner.set_policy(run["policy"], _options(run["policy"], args), **engine)
         prompt = prompts[args.batch[0], args.prompt_lens[-1]]
         with console.status(f"profiling {run['label']}"):
@@ -401,7 +416,7 @@ def _summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after
     for phase in ("prefill", "decode"):
         out[phase] = {key: _median(repeats, phase, key) for key in
                       (*PHASE_TIMES, "seconds", "bytes_moved", "hit_rate", "prefetch_accuracy", "cpu_experts",
-                       "gpu_experts", "planner_ms_per_layer")}
+                       "gpu_experts", "planner_ms_per_layer", "device_steps")}
     out["repeats"] = repeats
     return out
 
@@ -424,7 +439,8 @@ def _table(results: list[dict]):
             table.add_row(*head, *["-"] * 6, match)
             continue
         p, d = r["prefill"], r["decode"]
-        split = lambda s: "/".join(fmt(s[k], 3) for k in PHASE_TIMES)  # noqa: E731
+        def split(s):  # a phase run as one accelerator program per step has no split
+            return "one program/step" if s.get("device_steps") else "/".join(fmt(s[k], 3) for k in PHASE_TIMES)
         table.add_row(*head, split(p), split(d),
                       f"{(p['bytes_moved'] or 0) / 1e9:.2f}/{(d['bytes_moved'] or 0) / 1e9:.2f}", fmt(d["hit_rate"]),
                       f"{fmt(p['prefetch_accuracy'])}/{fmt(d['prefetch_accuracy'])}",

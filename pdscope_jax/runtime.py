@@ -89,6 +89,8 @@ class RuntimeConfig:
     hot_table: str | None = None  # layer_stats.json or a trace directory: activation counts for hot experts
     async_io: bool = True  # stage transfers ahead of compute (False: wait for each right where it is issued)
     batched_gpu: bool = True  # one GPU program per layer for all GPU experts (False: one program per expert)
+    device_decode: bool = True  # decode as one accelerator program per step where the policy allows it
+    # (offload.device_decode; with async_io and batched_gpu on); False: the host plans every layer
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)

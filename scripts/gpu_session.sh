@@ -18,6 +18,7 @@
 #              (all six policies and 1,000 memory steps: 368; with 20 memory steps: 299)
 #   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile)  limit 215
 #   skewed     every policy on the skewed workload           262 (six policies, two prompt lengths, --cprofile 8)
+#              (call 27, device decode, HOST_ALLOC=torch, six policies with plain at 128 and 4,096, bench run alone: 363)
 #   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)         limit 195 at 5/6 (TOKENS=32)
 #   cores      static and pdscope decode, XLA:CPU's threads on every core, then on XLA_CPU_CORES (14)    211
 #   batches    BATCHES (1 8 16 32) x BATCH_POLICIES, chunked prefill of 256 (skewed)   limit 225 at 2/4 (16 32, two)
@@ -47,7 +48,8 @@ read -r -a budget <<< "${BUDGET:---gpu-memory 24GB --expert-pool 8GB}"
 tokens=${TOKENS:-64}
 longest=${lengths[-1]}
 costs=${COSTS:-$res/costs_${model}.json}  # COSTS: a cost table measured in an earlier call
-bench=(python3 -m pdscope_jax bench --new-tokens "$tokens" "${budget[@]}" --out "$res")
+# HOST_ALLOC=torch: experts pinned by torch, one allocation per layer, so device decode copies a layer's misses at once
+bench=(python3 -m pdscope_jax bench --new-tokens "$tokens" "${budget[@]}" ${HOST_ALLOC:+--host-alloc "$HOST_ALLOC"} --out "$res")
 
 run_stage() {  # name, then the commands as one string
   local name=$1

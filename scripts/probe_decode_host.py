@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = models.abstract_state(cfg, dtype)
     loader = _loader(cfg, None, shapes, 0, workloads.design(cfg, args.workload, seed=0))
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy="ondemand",
-                       max_seq_len=args.prompt_len + args.tokens + 1, cost_table=args.cost_table)
+                       max_seq_len=args.prompt_len + args.tokens + 1, cost_table=args.cost_table,
+                       device_decode=False)  # the host-driven decode is what this probe takes apart
     runner = OffloadRunner(models.abstract_model(cfg, dtype), rc, loader)
     rng = np.random.default_rng(0)
     prompt, other = (rng.integers(0, cfg.vocab_size, (1, args.prompt_len)).astype(np.int32) for _ in range(2))

@@ -48,7 +48,7 @@ def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypat
 
     monkeypatch.setattr(OffloadRunner, "warmup", warmup)
     slot = preset("tiny-deepseek-v2-lite").expert_bytes(4)
-    report = bench_main(["--model", "tiny-deepseek-v2-lite", "--policies", "ondemand", "--prompt-lens", "8", "12",
+    report = bench_main(["--model", "tiny-deepseek-v2-lite", "--policies", "ondemand:host", "--prompt-lens", "8", "12",
                          "16", "--new-tokens", "3", "--repeats", "1", "--gpu-memory", "1GB",
                          "--expert-pool", str(6 * slot), "--dtype", "float32", "--cprofile", "2",
                          "--out", str(tmp_path)])
@@ -57,7 +57,8 @@ def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypat
                                                                               "12 tokens")]
     saved = json.loads(next(tmp_path.glob("bench_*.json")).read_text())
     assert saved["complete"] and len(saved["results"]) == 2
-    profile = saved["cprofile"]["ondemand"]
+    assert saved["results"][0]["device_decode"] is False  # the host plans each decode layer
+    profile = saved["cprofile"]["ondemand:host"]
     assert profile["new_tokens"] == 2 and profile["by_cumulative_time"][0]["cumulative_s"] > 0
     assert any("generate" in row["function"] for row in profile["by_cumulative_time"])
     moe_layers = len(preset("tiny-deepseek-v2-lite").moe_layers)

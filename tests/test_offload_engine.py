@@ -134,7 +134,8 @@ class CountingPredictor:
 
 def test_predictor_hook_feeds_next_scores(ds):
     predictor = CountingPredictor(ds.cfg.num_experts)
-    rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * ds.cfg.expert_bytes(4), policy="pdscope", max_seq_len=128)
+    rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * ds.cfg.expert_bytes(4), policy="pdscope", max_seq_len=128,
+                       device_decode=False)  # the host-planned decode asks the predictor
     runner = OffloadRunner(ds.model, rc, predictor=predictor)
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     layers = {call[0] for call in predictor.calls}

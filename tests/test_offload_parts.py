@@ -132,6 +132,13 @@ def test_store_aliases_cpu_views_and_writes_slots_in_place():
     if dev.accel.platform == "cpu":  # torch pinning needs a GPU
         with pytest.raises(ValueError, match="host_alloc='torch' needs torch with CUDA"):
             ExpertStore(dev, host_alloc="torch")
+        assert ExpertStore(dev).host_alloc == "jax"  # what "auto" picks without a GPU
+    assert store.layer_stacks(1) is None  # whole-layer stacks only when asked for (or free, with torch)
+    stacked = ExpertStore(dev, stacks=True)
+    stacked.add_layer(1, gu, dn)
+    np.testing.assert_array_equal(np.asarray(stacked.layer_stacks(1)[0]), gu)
+    assert stacked.layer_stacks(1)[1].sharding.memory_kind == "pinned_host"
+    assert stacked.host_bytes_per_model_byte == 2.0  # a second copy with jax pinning
 
 
 def test_store_write_of_many_experts_stages_then_commits(monkeypatch):

@@ -10,7 +10,9 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   copied into pinned host memory and dropped, so the accelerator holds at most one layer of them (the budget's
   "transfer staging" line) and the host never holds the model twice. A progress bar counts the MoE layers taken
   in when their experts reach `PROGRESS_BYTES`.
-  `cpu_view` and `host_alloc` choose how the expert store keeps its one host copy (see `offload.expert_store`).
+  `cpu_view` and `host_alloc` choose how the expert store keeps its one host copy (see `offload.expert_store`);
+  `expert_stacks` asks it for whole-layer stacks also with host_alloc 'jax' (a second host copy; with 'torch'
+  they come free), from which device decode copies a layer's misses at once.
 - The budget (`offload.budget`) is checked before anything is placed; the accelerator then holds the
   non-expert weights, the KV cache and ONE slot pool (`offload.slot_pool`) that is never reallocated. Every
   routed expert lives once in pinned host memory (`offload.expert_store`), which also gives the CPU backend
@@ -49,6 +51,10 @@ order:
            add the parts and the shared experts;
   record   keep the layer's times (`offload.stats.LayerTiming`); the step adds them to the statistics at its
            end (`_settle`), so no layer waits for its own compute and the next layer's programs queue behind it.
+Decode as one accelerator program per step (`offload.device_decode`) replaces all of the above in decode for the
+policies in `device_decode.DEVICE_DECODE_POLICIES` when RuntimeConfig.device_decode, async_io and batched_gpu are on
+and the pool has more slots than a layer's distinct experts (`_decodes_on_device`): no planner call, no host round
+trip; its steps count in the decode statistics (`device_steps`) with hits and bytes but no time split.
 With `async_io` off, each copy is waited for where it is issued and the CPU experts start after the copies.
 When the policy streamed layers in the last prefill step, the next prefill step stages the first MoE layer's
 experts before the embedding, so that copy hides behind the layers before it.
@@ -79,6 +85,7 @@ from rich.progress import Progress
 from pdscope_jax import models
 from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_sampling
 from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
+from pdscope_jax.offload import device_decode
 from pdscope_jax.offload.cpu_experts import DENSE_MAX_ROWS, CpuExperts
 from pdscope_jax.offload.expert_store import FUSED_MAX, ExpertStore, Staged, expert_paths, is_expert_path
 from pdscope_jax.offload.programs import build_programs, cache_size
@@ -137,7 +144,8 @@ def _split_abstract(abstract):
 
 class OffloadRunner:
     def __init__(self, model, runtime_config: RuntimeConfig, weights=None, *, cost_table: CostTable | None = None,
-                 predictor=None, devices: Devices | None = None, cpu_view: str = "alias", host_alloc: str = "jax"):
+                 predictor=None, devices: Devices | None = None, cpu_view: str = "alias", host_alloc: str = "auto",
+                 expert_stacks: bool = False):
         rc = runtime_config
         if rc.policy is None:
             raise ValueError("OffloadRunner needs RuntimeConfig.policy (a planner name); without one the model "
@@ -153,12 +161,13 @@ class OffloadRunner:
         abstract = models.abstract_model(cfg, _param_dtype(model))  # shapes only: nothing placed yet
         graphdef, flat_state, shapes = _split_abstract(abstract)
         expert_dtype = self._plan_budget(abstract, shapes, cost_table)
-        non_expert = self._take_weights(model, weights, shapes, cpu_view, host_alloc)
+        non_expert = self._take_weights(model, weights, shapes, cpu_view, host_alloc, expert_stacks)
         self._place_non_experts(graphdef, flat_state, non_expert)
         self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
                              cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
         self._programs = build_programs()
+        self._decode_step = device_decode.build_decode_step()
         self._step_shapes: set[tuple[int, int, int]] = set()  # (batch, tokens, padded rows) of steps run (warm-up)
         # layer -> (staging of its experts, issued on the stager thread; their slots)
         self._pending: dict[int, tuple[concurrent.futures.Future[Staged], np.ndarray]] = {}
@@ -193,7 +202,8 @@ class OffloadRunner:
                                     else analytic_costs(cfg, expert_dtype.itemsize))
         return expert_dtype
 
-    def _take_weights(self, model, weights, shapes: dict[str, Any], cpu_view: str, host_alloc: str) -> dict:
+    def _take_weights(self, model, weights, shapes: dict[str, Any], cpu_view: str, host_alloc: str,
+                      expert_stacks: bool) -> dict:
         """Build `store`, moving every routed expert into it one MoE layer at a time (see the module docstring).
         -> the non-expert weights {path: array}."""
         accel = jax.sharding.SingleDeviceSharding(self.devices.accel)
@@ -217,7 +227,7 @@ class OffloadRunner:
         if abstract_values:
             raise ValueError(f"no values for {len(abstract_values)} parameters (e.g. {abstract_values[0]}): an "
                              "abstract model needs `weights` (a dict or a loader)")
-        self.store = ExpertStore(self.devices, cpu_view=cpu_view, host_alloc=host_alloc)
+        self.store = ExpertStore(self.devices, cpu_view=cpu_view, host_alloc=host_alloc, stacks=expert_stacks)
         layers = expert_paths(self._moe_layers)
         expert_bytes = sum(shapes[p].size * np.dtype(shapes[p].dtype).itemsize for ps in layers.values() for p in ps)
         with Progress(transient=True, disable=expert_bytes < PROGRESS_BYTES) as progress:
@@ -257,13 +267,14 @@ class OffloadRunner:
     def set_policy(self, policy: str, policy_options=(), **engine) -> None:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
-        `engine` may change the RuntimeConfig fields `hot_table`, `async_io` and `batched_gpu` at the same time.
+        `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu` and `device_decode` at
+        the same time.
         With a hot table, planners that have one (`HOT_POLICIES`) get its `activation_counts`. `hot_per_layer`
         defaults to the whole pool split evenly over the MoE layers for `static` (it loads nothing at run time);
         for `pdscope` to the pool less two full layers when those fit (prefill streams every other expert
         through the two layer buffers, which decode then uses for its loads and prefetches), else a quarter of
         it; and to a quarter of it for `greedy` (the rest of the pool serves its loads)."""
-        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu"}
+        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -279,6 +290,7 @@ class OffloadRunner:
                 hot_slots = self.pool.num_slots - 2 * self.config.num_experts
             options.setdefault("hot_per_layer", min(self.config.num_experts, hot_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
+        self._hot_counts = options.get("activation_counts")  # {layer: [E]} or None
         self._observing = isinstance(self.planner, ObservingPlanner)  # a Protocol check: slow, so once here
         self._wants_scores = policy in SCORE_POLICIES
         for layer in self._moe_layers:
@@ -321,6 +333,7 @@ class OffloadRunner:
     def compiled_programs(self) -> dict[str, int]:
         """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
         counts = {name: cache_size(fn) for name, fn in self._programs.items()}
+        counts["decode_step"] = cache_size(self._decode_step)
         counts["slot_commit"] = self.store.compiled_programs
         counts["cpu_expert"] = self.cpu_experts.compiled_programs
         counts["total"] = sum(v for v in counts.values() if v is not None)
@@ -332,6 +345,7 @@ class OffloadRunner:
             "policy": self.runtime.policy,
             "async_io": self.runtime.async_io,
             "batched_gpu": self.runtime.batched_gpu,
+            "device_decode": self.runtime.device_decode,
             "hot_table": self.runtime.hot_table,
             "prefill": self.phase_stats["prefill"].to_dict(),
             "decode": self.phase_stats["decode"].to_dict(),
@@ -382,7 +396,9 @@ class OffloadRunner:
         prefill_seconds = time.perf_counter() - start
 
         start = time.perf_counter()
-        for step in range(1, max_new_tokens):
+        if max_new_tokens > 1 and self._decodes_on_device(b):
+            tokens += self._decode_on_device(token, cache, t, max_new_tokens, root, temperature, top_k)
+        for step in range(len(tokens), max_new_tokens):
             positions = jax.device_put(np.full((b, 1), t + step - 1, np.int32), accel)
             x, cache = self._step(token[:, None], positions, cache, "decode", np.ones(b, bool))
             token = next_token(self._graph, self._state, x, 0,
@@ -442,6 +458,72 @@ class OffloadRunner:
                    and a.sharding.memory_kind in (None, "device"))
         reported = (self.devices.accel.memory_stats() or {}).get("bytes_in_use")
         return {"live_array_bytes": int(live), "bytes_in_use": reported}
+
+    # ---- decode as one accelerator program per step (offload.device_decode) ----------------------------
+    # `generate` decodes this way when `_decodes_on_device`: the policy keeps every activated expert on the
+    # accelerator in decode (`device_decode.DEVICE_DECODE_POLICIES`), and RuntimeConfig's device_decode, async_io
+    # and batched_gpu are on; `pdscope` then keeps the experts its hot table ranks highest, `ondemand` an LRU set.
+    def _decode_priority(self) -> np.ndarray | None:
+        """[Lm, E] how much each expert is worth keeping in decode's device-side cache: for `pdscope` with a hot
+        table, its share of its layer's activations (in millionths); None (LRU) otherwise."""
+        if self.runtime.policy != "pdscope" or not self._hot_counts:
+            return None
+        table = np.stack([np.asarray(self._hot_counts[layer], np.float64) for layer in self._moe_layers])
+        return np.round(1e6 * table / np.maximum(table.sum(axis=1, keepdims=True), 1)).astype(np.int32)
+
+    def _decodes_on_device(self, batch: int) -> bool:
+        rc = self.runtime
+        picks = min(batch * self.config.num_experts_per_tok, self.config.num_experts)
+        return (rc.device_decode and rc.async_io and rc.batched_gpu and rc.policy in device_decode.DEVICE_DECODE_POLICIES
+                and device_decode.fits(self.pool, picks))
+
+    def _decode_on_device(self, token, cache: list, t: int, max_new_tokens: int, root, temperature: float,
+                          top_k: int | None) -> list[np.ndarray]:
+        """Tokens 1.. max_new_tokens - 1 after `token`, one accelerator program per step; the pool's table lives
+        on the accelerator meanwhile and comes back at the end. Each token comes to the host two steps behind its
+        step, so the host never waits for the step it just dispatched."""
+        for layer in list(self._pending):
+            self._commit_staged(layer)  # nothing staged stays behind the table's upload
+        self._streamed.clear()
+        accel, b = self.devices.accel, token.shape[0]
+        table = device_decode.upload(self.pool, self._moe_layers, self._decode_priority(), accel)
+        experts = tuple(self.store.layer_stacks(layer) or self.store.layer_experts(layer) for layer in self._moe_layers)
+        graphs = tuple(layer.graph for layer in self._layers)
+        states = tuple(layer.state for layer in self._layers)
+        positions = jax.device_put(np.full((b, 1), t, np.int32), accel)
+        step = jax.device_put(np.int32(1), accel)
+        key = jax.device_put(root, accel)
+        caches = tuple(cache)
+        in_flight, tokens = [], []
+        start = time.perf_counter()
+        for _ in range(1, max_new_tokens):
+            token, positions, step, caches, self.pool.gate_up, self.pool.down, table = self._decode_step(
+                graphs, self._graph, self._moe_layers, temperature, top_k, states, self._state, experts, token,
+                positions, caches, key, step, self.pool.gate_up, self.pool.down, table)
+            token.copy_to_host_async()
+            in_flight.append(token)
+            if len(in_flight) > 2:
+                tokens.append(np.array(in_flight.pop(0)))
+            if self.track_memory:
+                self.memory_trace.append(self.device_memory())
+        tokens += [np.array(tk) for tk in in_flight]
+        seconds = time.perf_counter() - start
+        counts = device_decode.download(table, self.pool, self._moe_layers)
+        for layer, routed in zip(self._moe_layers, np.asarray(table.routed)):
+            self.activation_counts["decode"][layer] += routed
+        stats = self.phase_stats["decode"]
+        misses = counts["activated"] - counts["hits"]
+        nbytes = misses * self.store.expert_nbytes(self._moe_layers[0], np.zeros(1, np.int64))
+        stats.steps += len(tokens)
+        stats.device_steps += len(tokens)
+        stats.tokens += b * len(tokens)
+        stats.seconds += seconds
+        stats.activated += counts["activated"]
+        stats.hits += counts["hits"]
+        stats.experts_loaded_now += misses
+        stats.bytes_moved += nbytes
+        self.store.bytes_moved += nbytes
+        return tokens
 
     # ---- steps -----------------------------------------------------------------------------------------
     def _check(self, input_ids, max_new_tokens: int) -> np.ndarray:

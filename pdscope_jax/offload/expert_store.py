@@ -10,10 +10,16 @@ Contract:
   pinned bytes (the pinned buffer's address viewed as numpy, then `jax.device_put(view, cpu)`, which XLA:CPU
   takes zero-copy for 64-byte-aligned buffers). The alias is verified per expert (same address, same bytes);
   where it does not hold, the store keeps a CPU copy and says so in `host_bytes_per_model_byte` (1.0 when
-  every view aliases, 2.0 when none does). `cpu_view="copy"` forces copies. `host_alloc="torch"` (GPU only)
+  every view aliases, 2.0 when none does). `cpu_view="copy"` forces copies. `host_alloc="torch"` (GPU only; what
+  the default "auto" picks on a GPU where torch has CUDA, else "jax")
   pins the memory with torch instead and imports it zero-copy through dlpack, a second route to one copy where
   a pinned_host array's address is not readable from the host.
   The aliased views are read-only by convention: nothing writes to expert weights after `add_layer`.
+- Layer stacks: `layer_stacks(layer)` -> (gate_up [E,D,2F], down [E,F,D]) pinned arrays of the same weights, for
+  programs that pick experts by an index they computed (`offload.device_decode`). With `host_alloc="torch"` each
+  layer is one pinned allocation, and the stacks and every expert's array alias it (no extra bytes); with
+  `host_alloc="jax"` they exist only with `stacks=True`, as a second pinned copy (counted in
+  `host_bytes_per_model_byte`).
 - Moving, in two steps so that transfers overlap compute:
   `stage(layer, experts) -> Staged` issues ONE batched `jax.device_put` of the experts' pinned arrays to the
   accelerator's device memory and returns at once (the copy runs on the host-to-device stream; issued before
@@ -106,17 +112,22 @@ def host_view(array: jax.Array) -> np.ndarray | None:
 
 
 class ExpertStore:
-    def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "jax"):
+    def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "auto", stacks: bool = False):
         if cpu_view not in ("alias", "copy"):
             raise ValueError(f"cpu_view must be 'alias' or 'copy', got {cpu_view!r}")
-        if host_alloc not in ("jax", "torch"):
-            raise ValueError(f"host_alloc must be 'jax' or 'torch', got {host_alloc!r}")
+        if host_alloc not in ("auto", "jax", "torch"):
+            raise ValueError(f"host_alloc must be 'auto', 'jax' or 'torch', got {host_alloc!r}")
+        if host_alloc == "auto":
+            host_alloc = "torch" if devices.accel.platform == "gpu" and _torch_cuda() else "jax"
         if host_alloc == "torch" and not _torch_cuda():
             raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
                              "through dlpack); use host_alloc='jax'")
         self.devices = devices
         self.cpu_view = cpu_view
         self.host_alloc = host_alloc
+        self.stacks = stacks or host_alloc == "torch"
+        self._stacks: dict[int, tuple[jax.Array, jax.Array]] = {}  # layer -> (gate_up, down) stacks, pinned
+        self.stack_copy_bytes = 0  # bytes of stacks that are a second copy (host_alloc='jax')
         self._torch_buffers: list = []  # host_alloc='torch': the pinned allocations every view points into
         self._pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
@@ -132,35 +143,46 @@ class ExpertStore:
 
     # ---- building --------------------------------------------------------------------------------------
     def add_layer(self, layer: int, gate_up, down) -> None:
-        """Take layer `layer`'s stacked experts gate_up [E,D,2F], down [E,F,D] into pinned memory, per expert."""
-        host = ([], [])
-        cpu = ([], [])
-        for e in range(gate_up.shape[0]):
-            for part, stack in enumerate((gate_up, down)):
-                if self.host_alloc == "torch":
-                    pinned, view = self._torch_pinned(np.ascontiguousarray(stack[e]))
-                else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
-                    pinned, view = jax.device_put(stack[e], self._pinned), None
-                    pinned.block_until_ready()
+        """Take layer `layer`'s stacked experts gate_up [E,D,2F], down [E,F,D] into pinned memory, per expert (and
+        as whole-layer stacks: see `layer_stacks`)."""
+        host, cpu, stacks = ([], []), ([], []), []
+        for part, stack in enumerate((gate_up, down)):
+            views = None
+            if self.host_alloc == "torch":  # one allocation per layer: the stack and its experts alias it
+                whole, experts, views = self._torch_pinned_layer(np.asarray(stack))
+                stacks.append(whole)
+            else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
+                experts = [jax.device_put(stack[e], self._pinned) for e in range(stack.shape[0])]
+                jax.block_until_ready(experts)
+                if self.stacks:
+                    whole = jax.device_put(stack, self._pinned)
+                    stacks.append(whole)
+                    self.stack_copy_bytes += whole.nbytes
+            for e, pinned in enumerate(experts):
                 host[part].append(pinned)
-                cpu[part].append(self._cpu_array(pinned, view))
+                cpu[part].append(self._cpu_array(pinned, None if views is None else views[e]))
                 self.host_bytes += pinned.nbytes
         self._host[layer], self._cpu[layer] = host, cpu
+        if stacks:
+            self._stacks[layer] = (stacks[0], stacks[1])
 
-    def _torch_pinned(self, src: np.ndarray) -> tuple[jax.Array, np.ndarray]:
-        """Pin with torch, fill through a numpy view, import zero-copy through dlpack. -> (pinned array, view)."""
+    def _torch_pinned_layer(self, src: np.ndarray) -> tuple[jax.Array, list[jax.Array], np.ndarray]:
+        """Pin a layer's stack [E, ...] with torch, fill it through a numpy view, import it and each expert's slice
+        zero-copy through dlpack. -> (the stack, the experts, the numpy view)."""
         import torch
 
         buffer = torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=True)
         view = buffer.numpy().view(src.dtype).reshape(src.shape)
         view[...] = src
         typed = buffer.view(getattr(torch, src.dtype.name)).reshape(src.shape)
-        pinned = jax.dlpack.from_dlpack(typed)
-        if pinned.sharding.memory_kind != "pinned_host" or pinned.devices() != {self.devices.accel}:
-            raise RuntimeError(f"dlpack import of pinned torch memory gave {pinned.sharding}, not pinned_host memory "
-                               f"of {self.devices.accel}; use host_alloc='jax'")
+        whole = jax.dlpack.from_dlpack(typed)
+        experts = [jax.dlpack.from_dlpack(typed[e]) for e in range(src.shape[0])]
+        for array in (whole, *experts):
+            if array.sharding.memory_kind != "pinned_host" or array.devices() != {self.devices.accel}:
+                raise RuntimeError(f"dlpack import of pinned torch memory gave {array.sharding}, not pinned_host "
+                                   f"memory of {self.devices.accel}; use host_alloc='jax'")
         self._torch_buffers.append(buffer)
-        return pinned, view
+        return whole, experts, view
 
     def _cpu_array(self, pinned: jax.Array, view: np.ndarray | None) -> jax.Array:
         """The CPU-backend array for one expert weight: a zero-copy alias of the pinned bytes when verified."""
@@ -179,7 +201,7 @@ class ExpertStore:
     @property
     def host_bytes_per_model_byte(self) -> float:
         """Host bytes held per byte of routed-expert weights: 1.0 when every CPU view aliases pinned memory."""
-        return (self.host_bytes + self.cpu_copy_bytes) / max(self.host_bytes, 1)
+        return (self.host_bytes + self.cpu_copy_bytes + self.stack_copy_bytes) / max(self.host_bytes, 1)
 
     @property
     def compiled_programs(self) -> int:
@@ -200,6 +222,16 @@ class ExpertStore:
         """(gate_up [D,2F], down [F,D]) of one expert on the CPU backend (aliasing the pinned copy when possible)."""
         gus, dns = self._cpu[layer]
         return gus[expert], dns[expert]
+
+    def layer_stacks(self, layer: int) -> tuple[jax.Array, jax.Array] | None:
+        """(gate_up [E,D,2F], down [E,F,D]) of a layer in pinned_host memory, or None when not kept: a program can
+        index them with an index it computed (`offload.device_decode`)."""
+        return self._stacks.get(layer)
+
+    def layer_experts(self, layer: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """(gate_ups, downs): a layer's E per-expert arrays in pinned_host memory."""
+        gus, dns = self._host[layer]
+        return tuple(gus), tuple(dns)
 
     def host_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
         """(gate_up, down) of one expert in pinned_host memory."""

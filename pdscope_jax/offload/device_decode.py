@@ -1,0 +1,227 @@
+"""Decode as ONE accelerator program per step: the program routes each MoE layer, takes every activated expert
+from the slot pool or copies it from pinned host memory itself, and keeps the pool a cache of them; the host only
+dispatches the step.
+
+Why: host-driven decode (`offload.engine`: per MoE layer, fetch the routing, plan, dispatch loads and expert
+programs) held the H200 node's host 1.7-3.2 ms per MoE layer at batch 1, while the copies themselves need about
+0.35 ms per missed expert (benchmarks/results, calls 16-24). A jitted program can index pinned host memory with an
+index it computed and copy just that expert (`scripts/probe_host_gather.py`: 6 experts in 2.1-2.9 ms, 36-48 GB/s),
+so a whole decode step needs no host round trip. What it cannot do is run experts on the CPU backend: policies
+whose decode plan keeps every activated expert on the accelerator (`DEVICE_DECODE_POLICIES`) use it. Measured on
+the H200 (calls 26-29): decode 12.6 -> 18.1 tok/s for `ondemand`, 8.6 -> 21.9 for `pdscope` (skewed routing).
+
+Contract:
+- `PoolTable`: the slot pool's table as accelerator arrays: `slot_of` [Lm, E] int32 (-1: not resident), `owner`
+  [S] int32 (MoE position * E + expert; -1: free), `keep` [S] int32 (how much the slot's expert is worth keeping;
+  the victim of a miss is the slot of least `keep`; -1: free), `priority` [Lm, E] int32 (an expert's fixed
+  `keep`, or -1: its last use, the LRU clock), `clock` [] int32, `counts` [3] int32 (activated, hits,
+  evictions since upload), `routed` [Lm, E] int32 (rows routed to each expert since upload).
+  `upload(pool, moe_layers, priority, device)` builds it from a `SlotPool` (priority [Lm, E] or None: LRU);
+  `download(table, pool, moe_layers)` writes it back (the pool's arrays are the step's donated outputs, set by
+  the caller).
+- Residency rules: a hit refreshes its slot's `keep`; a miss is copied in and takes the victim's slot when it is
+  worth more than the victim (always, under LRU), else it is used once and not kept. With priorities from a hot
+  table (`pdscope`), the pool converges on the most popular experts of every layer, as many per layer as their
+  popularity earns; under LRU (`ondemand`, `gpu`) it is an LRU cache.
+- `decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token,
+  positions, caches, root, step, pool_gu, pool_dn, table) -> (token [B], positions + 1, step + 1, caches,
+  pool_gu, pool_dn, table)`: one step of the model on token [B] at positions [B, 1] (graphs, model_graph,
+  moe_layers and sampling static; caches, pool and table donated). `experts[m]` is the m-th MoE layer's experts
+  in pinned host memory: (gate_up [E,D,2F], down [E,F,D]) whole-layer stacks, or (gate_ups, downs) tuples of E
+  per-expert arrays. Per MoE layer: the route program's attention, router and shared experts; the layer's
+  distinct activated experts (at most min(B*K, E)); its misses copied first (from stacks: one branch per miss
+  count whose copies run at once; from per-expert arrays: a `lax.switch` over the E experts per miss, one copy
+  after another); then each distinct expert adds its weighted output over the rows that chose it, and each miss
+  is kept or not by the rules above (this layer's hits are never the victim). Sampling matches
+  `programs.next_token` with key fold_in(root, step).
+- `fits(pool, picks)`: whether the pool can serve a layer of `picks` distinct experts this way (more slots than
+  picks, so a layer's misses always find a victim that is not one of its hits).
+Numbers equal the host-driven engine's within float tolerance: same programs for attention and routing, the same
+expert function, a per-expert sum in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from pdscope_jax.generation import sample
+from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.offload.programs import dense_layer, moe_route
+from pdscope_jax.offload.slot_pool import SlotPool
+
+DEVICE = jax.memory.Space.Device
+PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
+DEVICE_DECODE_POLICIES = ("gpu", "ondemand", "pdscope")  # decode keeps every activated expert on the accelerator
+F32 = jnp.float32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PoolTable:
+    slot_of: jax.Array  # [Lm, E] int32
+    owner: jax.Array  # [S] int32
+    keep: jax.Array  # [S] int32
+    priority: jax.Array  # [Lm, E] int32
+    clock: jax.Array  # [] int32
+    counts: jax.Array  # [3] int32: activated, hits, evictions
+    routed: jax.Array  # [Lm, E] int32: rows routed to each expert
+
+
+def fits(pool: SlotPool, picks: int) -> bool:
+    return pool.num_slots > picks
+
+
+def upload(pool: SlotPool, moe_layers: tuple[int, ...], priority: np.ndarray | None,
+           device: jax.Device) -> PoolTable:
+    """The pool's table on `device`; `priority` [Lm, E] non-negative int32 (None: LRU, see the module docstring)."""
+    e = pool.num_experts
+    position = {layer: m for m, layer in enumerate(moe_layers)}
+    slot_of = np.stack([pool.slot_of(layer) for layer in moe_layers]).astype(np.int32)
+    owner = np.where(pool.owner_layer >= 0,
+                     np.array([position.get(int(l), 0) for l in pool.owner_layer]) * e + pool.owner_expert, -1)
+    if priority is None:
+        priority = np.full(slot_of.shape, -1, np.int32)
+        keep = np.where(owner >= 0, pool.last_use, -1)
+    else:
+        keep = np.where(owner >= 0, priority.reshape(-1)[np.maximum(owner, 0)], -1)
+    clock = max(int(pool.last_use.max(initial=0)), 0)
+    table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), priority.astype(np.int32),
+                      np.int32(clock), np.zeros(3, np.int32), np.zeros(slot_of.shape, np.int32))
+    return jax.device_put(table, device)
+
+
+def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> dict[str, int]:
+    """Write the table back into `pool`'s host bookkeeping (LRU clocks: the last step's for every resident under
+    priorities). -> {activated, hits, evictions} since upload."""
+    e = pool.num_experts
+    owner, keep = np.asarray(table.owner), np.asarray(table.keep).astype(np.int64)
+    clock = int(table.clock)
+    layers = np.asarray(moe_layers)
+    pool.owner_layer = np.where(owner >= 0, layers[np.maximum(owner, 0) // e], -1)
+    pool.owner_expert = np.where(owner >= 0, owner % e, -1)
+    lru = bool(np.all(np.asarray(table.priority) < 0))
+    pool.last_use = np.where(owner >= 0, keep if lru else clock, 0)
+    for m, layer in enumerate(moe_layers):
+        pool._slot_of[layer] = np.asarray(table.slot_of[m]).copy()
+    pool._clock = max(pool._clock, clock)
+    activated, hits, evictions = (int(v) for v in np.asarray(table.counts))
+    pool.evictions += evictions
+    return {"activated": activated, "hits": hits, "evictions": evictions}
+
+
+def _copy_expert(gate_ups, downs, expert):
+    """Expert `expert` (a traced index) of one layer, from per-expert pinned arrays into device memory."""
+    def branch(j):
+        return lambda: (jax.device_put(gate_ups[j], DEVICE), jax.device_put(downs[j], DEVICE))
+    return jax.lax.switch(expert, [branch(j) for j in range(len(gate_ups))])
+
+
+def _pull(experts, order, n_miss):
+    """The first n_miss experts of `order` [U] copied from pinned host memory into device memory, zeros after.
+    -> (gate_ups [U, D, 2F], downs [U, F, D]). From layer stacks, one branch per miss count whose copies run
+    at once; from per-expert arrays, one copy after another."""
+    gate_ups, downs = experts
+    u = order.shape[0]
+    if isinstance(gate_ups, jax.Array):
+        def pull(j):
+            def copies():
+                out = []
+                for stack in (gate_ups, downs):
+                    got = [jax.device_put(jax.lax.dynamic_index_in_dim(stack, order[i], keepdims=False), DEVICE)
+                           for i in range(j)]
+                    rest = jnp.zeros((u - j, *stack.shape[1:]), stack.dtype)
+                    out.append(jnp.concatenate([jnp.stack(got), rest]) if got else rest)
+                return tuple(out)
+            return copies
+        return jax.lax.switch(n_miss, [pull(j) for j in range(u + 1)])
+
+    def one(i):
+        zeros = (jnp.zeros(gate_ups[0].shape, gate_ups[0].dtype), jnp.zeros(downs[0].shape, downs[0].dtype))
+        return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]), lambda: zeros)
+    return jax.lax.map(one, jnp.arange(u))
+
+
+def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
+    """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
+    (see the module docstring); -> (y, pool_gu, pool_dn, table). The layer's misses are copied first, all at once,
+    and every pick's weights are in hand (hits read from their slots) before any slot is written; then each
+    distinct expert adds its part and each miss is kept (or not) in the victim's slot, a hit slot never the victim.
+    Reading the pool inside the loop that writes it made XLA:CPU copy the whole pool twice per visit."""
+    num_experts = table.slot_of.shape[1]
+    size = min(ids.size, num_experts)
+    picks = jnp.unique(ids.reshape(-1), size=size, fill_value=-1)  # ascending; -1 pads the end
+    valid = picks >= 0
+    picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
+    slots = table.slot_of[m, picks]
+    miss = valid & (slots < 0)
+    order = jnp.argsort(~miss, stable=True)  # misses first
+    picks, valid, miss, slots = picks[order], valid[order], miss[order], slots[order]
+    n_miss = jnp.sum(miss, dtype=jnp.int32)
+    pulled = _pull(experts, picks, n_miss)
+    clock = table.clock + 1
+    worth = jnp.where(table.priority[m, picks] >= 0, table.priority[m, picks], clock)
+    hit = valid & ~miss
+    parked = jnp.where(hit, slots, table.keep.shape[0])  # out of range: dropped
+    keep = table.keep.at[parked].set(PROTECTED, mode="drop")
+
+    def visit(carry, xs):
+        pool_gu, pool_dn, slot_of, owner, keep, evictions, y = carry
+        expert, real, is_miss, worth, gu, dn = xs
+        coeff = jnp.sum(jnp.where(ids == expert, weights, 0.0), axis=1)  # [N]
+        y = jnp.where(real, y + coeff[:, None] * expert_ffn(h, gu, dn).astype(F32), y)
+        victim = jnp.argmin(keep)
+        kept = is_miss & (worth > keep[victim])
+        evicted = owner[victim]
+        slot_of = jnp.where(kept & (evicted >= 0), slot_of.at[evicted // num_experts, evicted % num_experts].set(-1),
+                            slot_of)
+        slot_of = jnp.where(kept, slot_of.at[m, expert].set(victim), slot_of)
+        owner = jnp.where(kept, owner.at[victim].set(m * num_experts + expert), owner)
+        keep = jnp.where(kept, keep.at[victim].set(worth), keep)
+        target = jnp.where(kept, victim, keep.shape[0])  # a miss not kept writes nowhere (out of range: dropped)
+        pool_gu = pool_gu.at[target].set(gu, mode="drop")
+        pool_dn = pool_dn.at[target].set(dn, mode="drop")
+        evictions = evictions + (kept & (evicted >= 0))
+        return (pool_gu, pool_dn, slot_of, owner, keep, evictions, y), None
+
+    carry = (pool_gu, pool_dn, table.slot_of, table.owner, keep, jnp.int32(0), jnp.zeros(h.shape, F32))
+    # each pick's weights: copied (misses) or read from its slot (hits), all read before any slot is written
+    resident = jnp.maximum(slots, 0)
+    gate_ups = jnp.where(miss[:, None, None], pulled[0], pool_gu[resident])
+    downs = jnp.where(miss[:, None, None], pulled[1], pool_dn[resident])
+    carry, _ = jax.lax.scan(visit, carry, (picks, valid, miss, worth, gate_ups, downs))
+    pool_gu, pool_dn, slot_of, owner, keep, evictions, y = carry
+    keep = keep.at[parked].set(worth, mode="drop")  # the hits' own worth back
+    rows = jnp.sum(ids.reshape(-1)[None, :] == picks[:, None], axis=1, dtype=jnp.int32)  # [U]
+    routed = table.routed.at[m, picks].add(jnp.where(valid, rows, 0))
+    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions]).astype(jnp.int32)
+    return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.priority, clock, counts, routed)
+
+
+def decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token, positions,
+                caches, root, step, pool_gu, pool_dn, table):
+    model = nnx.merge(model_graph.graphdef, model_state)
+    x = model.embed(token[:, None])  # [B, 1, D]
+    rows = token.shape[0]
+    caches = list(caches)
+    for i, (graph, state) in enumerate(zip(graphs, states)):
+        if i not in moe_layers:
+            x, caches[i] = dense_layer(graph, state, x, positions, caches[i])
+            continue
+        x, h, weights, ids, _, shared, caches[i] = moe_route(graph, state, x, positions, caches[i], rows, False)
+        y, pool_gu, pool_dn, table = _routed_experts(moe_layers.index(i), h, weights, ids, experts[moe_layers.index(i)],
+                                                     pool_gu, pool_dn, table)
+        x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
+    logits = model.logits(x)[:, 0]
+    token = sample(logits, jax.random.fold_in(root, step), temperature, top_k)
+    return token, positions + 1, step + 1, tuple(caches), pool_gu, pool_dn, table
+
+
+def build_decode_step():
+    """`decode_step` jitted: graphs, model graph, MoE layer indices and sampling static; caches, pool and table
+    donated."""
+    return jax.jit(decode_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(10, 13, 14, 15))

@@ -1,0 +1,144 @@
+"""Decode as one accelerator program per step (offload.device_decode): its residency rules on a hand-made pool,
+and the engine's tokens against the plain model's for both ways of copying experts, batches, and the fallback."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.offload import device_decode
+from pdscope_jax.offload.slot_pool import SlotPool
+from pdscope_jax.runtime import select_devices
+from test_offload_engine import Reference, _slots
+
+E, D, F = 4, 8, 4
+
+
+@pytest.fixture(scope="module")
+def experts():
+    rng = np.random.default_rng(0)
+    gate_up = rng.standard_normal((E, D, 2 * F)).astype(np.float32)
+    down = rng.standard_normal((E, F, D)).astype(np.float32)
+    return gate_up, down
+
+
+def _pool(devices, gate_up, down, resident: dict[int, int]) -> SlotPool:
+    """A 3-slot pool of one MoE layer (layer 5) holding `resident` {expert: slot}."""
+    pool = SlotPool(3, (5,), E, D, F, jnp.float32, devices.accel)
+    for clock, (expert, slot) in enumerate(resident.items(), start=1):
+        pool.owner_layer[slot], pool.owner_expert[slot], pool.last_use[slot] = 5, expert, clock
+        pool._slot_of[5][expert] = slot
+        pool.gate_up = pool.gate_up.at[slot].set(gate_up[expert])
+        pool.down = pool.down.at[slot].set(down[expert])
+    return pool
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+@pytest.mark.parametrize("priority", [None, [[900, 10, 5, 800]]])
+def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, priority):
+    """Experts 0 and 1 resident (1 used last); the row picks experts 1, 2, 3. LRU: the two misses take the free
+    slot and expert 0's. Priorities: expert 2 (5) takes the free slot, then expert 3 (800) takes it from expert 2,
+    the resident worth least; expert 0 (900) stays."""
+    devices = select_devices()
+    gate_up, down = experts
+    pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
+    if stacks:
+        layer = (jax.device_put(gate_up, pinned), jax.device_put(down, pinned))
+    else:
+        layer = (tuple(jax.device_put(g, pinned) for g in gate_up), tuple(jax.device_put(d, pinned) for d in down))
+    pool = _pool(devices, gate_up, down, {0: 0, 1: 1})
+    table = device_decode.upload(pool, (5,), None if priority is None else np.array(priority), devices.accel)
+    h = jax.device_put(np.random.default_rng(1).standard_normal((1, D)).astype(np.float32), devices.accel)
+    ids = jax.device_put(np.array([[3, 1, 2]], np.int32), devices.accel)
+    weights = jax.device_put(np.array([[0.5, 0.3, 0.2]], np.float32), devices.accel)
+    y, pool.gate_up, pool.down, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
+        0, h, weights, ids, layer, pool.gate_up, pool.down, table)
+    want = sum(w * expert_ffn(h, gate_up[e], down[e]) for e, w in ((3, 0.5), (1, 0.3), (2, 0.2)))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+    counts = device_decode.download(table, pool, (5,))
+    kept = {2, 3} if priority is None else {0, 3}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 1}
+    assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept | {1}
+    for expert in kept | {1}:  # every resident slot holds its expert's weights
+        slot = pool.slot_of(5)[expert]
+        np.testing.assert_array_equal(np.asarray(pool.gate_up[slot]), gate_up[expert])
+        np.testing.assert_array_equal(np.asarray(pool.down[slot]), down[expert])
+    assert np.asarray(table.routed)[0].tolist() == [0, 1, 1, 1]
+
+
+def test_upload_then_download_leaves_the_pool_as_it_was(experts):
+    devices = select_devices()
+    pool = _pool(devices, *experts, {2: 0, 0: 2})
+    before = (pool.owner_layer.copy(), pool.owner_expert.copy(), pool.slot_of(5))
+    device_decode.download(device_decode.upload(pool, (5,), None, devices.accel), pool, (5,))
+    after = (pool.owner_layer, pool.owner_expert, pool.slot_of(5))
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return Reference("tiny-deepseek-v2-lite", batch=1, prompt=20, new=10)
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+@pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
+def test_decode_on_device_matches_plain_model(ds, policy, stacks):
+    """Evictions on every step (a pool of 5 slots), the pdscope run with a hot table's priorities."""
+    config = ds.runner(policy, _slots(ds, "small")).runtime
+    if policy == "pdscope":
+        counts = {layer: np.arange(ds.cfg.num_experts)[::-1] + 1 for layer in ds.cfg.moe_layers}
+        config = config.replace(policy_options=(("activation_counts", counts),))
+    runner = type(ds.runner(policy, 1))(ds.model, config, expert_stacks=stacks)
+    out = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(out.tokens, ds.tokens)
+    decode = runner.stats["decode"]
+    assert decode["device_steps"] == decode["steps"] == ds.new - 1 and decode["tokens"] == ds.new - 1
+    loaded = decode["experts_loaded_now"]
+    assert decode["activated"] == decode["hits"] + loaded and loaded > 0
+    assert decode["bytes_moved"] == loaded * ds.cfg.expert_bytes(4) and runner.stats["evictions"] > 0
+    assert sum(c.sum() for c in runner.activation_counts["decode"].values()) == (ds.new - 1) * len(
+        ds.cfg.moe_layers) * ds.cfg.num_experts_per_tok
+    assert runner.store.host_bytes_per_model_byte == (2.0 if stacks else 1.0)
+
+
+def test_batched_decode_on_device_matches_plain_model():
+    ref = Reference("tiny-deepseek-v2-lite", batch=2, prompt=12, new=5, seed=3)
+    runner = ref.runner("ondemand", 7, max_batch=2)  # more slots than a step's distinct experts per layer (6)
+    np.testing.assert_array_equal(runner.generate(ref.ids, ref.new).tokens, ref.tokens)
+    assert runner.stats["decode"]["device_steps"] == ref.new - 1
+
+
+def test_a_pool_too_small_for_a_layer_decodes_on_the_host(ds):
+    runner = ds.runner("ondemand", ds.cfg.num_experts_per_tok)  # no slot to spare for a miss
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    decode = runner.stats["decode"]
+    assert decode["device_steps"] == 0 and decode["steps"] == ds.new - 1
+
+
+@pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
+def test_host_decode_still_matches_plain_model(ds, policy):
+    runner = ds.runner(policy, _slots(ds, "small"), device_decode=False)
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    assert runner.stats["decode"]["device_steps"] == 0 and runner.stats["decode"]["planner_calls"] > 0
+
+
+def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
+    """A full pool {0, 1, 3}; the row picks 1, 2, 3, so only expert 0 (900) could make room for expert 2 (5)."""
+    devices = select_devices()
+    gate_up, down = experts
+    pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
+    layer = (jax.device_put(gate_up, pinned), jax.device_put(down, pinned))
+    pool = _pool(devices, gate_up, down, {0: 0, 1: 1, 3: 2})
+    table = device_decode.upload(pool, (5,), np.array([[900, 10, 5, 800]]), devices.accel)
+    h = jax.device_put(np.ones((1, D), np.float32), devices.accel)
+    ids = jax.device_put(np.array([[2, 1, 3]], np.int32), devices.accel)
+    weights = jax.device_put(np.array([[0.6, 0.3, 0.1]], np.float32), devices.accel)
+    y, pool.gate_up, pool.down, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
+        0, h, weights, ids, layer, pool.gate_up, pool.down, table)
+    want = sum(w * expert_ffn(h, gate_up[e], down[e]) for e, w in ((2, 0.6), (1, 0.3), (3, 0.1)))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+    assert device_decode.download(table, pool, (5,)) == {"activated": 3, "hits": 2, "evictions": 0}
+    assert pool.slot_of(5).tolist() == [0, 1, -1, 2]
+    np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), gate_up[0])  # its weights untouched
