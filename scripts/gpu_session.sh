@@ -48,7 +48,8 @@ read -r -a budget <<< "${BUDGET:---gpu-memory 24GB --expert-pool 8GB}"
 tokens=${TOKENS:-64}
 longest=${lengths[-1]}
 costs=${COSTS:-$res/costs_${model}.json}  # COSTS: a cost table measured in an earlier call
-# HOST_ALLOC=torch: experts pinned by torch, one allocation per layer, so device decode copies a layer's misses at once
+# HOST_ALLOC: bench --host-alloc (default auto: torch where it has CUDA, one pinned allocation per layer, from which
+# device decode copies a layer's misses at once)
 bench=(python3 -m pdscope_jax bench --new-tokens "$tokens" "${budget[@]}" ${HOST_ALLOC:+--host-alloc "$HOST_ALLOC"} --out "$res")
 
 run_stage() {  # name, then the commands as one string

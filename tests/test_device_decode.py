@@ -34,12 +34,9 @@ def _pool(devices, gate_up, down, resident: dict[int, int]) -> SlotPool:
     return pool
 
 
-@pytest.mark.parametrize("stacks", [True, False])
-@pytest.mark.parametrize("priority", [None, [[900, 10, 5, 800]]])
-def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, priority):
-    """Experts 0 and 1 resident (1 used last); the row picks experts 1, 2, 3. LRU: the two misses take the free
-    slot and expert 0's. Priorities: expert 2 (5) takes the free slot, then expert 3 (800) takes it from expert 2,
-    the resident worth least; expert 0 (900) stays."""
+def _run_layer(experts, stacks: bool, resident: dict[int, int], priority, picks: dict[int, float], h: np.ndarray):
+    """One MoE layer of one row through `_routed_experts` on a `_pool` holding `resident`; the row routes to
+    `picks` {expert: weight}. Checks its output against the experts' weighted sum. -> (pool, counts, table)."""
     devices = select_devices()
     gate_up, down = experts
     pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
@@ -47,16 +44,26 @@ def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, p
         layer = (jax.device_put(gate_up, pinned), jax.device_put(down, pinned))
     else:
         layer = (tuple(jax.device_put(g, pinned) for g in gate_up), tuple(jax.device_put(d, pinned) for d in down))
-    pool = _pool(devices, gate_up, down, {0: 0, 1: 1})
+    pool = _pool(devices, gate_up, down, resident)
     table = device_decode.upload(pool, (5,), None if priority is None else np.array(priority), devices.accel)
-    h = jax.device_put(np.random.default_rng(1).standard_normal((1, D)).astype(np.float32), devices.accel)
-    ids = jax.device_put(np.array([[3, 1, 2]], np.int32), devices.accel)
-    weights = jax.device_put(np.array([[0.5, 0.3, 0.2]], np.float32), devices.accel)
+    on_accel = lambda a: jax.device_put(a, devices.accel)  # noqa: E731
+    ids, weights = on_accel(np.array([list(picks)], np.int32)), on_accel(np.array([list(picks.values())], np.float32))
     y, pool.gate_up, pool.down, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
-        0, h, weights, ids, layer, pool.gate_up, pool.down, table)
-    want = sum(w * expert_ffn(h, gate_up[e], down[e]) for e, w in ((3, 0.5), (1, 0.3), (2, 0.2)))
+        0, on_accel(h), weights, ids, layer, pool.gate_up, pool.down, table)
+    want = sum(w * expert_ffn(jnp.asarray(h), gate_up[e], down[e]) for e, w in picks.items())
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
-    counts = device_decode.download(table, pool, (5,))
+    return pool, device_decode.download(table, pool, (5,)), table
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+@pytest.mark.parametrize("priority", [None, [[900, 10, 5, 800]]])
+def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, priority):
+    """Experts 0 and 1 resident (1 used last); the row picks experts 1, 2, 3. LRU: the two misses take the free
+    slot and expert 0's. Priorities: expert 2 (5) takes the free slot, then expert 3 (800) takes it from expert 2,
+    the resident worth least; expert 0 (900) stays."""
+    gate_up, down = experts
+    h = np.random.default_rng(1).standard_normal((1, D)).astype(np.float32)
+    pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, priority, {3: 0.5, 1: 0.3, 2: 0.2}, h)
     kept = {2, 3} if priority is None else {0, 3}
     assert counts == {"activated": 3, "hits": 1, "evictions": 1}
     assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept | {1}
@@ -126,19 +133,8 @@ def test_host_decode_still_matches_plain_model(ds, policy):
 
 def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
     """A full pool {0, 1, 3}; the row picks 1, 2, 3, so only expert 0 (900) could make room for expert 2 (5)."""
-    devices = select_devices()
-    gate_up, down = experts
-    pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
-    layer = (jax.device_put(gate_up, pinned), jax.device_put(down, pinned))
-    pool = _pool(devices, gate_up, down, {0: 0, 1: 1, 3: 2})
-    table = device_decode.upload(pool, (5,), np.array([[900, 10, 5, 800]]), devices.accel)
-    h = jax.device_put(np.ones((1, D), np.float32), devices.accel)
-    ids = jax.device_put(np.array([[2, 1, 3]], np.int32), devices.accel)
-    weights = jax.device_put(np.array([[0.6, 0.3, 0.1]], np.float32), devices.accel)
-    y, pool.gate_up, pool.down, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
-        0, h, weights, ids, layer, pool.gate_up, pool.down, table)
-    want = sum(w * expert_ffn(h, gate_up[e], down[e]) for e, w in ((2, 0.6), (1, 0.3), (3, 0.1)))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
-    assert device_decode.download(table, pool, (5,)) == {"activated": 3, "hits": 2, "evictions": 0}
+    pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1, 3: 2}, [[900, 10, 5, 800]], {2: 0.6, 1: 0.3, 3: 0.1},
+                                 np.ones((1, D), np.float32))
+    assert counts == {"activated": 3, "hits": 2, "evictions": 0}
     assert pool.slot_of(5).tolist() == [0, 1, -1, 2]
-    np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), gate_up[0])  # its weights untouched
+    np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), experts[0][0])  # its weights untouched

@@ -29,11 +29,10 @@ Contract:
   moe_layers and sampling static; caches, pool and table donated). `experts[m]` is the m-th MoE layer's experts
   in pinned host memory: (gate_up [E,D,2F], down [E,F,D]) whole-layer stacks, or (gate_ups, downs) tuples of E
   per-expert arrays. Per MoE layer: the route program's attention, router and shared experts; the layer's
-  distinct activated experts (at most min(B*K, E)); its misses copied first (from stacks: one branch per miss
-  count whose copies run at once; from per-expert arrays: a `lax.switch` over the E experts per miss, one copy
-  after another); then each distinct expert adds its weighted output over the rows that chose it, and each miss
-  is kept or not by the rules above (this layer's hits are never the victim). Sampling matches
-  `programs.next_token` with key fold_in(root, step).
+  distinct activated experts (at most min(B*K, E)); its misses copied first (`expert_store.pull_traced`: from
+  stacks, all at once; from per-expert arrays, one after another); then each distinct expert adds its weighted
+  output over the rows that chose it, and each miss is kept or not by the rules above (this layer's hits are
+  never the victim). Sampling matches `programs.next_token` with key fold_in(root, step).
 - `fits(pool, picks)`: whether the pool can serve a layer of `picks` distinct experts this way (more slots than
   picks, so a layer's misses always find a victim that is not one of its hits).
 Numbers equal the host-driven engine's within float tolerance: same programs for attention and routing, the same
@@ -52,9 +51,9 @@ from flax import nnx
 from pdscope_jax.generation import sample
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.offload.programs import dense_layer, moe_route
+from pdscope_jax.offload.expert_store import pull_traced
 from pdscope_jax.offload.slot_pool import SlotPool
 
-DEVICE = jax.memory.Space.Device
 PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
 DEVICE_DECODE_POLICIES = ("gpu", "ondemand", "pdscope")  # decode keeps every activated expert on the accelerator
 F32 = jnp.float32
@@ -114,38 +113,6 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
     return {"activated": activated, "hits": hits, "evictions": evictions}
 
 
-def _copy_expert(gate_ups, downs, expert):
-    """Expert `expert` (a traced index) of one layer, from per-expert pinned arrays into device memory."""
-    def branch(j):
-        return lambda: (jax.device_put(gate_ups[j], DEVICE), jax.device_put(downs[j], DEVICE))
-    return jax.lax.switch(expert, [branch(j) for j in range(len(gate_ups))])
-
-
-def _pull(experts, order, n_miss):
-    """The first n_miss experts of `order` [U] copied from pinned host memory into device memory, zeros after.
-    -> (gate_ups [U, D, 2F], downs [U, F, D]). From layer stacks, one branch per miss count whose copies run
-    at once; from per-expert arrays, one copy after another."""
-    gate_ups, downs = experts
-    u = order.shape[0]
-    if isinstance(gate_ups, jax.Array):
-        def pull(j):
-            def copies():
-                out = []
-                for stack in (gate_ups, downs):
-                    got = [jax.device_put(jax.lax.dynamic_index_in_dim(stack, order[i], keepdims=False), DEVICE)
-                           for i in range(j)]
-                    rest = jnp.zeros((u - j, *stack.shape[1:]), stack.dtype)
-                    out.append(jnp.concatenate([jnp.stack(got), rest]) if got else rest)
-                return tuple(out)
-            return copies
-        return jax.lax.switch(n_miss, [pull(j) for j in range(u + 1)])
-
-    def one(i):
-        zeros = (jnp.zeros(gate_ups[0].shape, gate_ups[0].dtype), jnp.zeros(downs[0].shape, downs[0].dtype))
-        return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]), lambda: zeros)
-    return jax.lax.map(one, jnp.arange(u))
-
-
 def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
     (see the module docstring); -> (y, pool_gu, pool_dn, table). The layer's misses are copied first, all at once,
@@ -162,7 +129,7 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     order = jnp.argsort(~miss, stable=True)  # misses first
     picks, valid, miss, slots = picks[order], valid[order], miss[order], slots[order]
     n_miss = jnp.sum(miss, dtype=jnp.int32)
-    pulled = _pull(experts, picks, n_miss)
+    pulled = pull_traced(experts, picks, n_miss)
     clock = table.clock + 1
     worth = jnp.where(table.priority[m, picks] >= 0, table.priority[m, picks], clock)
     hit = valid & ~miss

@@ -474,8 +474,8 @@ class OffloadRunner:
     def _decodes_on_device(self, batch: int) -> bool:
         rc = self.runtime
         picks = min(batch * self.config.num_experts_per_tok, self.config.num_experts)
-        return (rc.device_decode and rc.async_io and rc.batched_gpu and rc.policy in device_decode.DEVICE_DECODE_POLICIES
-                and device_decode.fits(self.pool, picks))
+        return (rc.device_decode and rc.async_io and rc.batched_gpu
+                and rc.policy in device_decode.DEVICE_DECODE_POLICIES and device_decode.fits(self.pool, picks))
 
     def _decode_on_device(self, token, cache: list, t: int, max_new_tokens: int, root, temperature: float,
                           top_k: int | None) -> list[np.ndarray]:
@@ -521,6 +521,7 @@ class OffloadRunner:
         stats.activated += counts["activated"]
         stats.hits += counts["hits"]
         stats.experts_loaded_now += misses
+        stats.gpu_experts += counts["activated"]  # every activated expert ran on the accelerator
         stats.bytes_moved += nbytes
         self.store.bytes_moved += nbytes
         return tokens

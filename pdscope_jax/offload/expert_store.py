@@ -19,7 +19,8 @@ Contract:
   programs that pick experts by an index they computed (`offload.device_decode`). With `host_alloc="torch"` each
   layer is one pinned allocation, and the stacks and every expert's array alias it (no extra bytes); with
   `host_alloc="jax"` they exist only with `stacks=True`, as a second pinned copy (counted in
-  `host_bytes_per_model_byte`).
+  `host_bytes_per_model_byte`). `pull_traced(experts, order, n_miss)` is the copy a program makes itself, with
+  indices it computed (`offload.device_decode`'s decode step uses it).
 - Moving, in two steps so that transfers overlap compute:
   `stage(layer, experts) -> Staged` issues ONE batched `jax.device_put` of the experts' pinned arrays to the
   accelerator's device memory and returns at once (the copy runs on the host-to-device stream; issued before
@@ -45,6 +46,7 @@ import ctypes
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.offload.slot_pool import SlotPool
@@ -52,6 +54,7 @@ from pdscope_jax.runtime import Devices
 
 
 FUSED_MAX = 8  # `write` moves at most this many experts in one pull-and-commit program
+DEVICE = jax.memory.Space.Device
 
 
 def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
@@ -65,8 +68,8 @@ def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
 def _pull_into_slots(pool_gu, pool_dn, gus, dns, slots):
     """As `_commit_slots`, with gus/dns in pinned host memory: the program copies them to device memory itself.
     -> (pool_gu, pool_dn, slots): the slots come back as the small output a waiter can block on."""
-    gus = [jax.device_put(a, jax.memory.Space.Device) for a in gus]
-    dns = [jax.device_put(a, jax.memory.Space.Device) for a in dns]
+    gus = [jax.device_put(a, DEVICE) for a in gus]
+    dns = [jax.device_put(a, DEVICE) for a in dns]
     return (*_commit_slots(pool_gu, pool_dn, gus, dns, slots), slots + 0)
 
 
@@ -275,6 +278,40 @@ class ExpertStore:
                                                    tuple(dns[e] for e in experts), slot_ids)
         self._pull_sizes.add(experts.size)
         return Written(nbytes, done)
+
+
+def _copy_expert(gate_ups, downs, expert):
+    """Expert `expert` (a traced index) of one layer, from per-expert pinned arrays into device memory."""
+    def branch(j):
+        return lambda: (jax.device_put(gate_ups[j], DEVICE), jax.device_put(downs[j], DEVICE))
+    return jax.lax.switch(expert, [branch(j) for j in range(len(gate_ups))])
+
+
+def pull_traced(experts, order, n_miss):
+    """Inside a jitted program: the first n_miss experts of `order` [U] (traced indices) copied from pinned host
+    memory into device memory, zeros after. `experts` = (gate_up [E,D,2F], down [E,F,D]) layer stacks, or
+    (gate_ups, downs) tuples of E per-expert arrays (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F],
+    downs [U, F, D]). From stacks, one branch per miss count whose copies run at once; from per-expert arrays, a
+    `lax.switch` over the E experts per miss, one copy after another."""
+    gate_ups, downs = experts
+    u = order.shape[0]
+    if isinstance(gate_ups, jax.Array):
+        def pull(j):
+            def copies():
+                out = []
+                for stack in (gate_ups, downs):
+                    got = [jax.device_put(jax.lax.dynamic_index_in_dim(stack, order[i], keepdims=False), DEVICE)
+                           for i in range(j)]
+                    rest = jnp.zeros((u - j, *stack.shape[1:]), stack.dtype)
+                    out.append(jnp.concatenate([jnp.stack(got), rest]) if got else rest)
+                return tuple(out)
+            return copies
+        return jax.lax.switch(n_miss, [pull(j) for j in range(u + 1)])
+
+    def one(i):
+        zeros = (jnp.zeros(gate_ups[0].shape, gate_ups[0].dtype), jnp.zeros(downs[0].shape, downs[0].dtype))
+        return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]), lambda: zeros)
+    return jax.lax.map(one, jnp.arange(u))
 
 
 def expert_paths(moe_layers: tuple[int, ...]) -> dict[int, tuple[str, str]]:

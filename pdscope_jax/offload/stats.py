@@ -33,8 +33,8 @@ class PhaseStats:
     cpu_experts: int = 0
     planner_seconds: float = 0.0  # time inside the planner's `plan`, summed over layers
     planner_calls: int = 0  # layers planned
-    device_steps: int = 0  # steps run as one accelerator program (offload.device_decode): in `seconds`, hits and
-    # bytes, but in none of the CPU / GPU / transfer splits, which such a step does not measure
+    device_steps: int = 0  # steps run as one accelerator program (offload.device_decode): in `seconds`, hits,
+    # bytes and gpu_experts, but in none of the CPU / GPU / transfer time splits, which such a step does not measure
 
     @property
     def planner_ms_per_layer(self) -> float | None:
