@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.offload import device_decode
+from pdscope_jax.offload import device_decode, expert_store
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.runtime import select_devices
 from test_offload_engine import Reference, _slots
@@ -55,12 +55,14 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], priority, picks:
     return pool, device_decode.download(table, pool, (5,)), table
 
 
-@pytest.mark.parametrize("stacks", [True, False])
+@pytest.mark.parametrize("stacks, exact_pulls", [(True, 8), (True, 1), (False, 8)])
 @pytest.mark.parametrize("priority", [None, [[900, 10, 5, 800]]])
-def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, priority):
+def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, exact_pulls, priority, monkeypatch):
     """Experts 0 and 1 resident (1 used last); the row picks experts 1, 2, 3. LRU: the two misses take the free
     slot and expert 0's. Priorities: expert 2 (5) takes the free slot, then expert 3 (800) takes it from expert 2,
-    the resident worth least; expert 0 (900) stays."""
+    the resident worth least; expert 0 (900) stays. With exact_pulls 1 the two misses copy three experts (a
+    rounded-up branch): the same result."""
+    monkeypatch.setattr(expert_store, "EXACT_PULLS", exact_pulls)
     gate_up, down = experts
     h = np.random.default_rng(1).standard_normal((1, D)).astype(np.float32)
     pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, priority, {3: 0.5, 1: 0.3, 2: 0.2}, h)

@@ -186,3 +186,8 @@ def test_cpu_experts_match_direct_computation(tokens, experts, programs):
     assert cpu.expert_runs == experts  # warm-up runs are not counted
     # dense: 1-8 experts as a layer's first program and as a later one; gathered: row buckets 16, 32, 64, each both
     assert cpu.compiled_programs == (16 if tokens <= 16 else 6)
+
+
+def test_pull_counts_are_exact_up_to_eight_then_powers_of_two():
+    assert expert_store.pull_counts(6) == [0, 1, 2, 3, 4, 5, 6]
+    assert expert_store.pull_counts(48) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48]

@@ -100,14 +100,9 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
     e = pool.num_experts
     owner, keep = np.asarray(table.owner), np.asarray(table.keep).astype(np.int64)
     clock = int(table.clock)
-    layers = np.asarray(moe_layers)
-    pool.owner_layer = np.where(owner >= 0, layers[np.maximum(owner, 0) // e], -1)
-    pool.owner_expert = np.where(owner >= 0, owner % e, -1)
     lru = bool(np.all(np.asarray(table.priority) < 0))
-    pool.last_use = np.where(owner >= 0, keep if lru else clock, 0)
-    for m, layer in enumerate(moe_layers):
-        pool._slot_of[layer] = np.asarray(table.slot_of[m]).copy()
-    pool._clock = max(pool._clock, clock)
+    pool.set_table(np.where(owner >= 0, np.asarray(moe_layers)[np.maximum(owner, 0) // e], -1),
+                   np.where(owner >= 0, owner % e, -1), np.where(owner >= 0, keep if lru else clock, 0), clock)
     activated, hits, evictions = (int(v) for v in np.asarray(table.counts))
     pool.evictions += evictions
     return {"activated": activated, "hits": hits, "evictions": evictions}

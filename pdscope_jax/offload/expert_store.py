@@ -55,6 +55,7 @@ from pdscope_jax.runtime import Devices
 
 FUSED_MAX = 8  # `write` moves at most this many experts in one pull-and-commit program
 DEVICE = jax.memory.Space.Device
+EXACT_PULLS = 8  # `pull_traced` copies exactly the misses up to this many (batch 1: top-k <= 8 in every preset)
 
 
 def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
@@ -287,12 +288,21 @@ def _copy_expert(gate_ups, downs, expert):
     return jax.lax.switch(expert, [branch(j) for j in range(len(gate_ups))])
 
 
+def pull_counts(u: int) -> list[int]:
+    """How many experts the branches of `pull_traced` copy for U picks: every count up to EXACT_PULLS, then powers
+    of two and U itself, so a program holds O(U) copies rather than O(U^2)."""
+    counts = set(range(min(u, EXACT_PULLS) + 1)) | {u}
+    counts |= {1 << k for k in range(u.bit_length()) if EXACT_PULLS < 1 << k < u}
+    return sorted(counts)
+
+
 def pull_traced(experts, order, n_miss):
-    """Inside a jitted program: the first n_miss experts of `order` [U] (traced indices) copied from pinned host
-    memory into device memory, zeros after. `experts` = (gate_up [E,D,2F], down [E,F,D]) layer stacks, or
-    (gate_ups, downs) tuples of E per-expert arrays (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F],
-    downs [U, F, D]). From stacks, one branch per miss count whose copies run at once; from per-expert arrays, a
-    `lax.switch` over the E experts per miss, one copy after another."""
+    """Inside a jitted program: at least the first n_miss experts of `order` [U] (traced indices) copied from pinned
+    host memory into device memory, zeros after them. `experts` = (gate_up [E,D,2F], down [E,F,D]) layer stacks,
+    or (gate_ups, downs) tuples of E per-expert arrays (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F],
+    downs [U, F, D]). From stacks, one branch per count in `pull_counts(U)` (the smallest >= n_miss runs) whose
+    copies run at once; from per-expert arrays, a `lax.switch` over the E experts per miss, one copy after
+    another."""
     gate_ups, downs = experts
     u = order.shape[0]
     if isinstance(gate_ups, jax.Array):
@@ -306,7 +316,8 @@ def pull_traced(experts, order, n_miss):
                     out.append(jnp.concatenate([jnp.stack(got), rest]) if got else rest)
                 return tuple(out)
             return copies
-        return jax.lax.switch(n_miss, [pull(j) for j in range(u + 1)])
+        counts = pull_counts(u)
+        return jax.lax.switch(jnp.searchsorted(jnp.array(counts), n_miss), [pull(j) for j in counts])
 
     def one(i):
         zeros = (jnp.zeros(gate_ups[0].shape, gate_ups[0].dtype), jnp.zeros(downs[0].shape, downs[0].dtype))

@@ -9,6 +9,7 @@ recently used, never taking a slot from a protected layer (the layer being compu
   are the two full-layer buffers (`can_double_buffer`): the engine prefers the slots it streamed into for layers
   already computed, so the rest of the pool (hot or cached experts) stays resident and is not streamed again;
 - decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
+`set_table` replaces the whole table with one kept elsewhere (device decode keeps it on the accelerator).
 An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
 copy into the slot before any program of that layer reads the pool. The pool holds no host memory and moves
 no weights itself.
@@ -90,6 +91,17 @@ class SlotPool:
         self.last_use[slots] = self._clock
         self._slot_of[layer][experts] = slots
         return slots.astype(np.int32)
+
+    def set_table(self, owner_layer: np.ndarray, owner_expert: np.ndarray, last_use: np.ndarray, clock: int) -> None:
+        """Replace the table with one kept elsewhere (`offload.device_decode` keeps it on the accelerator in
+        decode): each slot's owner (-1: free) and LRU clock; the expert -> slot maps follow from the owners."""
+        self.owner_layer, self.owner_expert = np.asarray(owner_layer, np.int64), np.asarray(owner_expert, np.int64)
+        self.last_use = np.asarray(last_use, np.int64)
+        for layer, slot_of in self._slot_of.items():
+            slot_of[:] = -1
+            mine = np.flatnonzero(self.owner_layer == layer)
+            slot_of[self.owner_expert[mine]] = mine
+        self._clock = max(self._clock, int(clock))
 
     def release(self, layer: int, experts: np.ndarray) -> None:
         """Free the slots of `experts` of `layer` (host copies always exist, so this moves nothing)."""
