@@ -98,10 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     pool = (jax.device_put(gu_np[resident], accel), jax.device_put(dn_np[resident], accel))
     slot_of = jax.device_put(slot_of, accel)
 
-    def baseline(x, gus, dns):
-        return run(x, gus, dns)
-
-    baseline_jit = jax.jit(baseline)
+    baseline_jit = jax.jit(run)
 
     def call_baseline(idx):
         ids = np.asarray(idx)  # the host round trip the engine makes

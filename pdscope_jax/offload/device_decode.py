@@ -88,7 +88,7 @@ def upload(pool: SlotPool, moe_layers: tuple[int, ...], priority: np.ndarray | N
         keep = np.where(owner >= 0, pool.last_use, -1)
     else:
         keep = np.where(owner >= 0, priority.reshape(-1)[np.maximum(owner, 0)], -1)
-    clock = max(int(pool.last_use.max(initial=0)), 0)
+    clock = int(pool.last_use.max(initial=0))
     table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), priority.astype(np.int32),
                       np.int32(clock), np.zeros(3, np.int32), np.zeros(slot_of.shape, np.int32))
     return jax.device_put(table, device)
@@ -174,9 +174,9 @@ def decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, mod
         if i not in moe_layers:
             x, caches[i] = dense_layer(graph, state, x, positions, caches[i])
             continue
+        m = moe_layers.index(i)
         x, h, weights, ids, _, shared, caches[i] = moe_route(graph, state, x, positions, caches[i], rows, False)
-        y, pool_gu, pool_dn, table = _routed_experts(moe_layers.index(i), h, weights, ids, experts[moe_layers.index(i)],
-                                                     pool_gu, pool_dn, table)
+        y, pool_gu, pool_dn, table = _routed_experts(m, h, weights, ids, experts[m], pool_gu, pool_dn, table)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
     token = sample(logits, jax.random.fold_in(root, step), temperature, top_k)

@@ -513,7 +513,8 @@ class OffloadRunner:
             self.activation_counts["decode"][layer] += routed
         stats = self.phase_stats["decode"]
         misses = counts["activated"] - counts["hits"]
-        nbytes = misses * self.store.expert_nbytes(self._moe_layers[0], np.zeros(1, np.int64))
+        # every routed expert has one size: the misses' bytes are those of as many copies of one expert
+        nbytes = self.store.count_moved(self._moe_layers[0], np.zeros(misses, np.int64))
         stats.steps += len(tokens)
         stats.device_steps += len(tokens)
         stats.tokens += b * len(tokens)
@@ -523,7 +524,6 @@ class OffloadRunner:
         stats.experts_loaded_now += misses
         stats.gpu_experts += counts["activated"]  # every activated expert ran on the accelerator
         stats.bytes_moved += nbytes
-        self.store.bytes_moved += nbytes
         return tokens
 
     # ---- steps -----------------------------------------------------------------------------------------
@@ -820,7 +820,6 @@ class OffloadRunner:
             return False
         # pdscope's prefill streams the next layer whole when two layers fit, whatever scores say
         return not (phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer)
-
 
 
 def _logit_windows(width: int, real: int, size_max: int):
