@@ -59,15 +59,15 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], priority, picks:
 @pytest.mark.parametrize("priority", [None, [[900, 10, 5, 800]]])
 def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, exact_pulls, priority, monkeypatch):
     """Experts 0 and 1 resident (1 used last); the row picks experts 1, 2, 3. LRU: the two misses take the free
-    slot and expert 0's. Priorities: expert 2 (5) takes the free slot, then expert 3 (800) takes it from expert 2,
-    the resident worth least; expert 0 (900) stays. With exact_pulls 1 the two misses copy three experts (a
-    rounded-up branch): the same result."""
+    slot and expert 0's. Priorities: the misses, most worth first (3: 800, 2: 5), against the slots least worth
+    keeping (the free one, then expert 0's: 900): expert 3 takes the free slot, expert 2 is not worth expert 0's.
+    With exact_pulls 1 the two misses copy three experts (a rounded-up branch): the same result."""
     monkeypatch.setattr(expert_store, "EXACT_PULLS", exact_pulls)
     gate_up, down = experts
     h = np.random.default_rng(1).standard_normal((1, D)).astype(np.float32)
     pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, priority, {3: 0.5, 1: 0.3, 2: 0.2}, h)
     kept = {2, 3} if priority is None else {0, 3}
-    assert counts == {"activated": 3, "hits": 1, "evictions": 1}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if priority is None else 0}
     assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept | {1}
     for expert in kept | {1}:  # every resident slot holds its expert's weights
         slot = pool.slot_of(5)[expert]
@@ -140,3 +140,50 @@ def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
     assert counts == {"activated": 3, "hits": 2, "evictions": 0}
     assert pool.slot_of(5).tolist() == [0, 1, -1, 2]
     np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), experts[0][0])  # its weights untouched
+
+
+def _claim_one_by_one(keep, owner, misses, worth):
+    """The residency rule as a loop: the misses, most worth first (then lowest id), each take the slot least worth
+    keeping (the lowest index among equals) when worth more than it. -> (owner, keep) after the layer."""
+    keep, owner = list(keep), list(owner)
+    for expert in sorted(misses, key=lambda e: (-worth[e], e)):
+        victim = min(range(len(keep)), key=lambda s: (keep[s], s))
+        if worth[expert] > keep[victim]:
+            owner[victim], keep[victim] = expert, worth[expert]
+    return owner, keep
+
+
+def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
+    """Random pools of one MoE layer (12 experts, 9 slots, some free), random worths (ties included, and LRU),
+    4 rows of top-2 (at most 8 picks: `fits`): the table `_routed_experts` leaves equals the rule applied one miss
+    at a time."""
+    devices = select_devices()
+    e, slots, d, f = 12, 9, 4, 2
+    rng = np.random.default_rng(7)
+    zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
+    layer = (jax.device_put(np.zeros((e, d, 2 * f), np.float32), pinned),
+             jax.device_put(np.zeros((e, f, d), np.float32), pinned))
+    step = jax.jit(device_decode._routed_experts, static_argnums=0)
+    for case in range(30):
+        residents = rng.choice(e, rng.integers(0, slots + 1), replace=False)
+        owner = np.full(slots, -1, np.int32)
+        owner[rng.choice(slots, len(residents), replace=False)] = residents
+        lru = case % 3 == 0
+        priority = np.full(e, -1, np.int32) if lru else rng.integers(0, 4, e).astype(np.int32)  # ties likely
+        keep = np.where(owner >= 0, rng.integers(0, 4, slots) if lru else priority[np.maximum(owner, 0)], -1)
+        slot_of = np.full(e, -1, np.int32)
+        slot_of[owner[owner >= 0]] = np.flatnonzero(owner >= 0)
+        ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(4)]).astype(np.int32)
+        table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), priority[None], np.int32(4),
+                                        np.zeros(3, np.int32), np.zeros((1, e), np.int32))
+        _, _, _, after = step(0, zeros(4, d), zeros(4, 2), ids, layer, zeros(slots, d, 2 * f),
+                              zeros(slots, f, d), jax.device_put(table, devices.accel))
+        picked = set(ids.reshape(-1).tolist())
+        worth = {x: (5 if lru else int(priority[x])) for x in picked}  # LRU: a miss is worth the new clock
+        protected = np.where(np.isin(owner, list(picked)), np.iinfo(np.int32).max, keep)
+        want_owner, _ = _claim_one_by_one(protected, owner, sorted(picked - set(residents.tolist())), worth)
+        assert np.asarray(after.owner).tolist() == want_owner, case
+        got_slot_of = np.asarray(after.slot_of)[0]
+        assert all(got_slot_of[x] == s for s, x in enumerate(want_owner) if x >= 0), case
+        assert sorted(np.flatnonzero(got_slot_of >= 0).tolist()) == sorted(x for x in want_owner if x >= 0), case

@@ -142,6 +142,18 @@ def test_dispatch_probe_smoke(tmp_path):
     assert json.loads((tmp_path / "dispatch.json").read_text())["state_leaves"] > 0
 
 
+def test_decode_step_probe_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_decode_step.py"))["main"]
+    result = main(["--hidden", "16", "--intermediate", "8", "--num-experts", "8", "--top-k", "2", "--layers", "2",
+                   "--slots", "5", "--reps", "3", "--warmup", "1", "--out", str(tmp_path / "step.json")])
+    records = {r["variant"]: r for r in result["records"]}
+    assert list(records) == ["resident", "engine", "fixed"]
+    assert records["resident"]["misses_per_step"] == 0 and records["engine"]["misses_per_step"] > 0
+    assert all(r["activated_per_step"] == 4 and r["pool_copies_in_hlo"] == 0 for r in records.values())
+    assert records["engine"]["conditionals_in_hlo"] == 2 and records["fixed"]["conditionals_in_hlo"] == 0
+    assert json.loads((tmp_path / "step.json").read_text())["expert_bytes"] == (16 * 16 + 8 * 16) * 2
+
+
 def test_bench_refuses_an_unknown_policy_before_building(capsys):
     with pytest.raises(SystemExit):
         bench_main(["--model", "tiny-deepseek-v2-lite", "--policies", "ondemand", "nope", "--prompt-lens", "8"])

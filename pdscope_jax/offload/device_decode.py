@@ -8,7 +8,8 @@ programs) held the H200 node's host 1.7-3.2 ms per MoE layer at batch 1, while t
 index it computed and copy just that expert (`scripts/probe_host_gather.py`: 6 experts in 2.1-2.9 ms, 36-48 GB/s),
 so a whole decode step needs no host round trip. What it cannot do is run experts on the CPU backend: policies
 whose decode plan keeps every activated expert on the accelerator (`DEVICE_DECODE_POLICIES`) use it. Measured on
-the H200 (calls 26-29): decode 12.6 -> 18.1 tok/s for `ondemand`, 8.6 -> 21.9 for `pdscope` (skewed routing).
+the H200 (calls 26-29): decode 12.6 -> 18.1 tok/s for `ondemand`, 8.6 -> 21.9 for `pdscope` (skewed routing);
+with a layer's picks handled as straight-line code instead of a loop (call 34): 20.1 and 23.6.
 
 Contract:
 - `PoolTable`: the slot pool's table as accelerator arrays: `slot_of` [Lm, E] int32 (-1: not resident), `owner`
@@ -19,8 +20,9 @@ Contract:
   `upload(pool, moe_layers, priority, device)` builds it from a `SlotPool` (priority [Lm, E] or None: LRU);
   `download(table, pool, moe_layers)` writes it back (the pool's arrays are the step's donated outputs, set by
   the caller).
-- Residency rules: a hit refreshes its slot's `keep`; a miss is copied in and takes the victim's slot when it is
-  worth more than the victim (always, under LRU), else it is used once and not kept. With priorities from a hot
+- Residency rules: a hit refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the
+  slots least worth keeping (least first, this layer's hits excluded), and a miss takes its slot when it is worth
+  more than the slot's expert (always, under LRU), else it is used once and not kept. With priorities from a hot
   table (`pdscope`), the pool converges on the most popular experts of every layer, as many per layer as their
   popularity earns; under LRU (`ondemand`, `gpu`) it is an LRU cache.
 - `decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token,
@@ -30,9 +32,9 @@ Contract:
   in pinned host memory: (gate_up [E,D,2F], down [E,F,D]) whole-layer stacks, or (gate_ups, downs) tuples of E
   per-expert arrays. Per MoE layer: the route program's attention, router and shared experts; the layer's
   distinct activated experts (at most min(B*K, E)); its misses copied first (`expert_store.pull_traced`: from
-  stacks, all at once; from per-expert arrays, one after another); then each distinct expert adds its weighted
-  output over the rows that chose it, and each miss is kept or not by the rules above (this layer's hits are
-  never the victim). Sampling matches `programs.next_token` with key fold_in(root, step).
+  stacks, all at once; from per-expert arrays, one after another); then the distinct experts run in one batched
+  call, each weighted over the rows that chose it, and each miss is kept or not by the rules above. Sampling
+  matches `programs.next_token` with key fold_in(root, step).
 - `fits(pool, picks)`: whether the pool can serve a layer of `picks` distinct experts this way (more slots than
   picks, so a layer's misses always find a victim that is not one of its hits).
 Numbers equal the host-driven engine's within float tolerance: same programs for attention and routing, the same
@@ -110,57 +112,48 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
 
 def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
-    (see the module docstring); -> (y, pool_gu, pool_dn, table). The layer's misses are copied first, all at once,
-    and every pick's weights are in hand (hits read from their slots) before any slot is written; then each
-    distinct expert adds its part and each miss is kept (or not) in the victim's slot, a hit slot never the victim.
-    Reading the pool inside the loop that writes it made XLA:CPU copy the whole pool twice per visit."""
-    num_experts = table.slot_of.shape[1]
+    (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop: the layer's misses
+    are copied at once, every pick's weights are in hand (hits read from their slots) before any slot is written,
+    every distinct expert runs in one batched call, and the misses, most worth first, are paired with the slots
+    least worth keeping (a hit slot never among them). A loop over the picks cost the H200 a kernel chain per
+    pick (and XLA:CPU a copy of the whole pool per layer); unrolled, the GPU build copied the pool per layer."""
+    num_layers, num_experts = table.slot_of.shape
+    num_slots = table.keep.shape[0]
     size = min(ids.size, num_experts)
     picks = jnp.unique(ids.reshape(-1), size=size, fill_value=-1)  # ascending; -1 pads the end
     valid = picks >= 0
     picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
     slots = table.slot_of[m, picks]
     miss = valid & (slots < 0)
-    order = jnp.argsort(~miss, stable=True)  # misses first
-    picks, valid, miss, slots = picks[order], valid[order], miss[order], slots[order]
-    n_miss = jnp.sum(miss, dtype=jnp.int32)
-    pulled = pull_traced(experts, picks, n_miss)
     clock = table.clock + 1
     worth = jnp.where(table.priority[m, picks] >= 0, table.priority[m, picks], clock)
-    hit = valid & ~miss
-    parked = jnp.where(hit, slots, table.keep.shape[0])  # out of range: dropped
-    keep = table.keep.at[parked].set(PROTECTED, mode="drop")
-
-    def visit(carry, xs):
-        pool_gu, pool_dn, slot_of, owner, keep, evictions, y = carry
-        expert, real, is_miss, worth, gu, dn = xs
-        coeff = jnp.sum(jnp.where(ids == expert, weights, 0.0), axis=1)  # [N]
-        y = jnp.where(real, y + coeff[:, None] * expert_ffn(h, gu, dn).astype(F32), y)
-        victim = jnp.argmin(keep)
-        kept = is_miss & (worth > keep[victim])
-        evicted = owner[victim]
-        slot_of = jnp.where(kept & (evicted >= 0), slot_of.at[evicted // num_experts, evicted % num_experts].set(-1),
-                            slot_of)
-        slot_of = jnp.where(kept, slot_of.at[m, expert].set(victim), slot_of)
-        owner = jnp.where(kept, owner.at[victim].set(m * num_experts + expert), owner)
-        keep = jnp.where(kept, keep.at[victim].set(worth), keep)
-        target = jnp.where(kept, victim, keep.shape[0])  # a miss not kept writes nowhere (out of range: dropped)
-        pool_gu = pool_gu.at[target].set(gu, mode="drop")
-        pool_dn = pool_dn.at[target].set(dn, mode="drop")
-        evictions = evictions + (kept & (evicted >= 0))
-        return (pool_gu, pool_dn, slot_of, owner, keep, evictions, y), None
-
-    carry = (pool_gu, pool_dn, table.slot_of, table.owner, keep, jnp.int32(0), jnp.zeros(h.shape, F32))
-    # each pick's weights: copied (misses) or read from its slot (hits), all read before any slot is written
+    order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
+    picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
+    pulled = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32))
     resident = jnp.maximum(slots, 0)
     gate_ups = jnp.where(miss[:, None, None], pulled[0], pool_gu[resident])
     downs = jnp.where(miss[:, None, None], pulled[1], pool_dn[resident])
-    carry, _ = jax.lax.scan(visit, carry, (picks, valid, miss, worth, gate_ups, downs))
-    pool_gu, pool_dn, slot_of, owner, keep, evictions, y = carry
-    keep = keep.at[parked].set(worth, mode="drop")  # the hits' own worth back
+    coeff = jnp.sum(jnp.where(ids[None] == picks[:, None, None], weights[None], 0.0), axis=2)  # [U, N]
+    outputs = jax.vmap(expert_ffn, in_axes=(None, 0, 0))(h, gate_ups, downs).astype(F32)  # [U, N, D]
+    y = jnp.sum(jnp.where(valid[:, None, None], coeff[:, :, None] * outputs, 0.0), axis=0)
+
+    hit = valid & ~miss
+    parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
+    keep = table.keep.at[parked].set(PROTECTED, mode="drop")
+    victims = jax.lax.top_k(-keep, picks.shape[0])[1]  # the slots least worth keeping, least first
+    kept = miss & (worth > keep[victims])  # the i-th miss against the i-th victim
+    target = jnp.where(kept, victims, num_slots + jnp.arange(picks.shape[0]))  # distinct; out of range: dropped
+    evicted = jnp.where(kept, table.owner[victims], -1)
+    slot_of = table.slot_of.at[jnp.where(evicted >= 0, evicted // num_experts, num_layers),
+                               evicted % num_experts].set(-1, mode="drop")
+    slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks].set(victims, mode="drop")
+    owner = table.owner.at[target].set(m * num_experts + picks, mode="drop")
+    keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
+    pool_gu = pool_gu.at[target].set(gate_ups, mode="drop", unique_indices=True)
+    pool_dn = pool_dn.at[target].set(downs, mode="drop", unique_indices=True)
     rows = jnp.sum(ids.reshape(-1)[None, :] == picks[:, None], axis=1, dtype=jnp.int32)  # [U]
     routed = table.routed.at[m, picks].add(jnp.where(valid, rows, 0))
-    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions]).astype(jnp.int32)
+    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0)]).astype(jnp.int32)
     return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.priority, clock, counts, routed)
 
 
