@@ -144,13 +144,13 @@ def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
 
 def _claim_one_by_one(keep, owner, misses, worth):
     """The residency rule as a loop: the misses, most worth first (then lowest id), each take the slot least worth
-    keeping (the lowest index among equals) when worth more than it. -> (owner, keep) after the layer."""
+    keeping (the lowest index among equals) when worth more than it. -> each slot's owner after the layer."""
     keep, owner = list(keep), list(owner)
     for expert in sorted(misses, key=lambda e: (-worth[e], e)):
         victim = min(range(len(keep)), key=lambda s: (keep[s], s))
         if worth[expert] > keep[victim]:
             owner[victim], keep[victim] = expert, worth[expert]
-    return owner, keep
+    return owner
 
 
 def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
@@ -182,7 +182,7 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         picked = set(ids.reshape(-1).tolist())
         worth = {x: (5 if lru else int(priority[x])) for x in picked}  # LRU: a miss is worth the new clock
         protected = np.where(np.isin(owner, list(picked)), np.iinfo(np.int32).max, keep)
-        want_owner, _ = _claim_one_by_one(protected, owner, sorted(picked - set(residents.tolist())), worth)
+        want_owner = _claim_one_by_one(protected, owner, sorted(picked - set(residents.tolist())), worth)
         assert np.asarray(after.owner).tolist() == want_owner, case
         got_slot_of = np.asarray(after.slot_of)[0]
         assert all(got_slot_of[x] == s for s, x in enumerate(want_owner) if x >= 0), case

@@ -133,7 +133,8 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     resident = jnp.maximum(slots, 0)
     gate_ups = jnp.where(miss[:, None, None], pulled[0], pool_gu[resident])
     downs = jnp.where(miss[:, None, None], pulled[1], pool_dn[resident])
-    coeff = jnp.sum(jnp.where(ids[None] == picks[:, None, None], weights[None], 0.0), axis=2)  # [U, N]
+    chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
+    coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
     outputs = jax.vmap(expert_ffn, in_axes=(None, 0, 0))(h, gate_ups, downs).astype(F32)  # [U, N, D]
     y = jnp.sum(jnp.where(valid[:, None, None], coeff[:, :, None] * outputs, 0.0), axis=0)
 
@@ -151,8 +152,7 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
     pool_gu = pool_gu.at[target].set(gate_ups, mode="drop", unique_indices=True)
     pool_dn = pool_dn.at[target].set(downs, mode="drop", unique_indices=True)
-    rows = jnp.sum(ids.reshape(-1)[None, :] == picks[:, None], axis=1, dtype=jnp.int32)  # [U]
-    routed = table.routed.at[m, picks].add(jnp.where(valid, rows, 0))
+    routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0)]).astype(jnp.int32)
     return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.priority, clock, counts, routed)
 
