@@ -7,7 +7,7 @@ import pytest
 
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.offload.budget import BudgetError, plan_budget
-from pdscope_jax.offload import expert_store
+from pdscope_jax.offload import cpu_experts, expert_store
 from pdscope_jax.offload.cpu_experts import CpuExperts
 from pdscope_jax.offload.expert_store import ExpertStore
 from pdscope_jax.offload.slot_pool import SlotPool
@@ -184,8 +184,33 @@ def test_cpu_experts_match_direct_computation(tokens, experts, programs):
     assert cpu._shapes <= programs and cpu.expert_runs == experts
     cpu.precompile(1, tokens, np.float32)
     assert cpu.expert_runs == experts  # warm-up runs are not counted
-    # dense: 1-8 experts as a layer's first program and as a later one; gathered: row buckets 16, 32, 64, each both
-    assert cpu.compiled_programs == (16 if tokens <= 16 else 6)
+    # each as a layer's first program and as a later one. Few rows: dense, 1-8 experts. Many (40): h compacted
+    # to 16 rows (dense, 16 programs), to 32 (gathered, row buckets 16 and 32) or whole (row buckets 16, 32, 64)
+    assert cpu.compiled_programs == (16 if tokens <= 16 else 16 + 4 + 6)
+
+
+def test_compact_rows_give_the_same_result_as_the_whole_input():
+    """The CPU experts on only the rows they read, added back at those rows, equal them on the whole input."""
+    dev = select_devices()
+    store = ExpertStore(dev)
+    gu, dn = _stacks(1)
+    store.add_layer(1, gu, dn)
+    rng = np.random.default_rng(3)
+    n = 300
+    h = rng.standard_normal((n, D)).astype(np.float32)
+    groups = [(e, np.sort(rng.choice(n, size, replace=False)), rng.uniform(0.1, 1.0, size).astype(np.float32))
+              for e, size in ((1, 30), (4, 3), (6, 41))]
+    take, compact = cpu_experts.compact_rows(groups, n, min_rows=8)
+    distinct = np.unique(np.concatenate([rows for _, rows, _ in groups]))
+    assert take.size == cpu_experts.compact_size(distinct.size, n, 8) == 128 and take.dtype == np.int32
+    np.testing.assert_array_equal(take[:distinct.size], distinct)
+    cpu = CpuExperts(store, min_rows=8)
+    whole = np.asarray(cpu.dispatch(1, jax.device_put(h, dev.cpu), groups))
+    part = np.asarray(cpu.dispatch(1, jax.device_put(h[take], dev.cpu), compact))
+    added = np.zeros_like(whole)
+    np.add.at(added, take, part)  # the padding repeats row 0 and adds zeros there
+    np.testing.assert_allclose(added, whole, rtol=1e-6, atol=1e-6)
+    assert cpu_experts.compact_sizes(40, 16) == [16, 32, 40]
 
 
 def test_pull_counts_are_exact_up_to_eight_then_powers_of_two():

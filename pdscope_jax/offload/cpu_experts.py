@@ -11,6 +11,11 @@ program of a layer makes the f32 accumulator itself, later ones add to it (donat
   program to `min_rows`: XLA:CPU is pathologically slow on bf16 matmuls with one row;
 - many rows (prefill): one program per expert that gathers its rows, padded to a power of two of at least
   `min_rows` (padding rows read token 0 with weight 0), and scatter-adds the result.
+`compact_rows(groups, n, min_rows)` serves the many-rows path: the CPU needs only the rows its experts were
+routed, so the caller gathers those (`take`, padded to `compact_size`) on the accelerator, hands the CPU h[take]
+and the groups renumbered into it, and adds the result back at `take`. A prefill chunk of 4,096 rows whose CPU
+experts were routed 200 rows then moves 200 rows each way, not the whole chunk (16 MB there, 32 MB of float32
+back), and the CPU's accumulator is as small.
 Padding bounds the set of compiled programs; `precompile` compiles them all for a token count. Weights come
 from the expert store's CPU views; this module never copies or moves expert weights.
 """
@@ -54,6 +59,26 @@ def row_bucket(rows: int, min_rows: int) -> int:
     return max(min_rows, 1 << max(rows - 1, 0).bit_length())
 
 
+def compact_size(rows: int, n: int, min_rows: int) -> int:
+    """Rows of the compacted h for `rows` distinct rows out of n: a row bucket, at most n."""
+    return min(row_bucket(rows, min_rows), n)
+
+
+def compact_sizes(n: int, min_rows: int) -> list[int]:
+    """Every size `compact_size` gives for h of n rows."""
+    return sorted({compact_size(1 << b, n, min_rows) for b in range(row_bucket(n, min_rows).bit_length())})
+
+
+def compact_rows(groups: list[tuple[int, np.ndarray, np.ndarray]], n: int, min_rows: int
+                 ) -> tuple[np.ndarray, list[tuple[int, np.ndarray, np.ndarray]]]:
+    """The rows of h [n, D] that `groups` (expert, rows, weights) read, as `take` [compact_size] int32 (padded
+    with row 0, which no group reads there), and the groups with their rows renumbered into h[take]."""
+    needed = np.unique(np.concatenate([rows for _, rows, _ in groups]))
+    take = np.zeros(compact_size(needed.size, n, min_rows), np.int32)
+    take[:needed.size] = needed
+    return take, [(expert, np.searchsorted(needed, rows), weights) for expert, rows, weights in groups]
+
+
 class CpuExperts:
     def __init__(self, store: ExpertStore, min_rows: int = 8):
         self.store = store
@@ -69,20 +94,23 @@ class CpuExperts:
         return len(self._shapes)
 
     def precompile(self, layer: int, n: int, dtype) -> None:
-        """Compile the programs for h of n rows in `dtype` (runs each on zeros), each as a layer's first program
-        and as a later one: the dense path's for 1 to `DENSE_EXPERTS` experts, or the gathered path's for every
-        row bucket up to n."""
-        h = jax.device_put(np.zeros((n, self.store.cpu_weights(layer, 0)[0].shape[0]), dtype), self.cpu)
-        if n <= DENSE_MAX_ROWS:
-            group = (0, np.zeros(0, np.int64), np.zeros(0, np.float32))
-            calls = [[group] * (DENSE_EXPERTS * later + k) for later in (0, 1) for k in range(1, DENSE_EXPERTS + 1)]
-        else:
-            top = row_bucket(n, self.min_rows)
-            sizes = {row_bucket(1 << b, self.min_rows) for b in range(top.bit_length())} | {top}
-            calls = [[(0, np.zeros(r, np.int64), np.zeros(r, np.float32))] * 2 for r in sorted(sizes)]
+        """Compile the programs a step of n rows can ask for, in `dtype` (runs each on zeros), each as a layer's
+        first program and as a later one, on h of n rows (n <= DENSE_MAX_ROWS) or of every `compact_sizes(n)`
+        size: the dense path's for 1 to `DENSE_EXPERTS` experts on h of at most DENSE_MAX_ROWS rows, else the
+        gathered path's for every row bucket up to h's."""
+        d = self.store.cpu_weights(layer, 0)[0].shape[0]
         runs = self.expert_runs
-        for groups in calls:
-            self.dispatch(layer, h, groups)
+        for size in [n] if n <= DENSE_MAX_ROWS else compact_sizes(n, self.min_rows):
+            h = jax.device_put(np.zeros((size, d), dtype), self.cpu)
+            if size <= DENSE_MAX_ROWS:
+                group = (0, np.zeros(0, np.int64), np.zeros(0, np.float32))
+                calls = [[group] * (DENSE_EXPERTS * later + k) for later in (0, 1) for k in range(1, DENSE_EXPERTS + 1)]
+            else:
+                top = row_bucket(size, self.min_rows)
+                buckets = {row_bucket(1 << b, self.min_rows) for b in range(top.bit_length())} | {top}
+                calls = [[(0, np.zeros(r, np.int64), np.zeros(r, np.float32))] * 2 for r in sorted(buckets)]
+            for groups in calls:
+                self.dispatch(layer, h, groups)
         self.expert_runs = runs
 
     def dispatch(self, layer: int, h: jax.Array, groups: list[tuple[int, np.ndarray, np.ndarray]]) -> jax.Array:

@@ -39,7 +39,8 @@ order:
            point; with few rows, decode, the MoE input comes along for the CPU experts);
   plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
-           to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads); issue the
+           to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads; with many rows,
+           prefill, only the rows they read travel to the CPU and back, gathered on the accelerator); issue the
            loads of `load_now` (`_load_now`: `ExpertStore.write`, ordered before every later reader of the pool),
            so the CPU experts compute while they copy; STAGE (from the stager thread, `_stage_ahead`: a
            `device_put` holds the thread that issues it) the next layer's prefetch, or in prefill its
@@ -86,7 +87,7 @@ from pdscope_jax import models
 from pdscope_jax.generation import CACHE_BUCKET, GenerationResult, check_sampling
 from pdscope_jax.offload.budget import Budget, BudgetError, plan_budget
 from pdscope_jax.offload import device_decode
-from pdscope_jax.offload.cpu_experts import DENSE_MAX_ROWS, CpuExperts
+from pdscope_jax.offload.cpu_experts import DENSE_MAX_ROWS, CpuExperts, compact_rows, compact_sizes
 from pdscope_jax.offload.expert_store import FUSED_MAX, ExpertStore, Staged, expert_paths, is_expert_path
 from pdscope_jax.offload.programs import build_programs, cache_size
 from pdscope_jax.offload.slot_pool import SlotPool
@@ -441,16 +442,28 @@ class OffloadRunner:
             self.store.write(self.pool, layer, experts, self.pool.allocate(layer, experts))
 
     def _precompile_combine(self) -> None:
-        """Run `moe_combine` on zeros for each shape seen with every mix of parts: GPU only, CPU only, both and
-        neither (a layer's plan decides which one it gets)."""
+        """Run `moe_combine` on zeros for each shape seen with every mix of parts (GPU only, CPU only, both,
+        neither: a layer's plan decides which one it gets), the CPU part whole (few rows) or compacted to each
+        size it can take, with `take_rows` for those sizes."""
         accel, dtype, d = self.devices.accel, self.cache_dtype, self.config.hidden_size
+
+        def zeros(shape, dtype=dtype, kind=None):
+            return jax.device_put(np.zeros(shape, kind or dtype), accel)
+
         for b, t, rows in sorted(self._step_shapes):
-            x = jax.device_put(np.zeros((b, t, d), dtype), accel)
-            shared = jax.device_put(np.zeros((b * t, d), dtype), accel)
-            y_gpu = jax.device_put(np.zeros((rows, d), dtype), accel)
-            y_cpu = jax.device_put(np.zeros((rows, d), np.float32), accel)
-            for parts in ((y_gpu, None), (None, y_cpu), (y_gpu, y_cpu), (None, None)):
-                self._programs["moe_combine"](x, shared, *parts)
+            x, shared, y_gpu = zeros((b, t, d)), zeros((b * t, d)), zeros((rows, d))
+            if rows <= DENSE_MAX_ROWS:
+                cpu_parts = [(zeros((rows, d), np.float32), None)]
+            else:
+                cpu_parts = [(zeros((size, d), np.float32), zeros(size, kind=np.int32))
+                             for size in compact_sizes(rows, self.cpu_experts.min_rows)]
+                for _, take in cpu_parts:
+                    self._programs["take_rows"](y_gpu, take)
+            self._programs["moe_combine"](x, shared, y_gpu, None, None)
+            self._programs["moe_combine"](x, shared, None, None, None)
+            for y_cpu, take in cpu_parts:
+                self._programs["moe_combine"](x, shared, None, y_cpu, take)
+                self._programs["moe_combine"](x, shared, y_gpu, y_cpu, take)
 
     def device_memory(self) -> dict[str, int | None]:
         """Accelerator bytes held by live arrays, and the device allocator's bytes in use where it reports them."""
@@ -678,9 +691,9 @@ class OffloadRunner:
         on_gpu[plan.gpu] = True
         self._commit_staged(i)
         pool.release(i, plan.unload[~on_gpu[plan.unload]])  # unloads this layer does not compute with: free now
-        cpu_acc, cpu_start = None, time.perf_counter()
+        cpu_part, cpu_start = None, time.perf_counter()
         if plan.cpu.size and self.runtime.async_io:  # the CPU experts run while the loads copy
-            cpu_acc = self._run_cpu(i, plan.cpu, r)
+            cpu_part = self._run_cpu(i, plan.cpu, r)
             self._mark(phase, "cpu_submitted", i)
         start = time.perf_counter()
         loads, loads_end = self._load_now(i, plan.load_now, stats)
@@ -690,7 +703,7 @@ class OffloadRunner:
         self._mark(phase, "next_issued", i)
         dispatched = time.perf_counter()
         if plan.cpu.size and not self.runtime.async_io:  # synchronous I/O: nothing overlapped the copies
-            cpu_acc, cpu_start = self._run_cpu(i, plan.cpu, r), dispatched
+            cpu_part, cpu_start = self._run_cpu(i, plan.cpu, r), dispatched
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
         self._mark(phase, "gpu_dispatched", i)
         # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
@@ -698,9 +711,9 @@ class OffloadRunner:
                  (("gpu", y_gpu), ("load", loads)) if arrays is not None}
         if staged_next is not None:
             ready["transfer"] = self._waiter.submit(_staged_ready_at, staged_next)
-        y_cpu, cpu_end = self._join_cpu(cpu_acc)
+        (y_cpu, cpu_rows), cpu_end = self._join_cpu(cpu_part)
         self._mark(phase, "cpu_joined", i)
-        x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu)
+        x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu, cpu_rows)
         self._mark(phase, "combined", i)
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
@@ -747,18 +760,28 @@ class OffloadRunner:
             y_gpu = y if y_gpu is None else y_gpu + y
         return y_gpu
 
-    def _run_cpu(self, i: int, experts: np.ndarray, r: _Routed) -> jax.Array:
-        """Dispatch layer i's CPU `experts` on the CPU backend (returns at once). -> y [Nb, D] f32 there."""
-        h_cpu = jax.device_put(r.h if r.h_host is None else r.h_host, self.devices.cpu)
-        return self.cpu_experts.dispatch(i, h_cpu, _groups(experts, r.rows, r.w_host, r.ids_host))
+    def _run_cpu(self, i: int, experts: np.ndarray, r: _Routed) -> tuple[jax.Array, jax.Array | None]:
+        """Dispatch layer i's CPU `experts` on the CPU backend (returns at once). -> (y f32 there, rows): y [Nb, D]
+        and rows None when h came to the host with the routing (few rows), else only the rows the experts read
+        (`cpu_experts.compact_rows`, gathered on the accelerator): y [R, D] for rows [R] on the accelerator."""
+        groups = _groups(experts, r.rows, r.w_host, r.ids_host)
+        if r.h_host is not None:
+            return self.cpu_experts.dispatch(i, jax.device_put(r.h_host, self.devices.cpu), groups), None
+        take, groups = compact_rows(groups, r.h.shape[0], self.cpu_experts.min_rows)
+        take = jax.device_put(take, self.devices.accel)
+        h_cpu = jax.device_put(self._programs["take_rows"](r.h, take), self.devices.cpu)
+        return self.cpu_experts.dispatch(i, h_cpu, groups), take
 
-    def _join_cpu(self, acc: jax.Array | None) -> tuple[jax.Array | None, float | None]:
-        """Wait for the CPU part. -> (it on the accelerator, perf_counter when the CPU was done), or (None, None)."""
-        if acc is None:
-            return None, None
+    def _join_cpu(self, part: tuple[jax.Array, jax.Array | None] | None
+                  ) -> tuple[tuple[jax.Array | None, jax.Array | None], float | None]:
+        """Wait for the CPU part. -> ((y on the accelerator, its rows or None), perf_counter when the CPU was
+        done), or ((None, None), None) without one."""
+        if part is None:
+            return (None, None), None
+        acc, rows = part
         acc.block_until_ready()
         done = time.perf_counter()
-        return jax.device_put(acc, self.devices.accel), done
+        return (jax.device_put(acc, self.devices.accel), rows), done
 
     def _settle(self) -> None:
         """Add the timed layers of the step to the statistics (`LayerTiming.settle_into`), and their done-times

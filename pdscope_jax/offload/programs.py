@@ -4,8 +4,8 @@ Contract: `build_programs() -> {name: jitted function}` with graphdefs (`static_
 arguments static, so each traces once per shape: `embed`, `dense_layer` (a decoder layer without routed experts),
 `moe_route` (attention, MoE input, router and shared experts, with the routing packed for one host fetch),
 `moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program),
-`gpu_experts` (`models.layers.combine_experts` over the slot pool), `moe_combine` (residual + routed parts +
-shared experts), `logits` (a window of positions) and `next_token` (sampling at one position). KV caches are
+`gpu_experts` (`models.layers.combine_experts` over the slot pool), `take_rows` (the rows of the MoE input
+the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of positions) and `next_token` (sampling at one position). KV caches are
 donated. `cache_size(jitted)` counts a jitted function's compiled programs (None where jax hides it). The
 engine (`offload.engine`) decides what runs when; nothing here touches the host.
 """
@@ -62,12 +62,20 @@ def moe_route_scored(graph, state, x, positions, layer_cache, n_pad, with_h, nex
     return (*out, gate_scores(next_graph, next_state, out[1], valid))
 
 
-def moe_combine(x, shared, y_gpu, y_cpu):
-    """x [B,T,D] + routed (GPU part [Nb,D] + CPU part [Nb,D] f32, either may be None) + shared [N,D]."""
+def take_rows(h, rows):
+    """h [Nb, D] -> h[rows] [R, D]."""
+    return h[rows]
+
+
+def moe_combine(x, shared, y_gpu, y_cpu, cpu_rows=None):
+    """x [B,T,D] + routed + shared [N,D]. Routed: GPU part [Nb,D] plus CPU part f32, either may be None; the CPU
+    part is [Nb,D], or [R,D] added at rows `cpu_rows` [R] (`cpu_experts.compact_rows`: a repeated row adds
+    zeros)."""
     n = shared.shape[0]
     routed = jnp.zeros_like(shared) if y_gpu is None else y_gpu[:n]
     if y_cpu is not None:
-        routed = routed + y_cpu[:n].astype(routed.dtype)
+        part = y_cpu.astype(routed.dtype)
+        routed = routed + part[:n] if cpu_rows is None else routed.at[cpu_rows].add(part)
     return x + (routed + shared).reshape(x.shape)
 
 
@@ -91,6 +99,7 @@ def build_programs() -> dict[str, Any]:
         "moe_route": jax.jit(moe_route, static_argnums=(0, 5, 6), donate_argnums=4),
         "moe_route_scored": jax.jit(moe_route_scored, static_argnums=(0, 5, 6, 7), donate_argnums=4),
         "gpu_experts": jax.jit(combine_experts),
+        "take_rows": jax.jit(take_rows),
         "moe_combine": jax.jit(moe_combine),
         "logits": jax.jit(logit_rows, static_argnums=(0, 4)),
         "next_token": jax.jit(next_token, static_argnums=(0, 5, 6)),
