@@ -10,7 +10,7 @@ from pdscope_jax import models
 from pdscope_jax.generation import Generator
 from pdscope_jax.models import layers
 from pdscope_jax.offload.budget import BudgetError
-from pdscope_jax.offload.engine import OffloadRunner
+from pdscope_jax.offload.engine import OffloadRunner, analytic_costs
 from pdscope_jax.offload.expert_store import is_expert_path
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.presets import preset
@@ -219,3 +219,25 @@ def test_streaming_keeps_experts_resident_before_the_prefill(monkeypatch):
 
     kept, lru = streamed_again(True), streamed_again(False)
     assert kept < lru <= len(cfg.moe_layers) * cfg.num_experts
+
+
+@pytest.mark.parametrize("factor, calibrated", [(1e-6, True), (1e6, False)])
+def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, calibrated):
+    """A table whose CPU times are far too small is scaled up by what the CPU experts measure; one whose times are
+    far too large stays as it is (the scale never goes below 1). Numbers are unchanged either way."""
+    table = analytic_costs(ds.cfg, 4).with_cpu_scale(factor)
+    config = RuntimeConfig(gpu_memory="1GB", expert_pool=5 * ds.cfg.expert_bytes(4), policy="greedy",
+                           max_seq_len=128)
+    runner = OffloadRunner(ds.model, config, cost_table=table)
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    assert runner.stats["prefill"]["cpu_experts"] > 0
+    scale = runner._cpu_scale["prefill"]
+    planner_table = runner._planner_costs("prefill")
+    if calibrated:
+        assert scale > 1.0
+        np.testing.assert_allclose(planner_table.cpu_expert_seconds,
+                                   np.asarray(table.cpu_expert_seconds) * round(scale, 1))
+    else:
+        assert scale == 1.0 and planner_table is table
+    runner.set_policy("ondemand")
+    assert runner._cpu_scale == {"prefill": 1.0, "decode": 1.0}  # learned under another policy's load

@@ -28,7 +28,9 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   `set_policy(name, options, **engine)` switches planners (and the engine switches below) without rebuilding.
   `timeline`: set it to an `offload.timeline.Timeline` to record when each stage of each MoE layer happened.
 - RuntimeConfig switches read here: `cost_table` (a name or path, `sched.load_cost_table`; else the analytic
-  table), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
+  table; planners see it with CPU times scaled by an in-situ calibration: per phase, a running mean of each
+  layer's measured CPU time over the table's, at least 1, reset when the policy changes: the table is measured
+  on an idle machine, a layer's CPU experts run beside copies and the host's own work), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
   every staged copy is waited for where it is issued, before compute, so nothing overlaps: the ablation's
   synchronous I/O), `batched_gpu` (False: one GPU program per expert instead of one per layer).
 
@@ -100,7 +102,9 @@ from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, a
 from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
-SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
+SCORE_POLICIES = ("fate", "pdscope")
+CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its phase's running scale
+CPU_SCALE_MAX = 8.0  # planners that read next_scores
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
 
@@ -179,6 +183,9 @@ class OffloadRunner:
         # thread 0.02 ms (scripts/probe_copy_issue.py); one worker keeps them in issue order
         self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-stage")
         self._unsettled: list[LayerTiming] = []
+        # in-situ CPU calibration: measured / cost-table CPU seconds per phase (>= 1), and the scaled tables
+        self._cpu_scale = dict.fromkeys(("prefill", "decode"), 1.0)
+        self._scaled_costs: dict[float, CostTable] = {}
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
         self.timeline: Timeline | None = None  # set to a Timeline to record each layer's stages (a profile)
@@ -279,6 +286,8 @@ class OffloadRunner:
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
+        if policy != self.runtime.policy:  # the calibration learned under one policy's load is not another's
+            self._cpu_scale = dict.fromkeys(self._cpu_scale, 1.0)
         self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options, **engine)
         options = self.runtime.policy_kwargs
         if policy == "static":  # no loads at run time: the whole pool holds hot experts
@@ -669,7 +678,7 @@ class OffloadRunner:
             next_resident=None if nxt is None else pool.resident(nxt),
             free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
         start = time.perf_counter()
-        plan = self.planner.plan(demand, self.costs)
+        plan = self.planner.plan(demand, self._planner_costs(phase))
         planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
         self._mark(phase, "planned", i)
@@ -681,6 +690,23 @@ class OffloadRunner:
         stats.activated += int(demand.activated.sum())
         stats.hits += int((demand.activated & resident).sum())
         return plan
+
+    def _planner_costs(self, phase: str) -> CostTable:
+        """The cost table with CPU times scaled by this phase's calibration (rounded to a tenth, so a few scaled
+        tables serve every layer)."""
+        scale = round(self._cpu_scale[phase], 1)
+        if scale <= 1.0:
+            return self.costs
+        if scale not in self._scaled_costs:
+            self._scaled_costs[scale] = self.costs.with_cpu_scale(scale)
+        return self._scaled_costs[scale]
+
+    def _calibrate_cpu(self, t: LayerTiming, done: float) -> None:
+        """Fold one layer's measured CPU time (dispatch to done, stamped by a helper thread) over what the cost
+        table predicted into its phase's scale: a running mean, kept in [1, CPU_SCALE_MAX]."""
+        observed = (done - t.cpu_start) / t.cpu_predicted
+        scale = (1 - CPU_CALIBRATION) * self._cpu_scale[t.phase] + CPU_CALIBRATION * observed
+        self._cpu_scale[t.phase] = min(max(scale, 1.0), CPU_SCALE_MAX)
 
     def _execute(self, i: int, phase: str, plan: Plan, r: _Routed):
         """CPU experts (dispatched: they run on the CPU backend's threads) and this layer's loads first, then the
@@ -711,6 +737,8 @@ class OffloadRunner:
                  (("gpu", y_gpu), ("load", loads)) if arrays is not None}
         if staged_next is not None:
             ready["transfer"] = self._waiter.submit(_staged_ready_at, staged_next)
+        if cpu_part is not None:
+            ready["cpu"] = self._waiter.submit(_ready_at, cpu_part[0])
         (y_cpu, cpu_rows), cpu_end = self._join_cpu(cpu_part)
         self._mark(phase, "cpu_joined", i)
         x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu, cpu_rows)
@@ -718,7 +746,7 @@ class OffloadRunner:
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
         return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end,
-                              loads_end, ready)
+                              loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]))
 
     def _mark(self, phase: str, event: str, layer: int, at: float | None = None) -> None:
         """Record a stage of layer `layer` in the timeline, when one is being recorded."""
@@ -788,9 +816,11 @@ class OffloadRunner:
         to the timeline."""
         for t in self._unsettled:
             done = {name: future.result() for name, future in t.ready.items()}
-            for name, at in (("cpu", t.cpu_end), *done.items()):
+            for name, at in {"cpu": t.cpu_end, **done}.items():  # the helper's stamp of the CPU part is exact
                 if at is not None:
                     self._mark(t.phase, f"{name}_done", t.layer, at)
+            if "cpu" in done and t.cpu_predicted > 0:
+                self._calibrate_cpu(t, done["cpu"])
             t.settle_into(self.phase_stats[t.phase], done)
         self._unsettled.clear()
 

@@ -63,7 +63,7 @@ class PhaseStats:
 class LayerTiming:
     """One layer's statistics waiting for the end of its step: its expert counts, when its parts started and
     ended, and in `ready` helper-thread futures of the parts still running when it was made ("gpu", "load",
-    "transfer" -> perf_counter when done)."""
+    "transfer", "cpu" -> perf_counter when done)."""
 
     layer: int
     phase: str
@@ -75,6 +75,7 @@ class LayerTiming:
     cpu_end: float | None  # ... when they were done (None: none ran)
     loads_end: float | None  # ... when the loads were done, where they were waited for (synchronous I/O)
     ready: dict[str, concurrent.futures.Future]
+    cpu_predicted: float = 0.0  # the cost table's seconds for its CPU experts (the engine calibrates against it)
 
     def settle_into(self, stats: PhaseStats, done: dict[str, float]) -> None:
         """Add this layer to `stats`, `done` holding its `ready` futures' results. Loads are exposed where the

@@ -191,6 +191,10 @@ class CostTable:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         return float(np.interp(tokens, *self._arrays[phase]))
 
+    def with_cpu_scale(self, factor: float) -> "CostTable":
+        """This table with every CPU expert time multiplied by `factor` (the engine's in-situ calibration)."""
+        return dataclasses.replace(self, cpu_expert_seconds=tuple(v * factor for v in self.cpu_expert_seconds))
+
     # ---- construction ------------------------------------------------------------------------------------
 
     @classmethod
