@@ -363,6 +363,7 @@ class OffloadRunner:
             "slots": self.pool.num_slots,
             "double_buffering": self.pool.can_double_buffer,
             "evictions": self.pool.evictions,
+            "cpu_cost_scale": dict(self._cpu_scale),  # the in-situ CPU calibration the planners see now
             "budget": {name: value for name, value in self.budget.lines()},
             "host_expert_bytes": self.store.host_bytes,
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
