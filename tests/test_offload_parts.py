@@ -185,8 +185,8 @@ def test_cpu_experts_match_direct_computation(tokens, experts, programs):
     cpu.precompile(1, tokens, np.float32)
     assert cpu.expert_runs == experts  # warm-up runs are not counted
     # each as a layer's first program and as a later one. Few rows: dense, 1-8 experts. Many (40): h compacted
-    # to 16 rows (dense, 16 programs), to 32 (gathered, row buckets 16 and 32) or whole (row buckets 16, 32, 64)
-    assert cpu.compiled_programs == (16 if tokens <= 16 else 16 + 4 + 6)
+    # to 16 rows (dense, 16 programs) or whole (gathered, row buckets 16, 32, 64)
+    assert cpu.compiled_programs == (16 if tokens <= 16 else 16 + 6)
 
 
 def test_compact_rows_give_the_same_result_as_the_whole_input():
@@ -210,7 +210,9 @@ def test_compact_rows_give_the_same_result_as_the_whole_input():
     added = np.zeros_like(whole)
     np.add.at(added, take, part)  # the padding repeats row 0 and adds zeros there
     np.testing.assert_allclose(added, whole, rtol=1e-6, atol=1e-6)
-    assert cpu_experts.compact_sizes(40, 16) == [16, 32, 40]
+    assert cpu_experts.compact_sizes(40, 16) == [16, 40]
+    assert cpu_experts.compact_sizes(4096, 8) == [8, 32, 128, 512, 2048, 4096]
+    assert [cpu_experts.compact_size(r, 300, 8) for r in (1, 8, 9, 33, 129, 300)] == [8, 8, 32, 128, 300, 300]
 
 
 def test_pull_counts_are_exact_up_to_eight_then_powers_of_two():

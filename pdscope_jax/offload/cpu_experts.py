@@ -60,13 +60,21 @@ def row_bucket(rows: int, min_rows: int) -> int:
 
 
 def compact_size(rows: int, n: int, min_rows: int) -> int:
-    """Rows of the compacted h for `rows` distinct rows out of n: a row bucket, at most n."""
-    return min(row_bucket(rows, min_rows), n)
+    """Rows of the compacted h for `rows` distinct rows out of n: `min_rows` times a power of four, at most n
+    (powers of four rather than two: half as many sizes to compile, at most four times the rows needed)."""
+    size = min_rows
+    while size < rows:
+        size *= 4
+    return min(size, n)
 
 
 def compact_sizes(n: int, min_rows: int) -> list[int]:
     """Every size `compact_size` gives for h of n rows."""
-    return sorted({compact_size(1 << b, n, min_rows) for b in range(row_bucket(n, min_rows).bit_length())})
+    sizes, size = [], min_rows
+    while size < n:
+        sizes.append(size)
+        size *= 4
+    return sizes + [n]
 
 
 def compact_rows(groups: list[tuple[int, np.ndarray, np.ndarray]], n: int, min_rows: int
