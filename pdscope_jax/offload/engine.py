@@ -30,9 +30,10 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
 - RuntimeConfig switches read here: `cost_table` (a name or path, `sched.load_cost_table`; else the analytic
   table; planners see it with CPU times scaled by an in-situ calibration: per phase, a running mean of each
   layer's measured CPU time over the table's, at least 1, reset when the policy changes: the table is measured
-  on an idle machine, a layer's CPU experts run beside copies and the host's own work), `hot_table` (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False:
-  every staged copy is waited for where it is issued, before compute, so nothing overlaps: the ablation's
-  synchronous I/O), `batched_gpu` (False: one GPU program per expert instead of one per layer).
+  on an idle machine, a layer's CPU experts run beside copies and the host's own work), `hot_table`
+  (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False: every staged copy is
+  waited for where it is issued, before compute, so nothing overlaps: the ablation's synchronous I/O),
+  `batched_gpu` (False: one GPU program per expert instead of one per layer).
 
 Per MoE layer (`_moe_layer`: `_route`, `_plan`, `_execute`, then its timing is kept) the engine does, in this
 order:
@@ -102,9 +103,9 @@ from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, a
 from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
-SCORE_POLICIES = ("fate", "pdscope")
+SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
 CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its phase's running scale
-CPU_SCALE_MAX = 8.0  # planners that read next_scores
+CPU_SCALE_MAX = 8.0
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
 
@@ -457,15 +458,15 @@ class OffloadRunner:
         size it can take, with `take_rows` for those sizes."""
         accel, dtype, d = self.devices.accel, self.cache_dtype, self.config.hidden_size
 
-        def zeros(shape, dtype=dtype, kind=None):
-            return jax.device_put(np.zeros(shape, kind or dtype), accel)
+        def zeros(shape, kind=dtype):
+            return jax.device_put(np.zeros(shape, kind), accel)
 
         for b, t, rows in sorted(self._step_shapes):
             x, shared, y_gpu = zeros((b, t, d)), zeros((b * t, d)), zeros((rows, d))
             if rows <= DENSE_MAX_ROWS:
                 cpu_parts = [(zeros((rows, d), np.float32), None)]
             else:
-                cpu_parts = [(zeros((size, d), np.float32), zeros(size, kind=np.int32))
+                cpu_parts = [(zeros((size, d), np.float32), zeros(size, np.int32))
                              for size in compact_sizes(rows, self.cpu_experts.min_rows)]
                 for _, take in cpu_parts:
                     self._programs["take_rows"](y_gpu, take)

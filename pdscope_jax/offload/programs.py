@@ -5,9 +5,10 @@ arguments static, so each traces once per shape: `embed`, `dense_layer` (a decod
 `moe_route` (attention, MoE input, router and shared experts, with the routing packed for one host fetch),
 `moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program),
 `gpu_experts` (`models.layers.combine_experts` over the slot pool), `take_rows` (the rows of the MoE input
-the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of positions) and `next_token` (sampling at one position). KV caches are
-donated. `cache_size(jitted)` counts a jitted function's compiled programs (None where jax hides it). The
-engine (`offload.engine`) decides what runs when; nothing here touches the host.
+the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of
+positions) and `next_token` (sampling at one position). KV caches are donated. `cache_size(jitted)` counts a
+jitted function's compiled programs (None where jax hides it). The engine (`offload.engine`) decides what runs
+when; nothing here touches the host.
 """
 
 from __future__ import annotations
