@@ -231,7 +231,7 @@ def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, cali
     runner = OffloadRunner(ds.model, config, cost_table=table)
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     assert runner.stats["prefill"]["cpu_experts"] > 0
-    scale = runner._cpu_scale["prefill"]
+    scale = runner.stats["cpu_cost_scale"]["prefill"]
     planner_table = runner._planner_costs("prefill")
     if calibrated:
         assert scale > 1.0
@@ -240,4 +240,4 @@ def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, cali
     else:
         assert scale == 1.0 and planner_table is table
     runner.set_policy("ondemand")
-    assert runner._cpu_scale == {"prefill": 1.0, "decode": 1.0}  # learned under another policy's load
+    assert runner.stats["cpu_cost_scale"] == {"prefill": 1.0, "decode": 1.0}  # learned under another policy's load

@@ -119,10 +119,8 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     pick (and XLA:CPU a copy of the whole pool per layer); unrolled, the GPU build copied the pool per layer."""
     num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
-    if ids.shape[0] == 1:  # one row: its top-k ids are distinct already, so a sort gives what `unique` would
-        picks = jnp.sort(ids[0])
-    else:
-        picks = jnp.unique(ids.reshape(-1), size=min(ids.size, num_experts), fill_value=-1)  # ascending; -1 pads
+    size = min(ids.size, num_experts)
+    picks = jnp.unique(ids.reshape(-1), size=size, fill_value=-1)  # ascending; -1 pads the end
     valid = picks >= 0
     picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
     slots = table.slot_of[m, picks]
