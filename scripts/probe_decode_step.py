@@ -14,16 +14,21 @@ the engine of `e40e558`, whose layer visited its picks in a `lax.scan`, and on t
 Each variant runs --warmup steps, then --reps steps with a fresh random input row each, timed one by one (waited
 for); reported: median ms per step, misses per step (from the table's counters), and the copy rate the
 difference to `resident` implies. XLA_FLAGS is recorded: run it under different flags to compare.
-Random weights. Run from the repository root: `PYTHONPATH=. python scripts/probe_decode_step.py --out FILE`.
+With --profile-steps N, N more steps of each variant run under `jax.profiler.trace`, and the record gets the
+accelerator's kernels per step (`kernel_profile`: busy time and kernel count per step, the kernels of most time,
+grouped by HLO op kind: the op's name without its `.N` suffix, so every layer's instance counts together). Random weights. Run from the repository root: `PYTHONPATH=. python scripts/probe_decode_step.py --out FILE`.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 from pdscope_jax.probes import expert_shape_parser, probe_result
 
@@ -39,6 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--fixed-copies", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--profile-steps", type=int, default=0, help="steps traced per variant (0: no profile)")
     args = parser.parse_args(argv)
     from pdscope_jax.runtime import request_cpu_stand_in, select_devices
 
@@ -128,6 +134,14 @@ def main(argv: list[str] | None = None) -> dict:
                   "pool_copies_in_hlo": len(re.findall(  # instructions of the pool's shape that copy it
                       rf"%\S*copy\S* = bf16\[{slots},{d},{2 * f}\]|bf16\[{slots},{d},{2 * f}\]\S* copy\(",
                       compiled.as_text()))}
+        if args.profile_steps:
+            def run_steps():
+                nonlocal pool_gu, pool_dn, table
+                for _ in range(args.profile_steps):
+                    x, pool_gu, pool_dn, table = compiled(jax.device_put(normal(1, d), accel), pool_gu, pool_dn,
+                                                          table, *weights)
+                    x.block_until_ready()
+            record["kernel_profile"] = kernel_profile(run_steps, args.profile_steps)
         if variant == "resident":
             resident_ms = record["ms_per_step"]
         elif resident_ms is not None and record["misses_per_step"] > 0:
@@ -139,6 +153,37 @@ def main(argv: list[str] | None = None) -> dict:
     return probe_result("device decode step: time beyond the copies (random weights)", devices, records, args.out,
                         hidden=d, intermediate=f, num_experts=e, top_k=k, expert_bytes=expert_bytes,
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def kernel_profile(run_steps, steps: int, top: int = 25) -> dict:
+    """Trace `run_steps()` (which runs `steps` steps) and summarise the kernels the accelerator ran: per step, busy
+    microseconds and kernel count; the `top` HLO op kinds by time (microseconds and launches per step; a kind is an
+    op's name without its `.N` instance suffix). Events are those
+    of the planes named '/device:...' (on a CPU stand-in, which has none, the events that name an HLO op)."""
+    import jax
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as directory:
+        with jax.profiler.trace(directory):
+            run_steps()
+        (trace,) = Path(directory).rglob("*.xplane.pb")
+        data = ProfileData.from_file(str(trace))
+    device_planes = [plane for plane in data.planes if plane.name.startswith("/device:")]
+    by_op, launches, busy_ns = collections.Counter(), collections.Counter(), 0
+    for plane in device_planes or data.planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if not device_planes and "hlo_op" not in stats:
+                    continue
+                op = re.sub(r"\.\d+$", "", str(stats.get("hlo_op", event.name)))
+                by_op[op] += event.duration_ns
+                launches[op] += 1
+                busy_ns += event.duration_ns
+    return {"planes": [plane.name for plane in device_planes] or "none named /device: (HLO-op events of every plane)",
+            "busy_us_per_step": busy_ns / 1e3 / steps, "kernels_per_step": sum(launches.values()) / steps,
+            "top_ops": [{"op": op, "us_per_step": ns / 1e3 / steps, "launches_per_step": launches[op] / steps}
+                        for op, ns in by_op.most_common(top)]}
 
 
 if __name__ == "__main__":

@@ -158,3 +158,12 @@ def test_bench_refuses_an_unknown_policy_before_building(capsys):
     with pytest.raises(SystemExit):
         bench_main(["--model", "tiny-deepseek-v2-lite", "--policies", "ondemand", "nope", "--prompt-lens", "8"])
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_decode_step_probe_profiles_the_kernels_it_ran(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_decode_step.py"))["main"]
+    result = main(["--hidden", "16", "--intermediate", "8", "--num-experts", "8", "--top-k", "2", "--layers", "2",
+                   "--slots", "5", "--reps", "2", "--warmup", "1", "--variants", "engine", "--profile-steps", "2"])
+    profile = result["records"][0]["kernel_profile"]
+    assert profile["busy_us_per_step"] > 0 and profile["kernels_per_step"] > 0
+    assert profile["top_ops"] and all(op["launches_per_step"] > 0 for op in profile["top_ops"])

@@ -264,7 +264,8 @@ class OffloadRunner:
         for layer in on_accel.layers:
             layer_graphdef, state = nnx.split(layer)
             self._layers.append(_Layer(static_graph(layer_graphdef), state, layer.is_moe))
-        self._init_cache = on_accel.init_cache
+        # one program on the accelerator rather than two eager `zeros` per layer
+        self._init_cache = jax.jit(on_accel.init_cache, static_argnums=(0, 1, 2), out_shardings=accel)
         # the whole-model pieces (embedding, logits) get the model without its layers: passing every layer's
         # arrays to each of their calls cost about a millisecond per decode step in argument handling alone
         layers, on_accel.layers = on_accel.layers, nnx.List([])
@@ -345,6 +346,7 @@ class OffloadRunner:
         """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
         counts = {name: cache_size(fn) for name, fn in self._programs.items()}
         counts["decode_step"] = cache_size(self._decode_step)
+        counts["init_cache"] = cache_size(self._init_cache)
         counts["slot_commit"] = self.store.compiled_programs
         counts["cpu_expert"] = self.cpu_experts.compiled_programs
         counts["total"] = sum(v for v in counts.values() if v is not None)
@@ -406,6 +408,7 @@ class OffloadRunner:
             raise ValueError(f"generate needs a prompt of at least one token, got shape {ids.shape}")
         tokens = [np.array(token)]  # a host copy (np.asarray could alias the buffer on CPU); waits
         prefill_seconds = time.perf_counter() - start
+        self.phase_stats["prefill"].generate_seconds += prefill_seconds
 
         start = time.perf_counter()
         if max_new_tokens > 1 and self._decodes_on_device(b):
@@ -419,6 +422,7 @@ class OffloadRunner:
             if self.track_memory:
                 self.memory_trace.append(self.device_memory())
         decode_seconds = time.perf_counter() - start
+        self.phase_stats["decode"].generate_seconds += decode_seconds
         return GenerationResult.timed(np.stack(tokens, axis=1), t, prefill_seconds, decode_seconds)
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
@@ -576,7 +580,7 @@ class OffloadRunner:
         padded = np.zeros((b, t_pad), np.int32)
         padded[:, :t] = ids
         max_len = _round_up(max(t_pad, t + max_new_tokens), CACHE_BUCKET)
-        cache = jax.device_put(self._init_cache(b, max_len, self.cache_dtype), self.devices.accel)
+        cache = self._init_cache(b, max_len, self.cache_dtype)
         return list(cache), [(c0, padded[:, c0:c0 + chunk]) for c0 in range(0, t_pad, chunk)]
 
     def _prefill(self, chunks, cache, t: int):

@@ -19,6 +19,8 @@ class PhaseStats:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0  # wall time of the steps
+    generate_seconds: float = 0.0  # wall time of the phase as `generate` times it: the steps, the cache's creation
+    # and the first token's sampling (prefill), the decode loop; what tokens/s figures are divided by
     cpu_seconds: float = 0.0  # CPU expert compute, dispatch to done, summed over layers
     gpu_seconds: float = 0.0  # GPU expert compute, dispatch to done
     transfer_seconds: float = 0.0  # on-demand loads (issue to done) + prefetch/stream (issue to done)
