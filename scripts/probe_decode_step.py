@@ -15,8 +15,9 @@ Each variant runs --warmup steps, then --reps steps with a fresh random input ro
 for); reported: median ms per step, misses per step (from the table's counters), and the copy rate the
 difference to `resident` implies. XLA_FLAGS is recorded: run it under different flags to compare.
 With --profile-steps N, N more steps of each variant run under `jax.profiler.trace`, and the record gets the
-accelerator's kernels per step (`kernel_profile`: busy time and kernel count per step, the kernels of most time,
-grouped by HLO op kind: the op's name without its `.N` suffix, so every layer's instance counts together). Random weights. Run from the repository root: `PYTHONPATH=. python scripts/probe_decode_step.py --out FILE`.
+accelerator's kernels per step (`kernel_profile`: busy time and kernel count per step, the kinds of kernel of
+most time, by HLO op and by kernel name). Random weights. Run from the repository root:
+`PYTHONPATH=. python scripts/probe_decode_step.py --out FILE`.
 """
 
 from __future__ import annotations
@@ -157,9 +158,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 def kernel_profile(run_steps, steps: int, top: int = 25) -> dict:
     """Trace `run_steps()` (which runs `steps` steps) and summarise the kernels the accelerator ran: per step, busy
-    microseconds and kernel count; the `top` HLO op kinds by time (microseconds and launches per step; a kind is an
-    op's name without its `.N` instance suffix). Events are those
-    of the planes named '/device:...' (on a CPU stand-in, which has none, the events that name an HLO op)."""
+    microseconds and kernel count; the `top` kinds by time (microseconds and launches per step) twice: by the HLO
+    op an event names (a command buffer holds many kernels) and by the kernel's own name. A kind is a name without
+    its instance number (`.N` or `_N`), so every layer's instance counts together. Events are those of the planes
+    named '/device:...' (on a CPU stand-in, which has none, the events that name an HLO op)."""
     import jax
     from jax.profiler import ProfileData
 
@@ -169,22 +171,25 @@ def kernel_profile(run_steps, steps: int, top: int = 25) -> dict:
         (trace,) = Path(directory).rglob("*.xplane.pb")
         data = ProfileData.from_file(str(trace))
     device_planes = [plane for plane in data.planes if plane.name.startswith("/device:")]
-    by_op, launches, busy_ns = collections.Counter(), collections.Counter(), 0
+    kind = lambda name: re.sub(r"[._]\d+$", "", name)  # noqa: E731
+    times = {"by_hlo_op": collections.Counter(), "by_kernel": collections.Counter()}
+    launches = {key: collections.Counter() for key in times}
+    busy_ns = count = 0
     for plane in device_planes or data.planes:
         for line in plane.lines:
             for event in line.events:
                 stats = dict(event.stats)
                 if not device_planes and "hlo_op" not in stats:
                     continue
-                op = re.sub(r"\.\d+$", "", str(stats.get("hlo_op", event.name)))
-                by_op[op] += event.duration_ns
-                launches[op] += 1
+                for key, name in (("by_hlo_op", str(stats.get("hlo_op", event.name))), ("by_kernel", event.name)):
+                    times[key][kind(name)] += event.duration_ns
+                    launches[key][kind(name)] += 1
                 busy_ns += event.duration_ns
+                count += 1
     return {"planes": [plane.name for plane in device_planes] or "none named /device: (HLO-op events of every plane)",
-            "busy_us_per_step": busy_ns / 1e3 / steps, "kernels_per_step": sum(launches.values()) / steps,
-            "top_ops": [{"op": op, "us_per_step": ns / 1e3 / steps, "launches_per_step": launches[op] / steps}
-                        for op, ns in by_op.most_common(top)]}
-
+            "busy_us_per_step": busy_ns / 1e3 / steps, "kernels_per_step": count / steps,
+            **{key: [{"name": name, "us_per_step": ns / 1e3 / steps, "launches_per_step": launches[key][name] / steps}
+                     for name, ns in times[key].most_common(top)] for key in times}}
 
 if __name__ == "__main__":
     main()

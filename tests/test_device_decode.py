@@ -34,7 +34,7 @@ def _pool(devices, gate_up, down, resident: dict[int, int]) -> SlotPool:
     return pool
 
 
-def _run_layer(experts, stacks: bool, resident: dict[int, int], priority, picks: dict[int, float], h: np.ndarray):
+def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: dict[int, float], h: np.ndarray):
     """One MoE layer of one row through `_routed_experts` on a `_pool` holding `resident`; the row routes to
     `picks` {expert: weight}. Checks its output against the experts' weighted sum. -> (pool, counts, table)."""
     devices = select_devices()
@@ -45,7 +45,7 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], priority, picks:
     else:
         layer = (tuple(jax.device_put(g, pinned) for g in gate_up), tuple(jax.device_put(d, pinned) for d in down))
     pool = _pool(devices, gate_up, down, resident)
-    table = device_decode.upload(pool, (5,), None if priority is None else np.array(priority), devices.accel)
+    table = device_decode.upload(pool, (5,), None if bonus is None else np.array(bonus), devices.accel)
     on_accel = lambda a: jax.device_put(a, devices.accel)  # noqa: E731
     ids, weights = on_accel(np.array([list(picks)], np.int32)), on_accel(np.array([list(picks.values())], np.float32))
     y, pool.gate_up, pool.down, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
@@ -56,18 +56,19 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], priority, picks:
 
 
 @pytest.mark.parametrize("stacks, exact_pulls", [(True, 8), (True, 1), (False, 8)])
-@pytest.mark.parametrize("priority", [None, [[900, 10, 5, 800]]])
-def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, exact_pulls, priority, monkeypatch):
-    """Experts 0 and 1 resident (1 used last); the row picks experts 1, 2, 3. LRU: the two misses take the free
-    slot and expert 0's. Priorities: the misses, most worth first (3: 800, 2: 5), against the slots least worth
-    keeping (the free one, then expert 0's: 900): expert 3 takes the free slot, expert 2 is not worth expert 0's.
+@pytest.mark.parametrize("bonus", [None, [[900, 10, 5, 800]]])
+def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, exact_pulls, bonus, monkeypatch):
+    """Experts 0 and 1 resident (used at clocks 1 and 2); the layer runs at clock 3 and its row picks experts 1, 2,
+    3. LRU: the two misses take the free slot and expert 0's. Bonuses: the misses, most worth first (3: 3 + 800,
+    2: 3 + 5), against the slots least worth keeping (the free one, then expert 0's: 1 + 900): expert 3 takes the
+    free slot, expert 2 is not worth expert 0's.
     With exact_pulls 1 the two misses copy three experts (a rounded-up branch): the same result."""
     monkeypatch.setattr(expert_store, "EXACT_PULLS", exact_pulls)
     gate_up, down = experts
     h = np.random.default_rng(1).standard_normal((1, D)).astype(np.float32)
-    pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, priority, {3: 0.5, 1: 0.3, 2: 0.2}, h)
-    kept = {2, 3} if priority is None else {0, 3}
-    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if priority is None else 0}
+    pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, bonus, {3: 0.5, 1: 0.3, 2: 0.2}, h)
+    kept = {2, 3} if bonus is None else {0, 3}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if bonus is None else 0}
     assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept | {1}
     for expert in kept | {1}:  # every resident slot holds its expert's weights
         slot = pool.slot_of(5)[expert]
@@ -94,7 +95,7 @@ def ds():
 @pytest.mark.parametrize("stacks", [True, False])
 @pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
 def test_decode_on_device_matches_plain_model(ds, policy, stacks):
-    """Evictions on every step (a pool of 5 slots), the pdscope run with a hot table's priorities."""
+    """Evictions on every step (a pool of 5 slots), the pdscope run with a hot table's bonuses."""
     config = ds.runner(policy, _slots(ds, "small")).runtime
     if policy == "pdscope":
         counts = {layer: np.arange(ds.cfg.num_experts)[::-1] + 1 for layer in ds.cfg.moe_layers}
@@ -134,12 +135,25 @@ def test_host_decode_still_matches_plain_model(ds, policy):
 
 
 def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
-    """A full pool {0, 1, 3}; the row picks 1, 2, 3, so only expert 0 (900) could make room for expert 2 (5)."""
+    """A full pool {0, 1, 3}; the row picks 1, 2, 3 at clock 4, so only expert 0 (1 + 900) could make room for
+    expert 2 (4 + 5)."""
     pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1, 3: 2}, [[900, 10, 5, 800]], {2: 0.6, 1: 0.3, 3: 0.1},
                                  np.ones((1, D), np.float32))
     assert counts == {"activated": 3, "hits": 2, "evictions": 0}
     assert pool.slot_of(5).tolist() == [0, 1, -1, 2]
     np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), experts[0][0])  # its weights untouched
+
+
+@pytest.mark.parametrize("favourite_bonus, kept", [(5, False), (2, True)])
+def test_a_favourite_outlives_its_last_use_by_its_bonus_only(experts, favourite_bonus, kept):
+    """A full pool {0, 1, 2} used at clocks 1, 2, 3; experts 1 and 2 worth 9 more, expert 0 (the least recently
+    used) `favourite_bonus` more. At clock 4 the row picks expert 3 (no bonus: worth 4): it replaces expert 0 only
+    when expert 0's last use plus bonus (1 + 5 = 6, or 1 + 2 = 3) is worth less."""
+    pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1, 2: 2}, [[favourite_bonus, 9, 9, 0]], {3: 1.0},
+                                 np.ones((1, D), np.float32))
+    assert counts["evictions"] == int(kept)
+    assert pool.slot_of(5).tolist() == ([-1, 1, 2, 0] if kept else [0, 1, 2, -1])
+    assert pool.last_use[pool.slot_of(5)[1]] == 2  # download gives back last uses, not worths
 
 
 def _claim_one_by_one(keep, owner, misses, worth):
@@ -170,17 +184,17 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         owner = np.full(slots, -1, np.int32)
         owner[rng.choice(slots, len(residents), replace=False)] = residents
         lru = case % 3 == 0
-        priority = np.full(e, -1, np.int32) if lru else rng.integers(0, 4, e).astype(np.int32)  # ties likely
-        keep = np.where(owner >= 0, rng.integers(0, 4, slots) if lru else priority[np.maximum(owner, 0)], -1)
+        bonus = np.zeros(e, np.int32) if lru else rng.integers(0, 4, e).astype(np.int32)
+        keep = np.where(owner >= 0, rng.integers(0, 4, slots) + bonus[np.maximum(owner, 0)], -1)  # ties likely
         slot_of = np.full(e, -1, np.int32)
         slot_of[owner[owner >= 0]] = np.flatnonzero(owner >= 0)
         ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(4)]).astype(np.int32)
-        table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), priority[None], np.int32(4),
+        table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), bonus[None], np.int32(4),
                                         np.zeros(3, np.int32), np.zeros((1, e), np.int32))
         _, _, _, after = step(0, zeros(4, d), zeros(4, 2), ids, layer, zeros(slots, d, 2 * f),
                               zeros(slots, f, d), jax.device_put(table, devices.accel))
         picked = set(ids.reshape(-1).tolist())
-        worth = {x: (5 if lru else int(priority[x])) for x in picked}  # LRU: a miss is worth the new clock
+        worth = {x: 5 + int(bonus[x]) for x in picked}  # the layer's clock, 5, plus the expert's bonus
         protected = np.where(np.isin(owner, list(picked)), np.iinfo(np.int32).max, keep)
         want_owner = _claim_one_by_one(protected, owner, sorted(picked - set(residents.tolist())), worth)
         assert np.asarray(after.owner).tolist() == want_owner, case

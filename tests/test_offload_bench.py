@@ -166,4 +166,5 @@ def test_decode_step_probe_profiles_the_kernels_it_ran(tmp_path):
                    "--slots", "5", "--reps", "2", "--warmup", "1", "--variants", "engine", "--profile-steps", "2"])
     profile = result["records"][0]["kernel_profile"]
     assert profile["busy_us_per_step"] > 0 and profile["kernels_per_step"] > 0
-    assert profile["top_ops"] and all(op["launches_per_step"] > 0 for op in profile["top_ops"])
+    for key in ("by_hlo_op", "by_kernel"):
+        assert profile[key] and all(kind["launches_per_step"] > 0 for kind in profile[key])

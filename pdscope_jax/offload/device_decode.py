@@ -14,17 +14,20 @@ with a layer's picks handled as straight-line code instead of a loop (call 34): 
 Contract:
 - `PoolTable`: the slot pool's table as accelerator arrays: `slot_of` [Lm, E] int32 (-1: not resident), `owner`
   [S] int32 (MoE position * E + expert; -1: free), `keep` [S] int32 (how much the slot's expert is worth keeping;
-  the victim of a miss is the slot of least `keep`; -1: free), `priority` [Lm, E] int32 (an expert's fixed
-  `keep`, or -1: its last use, the LRU clock), `clock` [] int32, `counts` [3] int32 (activated, hits,
-  evictions since upload), `routed` [Lm, E] int32 (rows routed to each expert since upload).
-  `upload(pool, moe_layers, priority, device)` builds it from a `SlotPool` (priority [Lm, E] or None: LRU);
+  the victim of a miss is the slot of least `keep`; -1: free), `bonus` [Lm, E] int32 >= 0 (clock ticks an
+  expert's popularity adds to its worth; zeros: LRU), `clock` [] int32 (one tick per MoE layer run), `counts`
+  [3] int32 (activated, hits, evictions since upload), `routed` [Lm, E] int32 (rows routed to each expert since
+  upload). `upload(pool, moe_layers, bonus, device)` builds it from a `SlotPool` (bonus [Lm, E] or None: LRU);
   `download(table, pool, moe_layers)` writes it back (the pool's arrays are the step's donated outputs, set by
   the caller).
-- Residency rules: a hit refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the
-  slots least worth keeping (least first, this layer's hits excluded), and a miss takes its slot when it is worth
-  more than the slot's expert (always, under LRU), else it is used once and not kept. With priorities from a hot
-  table (`pdscope`), the pool converges on the most popular experts of every layer, as many per layer as their
-  popularity earns; under LRU (`ondemand`, `gpu`) it is an LRU cache.
+- Residency rules (GreedyDual with popularity as the cost): an expert used at clock c is worth c + its bonus. A
+  hit refreshes its slot's `keep` to that; a layer's misses, most worth first, are paired with the slots least
+  worth keeping (least first, this layer's hits excluded), and a miss takes its slot when it is worth more than
+  the slot's expert (always, under LRU), else it is used once and not kept. Under LRU (`ondemand`, `gpu`) the
+  pool is an LRU cache; with bonuses from a hot table (`pdscope`, `engine._decode_bonus`) a popular expert
+  outlives an unpopular one used as recently by its bonus in ticks, and an expert used often stays whatever the
+  table says. (Fixed priorities, the rule before call 40, kept the table's favourites even where decode used
+  others: Qwen3-30B-A3B missed twice as often as LRU, call 39.)
 - `decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token,
   positions, caches, root, step, pool_gu, pool_dn, table) -> (token [B], positions + 1, step + 1, caches,
   pool_gu, pool_dn, table)`: one step of the model on token [B] at positions [B, 1] (graphs, model_graph,
@@ -67,7 +70,7 @@ class PoolTable:
     slot_of: jax.Array  # [Lm, E] int32
     owner: jax.Array  # [S] int32
     keep: jax.Array  # [S] int32
-    priority: jax.Array  # [Lm, E] int32
+    bonus: jax.Array  # [Lm, E] int32
     clock: jax.Array  # [] int32
     counts: jax.Array  # [3] int32: activated, hits, evictions
     routed: jax.Array  # [Lm, E] int32: rows routed to each expert
@@ -77,34 +80,32 @@ def fits(pool: SlotPool, picks: int) -> bool:
     return pool.num_slots > picks
 
 
-def upload(pool: SlotPool, moe_layers: tuple[int, ...], priority: np.ndarray | None,
+def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None,
            device: jax.Device) -> PoolTable:
-    """The pool's table on `device`; `priority` [Lm, E] non-negative int32 (None: LRU, see the module docstring)."""
+    """The pool's table on `device`; `bonus` [Lm, E] non-negative int32 (None: zeros, LRU; see the module
+    docstring). A resident's `keep` is its last use (the pool's LRU clock) plus its bonus."""
     e = pool.num_experts
     position = {layer: m for m, layer in enumerate(moe_layers)}
     slot_of = np.stack([pool.slot_of(layer) for layer in moe_layers]).astype(np.int32)
     owner = np.where(pool.owner_layer >= 0,
                      np.array([position.get(int(l), 0) for l in pool.owner_layer]) * e + pool.owner_expert, -1)
-    if priority is None:
-        priority = np.full(slot_of.shape, -1, np.int32)
-        keep = np.where(owner >= 0, pool.last_use, -1)
-    else:
-        keep = np.where(owner >= 0, priority.reshape(-1)[np.maximum(owner, 0)], -1)
+    bonus = np.zeros(slot_of.shape, np.int32) if bonus is None else np.asarray(bonus, np.int32)
+    keep = np.where(owner >= 0, pool.last_use + bonus.reshape(-1)[np.maximum(owner, 0)], -1)
     clock = int(pool.last_use.max(initial=0))
-    table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), priority.astype(np.int32),
-                      np.int32(clock), np.zeros(3, np.int32), np.zeros(slot_of.shape, np.int32))
+    table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), bonus, np.int32(clock),
+                      np.zeros(3, np.int32), np.zeros(slot_of.shape, np.int32))
     return jax.device_put(table, device)
 
 
 def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> dict[str, int]:
-    """Write the table back into `pool`'s host bookkeeping (LRU clocks: the last step's for every resident under
-    priorities). -> {activated, hits, evictions} since upload."""
+    """Write the table back into `pool`'s host bookkeeping (each resident's last use: its `keep` less its
+    bonus). -> {activated, hits, evictions} since upload."""
     e = pool.num_experts
     owner, keep = np.asarray(table.owner), np.asarray(table.keep).astype(np.int64)
     clock = int(table.clock)
-    lru = bool(np.all(np.asarray(table.priority) < 0))
+    last_use = keep - np.asarray(table.bonus).reshape(-1)[np.maximum(owner, 0)]
     pool.set_table(np.where(owner >= 0, np.asarray(moe_layers)[np.maximum(owner, 0) // e], -1),
-                   np.where(owner >= 0, owner % e, -1), np.where(owner >= 0, keep if lru else clock, 0), clock)
+                   np.where(owner >= 0, owner % e, -1), np.where(owner >= 0, last_use, 0), clock)
     activated, hits, evictions = (int(v) for v in np.asarray(table.counts))
     pool.evictions += evictions
     return {"activated": activated, "hits": hits, "evictions": evictions}
@@ -126,7 +127,7 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     slots = table.slot_of[m, picks]
     miss = valid & (slots < 0)
     clock = table.clock + 1
-    worth = jnp.where(table.priority[m, picks] >= 0, table.priority[m, picks], clock)
+    worth = clock + table.bonus[m, picks]
     order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
     picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
     pulled = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32))
@@ -154,7 +155,7 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     pool_dn = pool_dn.at[target].set(downs, mode="drop", unique_indices=True)
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0)]).astype(jnp.int32)
-    return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.priority, clock, counts, routed)
+    return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
 
 
 def decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token, positions,

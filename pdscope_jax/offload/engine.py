@@ -490,14 +490,19 @@ class OffloadRunner:
     # ---- decode as one accelerator program per step (offload.device_decode) ----------------------------
     # `generate` decodes this way when `_decodes_on_device`: the policy keeps every activated expert on the
     # accelerator in decode (`device_decode.DEVICE_DECODE_POLICIES`), and RuntimeConfig's device_decode, async_io
-    # and batched_gpu are on; `pdscope` then keeps the experts its hot table ranks highest, `ondemand` an LRU set.
-    def _decode_priority(self) -> np.ndarray | None:
-        """[Lm, E] how much each expert is worth keeping in decode's device-side cache: for `pdscope` with a hot
-        table, its share of its layer's activations (in millionths); None (LRU) otherwise."""
+    # and batched_gpu are on; `ondemand` keeps an LRU set, `pdscope` the same with its hot table's favourites
+    # worth more (`_decode_bonus`).
+    def _decode_bonus(self, batch: int) -> np.ndarray | None:
+        """[Lm, E] clock ticks each expert's popularity adds to its worth in decode's device-side cache (see
+        `device_decode`): for `pdscope` with a hot table, its activations over its layer's mean (1 for an expert
+        of average popularity) times the pool's turnover, the ticks in which a step's misses could replace every
+        slot (slots / distinct experts a layer can pick); None (LRU) otherwise."""
         if self.runtime.policy != "pdscope" or not self._hot_counts:
             return None
         table = np.stack([np.asarray(self._hot_counts[layer], np.float64) for layer in self._moe_layers])
-        return np.round(1e6 * table / np.maximum(table.sum(axis=1, keepdims=True), 1)).astype(np.int32)
+        over_mean = table / np.maximum(table.mean(axis=1, keepdims=True), 1e-12)
+        turnover = self.pool.num_slots / min(batch * self.config.num_experts_per_tok, self.config.num_experts)
+        return np.round(over_mean * turnover).astype(np.int32)
 
     def _decodes_on_device(self, batch: int) -> bool:
         rc = self.runtime
@@ -514,7 +519,7 @@ class OffloadRunner:
             self._commit_staged(layer)  # nothing staged stays behind the table's upload
         self._streamed.clear()
         accel, b = self.devices.accel, token.shape[0]
-        table = device_decode.upload(self.pool, self._moe_layers, self._decode_priority(), accel)
+        table = device_decode.upload(self.pool, self._moe_layers, self._decode_bonus(b), accel)
         experts = tuple(self.store.layer_stacks(layer) or self.store.layer_experts(layer) for layer in self._moe_layers)
         graphs = tuple(layer.graph for layer in self._layers)
         states = tuple(layer.state for layer in self._layers)
