@@ -224,20 +224,22 @@ def test_streaming_keeps_experts_resident_before_the_prefill(monkeypatch):
 @pytest.mark.parametrize("factor, calibrated", [(1e-6, True), (1e6, False)])
 def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, calibrated):
     """A table whose CPU times are far too small is scaled up by what the CPU experts measure; one whose times are
-    far too large stays as it is (the scale never goes below 1). Numbers are unchanged either way."""
+    far too large stays as it is (the scale never goes below 1). Numbers are unchanged either way. Each phase and
+    step size keeps its own scale: the 20-token prompt's prefill (32 rows) and the one-row decode steps."""
     table = analytic_costs(ds.cfg, 4).with_cpu_scale(factor)
     config = RuntimeConfig(gpu_memory="1GB", expert_pool=5 * ds.cfg.expert_bytes(4), policy="greedy",
                            max_seq_len=128)
     runner = OffloadRunner(ds.model, config, cost_table=table)
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     assert runner.stats["prefill"]["cpu_experts"] > 0
-    scale = runner.stats["cpu_cost_scale"]["prefill"]
-    planner_table = runner._planner_costs("prefill")
+    scales = runner.stats["cpu_cost_scale"]
+    planner_table = runner._planner_costs("prefill", 32)
     if calibrated:
-        assert scale > 1.0
+        assert set(scales) == {"prefill 32", "decode 1"} and scales["prefill 32"] > 1.0
         np.testing.assert_allclose(planner_table.cpu_expert_seconds,
-                                   np.asarray(table.cpu_expert_seconds) * round(scale, 1))
+                                   np.asarray(table.cpu_expert_seconds) * round(scales["prefill 32"], 1))
+        assert runner._planner_costs("prefill", 64) is table  # another step size: nothing learned yet
     else:
-        assert scale == 1.0 and planner_table is table
+        assert all(scale == 1.0 for scale in scales.values()) and planner_table is table
     runner.set_policy("ondemand")
-    assert runner.stats["cpu_cost_scale"] == {"prefill": 1.0, "decode": 1.0}  # learned under another policy's load
+    assert runner.stats["cpu_cost_scale"] == {}  # learned under another policy's load

@@ -104,7 +104,7 @@ from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
-CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its phase's running scale
+CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its running scale (per phase and step size)
 CPU_SCALE_MAX = 8.0
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
@@ -184,8 +184,10 @@ class OffloadRunner:
         # thread 0.02 ms (scripts/probe_copy_issue.py); one worker keeps them in issue order
         self._stager = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-stage")
         self._unsettled: list[LayerTiming] = []
-        # in-situ CPU calibration: measured / cost-table CPU seconds per phase (>= 1), and the scaled tables
-        self._cpu_scale = dict.fromkeys(("prefill", "decode"), 1.0)
+        # in-situ CPU calibration: measured / cost-table CPU seconds (>= 1) per phase and step size (padded rows;
+        # absent: 1), and the scaled tables
+        self._cpu_scale: dict[tuple[str, int], float] = {}
+        self._step_rows = 0  # padded rows of the step running now
         self._scaled_costs: dict[float, CostTable] = {}
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
@@ -289,7 +291,7 @@ class OffloadRunner:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
         if policy != self.runtime.policy:  # the calibration learned under one policy's load is not another's
-            self._cpu_scale = dict.fromkeys(self._cpu_scale, 1.0)
+            self._cpu_scale.clear()
         self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options, **engine)
         options = self.runtime.policy_kwargs
         if policy == "static":  # no loads at run time: the whole pool holds hot experts
@@ -366,7 +368,8 @@ class OffloadRunner:
             "slots": self.pool.num_slots,
             "double_buffering": self.pool.can_double_buffer,
             "evictions": self.pool.evictions,
-            "cpu_cost_scale": dict(self._cpu_scale),  # the in-situ CPU calibration the planners see now
+            # the in-situ CPU calibration the planners see now, per "phase rows" (absent: 1)
+            "cpu_cost_scale": {f"{phase} {rows}": scale for (phase, rows), scale in sorted(self._cpu_scale.items())},
             "budget": {name: value for name, value in self.budget.lines()},
             "host_expert_bytes": self.store.host_bytes,
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
@@ -606,6 +609,7 @@ class OffloadRunner:
         n = valid.size
         n_pad = bucket(n, self.runtime.decode_buckets if phase == "decode" else self.runtime.prefill_buckets)
         self._step_shapes.add((*ids.shape, n_pad))
+        self._step_rows = n_pad
         valid_pad = np.zeros(n_pad, bool)
         valid_pad[:n] = valid
         # the next-layer gate's row mask, on the accelerator once per step rather than once per layer
@@ -689,7 +693,7 @@ class OffloadRunner:
             next_resident=None if nxt is None else pool.resident(nxt),
             free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
         start = time.perf_counter()
-        plan = self.planner.plan(demand, self._planner_costs(phase))
+        plan = self.planner.plan(demand, self._planner_costs(phase, self._step_rows))
         planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
         self._mark(phase, "planned", i)
@@ -702,10 +706,10 @@ class OffloadRunner:
         stats.hits += int((demand.activated & resident).sum())
         return plan
 
-    def _planner_costs(self, phase: str) -> CostTable:
-        """The cost table with CPU times scaled by this phase's calibration (rounded to a tenth, so a few scaled
-        tables serve every layer)."""
-        scale = round(self._cpu_scale[phase], 1)
+    def _planner_costs(self, phase: str, rows: int) -> CostTable:
+        """The cost table with CPU times scaled by the calibration of this phase and step size (rounded to a
+        tenth, so a few scaled tables serve every layer)."""
+        scale = round(self._cpu_scale.get((phase, rows), 1.0), 1)
         if scale <= 1.0:
             return self.costs
         if scale not in self._scaled_costs:
@@ -714,10 +718,14 @@ class OffloadRunner:
 
     def _calibrate_cpu(self, t: LayerTiming, done: float) -> None:
         """Fold one layer's measured CPU time (dispatch to done, stamped by a helper thread) over what the cost
-        table predicted into its phase's scale: a running mean, kept in [1, CPU_SCALE_MAX]."""
+        table predicted into the scale of its phase and step size: a running mean, kept in [1, CPU_SCALE_MAX]. Step
+        sizes keep apart because one factor cannot model a fixed cost per layer: a few one-token CPU experts drove
+        a 128-token prefill's scale to the cap, and a 4,096-token prefill that inherited it planned with CPU experts
+        eight times too dear (H200, calls 41-42)."""
+        key = (t.phase, t.step_rows)
         observed = (done - t.cpu_start) / t.cpu_predicted
-        scale = (1 - CPU_CALIBRATION) * self._cpu_scale[t.phase] + CPU_CALIBRATION * observed
-        self._cpu_scale[t.phase] = min(max(scale, 1.0), CPU_SCALE_MAX)
+        scale = (1 - CPU_CALIBRATION) * self._cpu_scale.get(key, 1.0) + CPU_CALIBRATION * observed
+        self._cpu_scale[key] = min(max(scale, 1.0), CPU_SCALE_MAX)
 
     def _execute(self, i: int, phase: str, plan: Plan, r: _Routed):
         """CPU experts (dispatched: they run on the CPU backend's threads) and this layer's loads first, then the
@@ -757,7 +765,7 @@ class OffloadRunner:
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
         return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end,
-                              loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]))
+                              loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]), self._step_rows)
 
     def _mark(self, phase: str, event: str, layer: int, at: float | None = None) -> None:
         """Record a stage of layer `layer` in the timeline, when one is being recorded."""

@@ -78,6 +78,7 @@ class LayerTiming:
     loads_end: float | None  # ... when the loads were done, where they were waited for (synchronous I/O)
     ready: dict[str, concurrent.futures.Future]
     cpu_predicted: float = 0.0  # the cost table's seconds for its CPU experts (the engine calibrates against it)
+    step_rows: int = 0  # padded rows of its step (the calibration keeps one scale per phase and step size)
 
     def settle_into(self, stats: PhaseStats, done: dict[str, float]) -> None:
         """Add this layer to `stats`, `done` holding its `ready` futures' results. Loads are exposed where the
