@@ -76,11 +76,13 @@ def test_prefill_steps_by_hand():
 
 def test_prefill_slot_limits_keep_hottest():
     # Same layer, 3 free slots: the two loads fit, one prefetch (the hottest predicted, expert 6) is left room.
-    plan, _ = run(AdaptSched(layer_guard=False), demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=3), linear_costs())
+    exact = AdaptSched(layer_guard=False)
+    plan, _ = run(exact, demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=3), linear_costs())
     np.testing.assert_array_equal(plan.load_now, [7, 6])
     np.testing.assert_array_equal(plan.prefetch, [6])
     # 1 free slot: step 2 wanted E_cur[5:], cut to the hottest, E_cur[6:]; nothing left for prefetching.
-    plan, dec = run(AdaptSched(layer_guard=False), demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=1), linear_costs())
+    exact = AdaptSched(layer_guard=False)
+    plan, dec = run(exact, demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=1), linear_costs())
     np.testing.assert_array_equal(plan.load_now, [7])
     assert plan.prefetch.size == 0 and dec.i_prime == 6
 

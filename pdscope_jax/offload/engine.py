@@ -104,7 +104,7 @@ from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
-CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its running scale (per phase and step size)
+CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its (phase, step size) running scale
 CPU_SCALE_MAX = 8.0
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
