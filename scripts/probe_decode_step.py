@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> dict:
                 times.append(time.perf_counter() - start)
                 counts.append(np.asarray(table.counts) - before)
         activated, hits, _ = np.sum(counts, axis=0) / len(counts)
+        hlo = compiled.as_text()
         record = {"variant": variant, "slots": slots, "layers": layers, "compile_s": round(compile_s, 2),
                   "ms_per_step": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),
                   "activated_per_step": float(activated), "misses_per_step": float(activated - hits),
-                  "loops_in_hlo": compiled.as_text().count(" while("),
-                  "conditionals_in_hlo": compiled.as_text().count(" conditional("),
+                  "loops_in_hlo": hlo.count(" while("),
+                  "conditionals_in_hlo": hlo.count(" conditional("),
                   "pool_copies_in_hlo": len(re.findall(  # instructions of the pool's shape that copy it
-                      rf"%\S*copy\S* = bf16\[{slots},{d},{2 * f}\]|bf16\[{slots},{d},{2 * f}\]\S* copy\(",
-                      compiled.as_text()))}
+                      rf"%\S*copy\S* = bf16\[{slots},{d},{2 * f}\]|bf16\[{slots},{d},{2 * f}\]\S* copy\(", hlo))}
         if args.profile_steps:
             def run_steps():
                 nonlocal pool_gu, pool_dn, table

@@ -59,22 +59,20 @@ def row_bucket(rows: int, min_rows: int) -> int:
     return max(min_rows, 1 << max(rows - 1, 0).bit_length())
 
 
-def compact_size(rows: int, n: int, min_rows: int) -> int:
-    """Rows of the compacted h for `rows` distinct rows out of n: `min_rows` times a power of four, at most n
-    (powers of four rather than two: half as many sizes to compile, at most four times the rows needed)."""
-    size = min_rows
-    while size < rows:
-        size *= 4
-    return min(size, n)
-
-
 def compact_sizes(n: int, min_rows: int) -> list[int]:
-    """Every size `compact_size` gives for h of n rows."""
+    """The sizes a compacted h of n rows can take, ascending: `min_rows` times a power of four below n, then n
+    (powers of four rather than two: half as many sizes to compile, at most four times the rows needed)."""
     sizes, size = [], min_rows
     while size < n:
         sizes.append(size)
         size *= 4
     return sizes + [n]
+
+
+def compact_size(rows: int, n: int, min_rows: int) -> int:
+    """Rows of the compacted h for `rows` (<= n) distinct rows out of n: the least of `compact_sizes` that holds
+    them."""
+    return next(size for size in compact_sizes(n, min_rows) if size >= rows)
 
 
 def compact_rows(groups: list[tuple[int, np.ndarray, np.ndarray]], n: int, min_rows: int

@@ -28,9 +28,9 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   `set_policy(name, options, **engine)` switches planners (and the engine switches below) without rebuilding.
   `timeline`: set it to an `offload.timeline.Timeline` to record when each stage of each MoE layer happened.
 - RuntimeConfig switches read here: `cost_table` (a name or path, `sched.load_cost_table`; else the analytic
-  table; planners see it with CPU times scaled by an in-situ calibration: per phase, a running mean of each
-  layer's measured CPU time over the table's, at least 1, reset when the policy changes: the table is measured
-  on an idle machine, a layer's CPU experts run beside copies and the host's own work), `hot_table`
+  table; planners see it with CPU times scaled by an in-situ calibration: per phase and step size, a running
+  mean of each layer's measured CPU time over the table's, at least 1, reset when the policy changes: the table
+  is measured on an idle machine, a layer's CPU experts run beside copies and the host's own work), `hot_table`
   (activation counts for the planners' hot-expert tables, preloaded), `async_io` (False: every staged copy is
   waited for where it is issued, before compute, so nothing overlaps: the ablation's synchronous I/O),
   `batched_gpu` (False: one GPU program per expert instead of one per layer).
