@@ -521,6 +521,10 @@ class OffloadRunner:
         for layer in list(self._pending):
             self._commit_staged(layer)  # nothing staged stays behind the table's upload
         self._streamed.clear()
+        stats = self.phase_stats["decode"]
+        waited = time.perf_counter()
+        jax.block_until_ready((self.pool.gate_up, self.pool.down))  # prefill's queued work apart from the steps'
+        stats.handoff_seconds += time.perf_counter() - waited
         accel, b = self.devices.accel, token.shape[0]
         table = device_decode.upload(self.pool, self._moe_layers, self._decode_bonus(b), accel)
         experts = tuple(self.store.layer_stacks(layer) or self.store.layer_experts(layer) for layer in self._moe_layers)
@@ -547,7 +551,6 @@ class OffloadRunner:
         counts = device_decode.download(table, self.pool, self._moe_layers)
         for layer, routed in zip(self._moe_layers, np.asarray(table.routed)):
             self.activation_counts["decode"][layer] += routed
-        stats = self.phase_stats["decode"]
         misses = counts["activated"] - counts["hits"]
         # every routed expert has one size: the misses' bytes are those of as many copies of one expert
         nbytes = self.store.count_moved(self._moe_layers[0], np.zeros(misses, np.int64))

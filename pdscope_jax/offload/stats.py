@@ -35,6 +35,8 @@ class PhaseStats:
     cpu_experts: int = 0
     planner_seconds: float = 0.0  # time inside the planner's `plan`, summed over layers
     planner_calls: int = 0  # layers planned
+    handoff_seconds: float = 0.0  # decode on the accelerator: waiting, before its first step, for the work that
+    # prefill left queued on the accelerator (in `generate_seconds`, not in `seconds`)
     device_steps: int = 0  # steps run as one accelerator program (offload.device_decode): in `seconds`, hits,
     # bytes and gpu_experts, but in none of the CPU / GPU / transfer time splits, which such a step does not measure
 
