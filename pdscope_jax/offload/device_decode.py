@@ -118,13 +118,16 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
 def picked_outputs(h, gate_up, down, index, valid):
     """[U, N, D] f32: expert_ffn(h, gate_up[index[u]], down[index[u]]) for each of the U picks, zeros where
     ~valid[u]. Up to UNROLL_MAX picks (batch 1), one expert at a time, so that each matmul reads its expert where
-    it lies instead of a gather first copying the U experts out (call 40's profile); more picks, gathered and run
-    as one batched call."""
+    it lies instead of a gather first copying the U experts out (call 40's profile); a single row is run twice,
+    as XLA turns a one-row matmul into a multiply and a reduction that write the whole product (call 43). More
+    picks: gathered and run as one batched call."""
     if index.shape[0] > UNROLL_MAX:
         outs = jax.vmap(expert_ffn, in_axes=(None, 0, 0))(h, gate_up[index], down[index])
     else:
-        outs = jnp.stack([expert_ffn(h, jax.lax.dynamic_index_in_dim(gate_up, i, keepdims=False),
-                                     jax.lax.dynamic_index_in_dim(down, i, keepdims=False)) for i in index])
+        rows = jnp.concatenate([h, h]) if h.shape[0] == 1 else h
+        outs = jnp.stack([expert_ffn(rows, jax.lax.dynamic_index_in_dim(gate_up, i, keepdims=False),
+                                     jax.lax.dynamic_index_in_dim(down, i, keepdims=False))[:h.shape[0]]
+                          for i in index])
     return jnp.where(valid[:, None, None], outs.astype(F32), 0.0)
 
 
