@@ -8,10 +8,7 @@ engine's own `device_decode._routed_experts` on a slot pool of `--slots` slots (
   resident  every expert of every layer in the pool: no copies, the cost of everything else;
   engine    the engine as it is;
   fixed     `pull_traced` replaced by a fixed count of copies and no conditional (timing only: its output is
-            wrong whenever a layer misses more experts than it copies);
-  gathered  as resident, with `picked_outputs` gathering the picks' weights and running one batched call (the
-            engine's way for more than UNROLL_MAX picks, and its only way before call 43);
-  one_row   as resident, with `picked_outputs` running a single row once (XLA rewrites such a matmul).
+            wrong whenever a layer misses more experts than it copies).
 Each variant's HLO is searched for conditionals, loops and copies of the whole pool. (Call 32 ran this probe on
 the engine of `e40e558`, whose layer visited its picks in a `lax.scan`, and on that loop unrolled.)
 Each variant runs --warmup steps, then --reps steps with a fresh random input row each, timed one by one (waited
@@ -36,7 +33,7 @@ from pathlib import Path
 
 from pdscope_jax.probes import expert_shape_parser, probe_result
 
-VARIANTS = ("resident", "engine", "fixed", "gathered", "one_row")
+VARIANTS = ("resident", "engine", "fixed")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -57,7 +54,6 @@ def main(argv: list[str] | None = None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from pdscope_jax.models.layers import expert_ffn
     from pdscope_jax.offload import device_decode
 
     devices = select_devices()
@@ -85,23 +81,14 @@ def main(argv: list[str] | None = None) -> dict:
         pool = tuple(jax.device_put(np.asarray(a)[experts_of], accel) for a in stack)
         return pool, jax.device_put(table, accel)
 
-    def fixed_pull(experts, order, n_miss):
-        u = order.shape[0]
+    def fixed_pull(experts, order, n_miss, rest):
+        u, c = order.shape[0], min(args.fixed_copies, order.shape[0])
         out = []
-        for a in experts:
+        for a, pool in zip(experts, rest[:2]):
             got = [jax.device_put(jax.lax.dynamic_index_in_dim(a, order[i], keepdims=False), jax.memory.Space.Device)
-                   for i in range(min(args.fixed_copies, u))]
-            out.append(jnp.concatenate([jnp.stack(got), jnp.zeros((u - len(got), *a.shape[1:]), a.dtype)]))
+                   for i in range(c)]
+            out.append(jnp.concatenate([jnp.stack(got), pool[rest[2][c:]]]))
         return tuple(out)
-
-    def gathered_outputs(h, gate_up, down, index, valid):
-        outs = jax.vmap(expert_ffn, in_axes=(None, 0, 0))(h, gate_up[index], down[index])
-        return jnp.where(valid[:, None, None], outs.astype(jnp.float32), 0.0)
-
-    def one_row_outputs(h, gate_up, down, index, valid):
-        outs = jnp.stack([expert_ffn(h, jax.lax.dynamic_index_in_dim(gate_up, i, keepdims=False),
-                                     jax.lax.dynamic_index_in_dim(down, i, keepdims=False)) for i in index])
-        return jnp.where(valid[:, None, None], outs.astype(jnp.float32), 0.0)
 
     def step(x, pool_gu, pool_dn, table, stack, attention, routers):  # traced anew per variant (a new lambda)
         for m in range(layers):
@@ -117,11 +104,10 @@ def main(argv: list[str] | None = None) -> dict:
     records = []
     resident_ms = None
     for variant in args.variants:
-        slots = args.slots if variant in ("engine", "fixed") else layers * e + 1
-        saved = device_decode.pull_traced, device_decode.picked_outputs
-        device_decode.pull_traced = fixed_pull if variant == "fixed" else saved[0]
-        device_decode.picked_outputs = {"gathered": gathered_outputs, "one_row": one_row_outputs}.get(variant,
-                                                                                                   saved[1])
+        slots = layers * e + 1 if variant == "resident" else args.slots
+        saved = device_decode.pull_traced
+        if variant == "fixed":
+            device_decode.pull_traced = fixed_pull
         try:
             program = jax.jit(lambda *a: step(*a), donate_argnums=(1, 2, 3))
             (pool_gu, pool_dn), table = fresh_pool(slots)
@@ -129,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
             compiled = program.lower(normal(1, d), pool_gu, pool_dn, table, *weights).compile()
             compile_s = time.perf_counter() - start
         finally:
-            device_decode.pull_traced, device_decode.picked_outputs = saved
+            device_decode.pull_traced = saved
         times, counts = [], []
         for i in range(args.warmup + args.reps):
             x = jax.device_put(normal(1, d) * 50, accel)

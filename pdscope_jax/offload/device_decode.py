@@ -65,7 +65,6 @@ from pdscope_jax.offload.slot_pool import SlotPool
 PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
 DEVICE_DECODE_POLICIES = ("gpu", "ondemand", "pdscope")  # decode keeps every activated expert on the accelerator
 F32 = jnp.float32
-UNROLL_MAX = 8  # `picked_outputs` runs up to this many picks one by one
 
 
 @jax.tree_util.register_dataclass
@@ -115,31 +114,13 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
     return {"activated": activated, "hits": hits, "evictions": evictions}
 
 
-def picked_outputs(h, gate_up, down, index, valid):
-    """[U, N, D] f32: expert_ffn(h, gate_up[index[u]], down[index[u]]) for each of the U picks, zeros where
-    ~valid[u]. Up to UNROLL_MAX picks (batch 1), one expert at a time, so that each matmul reads its expert where
-    it lies instead of a gather first copying the U experts out (call 40's profile); a single row is run twice,
-    as XLA turns a one-row matmul into a multiply and a reduction that write the whole product (call 43). More
-    picks: gathered and run as one batched call."""
-    if index.shape[0] > UNROLL_MAX:
-        outs = jax.vmap(expert_ffn, in_axes=(None, 0, 0))(h, gate_up[index], down[index])
-    else:
-        rows = jnp.concatenate([h, h]) if h.shape[0] == 1 else h
-        outs = jnp.stack([expert_ffn(rows, jax.lax.dynamic_index_in_dim(gate_up, i, keepdims=False),
-                                     jax.lax.dynamic_index_in_dim(down, i, keepdims=False))[:h.shape[0]]
-                          for i in index])
-    return jnp.where(valid[:, None, None], outs.astype(F32), 0.0)
-
-
 def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
-    (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop: the layer's misses,
-    most worth first, are copied at once and paired with the slots least worth keeping (a hit slot never among
-    them); each pick runs where its weights already are (a hit from its slot, a miss from its fresh copy), and the
-    kept misses are written into their slots in one scatter of exactly those copies. A loop over the picks cost the
-    H200 a kernel chain per pick (and XLA:CPU a copy of the whole pool per layer); gathering every pick's weights
-    into one array first (hits from the pool, misses from the copies, a select between them, call 40) spent most of
-    a resident layer's time moving weights instead of multiplying them."""
+    (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop: the layer's misses
+    are copied at once, every pick's weights are in hand (hits read from their slots) before any slot is written,
+    every distinct expert runs in one batched call, and the misses, most worth first, are paired with the slots
+    least worth keeping (a hit slot never among them). A loop over the picks cost the H200 a kernel chain per
+    pick (and XLA:CPU a copy of the whole pool per layer); unrolled, the GPU build copied the pool per layer."""
     num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
     size = min(ids.size, num_experts)
@@ -152,14 +133,15 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     worth = clock + table.bonus[m, picks]
     order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
     picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
-    pulled = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32))  # row u: pick u when it missed
-    hit = valid & ~miss
+    rest = (pool_gu, pool_dn, jnp.maximum(slots, 0))  # after the misses: hits (and pads) from their slots
+    gate_ups, downs = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32), rest)
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
-    outputs = (picked_outputs(h, pool_gu, pool_dn, jnp.maximum(slots, 0), hit)
-               + picked_outputs(h, *pulled, jnp.arange(picks.shape[0]), miss))
-    y = jnp.sum(coeff[:, :, None] * outputs, axis=0)
+    rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: a batch dimension on both sides, so the
+    outputs = jax.vmap(expert_ffn)(rows, gate_ups, downs).astype(F32)  # weights are not transposed (call 40)
+    y = jnp.sum(jnp.where(valid[:, None, None], coeff[:, :, None] * outputs, 0.0), axis=0)
 
+    hit = valid & ~miss
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
     keep = table.keep.at[parked].set(PROTECTED, mode="drop")
     victims = jax.lax.top_k(-keep, picks.shape[0])[1]  # the slots least worth keeping, least first
@@ -171,8 +153,8 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks].set(victims, mode="drop")
     owner = table.owner.at[target].set(m * num_experts + picks, mode="drop")
     keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
-    pool_gu = pool_gu.at[target].set(pulled[0], mode="drop", unique_indices=True)
-    pool_dn = pool_dn.at[target].set(pulled[1], mode="drop", unique_indices=True)
+    pool_gu = pool_gu.at[target].set(gate_ups, mode="drop", unique_indices=True)
+    pool_dn = pool_dn.at[target].set(downs, mode="drop", unique_indices=True)
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0)]).astype(jnp.int32)
     return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)

@@ -19,8 +19,8 @@ Contract:
   programs that pick experts by an index they computed (`offload.device_decode`). With `host_alloc="torch"` each
   layer is one pinned allocation, and the stacks and every expert's array alias it (no extra bytes); with
   `host_alloc="jax"` they exist only with `stacks=True`, as a second pinned copy (counted in
-  `host_bytes_per_model_byte`). `pull_traced(experts, order, n_miss)` is the copy a program makes itself, with
-  indices it computed (`offload.device_decode`'s decode step uses it).
+  `host_bytes_per_model_byte`). `pull_traced(experts, order, n_miss, rest)` is the copy a program makes itself,
+  with indices it computed (`offload.device_decode`'s decode step uses it).
 - Moving, in two steps so that transfers overlap compute:
   `stage(layer, experts) -> Staged` issues ONE batched `jax.device_put` of the experts' pinned arrays to the
   accelerator's device memory and returns at once (the copy runs on the host-to-device stream; issued before
@@ -296,32 +296,36 @@ def pull_counts(u: int) -> list[int]:
     return sorted(counts)
 
 
-def pull_traced(experts, order, n_miss):
-    """Inside a jitted program: at least the first n_miss experts of `order` [U] (traced indices) copied from pinned
-    host memory into device memory, zeros after them. `experts` = (gate_up [E,D,2F], down [E,F,D]) layer stacks,
-    or (gate_ups, downs) tuples of E per-expert arrays (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F],
-    downs [U, F, D]). From stacks, one branch per count in `pull_counts(U)` (the smallest >= n_miss runs) whose
-    copies run at once; from per-expert arrays, a `lax.switch` over the E experts per miss, one copy after
-    another."""
+def pull_traced(experts, order, n_miss, rest):
+    """Inside a jitted program: the weights of the U experts of `order` (traced indices), the first n_miss (at
+    least) copied from pinned host memory into device memory, every later one from `rest` = (gate_up [S, D, 2F],
+    down [S, F, D], rows [U]): row u is rest[.][rows[u]] (the slot pool and the picks' slots). `experts` =
+    (gate_up [E,D,2F], down [E,F,D]) layer stacks, or (gate_ups, downs) tuples of E per-expert arrays
+    (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F], downs [U, F, D]). From stacks, one branch per
+    count in `pull_counts(U)` (the smallest >= n_miss runs) whose copies run at once; from per-expert arrays, a
+    `lax.switch` over the E experts per miss, one copy after another. The rows come out whole, in one array per
+    kind, so the caller multiplies them without selecting between copies and pool rows (call 40: a select, and
+    the zeros it chose from, cost a resident layer about 130 us of its 420 on the H200)."""
     gate_ups, downs = experts
+    pool_gu, pool_dn, rows = rest
     u = order.shape[0]
     if isinstance(gate_ups, jax.Array):
         def pull(j):
             def copies():
                 out = []
-                for stack in (gate_ups, downs):
+                for stack, pool in ((gate_ups, pool_gu), (downs, pool_dn)):
                     got = [jax.device_put(jax.lax.dynamic_index_in_dim(stack, order[i], keepdims=False), DEVICE)
                            for i in range(j)]
-                    rest = jnp.zeros((u - j, *stack.shape[1:]), stack.dtype)
-                    out.append(jnp.concatenate([jnp.stack(got), rest]) if got else rest)
+                    kept = pool[rows[j:]]
+                    out.append(jnp.concatenate([jnp.stack(got), kept]) if got else kept)
                 return tuple(out)
             return copies
         counts = pull_counts(u)
         return jax.lax.switch(jnp.searchsorted(jnp.array(counts), n_miss), [pull(j) for j in counts])
 
     def one(i):
-        zeros = (jnp.zeros(gate_ups[0].shape, gate_ups[0].dtype), jnp.zeros(downs[0].shape, downs[0].dtype))
-        return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]), lambda: zeros)
+        return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]),
+                            lambda: (pool_gu[rows[i]], pool_dn[rows[i]]))
     return jax.lax.map(one, jnp.arange(u))
 
 
