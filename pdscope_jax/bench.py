@@ -419,7 +419,7 @@ def _summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after
         out[phase] = {key: _median(repeats, phase, key) for key in
                       (*PHASE_TIMES, "seconds", "generate_seconds", "bytes_moved", "hit_rate", "prefetch_accuracy",
                        "cpu_experts", "gpu_experts", "planner_ms_per_layer", "device_steps",
-                       "handoff_seconds", "stream_skipped")}
+                       "handoff_seconds")}
     out["repeats"] = repeats
     return out
 

@@ -371,27 +371,6 @@ def test_prefill_streams_only_when_two_layers_fit_and_it_pays():
     assert not run(AdaptSched(layer_guard=False), demand(PREFILL_TOKENS, next_layer=None), c)[0].stream_next_layer
 
 
-def test_a_stream_leaves_out_the_coldest_experts_where_the_cpu_ends_the_next_layer_sooner():
-    # This layer: experts 0..7 resident with 1, 1, 2, 4, 4, 8, 16, 16 tokens (52): T_G = 0.3 + 8 * 0.2 = 1.9,
-    # T_C = 0, so the next layer's stream hides behind 1.9 + 3 = 4.9. Streaming pays: 17 - 4.9 + 1.9 = 14 against
-    # loading all 8 on demand, 1 + 16 + 1.9 = 18.9. The hot table gives the next layer the same shares, so its
-    # predicted tokens are these counts. Skipping the k coldest ends the next layer at max(max(0, 1 + 2 (8 - k)
-    # - 4.9) + 1.9, CPU time of the k coldest): k=0: 14; 1: max(12, 1); 2: max(10, 2); 3: max(8, 4) = 8;
-    # 4: max(6, 8) = 8; 5: max(4, 12). The least k of the least time: 3, experts 0, 1, 2.
-    tokens = [1, 1, 2, 4, 4, 8, 16, 16]
-    d = demand(tokens, resident=range(8), free_slots=8, total_slots=16)
-    plan, dec = run(AdaptSched(activation_counts={1: tokens}), d, linear_costs())
-    assert plan.stream_next_layer and dec.T_G == pytest.approx(1.9) and dec.T_C == 0
-    np.testing.assert_array_equal(plan.stream_skip, [0, 1, 2])
-    assert dec.stream_skip == 3
-    # Without a hot table for the next layer, or with the next layer resident but for its two hottest, nothing
-    # is skipped: 1 + 4 - 4.9 < 0, the stream hides whole.
-    assert run(AdaptSched(activation_counts={2: tokens}), d, linear_costs())[0].stream_skip.size == 0
-    d = demand(tokens, resident=range(8), next_resident=range(6), free_slots=8, total_slots=16)
-    plan, _ = run(AdaptSched(activation_counts={1: tokens}), d, linear_costs())
-    assert plan.stream_next_layer and plan.stream_skip.size == 0
-
-
 def test_decode_never_streams():
     d = demand([0, 1, 1, 0, 1, 0, 0, 0], phase="decode", next_scores=PREFILL_SCORES)
     assert not run(AdaptSched(), d, linear_costs())[0].stream_next_layer

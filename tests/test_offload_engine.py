@@ -15,7 +15,6 @@ from pdscope_jax.offload.expert_store import is_expert_path
 from pdscope_jax.offload.slot_pool import SlotPool
 from pdscope_jax.presets import preset
 from pdscope_jax.runtime import RuntimeConfig
-from pdscope_jax.sched import CostTable
 from pdscope_jax.weights.random_init import random_state
 
 POLICIES = ("gpu", "static", "ondemand", "greedy", "fate", "pdscope")
@@ -244,20 +243,3 @@ def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, cali
         assert all(scale == 1.0 for scale in scales.values()) and planner_table is table
     runner.set_policy("ondemand")
     assert runner.stats["cpu_cost_scale"] == {}  # learned under another policy's load
-
-
-def test_experts_left_out_of_a_stream_are_placed_by_the_next_layer(ds):
-    """pdscope with a hot table that makes half of each layer's experts cold, CPU time of 0.1 s a token (1e-4 s
-    at one) and transfers of 10 ms an expert: streaming pays, and leaving out the cold experts (a fraction of a
-    token predicted each) pays too. The next layer computes them wherever its plan puts them: the same tokens
-    as the plain model."""
-    e = ds.cfg.num_experts
-    counts = {layer: np.where(np.arange(e) < e // 2, 1.0, 100.0) for layer in ds.cfg.moe_layers}
-    table = CostTable(token_buckets=(1, 1000), cpu_expert_seconds=(1e-4, 100.0), gpu_expert_seconds=(1e-6, 1e-6),
-                      t_io=1e-2, alpha=1e-3, attn_prefill_seconds=(1e-6, 1e-6), attn_decode_seconds=(1e-6, 1e-6),
-                      gpu_launch_seconds=1e-6)
-    config = RuntimeConfig(gpu_memory="1GB", expert_pool=_slots(ds, "double") * ds.cfg.expert_bytes(4),
-                           policy="pdscope", policy_options=(("activation_counts", counts),), max_seq_len=128)
-    runner = OffloadRunner(ds.model, config, cost_table=table)
-    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
-    assert runner.stats["double_buffering"] and runner.stats["prefill"]["stream_skipped"] > 0

@@ -65,10 +65,9 @@ experts before the embedding, so that copy hides behind the layers before it.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
 applied to this layer's MoE input (Fate's own predictor, computed by the route program itself: one dispatch);
 `pdscope` uses a predictor object's `predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one
-is given, else that gate too, in both phases: they come to the host with the routing, in its round trip. (Until
-call 45 `pdscope` got none in prefill when two full layers fit the pool; its plans then prefetched nothing, and
-Qwen3-30B-A3B, whose 4,096-token prompt activates about 30 of 128 experts a layer, loaded 1,159 experts on demand
-where `fate` prefetched them, call 40.) Token counts are padded to buckets
+is given, else that gate too; in prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole
+next layer streams whatever they say, and AdaptSched's streaming test then reads the current layer's tokens),
+which saves a host round trip per layer. Token counts are padded to buckets
 (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled programs is bounded; padded rows
 route but carry no weight in any statistic. Prefill runs a whole prompt at batch 1 and chunks of
 `prefill_chunk` tokens per sequence otherwise.
@@ -657,7 +656,7 @@ class OffloadRunner:
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         # where next-layer scores come from, if the plan reads them: the predictor object (pdscope with one),
         # else the next layer's gate on this layer's h, in the route program
-        wants = self._wants_scores_for(i)
+        wants = self._wants_scores_for(i, phase)
         predicts = wants and self.predictor is not None and self.runtime.policy != "fate"
         gate = self._layers[self._next_moe[i]] if wants and not predicts else None
         if gate is None:
@@ -852,18 +851,16 @@ class OffloadRunner:
         if nxt is None:
             return None
         if plan.stream_next_layer and self.pool.can_double_buffer:
-            return self._stream(nxt, (i,), stats, skip=plan.stream_skip)
+            return self._stream(nxt, (i,), stats)
         return self._stage_ahead(nxt, plan.prefetch, (i,), stats)
 
-    def _stream(self, layer: int, protect: tuple[int, ...], stats: PhaseStats, skip: np.ndarray | None = None):
-        """Stage every non-resident expert of `layer` but `skip` into slots streamed into for layers already
-        computed (then free or LRU ones), so experts resident before the prefill stay resident."""
+    def _stream(self, layer: int, protect: tuple[int, ...], stats: PhaseStats):
+        """Stage every non-resident expert of `layer` into slots streamed into for layers already computed (then
+        free or LRU ones), so experts resident before the prefill stay resident."""
         done = [(other, experts) for other, experts in self._streamed.items() if other != layer and
                 other not in protect]
         transient = np.concatenate([self.pool.slot_of(other)[experts] for other, experts in done] or [[]])
-        missing = np.flatnonzero(~self.pool.resident(layer))
-        experts = np.setdiff1d(missing, [] if skip is None else skip)
-        stats.stream_skipped += missing.size - experts.size
+        experts = np.flatnonzero(~self.pool.resident(layer))
         self._streamed[layer] = experts
         return self._stage_ahead(layer, experts, protect, stats, prefer=transient[transient >= 0])
 
@@ -892,9 +889,12 @@ class OffloadRunner:
         stats.exposed_transfer_seconds += waited
         return None
 
-    def _wants_scores_for(self, i: int) -> bool:
+    def _wants_scores_for(self, i: int, phase: str) -> bool:
         """Whether layer i's plan reads next-layer scores (see the module docstring)."""
-        return i in self._next_moe and self._wants_scores
+        if i not in self._next_moe or not self._wants_scores:
+            return False
+        # pdscope's prefill streams the next layer whole when two layers fit, whatever scores say
+        return not (phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer)
 
 
 def _logit_windows(width: int, real: int, size_max: int):

@@ -28,7 +28,6 @@ class PhaseStats:
     bytes_moved: int = 0
     experts_loaded_now: int = 0
     experts_prefetched: int = 0  # prefetched or streamed
-    stream_skipped: int = 0  # missing experts a plan left out of the next layer's stream (`Plan.stream_skip`)
     activated: int = 0  # (layer, expert) activations seen by the planner
     hits: int = 0  # ... of them resident (or in flight) when routed
     prefetch_used: int = 0  # prefetched experts activated when their layer routed

@@ -86,13 +86,6 @@ non-resident expert of the next layer beats its own plan for that layer:
 Predicted next-layer tokens are the E_next estimate over every scored expert; without scores, this layer's
 tokens stand in (single-layer lookahead: prefill hits nearly every expert in every layer). The plan's `L_pre`
 stays in the plan: the engine uses it where it cannot double-buffer.
-Departure (`stream_skip`): the paper streams the next layer whole. A streamed plan leaves out the next layer's
-coldest missing experts where that ends the next layer sooner by the cost table: with its predicted tokens (the
-E_next estimate from scores, else the hot table's share of this layer's assignments; neither: no skip), skipping the k coldest ends it at
-`max(max(0, t_transfer(missing - k) - window) + t_g(all predicted), sum of their CPU times)`, and k is the least
-that minimises this. The next layer's own plan then places them once it routes (on the CPU, or loaded now if
-they turn out hot). Why: DeepSeek-V2-Lite's 4,096-token prefill streams about 51 experts a layer, about 18 ms
-of PCIe against about 11 ms of GPU compute (calls 41-43), while the CPU sits idle.
 """
 
 from __future__ import annotations
@@ -130,7 +123,6 @@ class Decision:
     prefetches: int
     unloads: int
     stream: bool = False       # prefill: the whole next layer streams (full-layer double buffering)
-    stream_skip: int = 0       # ... but this many of its coldest missing experts (left for its own plan)
 
 
 @dataclasses.dataclass
@@ -152,8 +144,6 @@ class AdaptSched:
         self.r_hit_prior = r_hit_prior
         self.layer_guard = layer_guard  # the departure in the module docstring
         self.hot_experts = HotExperts(hot_per_layer, activation_counts)  # the engine preloads these; never unloaded
-        self._popularity = {layer: np.asarray(c, np.float64) / max(float(np.sum(c)), 1e-12)
-                            for layer, c in (activation_counts or {}).items()}  # each expert's share of its layer
         self._hits = {phase: collections.deque(maxlen=r_hit_window) for phase in PHASES}
         self._pending: dict[int, tuple[str, np.ndarray, int]] = {}
         self._last_used: dict[int, np.ndarray] = {}
@@ -221,33 +211,13 @@ class AdaptSched:
                 step3.count = min(step3.count, d.free_slots + unload.size)
         load_now = cur[i_prime:][::-1] if i_prime is not None else cur[:0]
         prefetch = nxt[::-1][:step3.count] if step3 is not None else nxt[:0]
-        window = max(t_g, t_c) + s.t_attn
-        stream = mode == "prefill" and _stream_pays(d, costs, tok, prefetch, window, s.r_hit)
-        skip = self._stream_skip(d, costs, tok, window) if stream else np.zeros(0, dtype=np.int64)
+        stream = mode == "prefill" and _stream_pays(d, costs, tok, prefetch, max(t_g, t_c) + s.t_attn, s.r_hit)
         self._pending[d.layer] = (d.phase, nxt[::-1], prefetch.size)
         self.last_decision = Decision(
             layer=d.layer, phase=d.phase, mode=mode, n=n, n_next=n_next, n_c=n_c, i=i, i_prime=i_prime,
             f=step3.f if step3 else None, xi=step3.xi if step3 else None, T_G=t_g, T_C=t_c, r_hit=s.r_hit,
-            loads=load_now.size, prefetches=prefetch.size, unloads=unload.size, stream=stream, stream_skip=skip.size)
-        return Plan.from_loads(d, load_now=load_now, prefetch=prefetch, unload=unload, stream_next_layer=stream,
-                               stream_skip=skip)
-
-    def _stream_skip(self, d: LayerDemand, costs: CostTable, tok: np.ndarray, window: float) -> np.ndarray:
-        """The next layer's missing experts to leave out of its stream, coldest first (module docstring,
-        `stream_skip`)."""
-        share = self._popularity.get(d.next_layer)
-        missing = np.flatnonzero(d.next_not_resident())
-        if d.next_scores is not None and d.next_scores.sum() > 0:
-            expected = _predicted_tokens(d.next_scores, tok.sum())
-        elif share is not None and share.size == d.num_experts:
-            expected = share * tok.sum()
-        else:
-            return missing[:0]
-        coldest = missing[np.argsort(expected[missing], kind="stable")]
-        streamed = costs.t_transfer(missing.size - np.arange(coldest.size + 1))  # [k]: k coldest skipped
-        on_gpu = np.maximum(streamed - window, 0.0) + costs.t_gpu(expected[expected > 0])
-        on_cpu = np.concatenate([[0.0], np.cumsum(costs.cpu_times(expected[coldest]))])
-        return coldest[:int(np.argmin(np.maximum(on_gpu, on_cpu)))]
+            loads=load_now.size, prefetches=prefetch.size, unloads=unload.size, stream=stream)
+        return Plan.from_loads(d, load_now=load_now, prefetch=prefetch, unload=unload, stream_next_layer=stream)
 
     def _predict(self, d: LayerDemand, tok: np.ndarray):
         """E_next (ascending by predicted tokens), its predicted tokens, and predicted tokens of the predicted

@@ -13,8 +13,7 @@ Plan semantics, in the order the engine acts on them:
   experts + `load_now`;
 - `prefetch`: next-layer experts to start loading now, in issue order;
 - `stream_next_layer`: prefill only; stream the whole next layer into the other full-layer buffer (the engine
-  falls back to on-demand loading when two full layers do not fit), except `stream_skip`: next-layer experts
-  left out of the stream (not resident there), for its own plan to place once it routes.
+  falls back to on-demand loading when two full layers do not fit).
 
 `check_plan(demand, plan)` raises `PlanError` listing every broken invariant: each activated expert in exactly
 one of gpu/cpu; non-activated experts never computed; load_now ⊆ gpu and never resident; gpu experts resident
@@ -145,11 +144,10 @@ class Plan:
     prefetch: np.ndarray   # next layer's expert ids to start loading now, issue order
     unload: np.ndarray     # this layer's resident expert ids whose slots may be freed
     stream_next_layer: bool = False   # prefill: stream all of the next layer into the other full-layer buffer
-    stream_skip: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # ... but these next-layer experts
 
     @classmethod
     def from_loads(cls, demand: LayerDemand, load_now=None, prefetch=None, unload=None,
-                   stream_next_layer: bool = False, stream_skip=None) -> "Plan":
+                   stream_next_layer: bool = False) -> "Plan":
         """The plan that loads `load_now`, computes every other resident activated expert on the GPU too, and
         every remaining activated expert on the CPU."""
         load_now = _ids(load_now)
@@ -157,8 +155,7 @@ class Plan:
         on_gpu[load_now] = True
         cpu_mask = demand.activated & ~on_gpu
         return cls(gpu=np.flatnonzero(on_gpu), load_now=load_now, cpu=np.flatnonzero(cpu_mask),
-                   prefetch=_ids(prefetch), unload=np.sort(_ids(unload)), stream_next_layer=stream_next_layer,
-                   stream_skip=np.sort(_ids(stream_skip)))
+                   prefetch=_ids(prefetch), unload=np.sort(_ids(unload)), stream_next_layer=stream_next_layer)
 
 
 @runtime_checkable
@@ -185,7 +182,7 @@ def check_plan(demand: LayerDemand, plan: Plan) -> None:
     res = demand.resident
     p: list[str] = []
     masks = {}
-    for name in ("gpu", "load_now", "cpu", "prefetch", "unload", "stream_skip"):
+    for name in ("gpu", "load_now", "cpu", "prefetch", "unload"):
         ids = np.asarray(getattr(plan, name))
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             p.append(f"{name} must be a 1-D integer array, got dtype {ids.dtype} shape {ids.shape}")
@@ -221,12 +218,6 @@ def check_plan(demand: LayerDemand, plan: Plan) -> None:
                      f"{np.flatnonzero(pre & ~demand.next_not_resident()).tolist()}")
     if plan.stream_next_layer and (demand.phase != "prefill" or demand.next_layer is None):
         p.append("stream_next_layer is only for prefill with a next layer")
-    skip = masks["stream_skip"]
-    if skip.any() and not plan.stream_next_layer:
-        p.append("stream_skip without stream_next_layer")
-    elif skip.any() and demand.next_layer is not None and (skip & ~demand.next_not_resident()).any():
-        p.append(f"stream_skip holds next-layer experts already resident: "
-                 f"{np.flatnonzero(skip & ~demand.next_not_resident()).tolist()}")
     capacity = demand.free_slots + int(np.count_nonzero(unl & ~gpu))
     needed = int(load.sum() + pre.sum())
     if needed > capacity:
