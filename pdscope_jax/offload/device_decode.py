@@ -9,7 +9,13 @@ index it computed and copy just that expert (`scripts/probe_host_gather.py`: 6 e
 so a whole decode step needs no host round trip. What it cannot do is run experts on the CPU backend: policies
 whose decode plan keeps every activated expert on the accelerator (`DEVICE_DECODE_POLICIES`) use it. Measured on
 the H200 (calls 26-29): decode 12.6 -> 18.1 tok/s for `ondemand`, 8.6 -> 21.9 for `pdscope` (skewed routing);
-with a layer's picks handled as straight-line code instead of a loop (call 34): 20.1 and 23.6.
+with a layer's picks handled as straight-line code instead of a loop (call 34): 20.1 and 23.6. The picks' weights
+as one array straight from the copy (no zero rows, no select between copies and pool rows) and a matmul with a
+batch dimension on both sides (no transpose): a resident stand-in layer 0.53-0.57 -> 0.46 ms (the decode probe,
+calls 39-40 against 45), DeepSeek-V2-Lite decode 19.8-20.9 -> 21.1-22.5 tok/s (skewed, calls 41 and 46). Tried
+and measured slower (calls 43-44): running each pick where its weights lie, one matmul per pick (XLA rewrites a
+one-row matmul into a multiply and a reduction that write the whole product, and merged two-row ones into one
+matmul over concatenated weights).
 
 Contract:
 - `PoolTable`: the slot pool's table as accelerator arrays: `slot_of` [Lm, E] int32 (-1: not resident), `owner`
@@ -117,9 +123,9 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
 def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
     (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop: the layer's misses
-    are copied at once, every pick's weights are in hand (hits read from their slots) before any slot is written,
-    every distinct expert runs in one batched call, and the misses, most worth first, are paired with the slots
-    least worth keeping (a hit slot never among them). A loop over the picks cost the H200 a kernel chain per
+    are copied at once and every pick's weights come out of that copy's program as one array (hits read from
+    their slots) before any slot is written, every distinct expert runs in one batched call, and the misses, most
+    worth first, are paired with the slots least worth keeping (a hit slot never among them). A loop over the picks cost the H200 a kernel chain per
     pick (and XLA:CPU a copy of the whole pool per layer); unrolled, the GPU build copied the pool per layer."""
     num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
