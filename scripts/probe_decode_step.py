@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         return pool, jax.device_put(table, accel)
 
     def fixed_pull(experts, order, n_miss, rest):
-        u, c = order.shape[0], min(args.fixed_copies, order.shape[0])
+        c = min(args.fixed_copies, order.shape[0])
         out = []
         for a, pool in zip(experts, rest[:2]):
             got = [jax.device_put(jax.lax.dynamic_index_in_dim(a, order[i], keepdims=False), jax.memory.Space.Device)
@@ -190,6 +190,7 @@ def kernel_profile(run_steps, steps: int, top: int = 25) -> dict:
             "busy_us_per_step": busy_ns / 1e3 / steps, "kernels_per_step": count / steps,
             **{key: [{"name": name, "us_per_step": ns / 1e3 / steps, "launches_per_step": launches[key][name] / steps}
                      for name, ns in times[key].most_common(top)] for key in times}}
+
 
 if __name__ == "__main__":
     main()

@@ -111,7 +111,6 @@ def test_prefill_two_missing_experts_stay_on_cpu():
     np.testing.assert_array_equal(plan.load_now, [2])
 
 
-
 def test_layer_guard_balances_a_layer_the_steps_leave_slower_than_loading_everything():
     # PREFILL_TOKENS without a predictor: steps 1-2 give i' = 5 (above), a CPU side t_cpu(E_cur[0:5]) = 19, while
     # loading all 7 now takes 1 + 7*2 + (0.3 + 7*0.2) = 16.7. The guard takes the i' of least max(T_G, T_C):

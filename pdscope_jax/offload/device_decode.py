@@ -125,8 +125,9 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop: the layer's misses
     are copied at once and every pick's weights come out of that copy's program as one array (hits read from
     their slots) before any slot is written, every distinct expert runs in one batched call, and the misses, most
-    worth first, are paired with the slots least worth keeping (a hit slot never among them). A loop over the picks cost the H200 a kernel chain per
-    pick (and XLA:CPU a copy of the whole pool per layer); unrolled, the GPU build copied the pool per layer."""
+    worth first, are paired with the slots least worth keeping (a hit slot never among them). A loop over the
+    picks cost the H200 a kernel chain per pick (and XLA:CPU a copy of the whole pool per layer); unrolled, the
+    GPU build copied the pool per layer."""
     num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
     size = min(ids.size, num_experts)

@@ -71,7 +71,8 @@ Where PAPER.md (or the paper's extracted text) is ambiguous, the reading taken h
   expert costs about 8 ms, and `fate` (no CPU experts) prefilled 1.6 times faster; with it (call 40), 118 CPU
   experts in all and prefill 3,718 -> 4,404 tok/s. DeepSeek-V2-Lite's 4,096-token prefill, which streams whole
   layers, fell 8,094 -> 7,347 in the run that brought the guard (call 41), together with a CPU calibration at
-  its cap; the two were not measured apart. `layer_guard=False` runs the paper's steps exactly (the
+  its cap; with the calibration per step size it prefilled 7,655 and 6,951 (calls 43 and 46), so the guard's
+  share was not told apart from the run-to-run spread. `layer_guard=False` runs the paper's steps exactly (the
   hand-computed tests do).
 
 Full-layer double buffering (PAPER.md "Execution engine", prefill): when the pool holds two whole layers
