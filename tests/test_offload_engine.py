@@ -132,10 +132,13 @@ class CountingPredictor:
         return np.broadcast_to(scores, (a.shape[0], self.num_experts))  # [N, E], as PredictorSet gives
 
 
-def test_predictor_hook_feeds_next_scores(ds):
+@pytest.mark.parametrize("slots", [6, "double"])
+def test_predictor_hook_feeds_next_scores(ds, slots):
+    """Both phases ask the predictor, also where the pool holds two whole layers (prefill may stream them)."""
     predictor = CountingPredictor(ds.cfg.num_experts)
-    rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * ds.cfg.expert_bytes(4), policy="pdscope", max_seq_len=128,
-                       device_decode=False)  # the host-planned decode asks the predictor
+    slots = _slots(ds, slots) if isinstance(slots, str) else slots
+    rc = RuntimeConfig(gpu_memory="1GB", expert_pool=slots * ds.cfg.expert_bytes(4), policy="pdscope",
+                       max_seq_len=128, device_decode=False)  # the host-planned decode asks the predictor
     runner = OffloadRunner(ds.model, rc, predictor=predictor)
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     layers = {call[0] for call in predictor.calls}

@@ -65,9 +65,11 @@ experts before the embedding, so that copy hides behind the layers before it.
 Next-layer scores for planners that want them (`fate`, `pdscope`): `fate` always uses the next layer's gate
 applied to this layer's MoE input (Fate's own predictor, computed by the route program itself: one dispatch);
 `pdscope` uses a predictor object's `predict(layer=, phase=, a=, w=, e=) -> [E] or [N, E]` probabilities when one
-is given, else that gate too; in prefill, when two full layers fit the pool, `pdscope` gets no scores (the whole
-next layer streams whatever they say, and AdaptSched's streaming test then reads the current layer's tokens),
-which saves a host round trip per layer. Token counts are padded to buckets
+is given, else that gate too, in both phases: they come to the host with the routing, in its round trip, and
+feed AdaptSched's streaming test and, where it does not stream, its prefetches. (Until call 50 `pdscope` got none
+in prefill when two full layers fit the pool; its plans then prefetched nothing, and Qwen3-30B-A3B, whose
+4,096-token prompt does not pay for streaming whole layers, loaded about 1,160 experts on demand where `fate`
+prefetched them, call 40.) Token counts are padded to buckets
 (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled programs is bounded; padded rows
 route but carry no weight in any statistic. Prefill runs a whole prompt at batch 1 and chunks of
 `prefill_chunk` tokens per sequence otherwise.
@@ -656,7 +658,7 @@ class OffloadRunner:
         rows = np.flatnonzero(valid)  # [Nv] real tokens (padding can sit between sequences)
         # where next-layer scores come from, if the plan reads them: the predictor object (pdscope with one),
         # else the next layer's gate on this layer's h, in the route program
-        wants = self._wants_scores_for(i, phase)
+        wants = i in self._next_moe and self._wants_scores
         predicts = wants and self.predictor is not None and self.runtime.policy != "fate"
         gate = self._layers[self._next_moe[i]] if wants and not predicts else None
         if gate is None:
@@ -888,13 +890,6 @@ class OffloadRunner:
         stats.transfer_seconds += waited
         stats.exposed_transfer_seconds += waited
         return None
-
-    def _wants_scores_for(self, i: int, phase: str) -> bool:
-        """Whether layer i's plan reads next-layer scores (see the module docstring)."""
-        if i not in self._next_moe or not self._wants_scores:
-            return False
-        # pdscope's prefill streams the next layer whole when two layers fit, whatever scores say
-        return not (phase == "prefill" and self.runtime.policy == "pdscope" and self.pool.can_double_buffer)
 
 
 def _logit_windows(width: int, real: int, size_max: int):
