@@ -37,7 +37,8 @@ def run(planner, d, c):
 
 
 # ---- prefill ----------------------------------------------------------------------------------------------
-# The paper's steps exactly (`layer_guard=False`) first; the guard, AdaptSched's one departure, after them.
+# The paper's steps exactly (`PAPER`) first; the departures (the layer guard, the link window) after them.
+PAPER = dict(layer_guard=False, link_window=False)
 
 # Costs: cpu 1 s/token, t_gpu(m experts) = 0.3 + 0.2 m, t_io 2, alpha 1, t_attn 3.
 # Current layer: experts 1..7 with 1, 2, 3, 5, 8, 13, 20 tokens, none resident: E_cur (n = 7).
@@ -64,7 +65,7 @@ def test_prefill_steps_by_hand():
     # Streaming (20 slots hold two layers of 8): streamed = (t_transfer(8) = 17, hidden in max(5.7, 19) + 3 = 22)
     #   + t_g(5 predicted) 1.3 = 1.3; planned: R_hit prior 0.5 leaves half of L_pre's 52 tokens missed,
     #   min(max(1.3, CPU 26), t_transfer(2.5) + 1.3 = 7.3) = 7.3 -> stream.
-    plan, dec = run(AdaptSched(layer_guard=False), demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES), linear_costs())
+    plan, dec = run(AdaptSched(**PAPER), demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES), linear_costs())
     np.testing.assert_array_equal(plan.load_now, [7, 6])
     np.testing.assert_array_equal(plan.cpu, [1, 2, 3, 4, 5])
     np.testing.assert_array_equal(plan.prefetch, [6, 5, 4, 3, 2])
@@ -76,12 +77,12 @@ def test_prefill_steps_by_hand():
 
 def test_prefill_slot_limits_keep_hottest():
     # Same layer, 3 free slots: the two loads fit, one prefetch (the hottest predicted, expert 6) is left room.
-    exact = AdaptSched(layer_guard=False)
+    exact = AdaptSched(**PAPER)
     plan, _ = run(exact, demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=3), linear_costs())
     np.testing.assert_array_equal(plan.load_now, [7, 6])
     np.testing.assert_array_equal(plan.prefetch, [6])
     # 1 free slot: step 2 wanted E_cur[5:], cut to the hottest, E_cur[6:]; nothing left for prefetching.
-    exact = AdaptSched(layer_guard=False)
+    exact = AdaptSched(**PAPER)
     plan, dec = run(exact, demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=1), linear_costs())
     np.testing.assert_array_equal(plan.load_now, [7])
     assert plan.prefetch.size == 0 and dec.i_prime == 6
@@ -91,7 +92,7 @@ def test_prefill_global_queue_bounds_the_loads():
     # Without a predictor E_all = E_cur: step 1 over 7 experts. i=2: T_C = 3 + 3 = 6, T_G = 1 + 5*2 + (0.3 +
     # 5*0.2) = 12.3 -> no; i=3: T_C = 9, T_G = 1 + 8 + 1.1 = 10.1 -> no; i=4: T_C = 11 + 3 = 14, T_G = 1 + 6 +
     # 0.9 = 7.9 -> yes, j0 = 4. Step 2 as in the test above: i' = 5 (i' = 4 fails: 7.9 vs 6).
-    plan, dec = run(AdaptSched(layer_guard=False), demand(PREFILL_TOKENS), linear_costs())
+    plan, dec = run(AdaptSched(**PAPER), demand(PREFILL_TOKENS), linear_costs())
     assert (dec.i, dec.i_prime, dec.n_next) == (4, 5, 0)
     np.testing.assert_array_equal(plan.load_now, [7, 6])
     assert plan.prefetch.size == 0
@@ -101,13 +102,13 @@ def test_prefill_two_missing_experts_stay_on_cpu():
     # The prefill criterion's CPU side is t_cpu(E_cur[0:i'-1]): for i' = 0 and i' = 1 it is empty (0), so with
     # n <= 2 no load ever qualifies, however hot the experts (a consequence of the formula, documented).
     for tokens in ([500, 0, 0], [500, 0, 900]):
-        plan, dec = run(AdaptSched(layer_guard=False), demand(tokens, next_layer=None), linear_costs())
+        plan, dec = run(AdaptSched(**PAPER), demand(tokens, next_layer=None), linear_costs())
         assert plan.load_now.size == 0 and dec.i_prime == dec.n
         np.testing.assert_array_equal(plan.cpu, np.flatnonzero(tokens))
     # With a third, cold expert (E_cur = 10, 500, 900 tokens): step 1 stops at i = 1 (T_G = 1 + 2*2 + 0.7 = 5.7 <
     # T_C = 10 + 3), j0 = 1; step 2: i' = 1 fails (CPU side 0), i' = 2: T_G = 1 + 2 + 0.5 = 3.5 < t_cpu(E_cur[0:1])
     # = 10 -> load the hottest.
-    plan, _ = run(AdaptSched(layer_guard=False), demand([500, 10, 900], next_layer=None), linear_costs())
+    plan, _ = run(AdaptSched(**PAPER), demand([500, 10, 900], next_layer=None), linear_costs())
     np.testing.assert_array_equal(plan.load_now, [2])
 
 
@@ -126,7 +127,7 @@ def test_layer_guard_balances_a_layer_the_steps_leave_slower_than_loading_everyt
     # Five 1-token experts and one of 40: step 1 stops at i = 4 (T_C = 4 + 3 = 7 > T_G = 1 + 4 + 0.7 = 5.7), step 2
     # at i' = 5 (T_G = 1 + 2 + 0.5 = 3.5 < t_cpu(E_cur[0:4]) = 4): a layer of max(3.5, 5) = 5, faster than loading
     # all six (1 + 12 + 1.5 = 14.5): the guard leaves the steps' plan as it is.
-    for planner in (AdaptSched(), AdaptSched(layer_guard=False)):
+    for planner in (AdaptSched(), AdaptSched(**PAPER)):
         plan, dec = run(planner, demand([0, 1, 1, 1, 1, 1, 40], next_layer=None), linear_costs())
         np.testing.assert_array_equal(plan.load_now, [6])
         assert dec.i_prime == 5 and dec.T_C == pytest.approx(5.0)
@@ -145,15 +146,49 @@ STEP3 = dict(tokens=[5, 5, 5, 5, 0, 0, 0, 0], resident=[0, 1, 2, 3], next_scores
     (0.8, [7, 6, 5]),
 ])
 def test_step3_confidence(r_hit, expected):
-    plan, dec = run(AdaptSched(r_hit_prior=r_hit), demand(**STEP3), linear_costs(t_io=1.0, attn=3.4))
+    plan, dec = run(AdaptSched(r_hit_prior=r_hit, link_window=False), demand(**STEP3),
+                    linear_costs(t_io=1.0, attn=3.4))
     np.testing.assert_array_equal(plan.prefetch, expected)
     assert dec.f == pytest.approx(2.3)
     assert dec.xi == pytest.approx(r_hit * 0.3 - (1 - r_hit) * 0.7)
 
 
+@pytest.mark.parametrize("r_hit, expected", [
+    # xi = 0.5 * (4.5 - 5 + 1) - 0.5 * (5 - 4.5) = 0 -> floor(f) = 4: all four predicted experts
+    (0.5, [7, 6, 5, 4]),
+    # xi > 0 -> ceil(f) = 5, cut to the four there are
+    (0.8, [7, 6, 5, 4]),
+])
+def test_step3_link_window_counts_the_gpu_time_too(r_hit, expected):
+    # STEP3 again (20 slots, no stream: total_slots 0 -> 20 >= 2E, but the plan beats streaming), with the link
+    # window: nothing is loaded now, so the link is free for the layer's whole max(T_G, T_C) = 1.1 plus the next
+    # attention 3.4: f = 4.5 (the paper's bubble gave 2.3).
+    plan, dec = run(AdaptSched(r_hit_prior=r_hit), demand(**STEP3), linear_costs(t_io=1.0, attn=3.4))
+    np.testing.assert_array_equal(plan.prefetch, expected)
+    assert dec.f == pytest.approx(4.5)
+
+
+def test_link_window_leaves_out_the_layers_own_loads():
+    # PREFILL_TOKENS with the guard: i' = 3, T_G = 10.1 (4 loads: 1 + 4 * 2 = 9 of transfer), T_C = 6, t_attn = 3,
+    # t_io = 2. The link is free after the loads: f = (10.1 + 3 - 9) / 2 = 2.05, xi = 0.5 * 0.05 * 2 - 0.5 * 0.95
+    # * 2 < 0 -> 2 prefetches, the hottest of E_next (6, 5); the paper's bubble: f = (6 - 10.1 + 3) / 2 < 0, none.
+    # 15 slots: two layers of 8 do not fit, so the next layer cannot stream.
+    costs = linear_costs()
+    layer = demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=15)
+    plan, linked = run(AdaptSched(), layer, costs)
+    _, bubble = run(AdaptSched(link_window=False), layer, costs)
+    assert linked.i_prime == bubble.i_prime == 3 and linked.T_G == pytest.approx(10.1) and linked.T_C == 6.0
+    assert linked.f == pytest.approx(2.05) and bubble.f == pytest.approx(-0.55)
+    np.testing.assert_array_equal(plan.prefetch, [6, 5])
+    assert bubble.prefetches == 0 and not linked.stream
+    # 20 slots: streaming the next layer pays under the paper's plan, so the link window is not used
+    plan, streamed = run(AdaptSched(), demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES), costs)
+    assert streamed.stream and streamed.f == pytest.approx(-0.55) and plan.prefetch.size == 0
+
+
 def test_r_hit_learned_through_observe():
     costs = linear_costs(t_io=1.0, attn=3.4)
-    planner = AdaptSched(r_hit_prior=0.5, r_hit_window=2)
+    planner = AdaptSched(r_hit_prior=0.5, r_hit_window=2, link_window=False)
     plan, _ = run(planner, demand(**STEP3), costs)
     np.testing.assert_array_equal(plan.prefetch, [7, 6])
     planner.observe(0, "decode", [7, 6])      # wrong phase: ignored
@@ -359,15 +394,15 @@ def test_misprediction_costs_at_most_one_on_demand_round(case, data):
 def test_prefill_streams_only_when_two_layers_fit_and_it_pays():
     c = linear_costs()
     fits = demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES)  # 20 slots >= 2 x 8: streaming pays (see above)
-    assert run(AdaptSched(layer_guard=False), fits, c)[0].stream_next_layer
+    assert run(AdaptSched(**PAPER), fits, c)[0].stream_next_layer
     one_layer = demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES, free_slots=15)  # 15 < 16: no double buffer
-    plan, dec = run(AdaptSched(layer_guard=False), one_layer, c)
+    plan, dec = run(AdaptSched(**PAPER), one_layer, c)
     assert not plan.stream_next_layer and not dec.stream
     # A perfect predictor (R_hit = 1): L_pre already covers the next layer, the stream gains nothing.
-    assert not run(AdaptSched(r_hit_prior=1.0, layer_guard=False), fits, c)[0].stream_next_layer
+    assert not run(AdaptSched(r_hit_prior=1.0, **PAPER), fits, c)[0].stream_next_layer
     # Without scores the current layer's tokens stand in for the next layer's; no next layer, no stream.
-    assert run(AdaptSched(layer_guard=False), demand(PREFILL_TOKENS), c)[0].stream_next_layer
-    assert not run(AdaptSched(layer_guard=False), demand(PREFILL_TOKENS, next_layer=None), c)[0].stream_next_layer
+    assert run(AdaptSched(**PAPER), demand(PREFILL_TOKENS), c)[0].stream_next_layer
+    assert not run(AdaptSched(**PAPER), demand(PREFILL_TOKENS, next_layer=None), c)[0].stream_next_layer
 
 
 def test_decode_never_streams():

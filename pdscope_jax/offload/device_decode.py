@@ -6,8 +6,12 @@ Why: host-driven decode (`offload.engine`: per MoE layer, fetch the routing, pla
 programs) held the H200 node's host 1.7-3.2 ms per MoE layer at batch 1, while the copies themselves need about
 0.35 ms per missed expert (benchmarks/results, calls 16-24). A jitted program can index pinned host memory with an
 index it computed and copy just that expert (`scripts/probe_host_gather.py`: 6 experts in 2.1-2.9 ms, 36-48 GB/s),
-so a whole decode step needs no host round trip. What it cannot do is run experts on the CPU backend: policies
-whose decode plan keeps every activated expert on the accelerator (`DEVICE_DECODE_POLICIES`) use it. Measured on
+so a whole decode step needs no host round trip. What it cannot do well is run experts on the CPU backend: a
+host callback (`jax.pure_callback`) that runs them there costs more than copying them
+(`scripts/probe_decode_cpu_callback.py`, call 49: a layer handing 4 experts to the CPU took 3.10 ms against 1.47 ms
+copying them; 2 + 2 took 3.28 ms, so the copies did not overlap the callback, and 4 experts took 1.37 ms on the CPU
+outside any program). Policies whose decode plan keeps every activated expert on the accelerator
+(`DEVICE_DECODE_POLICIES`) use it. Measured on
 the H200 (calls 26-29): decode 12.6 -> 18.1 tok/s for `ondemand`, 8.6 -> 21.9 for `pdscope` (skewed routing);
 with a layer's picks handled as straight-line code instead of a loop (call 34): 20.1 and 23.6. The picks' weights
 as one array straight from the copy (no zero rows, no select between copies and pool rows) and a matmul with a

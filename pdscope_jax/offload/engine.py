@@ -107,7 +107,7 @@ from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
 CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its (phase, step size) running scale
-CPU_SCALE_MAX = 8.0
+CPU_SCALE_MAX = 64.0  # Qwen3-30B-A3B's 4,096-token prefill sat at an earlier cap of 8 (H200, call 50)
 HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
 
