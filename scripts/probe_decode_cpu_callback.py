@@ -8,8 +8,9 @@ decode modes want. This probe measures it on `--layers` stand-in MoE layers of D
 one program, one row, per variant "g+c": each layer copies g experts from a pinned host layer stack (index on the
 accelerator) and runs them there, and hands c other experts to a callback that runs them on the CPU backend
 (rows padded to `--cpu-rows`; the CPU arrays are separate copies here, the engine's alias the pinned bytes).
-"0+0cb" is a callback that computes nothing (its own cost). Reports ms per layer (median of --reps, waited
-for), and the bare CPU time of c experts outside any program for comparison.
+"0+0" is a callback that computes nothing (its own cost; recorded as "0+0cb"). Reports ms per layer (median of
+--reps, waited for), and the bare CPU time of c experts outside any program for comparison. `--variants` picks
+them (default: all of `VARIANTS`); `--experts` is not used.
 Run from the repository root: `PYTHONPATH=. python scripts/probe_decode_cpu_callback.py --out FILE`.
 """
 
@@ -21,7 +22,7 @@ import time
 
 from pdscope_jax.probes import expert_shape_parser, probe_result, random_experts
 
-VARIANTS = ((4, 0), (0, 4), (2, 2), (4, 2), (3, 3), (6, 0), (0, 0))
+VARIANTS = ("4+0", "0+4", "2+2", "4+2", "3+3", "6+0", "0+0")
 
 
 def _median_ms(fn, reps: int) -> float:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-experts", type=int, default=16)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--cpu-rows", type=int, default=16)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="g+c: g copied, c on the CPU")
     args = parser.parse_args(argv)
     from pdscope_jax.runtime import request_cpu_stand_in, select_devices
 
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     x = jax.device_put(rng.standard_normal((1, d)).astype(jnp.bfloat16), accel)
     records = []
-    for g, c in VARIANTS:
+    for g, c in (tuple(int(n) for n in variant.split("+")) for variant in args.variants):
         callback = c > 0 or g == 0
         ids_all = jax.device_put(np.stack([rng.permutation(e)[:max(g + c, 1)] for _ in range(layers)])
                                  .astype(np.int32), accel)

@@ -78,6 +78,16 @@ def test_decode_paths_probe_smoke(tmp_path):
     assert json.loads((tmp_path / "paths.json").read_text())["expert_shape"]["hidden"] == 64
 
 
+def test_decode_cpu_callback_probe_smoke(tmp_path):
+    main = runpy.run_path(str(SCRIPTS / "probe_decode_cpu_callback.py"))["main"]
+    result = main(["--hidden", "64", "--intermediate", "32", "--num-experts", "4", "--layers", "2", "--reps", "1",
+                   "--variants", "2+0", "1+1", "0+0", "--out", str(tmp_path / "cb.json")])
+    by = {r["variant"]: r for r in result["records"]}
+    assert set(by) == {"2+0", "1+1", "0+0cb"} and all(r["ms_per_layer"] > 0 for r in by.values())
+    assert by["1+1"]["cpu_alone_ms"] > 0 and "cpu_alone_ms" not in by["2+0"]
+    assert json.loads((tmp_path / "cb.json").read_text())["weights"] == "seeded random"
+
+
 def test_cpu_expert_script_smoke(tmp_path):
     main = runpy.run_path(str(SCRIPTS / "bench_cpu_expert.py"))["main"]
     summary = main(["--hidden", "64", "--intermediate", "32", "--tokens", "1", "16", "--pads", "16", "--reps", "1",
