@@ -6,12 +6,16 @@ or with `--ablation` the paper's ablation sequence; switched with `OffloadRunner
 are not rebuilt), batch size (`--batch 1 8 16 32`; batches above one prefill in chunks of `--prefill-chunk`) and
 prompt length runs `--warmup` untimed warm-ups (`OffloadRunner.warmup`: one generation plus every CPU expert
 program of that shape) and `--repeats` timed generations of random prompts, each generating `--new-tokens`
-tokens. It reports medians of prefill tok/s and decode tok/s, the time split per phase (CPU experts, GPU experts,
-transfer, exposed transfer, all summed over layers; a decode run as one accelerator program per step,
-`offload.device_decode`, has none and shows "one program/step"), bytes moved, slot hit rate, prefetch accuracy
-and the planner's own milliseconds per layer, in a rich table, and writes `bench_<model>_<time>.json` (command line,
-jax version, device, "weights": "random" | "checkpoint", "workload", the runtime config, the budget, every
-repeat's statistics) and a PNG plot into `--out`.
+tokens. The first timed generation starts from the pool as `set_policy` leaves it (empty but for a hot table's
+experts: "cold"), every later one from the pool the one before it left ("warm"); on the H200 a cold 4,096-token
+DeepSeek-V2-Lite prefill streamed 28.7 GB where a warm one streamed 22.7 (calls 50-52). Each repeat says which
+it was ("pool"), and `prefill_tok_s_cold` / `prefill_tok_s_warm` (median of the warm ones; None with one repeat)
+keep them apart. It reports medians of prefill tok/s and decode tok/s over all repeats, the time split per phase
+(CPU experts, GPU experts, transfer, exposed transfer, all summed over layers; a decode run as one accelerator
+program per step, `offload.device_decode`, has none and shows "one program/step"), bytes moved, slot hit rate,
+prefetch accuracy and the planner's own milliseconds per layer, in a rich table, and writes
+`bench_<model>_<time>.json` (command line, jax version, device, "weights": "random" | "checkpoint", "workload",
+the runtime config, the budget, every repeat's statistics) and a PNG plot into `--out`.
 - Workloads (`pdscope_jax.workloads`, random weights only): `--workload uniform` (the weights as generated) or
   `skewed` (routers rewritten before anything runs so that popularity and inter-layer affinity follow the
   trained reference MoE; the fitted targets go into the JSON). A checkpoint's routing is its own ("checkpoint").
@@ -225,11 +229,11 @@ def main(argv: list[str] | None = None) -> dict:
                             progress.advance(task)
                         compiled_after_warmup = runner.compiled_programs["total"]
                         repeats = []
-                        for _ in range(args.repeats):
+                        for i in range(args.repeats):
                             runner.reset_stats()
                             out = runner.generate(prompts[b, t], args.new_tokens)
                             tokens.setdefault((run["label"], b, t), out.tokens)
-                            repeats.append({"prefill_tok_s": out.prefill_tokens_per_s,
+                            repeats.append({"pool": "warm" if i else "cold", "prefill_tok_s": out.prefill_tokens_per_s,
                                             "decode_tok_s": out.decode_tokens_per_s, **runner.stats})
                             progress.advance(task)
                     except Exception as err:  # noqa: BLE001 (one failing shape is reported; the others still run)
@@ -413,6 +417,8 @@ def _summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after
     out = {"variant": variant, "policy": policy, "batch": batch, "prompt_len": prompt_len, **engine,
            "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in repeats),
            "decode_tok_s": statistics.median(r["decode_tok_s"] for r in repeats),
+           "prefill_tok_s_cold": repeats[0]["prefill_tok_s"],
+           "prefill_tok_s_warm": statistics.median(r["prefill_tok_s"] for r in repeats[1:]) if repeats[1:] else None,
            "compiled_programs_after_warmup": compiled_after_warmup,
            "compiled_programs_after_runs": repeats[-1]["compiled_programs"]["total"]}
     for phase in ("prefill", "decode"):

@@ -28,6 +28,8 @@ def test_bench_writes_json_png_and_flat_memory(tmp_path):
     assert [e["policy"] for e in saved["errors"]] == ["gpu"]  # 6 slots cannot hold every expert
     for r in saved["results"]:
         assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and len(r["repeats"]) == 2
+        assert [x["pool"] for x in r["repeats"]] == ["cold", "warm"]
+        assert (r["prefill_tok_s_cold"], r["prefill_tok_s_warm"]) == tuple(x["prefill_tok_s"] for x in r["repeats"])
         assert set(r["prefill"]) >= {"cpu_seconds", "gpu_seconds", "transfer_seconds", "exposed_transfer_seconds",
                                      "bytes_moved", "hit_rate", "prefetch_accuracy"}
     live = [s["live_array_bytes"] for s in report["memory"]["steps"]]
