@@ -160,7 +160,7 @@ def test_step3_confidence(r_hit, expected):
     (0.8, [7, 6, 5, 4]),
 ])
 def test_step3_link_window_counts_the_gpu_time_too(r_hit, expected):
-    # STEP3 again (20 slots, no stream: total_slots 0 -> 20 >= 2E, but the plan beats streaming), with the link
+    # STEP3 again (its 20 slots hold two layers of 8, but streaming the next one does not pay), with the link
     # window: nothing is loaded now, so the link is free for the layer's whole max(T_G, T_C) = 1.1 plus the next
     # attention 3.4: f = 4.5 (the paper's bubble gave 2.3).
     plan, dec = run(AdaptSched(r_hit_prior=r_hit), demand(**STEP3), linear_costs(t_io=1.0, attn=3.4))

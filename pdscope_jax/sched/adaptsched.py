@@ -83,10 +83,10 @@ Where PAPER.md (or the paper's extracted text) is ambiguous, the reading taken h
   5,552 (call 47). With the link window, together with the engine's CPU calibration allowed past 8 (its cap
   then; the scale went to 62-64 and the CPU experts from 97 to 1; the two changes were measured only together):
   5,019 against `fate`'s 5,408 (call 51), 5,869 against 5,986 (call 52), prefetch accuracy 0.78-0.80. The
-  streaming test below still weighs the plan with the paper's window, and the link window
-  applies only where the next layer does not stream: with it in the test (call 51), DeepSeek-V2-Lite's skewed
-  4,096-token prefill streamed fewer layers, moved 24.4 GB instead of 22.9 and ran 28 CPU experts instead of 4
-  (7,074 tok/s, median of two, against 8,375 without, call 50; 8,981, median of three, as committed, call 52).
+  streaming test below still weighs the plan with the paper's window, and the link window applies only where
+  the next layer does not stream: with it in the test (call 51), DeepSeek-V2-Lite's skewed 4,096-token prefill
+  streamed fewer layers, moved 24.4 GB instead of 22.9 and ran 28 CPU experts instead of 4 (7,074 tok/s, median
+  of two, against 8,375 without, call 50; 8,981, median of three, as committed, call 52).
   `layer_guard=False, link_window=False` runs the paper's steps exactly (the hand-computed tests do).
 
 Full-layer double buffering (PAPER.md "Execution engine", prefill): when the pool holds two whole layers
