@@ -17,22 +17,11 @@ Run from the repository root: `PYTHONPATH=. python scripts/probe_decode_cpu_call
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 from pdscope_jax.probes import expert_shape_parser, probe_result, random_experts
+from pdscope_jax.timing import median_seconds
 
 VARIANTS = ("4+0", "0+4", "2+2", "4+2", "3+3", "6+0", "0+0")
-
-
-def _median_ms(fn, reps: int) -> float:
-    fn()  # warm-up and compile
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -99,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  .astype(np.int32), accel)
         program = build(g, c, callback)
         try:
-            ms = _median_ms(lambda: program(x, ids_all, stacks).block_until_ready(), args.reps)
+            ms = median_seconds(lambda: program(x, ids_all, stacks), args.reps) * 1e3
         except Exception as error:  # noqa: BLE001 - the probe reports what did not work
             records.append({"variant": f"{g}+{c}", "error": f"{type(error).__name__}: {error}"[:400]})
             continue
@@ -107,8 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
         if c:
             rows = jax.device_put(np.zeros((args.cpu_rows, d), jnp.bfloat16), cpu)
             gus, dns = cpu_weights[0]
-            record["cpu_alone_ms"] = _median_ms(
-                lambda: cpu_run(rows, gus[:c], dns[:c]).block_until_ready(), args.reps)
+            record["cpu_alone_ms"] = median_seconds(lambda: cpu_run(rows, gus[:c], dns[:c]), args.reps) * 1e3
         records.append(record)
         print(record, flush=True)
     return probe_result("decode step with CPU experts through a host callback", devices, records, args.out,
