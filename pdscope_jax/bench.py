@@ -424,8 +424,8 @@ def _summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after
     for phase in ("prefill", "decode"):
         out[phase] = {key: _median(repeats, phase, key) for key in
                       (*PHASE_TIMES, "seconds", "generate_seconds", "bytes_moved", "hit_rate", "prefetch_accuracy",
-                       "cpu_experts", "gpu_experts", "planner_ms_per_layer",
-                       "planner_before_dispatch_ms_per_layer", "device_steps", "handoff_seconds")}
+                       "cpu_experts", "gpu_experts", "planner_ms_per_layer", "device_steps",
+                       "handoff_seconds")}
     out["repeats"] = repeats
     return out
 
@@ -436,7 +436,7 @@ def _table(results: list[dict]):
     table = Table(title="offload benchmark (medians; times summed over layers, seconds)")
     for name in ("run", "batch", "prompt", "prefill tok/s", "decode tok/s", "prefill cpu/gpu/xfer/exposed",
                  "decode cpu/gpu/xfer/exposed", "GB moved (p/d)", "decode hit rate", "prefetch acc (p/d)",
-                 "planner ms/layer (before dispatch) p/d", "= plain (tokens)"):
+                 "planner ms/layer (p/d)", "= plain (tokens)"):
         table.add_column(name, justify="right")
     fmt = lambda v, digits=2: "-" if v is None else f"{v:.{digits}f}"  # noqa: E731
     for r in results:
@@ -448,16 +448,12 @@ def _table(results: list[dict]):
             table.add_row(*head, *["-"] * 6, match)
             continue
         p, d = r["prefill"], r["decode"]
-        def planner(s):  # its time per layer, and in brackets the part before the GPU experts were dispatched
-            total, before = s["planner_ms_per_layer"], s.get("planner_before_dispatch_ms_per_layer")
-            return fmt(total, 3) if before is None or before == total else f"{fmt(total, 3)} ({fmt(before, 3)})"
-
         def split(s):  # a phase run as one accelerator program per step has no split
             return "one program/step" if s.get("device_steps") else "/".join(fmt(s[k], 3) for k in PHASE_TIMES)
         table.add_row(*head, split(p), split(d),
                       f"{(p['bytes_moved'] or 0) / 1e9:.2f}/{(d['bytes_moved'] or 0) / 1e9:.2f}", fmt(d["hit_rate"]),
                       f"{fmt(p['prefetch_accuracy'])}/{fmt(d['prefetch_accuracy'])}",
-                      f"{planner(p)}/{planner(d)}", match)
+                      f"{fmt(p['planner_ms_per_layer'], 3)}/{fmt(d['planner_ms_per_layer'], 3)}", match)
     return table
 
 

@@ -351,34 +351,6 @@ def test_assignment_slots_and_monotonicity(case):
 
 @settings(max_examples=200, deadline=None)
 @given(case=cases())
-def test_plan_in_two_halves_is_the_whole_plan(case):
-    """`plan_layer` then `plan_next` (the engine calls them apart, the second after the layer's GPU dispatch)
-    gives the plan `plan` gives; the first half plans nothing for the next layer."""
-    d, costs, r_hit = case
-    whole, split = AdaptSched(r_hit_prior=r_hit), AdaptSched(r_hit_prior=r_hit)
-    plan = whole.plan(d, costs)
-    layer_part = split.plan_layer(d, costs)
-    check_plan(d, layer_part)
-    assert layer_part.prefetch.size == 0 and not layer_part.stream_next_layer
-    completed = split.plan_next(d, costs, layer_part)
-    for name in ("gpu", "load_now", "cpu", "prefetch", "unload"):
-        np.testing.assert_array_equal(getattr(completed, name), getattr(plan, name), err_msg=name)
-    assert completed.stream_next_layer == plan.stream_next_layer
-    assert split.last_decision == whole.last_decision
-
-
-def test_plan_next_needs_its_plan_layer():
-    planner, c = AdaptSched(), linear_costs()
-    first, other = demand(PREFILL_TOKENS, next_scores=PREFILL_SCORES), demand(PREFILL_TOKENS, layer=3, next_layer=4)
-    with pytest.raises(RuntimeError, match="plan_next for layer 0 .prefill. without its plan_layer"):
-        planner.plan_next(first, c, make_planner("ondemand").plan(first, c))
-    layer_part = planner.plan_layer(first, c)
-    with pytest.raises(RuntimeError, match="plan_next for layer 3"):
-        planner.plan_next(other, c, layer_part)
-
-
-@settings(max_examples=200, deadline=None)
-@given(case=cases())
 def test_never_loads_more_than_ondemand(case):
     d, costs, _ = case
     plan, _ = run(AdaptSched(), d, costs)

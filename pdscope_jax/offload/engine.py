@@ -22,8 +22,7 @@ Contract: `OffloadRunner(model, runtime_config, weights=None, cost_table=None, p
   helper, same keys: fold_in(key(seed), step)). `stats` reports per phase: seconds of CPU expert compute, GPU
   expert compute, transfer and exposed transfer, bytes moved, slot hit rate, prefetch accuracy, plus compiled
   program counts, the budget, host bytes per model byte and, where the device reports it, the allocator's
-  peak against the budget, and the planner's own time (`planner_ms_per_layer`, and the part of it spent before
-  the layer's GPU experts were dispatched, `planner_before_dispatch_ms_per_layer`). `activation_counts[phase][layer]`
+  peak against the budget, and the planner's own time (`planner_ms_per_layer`). `activation_counts[phase][layer]`
   holds the tokens routed to each expert since the last reset (raw counts for a hot table, see `sched.hot`).
   `warmup(batch, prompt_len, new_tokens)` compiles the programs of a shape before timing;
   `set_policy(name, options, **engine)` switches planners (and the engine switches below) without rebuilding.
@@ -41,8 +40,7 @@ order:
   route    attention + router + shared experts in one program (with the next layer's gate scores when the
            planner reads them; the jitted pieces are `offload.programs`); fetch routing to the host (the sync
            point; with few rows, decode, the MoE input comes along for the CPU experts);
-  plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked; a split
-           planner (`sched.SplitPlanner`, AdaptSched) gives only this layer's half here (`plan_layer`);
+  plan     `LayerDemand` -> the policy's planner (`sched.make_planner(rc.policy)`) -> `Plan`, checked;
   execute  commit transfers staged for this layer into their slots; free unloaded slots; hand the CPU experts
            to the CPU backend (`_run_cpu`, dispatched only: it computes on its own threads; with many rows,
            prefill, only the rows they read travel to the CPU and back, gathered on the accelerator); issue the
@@ -52,9 +50,7 @@ order:
            whole expert set when two layers fit the pool (`stream_next_layer`, `_issue_next`; `_stream` takes
            the slots streamed into for layers already computed, so resident experts stay), submitted before
            compute is dispatched (a copy issued from a second thread overlaps compute, PRIMITIVES.md); dispatch
-           the GPU experts (`_run_gpu`: one `combine_experts` program over the pool with a slot_of map); for a
-           split planner, only now plan the next layer's half (`plan_next`, while the GPU computes) and stage
-           its copies (still from the stager thread, so they overlap the compute dispatched before them); hand
+           the GPU experts (`_run_gpu`: one `combine_experts` program over the pool with a slot_of map); hand
            the GPU result and the copies to helper threads that stamp when each is done; wait for the CPU part;
            add the parts and the shared experts;
   record   keep the layer's times (`offload.stats.LayerTiming`); the step adds them to the statistics at its
@@ -104,8 +100,8 @@ from pdscope_jax.offload.stats import LayerTiming, PhaseStats
 from pdscope_jax.offload.timeline import Timeline
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.static_graph import StaticGraph, static_graph
-from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, SplitPlanner, activation_counts,
-                               check_plan, load_cost_table, make_planner)
+from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, activation_counts, check_plan,
+                               load_cost_table, make_planner)
 from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
@@ -311,8 +307,7 @@ class OffloadRunner:
             options.setdefault("hot_per_layer", min(self.config.num_experts, hot_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
         self._hot_counts = options.get("activation_counts")  # {layer: [E]} or None
-        self._observing = isinstance(self.planner, ObservingPlanner)  # Protocol checks are slow: once, here
-        self._splits_plan = isinstance(self.planner, SplitPlanner)
+        self._observing = isinstance(self.planner, ObservingPlanner)  # a Protocol check: slow, so once here
         self._wants_scores = policy in SCORE_POLICIES
         for layer in self._moe_layers:
             self.pool.release(layer, np.arange(self.config.num_experts))
@@ -649,8 +644,8 @@ class OffloadRunner:
     def _moe_layer(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray, valid_device):
         self._mark(phase, "layer_start", i)
         r = self._route(i, x, positions, layer_cache, phase, valid, valid_device)
-        demand, plan = self._plan(i, phase, r)
-        x, timing = self._execute(i, phase, demand, plan, r)
+        plan = self._plan(i, phase, r)
+        x, timing = self._execute(i, phase, plan, r)
         self._unsettled.append(timing)  # settled at the end of the step, so no layer waits for its own compute
         return x, r.layer_cache
 
@@ -694,9 +689,7 @@ class OffloadRunner:
             self.phase_stats[phase].prefetch_used += int(np.isin(prefetched, activated).sum())
         return _Routed(x, h, w, ids, shared, layer_cache, h_np, rows, w_np[rows], ids_np[rows], tokens, scores)
 
-    def _plan(self, i: int, phase: str, r: _Routed) -> tuple[LayerDemand, Plan]:
-        """The layer's demand and its plan, checked: the whole plan, or a split planner's `plan_layer` half
-        (`_plan_next` completes it once the layer's GPU experts are dispatched)."""
+    def _plan(self, i: int, phase: str, r: _Routed) -> Plan:
         nxt, pool = self._next_moe.get(i), self.pool
         resident = pool.resident(i)
         demand = LayerDemand(
@@ -704,35 +697,19 @@ class OffloadRunner:
             next_scores=None if nxt is None else r.next_scores,
             next_resident=None if nxt is None else pool.resident(nxt),
             free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
-        costs = self._planner_costs(phase, self._step_rows)
         start = time.perf_counter()
-        plan = self.planner.plan_layer(demand, costs) if self._splits_plan else self.planner.plan(demand, costs)
+        plan = self.planner.plan(demand, self._planner_costs(phase, self._step_rows))
         planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
         self._mark(phase, "planned", i)
-        if not self._splits_plan:
-            self._note_streaming(demand, plan)
+        if phase == "prefill" and nxt is not None:
+            self._streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
         stats = self.phase_stats[phase]
         stats.planner_seconds += planner_seconds
-        stats.planner_before_dispatch_seconds += planner_seconds
         stats.planner_calls += 1
         stats.activated += int(demand.activated.sum())
         stats.hits += int((demand.activated & resident).sum())
-        return demand, plan
-
-    def _plan_next(self, demand: LayerDemand, plan: Plan) -> Plan:
-        """A split planner's `plan_next`: the layer's plan with the next layer's part, checked."""
-        start = time.perf_counter()
-        plan = self.planner.plan_next(demand, self._planner_costs(demand.phase, self._step_rows), plan)
-        self.phase_stats[demand.phase].planner_seconds += time.perf_counter() - start
-        check_plan(demand, plan)
-        self._mark(demand.phase, "planned_next", demand.layer)
-        self._note_streaming(demand, plan)
         return plan
-
-    def _note_streaming(self, demand: LayerDemand, plan: Plan) -> None:
-        if demand.phase == "prefill" and demand.next_layer is not None:
-            self._streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
 
     def _planner_costs(self, phase: str, rows: int) -> CostTable:
         """The cost table with CPU times scaled by the calibration of this phase and step size (rounded to a
@@ -755,11 +732,10 @@ class OffloadRunner:
         scale = (1 - CPU_CALIBRATION) * self._cpu_scale.get(key, 1.0) + CPU_CALIBRATION * observed
         self._cpu_scale[key] = min(max(scale, 1.0), CPU_SCALE_MAX)
 
-    def _execute(self, i: int, phase: str, demand: LayerDemand, plan: Plan, r: _Routed):
+    def _execute(self, i: int, phase: str, plan: Plan, r: _Routed):
         """CPU experts (dispatched: they run on the CPU backend's threads) and this layer's loads first, then the
         next layer's transfers (staged before compute), then the GPU experts; then only the CPU part is waited for
-        (the accelerator runs ahead). With a split planner the next layer's part is planned, and its transfers
-        staged, after the GPU experts are dispatched."""
+        (the accelerator runs ahead)."""
         pool, stats = self.pool, self.phase_stats[phase]
         on_gpu = np.zeros(self.config.num_experts, bool)  # [E]
         on_gpu[plan.gpu] = True
@@ -772,19 +748,14 @@ class OffloadRunner:
         start = time.perf_counter()
         loads, loads_end = self._load_now(i, plan.load_now, stats)
         self._mark(phase, "loads_issued", i)
-        staged_next = None
-        if not self._splits_plan:  # the next layer's copies are staged before this layer's compute is dispatched
-            staged_next = self._issue_next(i, self._next_moe.get(i), plan, stats)
-            self._mark(phase, "next_issued", i)
+        # the next layer's copies are issued BEFORE this layer's compute is dispatched, so they overlap it
+        staged_next = self._issue_next(i, self._next_moe.get(i), plan, stats)
+        self._mark(phase, "next_issued", i)
         dispatched = time.perf_counter()
         if plan.cpu.size and not self.runtime.async_io:  # synchronous I/O: nothing overlapped the copies
             cpu_part, cpu_start = self._run_cpu(i, plan.cpu, r), dispatched
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r)
         self._mark(phase, "gpu_dispatched", i)
-        if self._splits_plan:  # planned while the GPU computes; copies staged from the stager thread overlap it
-            plan = self._plan_next(demand, plan)
-            staged_next = self._issue_next(i, self._next_moe.get(i), plan, stats)
-            self._mark(phase, "next_issued", i)
         # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
         ready = {name: self._waiter.submit(_ready_at, arrays) for name, arrays in
                  (("gpu", y_gpu), ("load", loads)) if arrays is not None}

@@ -33,9 +33,7 @@ class PhaseStats:
     prefetch_used: int = 0  # prefetched experts activated when their layer routed
     gpu_experts: int = 0
     cpu_experts: int = 0
-    planner_seconds: float = 0.0  # time inside the planner, summed over layers
-    planner_before_dispatch_seconds: float = 0.0  # ... of it before the layer's GPU experts were dispatched (all
-    # of it but a split planner's `plan_next`, which runs while they compute)
+    planner_seconds: float = 0.0  # time inside the planner's `plan`, summed over layers
     planner_calls: int = 0  # layers planned
     handoff_seconds: float = 0.0  # decode on the accelerator: waiting, before its first step, for the work that
     # prefill left queued on the accelerator (in `generate_seconds`, not in `seconds`)
@@ -45,10 +43,6 @@ class PhaseStats:
     @property
     def planner_ms_per_layer(self) -> float | None:
         return 1e3 * self.planner_seconds / self.planner_calls if self.planner_calls else None
-
-    @property
-    def planner_before_dispatch_ms_per_layer(self) -> float | None:
-        return 1e3 * self.planner_before_dispatch_seconds / self.planner_calls if self.planner_calls else None
 
     @property
     def hit_rate(self) -> float | None:
@@ -65,8 +59,7 @@ class PhaseStats:
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s,
-                   planner_ms_per_layer=self.planner_ms_per_layer,
-                   planner_before_dispatch_ms_per_layer=self.planner_before_dispatch_ms_per_layer)
+                   planner_ms_per_layer=self.planner_ms_per_layer)
         return out
 
 

@@ -1,13 +1,11 @@
 """Where a step's host time goes: timestamps of the engine's stages per MoE layer, and their medians.
 
 Contract: while `OffloadRunner.timeline` is a `Timeline`, the engine calls `mark(phase, event, layer, at=None)` at
-each stage of a MoE layer it does on the host (`LAYER_EVENTS`; `layer_start` first, the others in the order the
-engine does them, which a split planner changes: `planned_next` and `next_issued` after `gpu_dispatched`; and
-`scores_dispatched` only with a predictor), and, when the step settles,
+each stage of a MoE layer, in the order it does them on the host (`LAYER_EVENTS`), and, when the step settles,
 with `at` = when each part that ran on another thread or device was done (`DONE_EVENTS`: perf_counter stamps
 taken by helper threads). `summary()` -> {phase: {"a -> b": median ms, ..., "layer_start -> x_done":
 median ms, "layer": median ms from one layer's layer_start to the next's, "layer_mean": their mean (a median
-hides slow layers), "layers": count}}: the host intervals between consecutive stages of a layer in time order, the
+hides slow layers), "layers": count}}: the host intervals between consecutive stages present in a layer, the
 done-stamps as offsets from the layer's start, and the layer's wall time. Recording costs a list append per
 stage; the engine records nothing when it is None.
 """
@@ -18,7 +16,7 @@ import statistics
 from collections import defaultdict
 
 LAYER_EVENTS = ("layer_start", "route_dispatched", "scores_dispatched", "routed", "planned", "cpu_submitted",
-                "loads_issued", "next_issued", "gpu_dispatched", "planned_next", "cpu_joined", "combined")
+                "loads_issued", "next_issued", "gpu_dispatched", "cpu_joined", "combined")
 DONE_EVENTS = ("cpu_done", "load_done", "gpu_done", "transfer_done")
 
 
@@ -39,7 +37,7 @@ class Timeline:
         intervals: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for index, (phase, _, times) in enumerate(self._layers):
             out = intervals[phase]
-            seen = sorted((e for e in LAYER_EVENTS if e in times), key=times.__getitem__)
+            seen = [e for e in LAYER_EVENTS if e in times]
             for a, b in zip(seen, seen[1:]):
                 out[f"{a} -> {b}"].append(times[b] - times[a])
             start = times[LAYER_EVENTS[0]]

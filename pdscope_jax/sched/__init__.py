@@ -2,9 +2,9 @@
 unload. Pure Python over small numpy arrays; no jax, no device arrays (so they are tested without a model).
 
 Public API: `make_planner(name, **options)` for the policies in `PLANNERS` (gpu, static, ondemand, greedy,
-pdscope = AdaptSched, fate); `LayerDemand`, `Plan`, `Planner`, `ObservingPlanner`, `SplitPlanner`,
-`check_plan`, `PlanError`, `HotExperts` (plan.py); `CostTable`, `CostTableError`, `costs_dir`, `find_cost_table`,
-`load_cost_table` (costs.py); `activation_counts`, `HotTableError` (hot.py); `AdaptSched`, `Decision` (adaptsched.py).
+pdscope = AdaptSched, fate); `LayerDemand`, `Plan`, `Planner`, `ObservingPlanner`, `check_plan`, `PlanError`,
+`HotExperts` (plan.py); `CostTable`, `CostTableError`, `costs_dir`, `find_cost_table`, `load_cost_table`
+(costs.py); `activation_counts`, `HotTableError` (hot.py); `AdaptSched`, `Decision` (adaptsched.py).
 """
 
 from pdscope_jax.sched.adaptsched import AdaptSched, Decision
@@ -12,7 +12,7 @@ from pdscope_jax.sched.baselines import FatePlanner, GpuPlanner, GreedyPlanner, 
 from pdscope_jax.sched.costs import CostTable, CostTableError, costs_dir, find_cost_table, load_cost_table
 from pdscope_jax.sched.hot import HotTableError, activation_counts
 from pdscope_jax.sched.plan import (HotExperts, LayerDemand, ObservingPlanner, Plan, Planner, PlanError,
-                                    SplitPlanner, check_plan)
+                                    check_plan)
 
 PLANNERS = {
     "gpu": GpuPlanner,
@@ -26,8 +26,8 @@ PLANNERS = {
 
 def make_planner(name: str, **options) -> Planner:
     """A new planner for policy `name` with its constructor options (`static`: hot_per_layer, activation_counts;
-    `greedy`: prefetch_depth, hot_per_layer, activation_counts; `fate`: top_k; `pdscope`: r_hit_prior,
-    r_hit_window, hot_per_layer, activation_counts, layer_guard, link_window)."""
+    `greedy`: prefetch_depth, hot_per_layer, activation_counts; `fate`: top_k; `pdscope`: r_hit_prior, r_hit_window, hot_per_layer,
+    activation_counts)."""
     try:
         cls = PLANNERS[name]
     except KeyError:
@@ -40,7 +40,7 @@ def make_planner(name: str, **options) -> Planner:
 
 __all__ = [
     "PLANNERS", "make_planner", "HotExperts", "LayerDemand", "Plan", "Planner", "ObservingPlanner", "PlanError",
-    "SplitPlanner", "check_plan",
+    "check_plan",
     "CostTable", "CostTableError", "costs_dir", "find_cost_table", "load_cost_table", "activation_counts",
     "HotTableError", "AdaptSched", "Decision", "GpuPlanner", "StaticPlanner", "OnDemandPlanner",
     "GreedyPlanner", "FatePlanner",

@@ -6,10 +6,7 @@ expert not resident and not in `L_on` runs on the CPU. It keeps three pieces of 
 rate `R_hit` per phase (fed by `observe`), the step at which each expert of each layer was last activated (to
 pick unloads least recently used first), and `last_decision` (a `Decision`, for logging). Like `static`, it
 has a hot-expert table (`hot_experts(layer)`, options `hot_per_layer` and `activation_counts`; empty by default)
-that the engine preloads and that AdaptSched never unloads. `plan` runs in two halves that the engine calls
-apart (`plan.SplitPlanner`): `plan_layer` decides what this layer needs before it computes (L_on, the CPU experts,
-L_un) and `plan_next` adds the next layer's part (L_pre and full-layer streaming), which the engine asks for once
-this layer's GPU experts are dispatched, so that half runs while the GPU computes.
+that the engine preloads and that AdaptSched never unloads.
 
 Notation (all lists sorted ascending by tokens, ties by id; "hottest" = most tokens):
 - `E_cur`: activated experts of this layer that are not resident (nor in flight), n = |E_cur|.
@@ -144,24 +141,6 @@ class Decision:
 
 
 @dataclasses.dataclass
-class _Open:
-    """A layer `plan_layer` decided and `plan_next` has not completed yet: what the second half reads."""
-
-    layer: int
-    phase: str
-    mode: str
-    s: "_Layer"
-    tok: np.ndarray            # [E] tokens per expert now
-    nxt: np.ndarray            # E_next, ascending
-    n_c: int | None
-    i: int | None
-    i_prime: int | None
-    t_g: float
-    t_c: float
-    step3: "_Step3 | None"     # mode b's, decided with its unloads
-
-
-@dataclasses.dataclass
 class _Step3:
     count: int
     f: float
@@ -186,7 +165,6 @@ class AdaptSched:
         self._pending: dict[int, tuple[str, np.ndarray, int]] = {}
         self._last_used: dict[int, np.ndarray] = {}
         self._step = 0
-        self._open: _Open | None = None
         self.last_decision: Decision | None = None
 
     # ---- online statistics -------------------------------------------------------------------------------
@@ -210,13 +188,6 @@ class AdaptSched:
     # ---- planning ----------------------------------------------------------------------------------------
 
     def plan(self, demand: LayerDemand, costs: CostTable) -> Plan:
-        """This layer's decisions and then the next layer's, in one call (`plan_layer`, then `plan_next`)."""
-        return self.plan_next(demand, costs, self.plan_layer(demand, costs))
-
-    def plan_layer(self, demand: LayerDemand, costs: CostTable) -> Plan:
-        """What must be known before this layer computes: L_on (steps 1-2, or the decode mode's), the CPU experts
-        and L_un. The plan has no prefetch; `plan_next` adds it (mode b's prefetch count is decided here, since
-        its unloads make room for it)."""
         d = demand
         tok = np.asarray(d.tokens_per_expert, dtype=np.float64)
         act = tok > 0
@@ -241,6 +212,7 @@ class AdaptSched:
             i_prime = s.on_demand_boundary(j0, boundary_in_cpu_side=False, slots=d.free_slots)
             if self.layer_guard and max(s.layer_sides(i_prime)) > s.layer_sides(0)[0]:
                 i_prime = s.balanced_boundary(slots=d.free_slots)
+            step3 = s.prefetch_count(i_prime, next_constraint=mode == "d", slots=d.free_slots - (n - i_prime))
             t_g, t_c = s.layer_sides(i_prime)
         elif mode == "a":
             i_prime = s.on_demand_boundary(0, boundary_in_cpu_side=True, slots=d.free_slots)
@@ -255,32 +227,18 @@ class AdaptSched:
             if step3 is not None:
                 step3.count = min(step3.count, d.free_slots + unload.size)
         load_now = cur[i_prime:][::-1] if i_prime is not None else cur[:0]
-        self._open = _Open(d.layer, d.phase, mode, s, tok, nxt, n_c, i, i_prime, t_g, t_c, step3)
-        return Plan.from_loads(d, load_now=load_now, unload=unload)
-
-    def plan_next(self, demand: LayerDemand, costs: CostTable, layer_plan: Plan) -> Plan:
-        """`layer_plan` (this layer's `plan_layer` result, for the same demand) with the next layer's part: L_pre
-        (step 3) and whether the whole next layer streams. Updates `last_decision`."""
-        d, o = demand, self._open
-        if o is None or (o.layer, o.phase) != (d.layer, d.phase):
-            raise RuntimeError(f"plan_next for layer {d.layer} ({d.phase}) without its plan_layer")
-        self._open = None
-        s, n, step3 = o.s, o.s.n, o.step3
-        if o.mode in ("prefill", "d"):
-            step3 = s.prefetch_count(o.i_prime, next_constraint=o.mode == "d", slots=d.free_slots - (n - o.i_prime))
-        prefetch = o.nxt[::-1][:step3.count] if step3 is not None else o.nxt[:0]
-        stream = o.mode == "prefill" and _stream_pays(d, costs, o.tok, prefetch, max(o.t_g, o.t_c) + s.t_attn,
-                                                      s.r_hit)
-        if o.mode == "prefill" and self.link_window and not stream:
-            step3 = s.prefetch_count(o.i_prime, next_constraint=False, slots=d.free_slots - (n - o.i_prime),
+        prefetch = nxt[::-1][:step3.count] if step3 is not None else nxt[:0]
+        stream = mode == "prefill" and _stream_pays(d, costs, tok, prefetch, max(t_g, t_c) + s.t_attn, s.r_hit)
+        if mode == "prefill" and self.link_window and not stream:
+            step3 = s.prefetch_count(i_prime, next_constraint=False, slots=d.free_slots - (n - i_prime),
                                      link_window=True)
-            prefetch = o.nxt[::-1][:step3.count]
-        self._pending[d.layer] = (d.phase, o.nxt[::-1], prefetch.size)
+            prefetch = nxt[::-1][:step3.count]
+        self._pending[d.layer] = (d.phase, nxt[::-1], prefetch.size)
         self.last_decision = Decision(
-            layer=d.layer, phase=d.phase, mode=o.mode, n=n, n_next=s.n_next, n_c=o.n_c, i=o.i, i_prime=o.i_prime,
-            f=step3.f if step3 else None, xi=step3.xi if step3 else None, T_G=o.t_g, T_C=o.t_c, r_hit=s.r_hit,
-            loads=layer_plan.load_now.size, prefetches=prefetch.size, unloads=layer_plan.unload.size, stream=stream)
-        return dataclasses.replace(layer_plan, prefetch=prefetch, stream_next_layer=stream)
+            layer=d.layer, phase=d.phase, mode=mode, n=n, n_next=n_next, n_c=n_c, i=i, i_prime=i_prime,
+            f=step3.f if step3 else None, xi=step3.xi if step3 else None, T_G=t_g, T_C=t_c, r_hit=s.r_hit,
+            loads=load_now.size, prefetches=prefetch.size, unloads=unload.size, stream=stream)
+        return Plan.from_loads(d, load_now=load_now, prefetch=prefetch, unload=unload, stream_next_layer=stream)
 
     def _predict(self, d: LayerDemand, tok: np.ndarray):
         """E_next (ascending by predicted tokens), its predicted tokens, and predicted tokens of the predicted

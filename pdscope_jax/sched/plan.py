@@ -3,8 +3,7 @@
 Contract: per MoE layer and step the engine builds a `LayerDemand` (small numpy arrays: tokens per expert,
 residency, the next layer's predicted scores) and asks the policy's planner for a `Plan`. Planners are pure
 Python over these arrays (no device arrays, no jax); they may keep online statistics (e.g. a predictor's hit
-rate) and update them in `observe`, which the engine calls once the next layer's true routing is known. A
-`SplitPlanner` plans in two halves, this layer's and the next layer's, that the engine calls apart.
+rate) and update them in `observe`, which the engine calls once the next layer's true routing is known.
 
 Plan semantics, in the order the engine acts on them:
 - `unload`: this layer's resident experts whose slots may be freed (before loading when they are not in `gpu`,
@@ -174,18 +173,6 @@ class ObservingPlanner(Planner, Protocol):
     `layer`'s successor has been routed, with the ids of the experts it actually activated."""
 
     def observe(self, layer: int, phase: str, actual_next_experts: np.ndarray) -> None: ...
-
-
-@runtime_checkable
-class SplitPlanner(Planner, Protocol):
-    """A planner whose next-layer part can wait until this layer's compute is dispatched: `plan_layer` returns
-    the plan without `prefetch` or `stream_next_layer`, and `plan_next(demand, costs, that plan)` returns it
-    completed; `plan` is the two in a row. The engine calls `plan_next` after dispatching the layer's GPU
-    experts, so that half of the planner's time runs while the GPU computes."""
-
-    def plan_layer(self, demand: LayerDemand, costs: CostTable) -> Plan: ...
-
-    def plan_next(self, demand: LayerDemand, costs: CostTable, layer_plan: Plan) -> Plan: ...
 
 
 def check_plan(demand: LayerDemand, plan: Plan) -> None:
