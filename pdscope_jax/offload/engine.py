@@ -135,6 +135,11 @@ class _Routed:
     tokens: np.ndarray  # [E] tokens routed to each expert
     next_scores: np.ndarray | None  # [E]
 
+    @property
+    def padded_rows(self) -> int:
+        """Nb: the step's rows padded to their bucket (the CPU calibration keeps one scale per phase and size)."""
+        return self.h.shape[0]
+
 
 def analytic_costs(cfg, itemsize: int) -> CostTable:
     """A roofline cost table for the benchmark node (H200, PCIe Gen5, AMX CPU) from PRIMITIVES.md's figures."""
@@ -189,7 +194,6 @@ class OffloadRunner:
         # in-situ CPU calibration: measured / cost-table CPU seconds (>= 1) per phase and step size (padded rows;
         # absent: 1), and the scaled tables
         self._cpu_scale: dict[tuple[str, int], float] = {}
-        self._step_rows = 0  # padded rows of the step running now
         self._scaled_costs: dict[float, CostTable] = {}
         self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
         self.track_memory = False
@@ -614,7 +618,6 @@ class OffloadRunner:
         n = valid.size
         n_pad = bucket(n, self.runtime.decode_buckets if phase == "decode" else self.runtime.prefill_buckets)
         self._step_shapes.add((*ids.shape, n_pad))
-        self._step_rows = n_pad
         valid_pad = np.zeros(n_pad, bool)
         valid_pad[:n] = valid
         # the next-layer gate's row mask, on the accelerator once per step rather than once per layer
@@ -698,7 +701,7 @@ class OffloadRunner:
             next_resident=None if nxt is None else pool.resident(nxt),
             free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
         start = time.perf_counter()
-        plan = self.planner.plan(demand, self._planner_costs(phase, self._step_rows))
+        plan = self.planner.plan(demand, self._planner_costs(phase, r.padded_rows))
         planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
         self._mark(phase, "planned", i)
@@ -770,7 +773,7 @@ class OffloadRunner:
         pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
         pool.touch(i, plan.gpu)
         return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end,
-                              loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]), self._step_rows)
+                              loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]), r.padded_rows)
 
     def _mark(self, phase: str, event: str, layer: int, at: float | None = None) -> None:
         """Record a stage of layer `layer` in the timeline, when one is being recorded."""
