@@ -2,6 +2,6 @@
 
 import sys
 
-from pdscope_jax.cli import main
+from pdscope_jax.cli.main import main
 
 sys.exit(main())

@@ -31,10 +31,10 @@ import jax.numpy as jnp
 
 from pdscope_jax import models
 from pdscope_jax.config import ModelConfig
-from pdscope_jax.generation import GenerationResult, Generator
+from pdscope_jax.generation.generator import GenerationResult, Generator
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.presets import UnknownModelError, known_names, preset
-from pdscope_jax.tokenizer import Tokenizer, token_batch
+from pdscope_jax.text.tokenizer import Tokenizer, token_batch
 from pdscope_jax.weights.checkpoint import checkpoint_loader, open_checkpoint
 from pdscope_jax.weights.random_init import random_state
 
@@ -119,7 +119,7 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         model = models.from_flat(cfg, jdtype, loader(list(shapes), lambda path: device))
         return Runner(model, tokenizer)
-    from pdscope_jax.offload.engine import OffloadRunner
+    from pdscope_jax.engine.runner import OffloadRunner
     from pdscope_jax.runtime import RuntimeConfig
 
     predictor = None

@@ -7,7 +7,7 @@
 #   (seconds: what a stage took on the H200 on 2026-11-29, latest call; "limit" where it ran out before finishing)
 #   probe      store/transfer probe                                                                        42
 #   host       decode host time: helper-thread variants (ondemand pdscope static), then one dispatch's host
-#              time idle and with copies in flight (scripts/probe_decode_host.py, probe_dispatch.py)
+#              time idle and with copies in flight (benchmarks/probes/probe_decode_host.py, probe_dispatch.py)
 #              (not yet run as one stage: the two probes took 252 and 16-37 s in calls 16 and 18-24)
 #   cpu        XLA:CPU vs torch expert FFN (and once more per flag set in CPU_XLA_FLAGS)          11 (+10 each)
 #   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite                           124
@@ -67,18 +67,18 @@ for arg in "$@"; do
   limit=240
   [[ $arg == *:* ]] && limit=${arg#*:}
   case "$stage" in
-    probe) run_stage probe "python3 scripts/probe_store_gpu.py ${PROBE_ARGS:-} --out $res/probe_store_gpu.json" ;;
+    probe) run_stage probe "python3 benchmarks/probes/probe_store_gpu.py ${PROBE_ARGS:-} --out $res/probe_store_gpu.json" ;;
     host) run_stage host "
-      python3 scripts/probe_decode_host.py --model $model ${budget[*]} --policies ondemand pdscope static \
+      python3 benchmarks/probes/probe_decode_host.py --model $model ${budget[*]} --policies ondemand pdscope static \
         \$( [ -f $costs ] && echo --cost-table $costs ) --out $res/probe_decode_host.json
-      python3 scripts/probe_dispatch.py --model $model --out $res/probe_dispatch.json" ;;
-    cpu) run_stage cpu "python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json
+      python3 benchmarks/probes/probe_dispatch.py --model $model --out $res/probe_dispatch.json" ;;
+    cpu) run_stage cpu "python3 benchmarks/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} --out $res/cpu_expert_vs_torch.json
       for flag in ${CPU_XLA_FLAGS:-}; do  # XLA:CPU options to compare, e.g. --xla_cpu_use_xnnpack=true
-        XLA_FLAGS=\$flag python3 scripts/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} \
+        XLA_FLAGS=\$flag python3 benchmarks/bench_cpu_expert.py ${CPU_EXPERT_ARGS:-} \
           --out $res/cpu_expert_\${flag//[^a-z0-9]/_}.json || true
       done" ;;
     plain) run_stage plain "
-      python3 scripts/bench_plain.py --model $model --lengths ${lengths[*]} --new-tokens $tokens --repeats 2 \
+      python3 benchmarks/bench_plain.py --model $model --lengths ${lengths[*]} --new-tokens $tokens --repeats 2 \
         --out $res" ;;
     profile) run_stage profile "python3 -m pdscope_jax profile $model ${PROFILE_ARGS:-} --out $costs" ;;
     smoke) run_stage smoke "
@@ -117,14 +117,14 @@ for arg in "$@"; do
       python3 -m pdscope_jax train-predictors --traces $res/traces-train --model $model --out $res/predictors \
         --no-progress --groups-png $res/layer_groups_$model.png ${TRAIN_ARGS:-}
       echo \"{\\\"offline_phase_seconds\\\": \$(( \$(date +%s) - start )), \\\"weights\\\": \\\"random\\\", \\\"command\\\": \\\"gpu_session.sh predictors (collect-traces train+heldout, train-predictors)\\\"}\" > $res/predictors_${model}_time.json
-      python3 scripts/eval_predictors.py --model $model --predictors $res/predictors/$model \
+      python3 benchmarks/eval_predictors.py --model $model --predictors $res/predictors/$model \
         --train-traces $res/traces-train --eval heldout=$res/traces-heldout \
         --out-json $res/predictors_$model.json --out-png $res/predictors_$model.png
       du -sb $res/predictors/$model
       rm -rf $res/traces-train $res/traces-heldout" ;;
     qwen) run_stage qwen "
       if [ -n \"${QWEN_PLAIN-1}\" ]; then
-        python3 scripts/bench_plain.py --model $qwen --lengths ${QWEN_LENGTHS:-512 $longest} --new-tokens $tokens \
+        python3 benchmarks/bench_plain.py --model $qwen --lengths ${QWEN_LENGTHS:-512 $longest} --new-tokens $tokens \
           --repeats 1 --out $res
       fi
       python3 -m pdscope_jax profile $qwen ${PROFILE_ARGS:-} --out $res/costs_$qwen.json

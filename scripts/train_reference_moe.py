@@ -6,7 +6,7 @@ Usage (from the repository root, with the package importable: `pip install -e .`
     python scripts/train_reference_moe.py --smoke [--out DIR]  # tiny model, 20 steps, CPU-sized (CI)
 
 What it does, in order:
-1. Corpus (`pdscope_jax.corpus`): the running interpreter's stdlib `.py` files split 95/5 by path hash into
+1. Corpus (`pdscope_jax.text.corpus`): the running interpreter's stdlib `.py` files split 95/5 by path hash into
    train / held-out, plus out-of-domain text (the first source found: /usr/share/common-licenses,
    /usr/share/doc/*/copyright, the stdlib's own non-Python text); which one is printed and recorded.
 2. A byte-level BPE `tokenizer.json` (`tokenizers`) trained on the train split; `<|endoftext|>` (id 0) ends
@@ -65,7 +65,8 @@ from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models as bpe_models, pre_tokenizers, trainers
 
 import pdscope_jax
-from pdscope_jax import corpus, models
+from pdscope_jax import models
+from pdscope_jax.text import corpus
 from pdscope_jax.config import ModelConfig
 from pdscope_jax.models.layers import router_logits
 from pdscope_jax.phaseper.collect import walk

@@ -19,7 +19,7 @@ Contract
   similarity profile [M] (entry l: mean over tokens of cosine(a_l, a_{l-1}); entry 0 copies entry 1, the
   definition of `phaseper.groups.layer_similarity`). `write_stats` saves them as `layer_stats.json`.
 - `collect_traces_main(argv)`: the `pdscope-jax collect-traces` command: a model (preset with random
-  weights, or a checkpoint directory), prompts cut from a `pdscope_jax.corpus` split with the model's
+  weights, or a checkpoint directory), prompts cut from a `pdscope_jax.text.corpus` split with the model's
   tokenizer, traces written into `--out`.
 
 Letters: B batch, T tokens per sequence, N flattened tokens, D hidden, K top-k, E routed experts,
@@ -41,7 +41,7 @@ import numpy as np
 import tokenizers
 from flax import nnx
 
-from pdscope_jax import corpus
+from pdscope_jax.text import corpus
 from pdscope_jax.phaseper.traces import PHASES, TraceWriter
 
 
@@ -221,7 +221,7 @@ def collect_traces_main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--out", type=Path, required=True, help="new trace directory")
     p.add_argument("--split", default="train", choices=("train", "heldout", "ood"),
-                   help="corpus split the prompts are cut from (pdscope_jax.corpus)")
+                   help="corpus split the prompts are cut from (pdscope_jax.text.corpus)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=32)

@@ -1,0 +1,335 @@
+"""Evaluate trained PhasePer predictors on held-out and out-of-domain traces against three baselines.
+
+Contract
+- Inputs: the model (`--model`: only its router kernels and config are used), a predictor checkpoint
+  (`--predictors`), the TRAIN traces the predictors were trained on (used only for the frequency baseline),
+  and one or more evaluation trace sets (`--eval NAME=DIR`, e.g. heldout=... ood=...), all collected by
+  `pdscope-jax collect-traces` from that model (fingerprints are checked).
+- Per evaluation set, phase, source MoE layer l (predicting the experts of the next MoE layer l+1), and
+  aggregated per layer group (mean over the group's layers; every layer has the same tokens), it scores:
+    phaseper   the checkpoint's predictor f_l(a_l, w_l, e_l);
+    fate       Fate-style: layer l+1's gate applied to layer l's MoE input, scoring_func(a_l @ W_gate,l+1);
+    frequency  each l+1 expert's activation frequency in the train traces of the same phase (same for all tokens);
+    prev_token decode only: the routing weights the same sequence's previous token gave the experts at layer
+               l+1 (for the first decode step, the last prompt token's prefill routing); the frequency adds a
+               1e-6-scaled tie-break among the other experts.
+- Metrics (definitions of `pdscope_jax.phaseper.train`):
+    recall_at_k  per token, |top-k(scores) ∩ true experts of l+1| / k, k = the model's top-k (4 here);
+    table5       the paper's Table-5 accuracy with one REQUEST as the step: in prefill the step is one
+                 prompt's tokens (the collected [B*T] forward is cut back into its B sequences of T tokens,
+                 T = prefill step / decode step size), true counts = tokens per l+1 expert in that prompt,
+                 predicted ranking = per-expert sum of scores over the prompt, a true top-6 expert hits if its
+                 predicted rank is within +-2 of its (tie-aware) true rank; in decode the step is one token
+                 (its k experts are the true set: m = min(6, k) = k, so Table-5 there is close to recall@(k+2)).
+- Predictor cost: parameter bytes per network kind and in total, the checkpoint's bytes on disk, and the
+  latency of `PredictorSet.predict` (host arrays in, probabilities out) for 1 token (decode) and T tokens
+  (one prefill request): median and p90 over repetitions after compilation, with the parameters on the CPU
+  backend and, where there is one, on the accelerator.
+- Acceptance checks (reported, never tuned on): held-out prefill Table-5 >= 0.90; held-out decode
+  recall@k >= 0.85; PhasePer above every baseline in every group and phase (held-out, both metrics, and
+  OOD too); OOD drop (held-out minus OOD, in points) <= 8 for prefill Table-5 and decode recall@k.
+- Output: `--out-json` (every number, the exact command, the traces' descriptions) and `--out-png` (per
+  evaluation set: recall@k and Table-5 bars per group and phase, PhasePer next to the baselines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from pdscope_jax.api import resolve
+from pdscope_jax.phaseper.checkpoint import load_predictors
+from pdscope_jax.phaseper.groups import GROUP_NAMES
+from pdscope_jax.phaseper.traces import PHASES, Traces, load_traces
+from pdscope_jax.phaseper.train import recall_at_k, table5_accuracy
+
+METHODS = ("phaseper", "fate", "frequency", "prev_token")
+TARGETS = {"prefill_table5": 0.90, "decode_recall_at_k": 0.85, "ood_drop_points": 8.0}
+
+
+# ---- baselines ---------------------------------------------------------------------------------------------
+def router_kernels(model_name: str) -> tuple[object, dict[int, np.ndarray]]:
+    """(config, {decoder layer: router kernel [D, E] float32}) of every MoE layer of the model."""
+    import pdscope_jax
+
+    runner = pdscope_jax.load(model_name, dtype="float32")
+    model = runner.model
+    return runner.config, {i: np.asarray(layer.mlp.gate.kernel[...], np.float32)
+                           for i, layer in enumerate(model.layers) if layer.is_moe}
+
+
+def gate_scores(a: np.ndarray, kernel: np.ndarray, scoring: str) -> np.ndarray:
+    """[N, E] router scores of a [N, D] under kernel [D, E]: softmax or sigmoid of the logits."""
+    z = a.astype(np.float32) @ kernel  # [N, E]
+    if scoring == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-z))
+    z = z - z.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    return p / p.sum(axis=1, keepdims=True)
+
+
+def train_frequencies(train: Traces, phase: str, layer: int) -> np.ndarray:
+    """[E] fraction of train tokens of `phase` that activate each expert of `layer`."""
+    counts = train.layer(phase, layer)["counts"].sum(axis=0).astype(np.float64)  # [E]
+    tokens = max(1, train.tokens(phase, layer))
+    return counts / tokens
+
+
+def step_layout(traces: Traces) -> tuple[int, int, int]:
+    """(B sequences per forward, T prompt tokens, S decode steps per batch) of a collection."""
+    first = traces.layers[0]
+    pre, dec = traces.layer("prefill", first)["steps"], traces.layer("decode", first)["steps"]
+    if len(pre) == 0 or len(dec) == 0:
+        raise ValueError(f"{traces.dir}: the evaluation needs both prefill and decode traces")
+    batch = int(dec[0])
+    return batch, int(pre[0]) // batch, len(dec) // len(pre)
+
+
+def prev_token_scores(traces: Traces, next_layer: int, n: int, freq: np.ndarray) -> np.ndarray:
+    """[n, E] decode scores: the previous token's routing weights at `next_layer` (see the module docstring)."""
+    batch, t, s = step_layout(traces)
+    dec, pre = traces.layer("decode", next_layer), traces.layer("prefill", next_layer)
+    idx = np.arange(n)
+    step, seq = idx // batch, idx % batch
+    batch_i, s_i = step // s, step % s
+    prev_e = np.empty((n, traces.k), np.int64)
+    prev_w = np.empty((n, traces.k), np.float32)
+    later = s_i > 0
+    prev_e[later], prev_w[later] = dec["e"][idx[later] - batch], dec["w"][idx[later] - batch]
+    first = ~later
+    last_prompt = batch_i[first] * batch * t + seq[first] * t + (t - 1)
+    prev_e[first], prev_w[first] = pre["e"][last_prompt], pre["w"][last_prompt]
+    scores = np.tile(1e-6 * freq.astype(np.float32), (n, 1))  # [n, E]
+    np.put_along_axis(scores, prev_e, prev_w + scores[np.arange(n)[:, None], prev_e], axis=1)
+    return scores
+
+
+def request_steps(traces: Traces, phase: str, n: int) -> np.ndarray:
+    """Table-5 steps: one prompt (T tokens) per step in prefill, one token per step in decode."""
+    if phase == "decode":
+        return np.ones(n, np.int32)
+    _, t, _ = step_layout(traces)
+    steps = np.full(n // t, t, np.int32)
+    return np.concatenate([steps, [n - int(steps.sum())]]).astype(np.int32) if n % t else steps
+
+
+# ---- evaluation --------------------------------------------------------------------------------------------
+def predict_chunked(pset, phase: str, layer: int, a, w, e, chunk: int = 4096) -> np.ndarray:
+    return np.concatenate([pset.predict(phase, layer, a[s:s + chunk], w[s:s + chunk], e[s:s + chunk])
+                           for s in range(0, len(a), chunk)])
+
+
+def evaluate_set(pset, cfg, kernels, train: Traces, traces: Traces) -> dict:
+    """{phase: {"layers": {layer: {method: {recall_at_k, table5}}}, "groups": {group: {method: ...}}}}."""
+    out = {}
+    for phase in PHASES:
+        per_layer = {}
+        for layer in pset.source_layers:
+            nxt = pset.next_layer(layer)
+            pairs = traces.pairs(phase, layer)
+            n = len(pairs)
+            freq = train_frequencies(train, phase, nxt)
+            scores = {
+                "phaseper": predict_chunked(pset, phase, layer, pairs.a, pairs.w, pairs.e),
+                "fate": gate_scores(pairs.a, kernels[nxt], cfg.scoring_func),
+                "frequency": np.tile(freq.astype(np.float32), (n, 1)),
+            }
+            if phase == "decode":
+                scores["prev_token"] = prev_token_scores(traces, nxt, n, freq)
+            steps = request_steps(traces, phase, n)
+            per_layer[layer] = {
+                "group": pset.group(layer), "next_layer": nxt, "tokens": n,
+                **{m: {"recall_at_k": recall_at_k(s, pairs.e_next, traces.k),
+                       "table5": table5_accuracy(s, pairs.e_next, steps, traces.num_experts)}
+                   for m, s in scores.items()},
+            }
+        groups = {}
+        for g in GROUP_NAMES:  # a group whose only layer is the last MoE layer has no predictor: left out
+            members = [v for v in per_layer.values() if v["group"] == g]
+            if not members:
+                continue
+            groups[g] = {m: {metric: float(np.mean([v[m][metric] for v in members]))
+                             for metric in ("recall_at_k", "table5")}
+                         for m in METHODS if m in members[0]}
+            groups[g]["layers"] = [l for l, v in per_layer.items() if v["group"] == g]
+        overall = {m: {metric: float(np.mean([v[m][metric] for v in per_layer.values()]))
+                       for metric in ("recall_at_k", "table5")}
+                   for m in METHODS if m in next(iter(per_layer.values()))}
+        out[phase] = {"layers": per_layer, "groups": groups, "all": overall}
+    return out
+
+
+def latency_by_device(pset, t_prompt: int, reps: int) -> dict:
+    """`latency` with the predictors' parameters on the CPU backend and, where there is one, on the accelerator
+    (host numpy in and out either way), by device name. Leaves the parameters on the last device measured."""
+    devices = [jax.devices("cpu")[0]] + [d for d in jax.devices() if d.platform != "cpu"][:1]
+    out = {}
+    for device in devices:
+        pset.to_device(device)
+        out[f"{device.platform}:{device.id}"] = {"device_kind": getattr(device, "device_kind", None),
+                                                 **latency(pset, t_prompt, reps)}
+    return out
+
+
+def latency(pset, t_prompt: int, reps: int) -> dict:
+    """Latency of `predict` per network kind for 1 token and one prompt of `t_prompt` tokens (ms), on the device
+    that holds the predictors' parameters."""
+    rng = np.random.default_rng(0)
+    hp = pset.hp
+    out = {}
+    for kind in ("shallow", "deep"):
+        layer = next(l for l in pset.source_layers if pset.kind(l) == kind)
+        for n in (1, t_prompt):
+            a = rng.normal(size=(n, hp.dim)).astype(np.float16)
+            w = rng.random((n, hp.k)).astype(np.float32)
+            e = np.stack([rng.choice(hp.num_experts, hp.k, replace=False) for _ in range(n)]).astype(np.int32)
+            for _ in range(5):
+                pset.predict("decode", layer, a, w, e)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                pset.predict("decode", layer, a, w, e)
+                times.append((time.perf_counter() - t0) * 1e3)
+            out[f"{kind}_{n}_tokens"] = {"median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90))}
+    return out
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def acceptance(results: dict) -> dict:
+    held = results["heldout"]
+    checks = {
+        "heldout_prefill_table5": {"value": held["prefill"]["all"]["phaseper"]["table5"],
+                                   "target": f">= {TARGETS['prefill_table5']}"},
+        "heldout_decode_recall_at_k": {"value": held["decode"]["all"]["phaseper"]["recall_at_k"],
+                                       "target": f">= {TARGETS['decode_recall_at_k']}"},
+    }
+    checks["heldout_prefill_table5"]["pass"] = checks["heldout_prefill_table5"]["value"] >= TARGETS["prefill_table5"]
+    checks["heldout_decode_recall_at_k"]["pass"] = (checks["heldout_decode_recall_at_k"]["value"]
+                                                    >= TARGETS["decode_recall_at_k"])
+    for name, res in results.items():
+        losses = []
+        for phase in PHASES:
+            for g, row in res[phase]["groups"].items():
+                for m in METHODS:
+                    if m == "phaseper" or m not in row:
+                        continue
+                    for metric in ("recall_at_k", "table5"):
+                        if row["phaseper"][metric] <= row[m][metric]:
+                            losses.append(f"{phase}/{g}/{metric}: phaseper {row['phaseper'][metric]:.4f} <= "
+                                          f"{m} {row[m][metric]:.4f}")
+        checks[f"{name}_beats_every_baseline"] = {"pass": not losses, "failures": losses}
+    if "ood" in results:
+        for phase, metric in (("prefill", "table5"), ("decode", "recall_at_k")):
+            drop = 100 * (held[phase]["all"]["phaseper"][metric] - results["ood"][phase]["all"]["phaseper"][metric])
+            checks[f"ood_drop_{phase}_{metric}_points"] = {"value": drop, "target": f"<= {TARGETS['ood_drop_points']}",
+                                                           "pass": drop <= TARGETS["ood_drop_points"]}
+    return checks
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(p, m) for p in PHASES for m in ("recall_at_k", "table5")]
+    fig, axes = plt.subplots(len(results), len(panels), figsize=(4 * len(panels), 3.2 * len(results)),
+                             squeeze=False)
+    colors = {"phaseper": "tab:blue", "fate": "tab:orange", "frequency": "tab:gray", "prev_token": "tab:green"}
+    for r, (name, res) in enumerate(results.items()):
+        for c, (phase, metric) in enumerate(panels):
+            ax = axes[r][c]
+            groups = res[phase]["groups"]
+            names = list(groups)
+            methods = [m for m in METHODS if m in groups[names[0]]]
+            width = 0.8 / len(methods)
+            for i, m in enumerate(methods):
+                vals = [groups[g][m][metric] for g in names]
+                ax.bar(np.arange(len(names)) + (i - (len(methods) - 1) / 2) * width, vals, width,
+                       label=m, color=colors[m])
+            ax.set_xticks(np.arange(len(names)), names)
+            ax.set_ylim(0, 1)
+            ax.set_title(f"{name}: {phase} {metric}", fontsize=9)
+            ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="preset / embedded name / checkpoint directory")
+    p.add_argument("--predictors", type=Path, required=True, help="PhasePer checkpoint directory")
+    p.add_argument("--train-traces", type=Path, required=True, help="train traces (frequency baseline only)")
+    p.add_argument("--eval", action="append", required=True, metavar="NAME=DIR",
+                   help="evaluation trace set; 'heldout' is required for the acceptance checks")
+    p.add_argument("--out-json", type=Path, required=True)
+    p.add_argument("--out-png", type=Path, required=True)
+    p.add_argument("--latency-reps", type=int, default=200)
+    args = p.parse_args(argv)
+
+    cfg, kernels = router_kernels(args.model)
+    pset, manifest = load_predictors(args.predictors, cfg)
+    train = load_traces(args.train_traces)
+    sets = dict(item.split("=", 1) for item in args.eval)
+    results, descriptions = {}, {"train": train.description}
+    t0 = time.perf_counter()
+    for name, directory in sets.items():
+        traces = load_traces(directory)
+        for tr in (traces, train):
+            if tr.fingerprint != cfg.fingerprint():
+                raise SystemExit(f"{tr.dir}: traces of fingerprint {tr.fingerprint}, model has {cfg.fingerprint()}")
+        descriptions[name] = traces.description
+        results[name] = evaluate_set(pset, cfg, kernels, train, traces)
+        t_prompt = step_layout(traces)[1]
+    sizes = pset.sizes()
+    report = {
+        "command": "python benchmarks/eval_predictors.py " + shlex.join(argv),
+        "model": cfg.name, "weights": "checkpoint" if resolve(args.model)[1] else "random",
+        "fingerprint": cfg.fingerprint(),
+        "predictors": {"path": str(args.predictors), "corpus": manifest["corpus"], "hparams": manifest["hparams"],
+                       "groups": manifest["groups"], "moe_layers": manifest["moe_layers"],
+                       "param_bytes_per_network": sizes,
+                       "param_bytes_total": int(sum(sizes[pset.kind(l)] for _, l in pset.keys())),
+                       "checkpoint_bytes_on_disk": dir_bytes(args.predictors)},
+        "traces": descriptions,
+        "definitions": {
+            "recall_at_k": f"per token |top-{cfg.num_experts_per_tok}(scores) & true next-layer experts| / k",
+            "table5": "per request: prefill step = one prompt's tokens (predicted count = sum of scores), decode "
+                      "step = one token; true top-6 by token count, hit if predicted rank within +-2 of the "
+                      "tie-aware true rank",
+            "groups": "mean over the group's source layers (layer l predicts l+1; group of l)",
+        },
+        "latency": {"what": "PredictorSet.predict, host numpy in and out, parameters on the named device",
+                    "cpu_cores": os.cpu_count(), **latency_by_device(pset, t_prompt, args.latency_reps)},
+        "results": results,
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+    if "heldout" in results:
+        report["acceptance"] = acceptance(results)
+    args.out_json.parent.mkdir(parents=True, exist_ok=True)
+    args.out_json.write_text(json.dumps(report, indent=1))
+    plot(results, args.out_png)
+    summary = {name: {phase: {m: {k: round(v, 4) for k, v in vals.items()} for m, vals in res[phase]["all"].items()}
+                      for phase in PHASES} for name, res in results.items()}
+    print(json.dumps({"summary": summary, "acceptance": {k: v["pass"] for k, v in report.get("acceptance", {}).items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

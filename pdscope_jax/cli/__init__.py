@@ -1,0 +1,1 @@
+"""The `pdscope-jax` command line: `main` dispatches to one module per command."""

@@ -1,0 +1,112 @@
+"""The offload engine's jitted pieces: pure functions of an NNX layer's (graphdef, state) and arrays.
+
+Contract: `build_programs() -> {name: jitted function}` with graphdefs (`static_graph.StaticGraph`) and shape
+arguments static, so each traces once per shape: `embed`, `dense_layer` (a decoder layer without routed experts),
+`moe_route` (attention, MoE input, router and shared experts, with the routing packed for one host fetch),
+`moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program),
+`gpu_experts` (`models.layers.combine_experts` over the slot pool), `take_rows` (the rows of the MoE input
+the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of
+positions) and `next_token` (sampling at one position). KV caches are donated. `cache_size(jitted)` counts a
+jitted function's compiled programs (None where jax hides it). The engine (`offload.engine`) decides what runs
+when; nothing here touches the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pdscope_jax.generation.generator import sample
+from pdscope_jax.models.layers import combine_experts
+
+
+def embed(graph, state, ids):
+    return nnx.merge(graph.graphdef, state).embed(ids)  # [B, T, D]
+
+
+def dense_layer(graph, state, x, positions, layer_cache):
+    return nnx.merge(graph.graphdef, state)(x, positions, layer_cache)
+
+
+def moe_route(graph, state, x, positions, layer_cache, n_pad, with_h):
+    """Attention, MoE input, router and shared experts; routed inputs padded to n_pad rows. `routing` packs what
+    the host fetches into ONE f32 array [n_pad, 2K (+ D with_h)]: weights, expert ids (exact in f32) and, with_h,
+    h. One fetch instead of three took a third of the time even on the CPU backend (benchmarks/probes/probe_copy_issue.py)."""
+    layer = nnx.merge(graph.graphdef, state)
+    x, layer_cache = layer.attend(x, positions, layer_cache)  # [B, T, D]
+    h = layer.mlp_input(x).reshape(-1, x.shape[-1])  # [N, D]
+    weights, ids = layer.mlp.route(h)  # [N, K] f32, [N, K] int32
+    shared = layer.mlp.shared_output(h)  # [N, D]
+    rows = ((0, n_pad - h.shape[0]), (0, 0))
+    h, weights, ids = jnp.pad(h, rows), jnp.pad(weights, rows), jnp.pad(ids, rows)
+    routing = jnp.concatenate([weights, ids.astype(jnp.float32)] + ([h.astype(jnp.float32)] if with_h else []), 1)
+    return x, h, weights, ids, routing, shared, layer_cache
+
+
+def gate_scores(graph, state, h, valid):
+    """Fate's prediction: the next layer's router on this layer's MoE input h [N, D] -> [E] share of tokens."""
+    layer = nnx.merge(graph.graphdef, state)
+    _, ids = layer.mlp.route(h)  # [N, K]
+    chosen = jax.nn.one_hot(ids, layer.mlp.num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
+    chosen = chosen * valid[:, None]
+    return chosen.sum(axis=0) / jnp.maximum(valid.sum(), 1)
+
+
+def moe_route_scored(graph, state, x, positions, layer_cache, n_pad, with_h, next_graph, next_state, valid):
+    """`moe_route` and, from its h, `gate_scores` of the next layer (graph/state next_*; valid [n_pad] f32) in
+    ONE program. A separate scores dispatch held the H200's host 0.3-0.4 ms per decode layer
+    (benchmarks/probes/probe_decode_host.py); merged, throughput moved within run-to-run noise (benchmarks/results, call 21)."""
+    out = moe_route(graph, state, x, positions, layer_cache, n_pad, with_h)
+    return (*out, gate_scores(next_graph, next_state, out[1], valid))
+
+
+def take_rows(h, rows):
+    """h [Nb, D] -> h[rows] [R, D]."""
+    return h[rows]
+
+
+def moe_combine(x, shared, y_gpu, y_cpu, cpu_rows=None):
+    """x [B,T,D] + routed + shared [N,D]. Routed: GPU part [Nb,D] plus CPU part f32, either may be None; the CPU
+    part is [Nb,D], or [R,D] added at rows `cpu_rows` [R] (`cpu_experts.compact_rows`: a repeated row adds
+    zeros)."""
+    n = shared.shape[0]
+    routed = jnp.zeros_like(shared) if y_gpu is None else y_gpu[:n]
+    if y_cpu is not None:
+        part = y_cpu.astype(routed.dtype)
+        routed = routed + part[:n] if cpu_rows is None else routed.at[cpu_rows].add(part)
+    return x + (routed + shared).reshape(x.shape)
+
+
+def logit_rows(graph, state, x, start, size):
+    """Logits [B, size, V] of positions start..start+size-1 of x [B, T, D]."""
+    rows = jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+    return nnx.merge(graph.graphdef, state).logits(rows)
+
+
+def next_token(graph, state, x, index, key, temperature, top_k):
+    """Sample from the logits at position `index` of x [B, T, D] -> int32 [B]."""
+    row = jax.lax.dynamic_slice_in_dim(x, index, 1, axis=1)  # [B, 1, D]
+    return sample(nnx.merge(graph.graphdef, state).logits(row)[:, 0], key, temperature, top_k)
+
+
+def build_programs() -> dict[str, Any]:
+    """The jitted pieces, by name (graphdef and shape arguments static)."""
+    return {
+        "embed": jax.jit(embed, static_argnums=0),
+        "dense_layer": jax.jit(dense_layer, static_argnums=0, donate_argnums=4),
+        "moe_route": jax.jit(moe_route, static_argnums=(0, 5, 6), donate_argnums=4),
+        "moe_route_scored": jax.jit(moe_route_scored, static_argnums=(0, 5, 6, 7), donate_argnums=4),
+        "gpu_experts": jax.jit(combine_experts),
+        "take_rows": jax.jit(take_rows),
+        "moe_combine": jax.jit(moe_combine),
+        "logits": jax.jit(logit_rows, static_argnums=(0, 4)),
+        "next_token": jax.jit(next_token, static_argnums=(0, 5, 6)),
+    }
+
+
+def cache_size(jitted) -> int | None:
+    size = getattr(jitted, "_cache_size", None)  # private in jax; present in 0.10-0.12
+    return size() if size is not None else None

@@ -1,0 +1,1 @@
+"""Whole-model generation: prefill and decode loops, sampling, timings."""

@@ -1,0 +1,338 @@
+"""The expert store: the only code that moves routed-expert weights.
+
+Contract:
+- Host copy, once: every routed expert of every MoE layer lives in the accelerator's `pinned_host` memory, one
+  allocation per expert and weight (gate_up [D, 2F], down [F, D]), so any subset of a layer can be the operand
+  of one transfer program. `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` takes a layer's stacked weights
+  (numpy, or a jax array in any device's device memory), copies it expert by expert into pinned memory and
+  keeps no reference to the stack: the caller drops it, so only one layer ever exists twice.
+- CPU view, no second copy: the CPU backend computes an expert from a CPU-device array that aliases the same
+  pinned bytes (the pinned buffer's address viewed as numpy, then `jax.device_put(view, cpu)`, which XLA:CPU
+  takes zero-copy for 64-byte-aligned buffers). The alias is verified per expert (same address, same bytes);
+  where it does not hold, the store keeps a CPU copy and says so in `host_bytes_per_model_byte` (1.0 when
+  every view aliases, 2.0 when none does). `cpu_view="copy"` forces copies. `host_alloc="torch"` (GPU only; what
+  the default "auto" picks on a GPU where torch has CUDA, else "jax")
+  pins the memory with torch instead and imports it zero-copy through dlpack, a second route to one copy where
+  a pinned_host array's address is not readable from the host.
+  The aliased views are read-only by convention: nothing writes to expert weights after `add_layer`.
+- Layer stacks: `layer_stacks(layer)` -> (gate_up [E,D,2F], down [E,F,D]) pinned arrays of the same weights, for
+  programs that pick experts by an index they computed (`offload.device_decode`). With `host_alloc="torch"` each
+  layer is one pinned allocation, and the stacks and every expert's array alias it (no extra bytes); with
+  `host_alloc="jax"` they exist only with `stacks=True`, as a second pinned copy (counted in
+  `host_bytes_per_model_byte`). `pull_traced(experts, order, n_miss, rest)` is the copy a program makes itself,
+  with indices it computed (`offload.device_decode`'s decode step uses it).
+- Moving, in two steps so that transfers overlap compute:
+  `stage(layer, experts) -> Staged` issues ONE batched `jax.device_put` of the experts' pinned arrays to the
+  accelerator's device memory and returns at once (the copy runs on the host-to-device stream; issued before
+  the compute it should hide behind, it overlaps it). `commit(pool, staged, slots)` then copies the staged
+  arrays into their slots with ONE jitted program that donates the pool (device-to-device, in place, no
+  reallocation), compiled once per batch size: sizes are padded to a power of two by repeating the last expert
+  (an idempotent write). A slot write cannot itself overlap compute that reads the pool: donation orders it
+  after every pending reader, which is why the host-to-device part is staged outside the pool. Staged arrays
+  live until their commit; the budget counts two layers of them ("transfer staging").
+  `write(pool, layer, experts, slots) -> Written` is for loads needed right away: up to `FUSED_MAX` experts
+  move in ONE jitted program that takes their pinned arrays, copies them to device memory itself and writes
+  them into the donated pool (one dispatch instead of a `device_put` and a commit: on the H200 it held the
+  host 0.27-0.60 ms for 1-8 experts against 0.43-1.60 ms, and finished as fast or faster, see
+  `benchmarks/probes/probe_copy_issue.py`); compiled once per exact count, since padding would copy a repeated expert
+  twice. More experts go through stage + commit. `Written.done` is a small array ready when the write is.
+  Staging may run on another thread (`device_put` releases the caller there); `bytes_moved` is then updated
+  by the caller's thread only, through `write` and `count_moved`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdscope_jax.store.slot_pool import SlotPool
+from pdscope_jax.runtime import Devices
+
+
+FUSED_MAX = 8  # `write` moves at most this many experts in one pull-and-commit program
+DEVICE = jax.memory.Space.Device
+EXACT_PULLS = 8  # `pull_traced` copies exactly the misses up to this many (batch 1: top-k <= 8 in every preset)
+
+
+def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
+    """pool_gu [S,D,2F], pool_dn [S,F,D]; gus/dns: n device arrays [D,2F]/[F,D]; slots [n] int32."""
+    for i, (gu, dn) in enumerate(zip(gus, dns)):
+        pool_gu = jax.lax.dynamic_update_slice(pool_gu, gu[None], (slots[i], 0, 0))
+        pool_dn = jax.lax.dynamic_update_slice(pool_dn, dn[None], (slots[i], 0, 0))
+    return pool_gu, pool_dn
+
+
+def _pull_into_slots(pool_gu, pool_dn, gus, dns, slots):
+    """As `_commit_slots`, with gus/dns in pinned host memory: the program copies them to device memory itself.
+    -> (pool_gu, pool_dn, slots): the slots come back as the small output a waiter can block on."""
+    gus = [jax.device_put(a, DEVICE) for a in gus]
+    dns = [jax.device_put(a, DEVICE) for a in dns]
+    return (*_commit_slots(pool_gu, pool_dn, gus, dns, slots), slots + 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+    """What `ExpertStore.write` did: bytes moved, and an array ready when the experts are in their slots."""
+
+    nbytes: int
+    done: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """Experts of one layer in flight to (or already in) accelerator device memory, not yet in their slots."""
+
+    layer: int
+    experts: np.ndarray  # [n] expert ids
+    gate_ups: tuple[jax.Array, ...]  # n x [D, 2F] on the accelerator
+    downs: tuple[jax.Array, ...]  # n x [F, D]
+    nbytes: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def host_view(array: jax.Array) -> np.ndarray | None:
+    """A numpy view of a single-buffer host-memory array's bytes, or None when its address is unavailable."""
+    try:
+        address = array.unsafe_buffer_pointer()
+    except Exception:  # noqa: BLE001 (backends differ in what they refuse; any refusal means "no view")
+        return None
+    raw = (ctypes.c_byte * array.nbytes).from_address(address)
+    return np.frombuffer(raw, dtype=np.uint8).view(np.dtype(array.dtype)).reshape(array.shape)
+
+
+class ExpertStore:
+    def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "auto", stacks: bool = False):
+        if cpu_view not in ("alias", "copy"):
+            raise ValueError(f"cpu_view must be 'alias' or 'copy', got {cpu_view!r}")
+        if host_alloc not in ("auto", "jax", "torch"):
+            raise ValueError(f"host_alloc must be 'auto', 'jax' or 'torch', got {host_alloc!r}")
+        if host_alloc == "auto":
+            host_alloc = "torch" if devices.accel.platform == "gpu" and _torch_cuda() else "jax"
+        if host_alloc == "torch" and not _torch_cuda():
+            raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
+                             "through dlpack); use host_alloc='jax'")
+        self.devices = devices
+        self.cpu_view = cpu_view
+        self.host_alloc = host_alloc
+        self.stacks = stacks or host_alloc == "torch"
+        self._stacks: dict[int, tuple[jax.Array, jax.Array]] = {}  # layer -> (gate_up, down) stacks, pinned
+        self.stack_copy_bytes = 0  # bytes of stacks that are a second copy (host_alloc='jax')
+        self._torch_buffers: list = []  # host_alloc='torch': the pinned allocations every view points into
+        self._pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
+        self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
+        self._host: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> (gate_ups, downs) pinned
+        self._cpu: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> CPU-backend arrays
+        self.host_bytes = 0  # pinned bytes (the model's experts, once)
+        self.cpu_copy_bytes = 0  # bytes of CPU copies made where a view could not alias
+        self.bytes_moved = 0  # host -> accelerator bytes staged since construction (preloads included)
+        self._commit = jax.jit(_commit_slots, donate_argnums=(0, 1))
+        self._pull = jax.jit(_pull_into_slots, donate_argnums=(0, 1))
+        self._commit_sizes: set[int] = set()
+        self._pull_sizes: set[int] = set()
+
+    # ---- building --------------------------------------------------------------------------------------
+    def add_layer(self, layer: int, gate_up, down) -> None:
+        """Take layer `layer`'s stacked experts gate_up [E,D,2F], down [E,F,D] into pinned memory, per expert (and
+        as whole-layer stacks: see `layer_stacks`)."""
+        host, cpu, stacks = ([], []), ([], []), []
+        for part, stack in enumerate((gate_up, down)):
+            views = None
+            if self.host_alloc == "torch":  # one allocation per layer: the stack and its experts alias it
+                whole, experts, views = self._torch_pinned_layer(np.asarray(stack))
+                stacks.append(whole)
+            else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
+                experts = [jax.device_put(stack[e], self._pinned) for e in range(stack.shape[0])]
+                jax.block_until_ready(experts)
+                if self.stacks:
+                    whole = jax.device_put(stack, self._pinned)
+                    stacks.append(whole)
+                    self.stack_copy_bytes += whole.nbytes
+            for e, pinned in enumerate(experts):
+                host[part].append(pinned)
+                cpu[part].append(self._cpu_array(pinned, None if views is None else views[e]))
+                self.host_bytes += pinned.nbytes
+        self._host[layer], self._cpu[layer] = host, cpu
+        if stacks:
+            self._stacks[layer] = (stacks[0], stacks[1])
+
+    def _torch_pinned_layer(self, src: np.ndarray) -> tuple[jax.Array, list[jax.Array], np.ndarray]:
+        """Pin a layer's stack [E, ...] with torch, fill it through a numpy view, import it and each expert's slice
+        zero-copy through dlpack. -> (the stack, the experts, the numpy view)."""
+        import torch
+
+        buffer = torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=True)
+        view = buffer.numpy().view(src.dtype).reshape(src.shape)
+        view[...] = src
+        typed = buffer.view(getattr(torch, src.dtype.name)).reshape(src.shape)
+        whole = jax.dlpack.from_dlpack(typed)
+        experts = [jax.dlpack.from_dlpack(typed[e]) for e in range(src.shape[0])]
+        for array in (whole, *experts):
+            if array.sharding.memory_kind != "pinned_host" or array.devices() != {self.devices.accel}:
+                raise RuntimeError(f"dlpack import of pinned torch memory gave {array.sharding}, not pinned_host "
+                                   f"memory of {self.devices.accel}; use host_alloc='jax'")
+        self._torch_buffers.append(buffer)
+        return whole, experts, view
+
+    def _cpu_array(self, pinned: jax.Array, view: np.ndarray | None) -> jax.Array:
+        """The CPU-backend array for one expert weight: a zero-copy alias of the pinned bytes when verified."""
+        values = np.asarray(pinned)  # a proper copy, to check the view against
+        if self.cpu_view == "alias":
+            view = host_view(pinned) if view is None else view
+            if view is not None and np.array_equal(view, values):
+                on_cpu = jax.device_put(view, self.devices.cpu)
+                if on_cpu.unsafe_buffer_pointer() == view.ctypes.data:
+                    return on_cpu
+        on_cpu = jax.device_put(values, self.devices.cpu)
+        self.cpu_copy_bytes += on_cpu.nbytes
+        return on_cpu
+
+    # ---- queries ---------------------------------------------------------------------------------------
+    @property
+    def host_bytes_per_model_byte(self) -> float:
+        """Host bytes held per byte of routed-expert weights: 1.0 when every CPU view aliases pinned memory."""
+        return (self.host_bytes + self.cpu_copy_bytes + self.stack_copy_bytes) / max(self.host_bytes, 1)
+
+    @property
+    def compiled_programs(self) -> int:
+        return len(self._commit_sizes) + len(self._pull_sizes)
+
+    def expert_nbytes(self, layer: int, experts: np.ndarray) -> int:
+        gus, dns = self._host[layer]
+        return int(sum(gus[e].nbytes + dns[e].nbytes for e in np.asarray(experts, np.int64)))
+
+    def count_moved(self, layer: int, experts: np.ndarray) -> int:
+        """Add the bytes of `experts` of `layer` to `bytes_moved` (on the caller's thread: `stage` may run on a
+        helper thread and counts nothing). -> those bytes."""
+        nbytes = self.expert_nbytes(layer, experts)
+        self.bytes_moved += nbytes
+        return nbytes
+
+    def cpu_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
+        """(gate_up [D,2F], down [F,D]) of one expert on the CPU backend (aliasing the pinned copy when possible)."""
+        gus, dns = self._cpu[layer]
+        return gus[expert], dns[expert]
+
+    def layer_stacks(self, layer: int) -> tuple[jax.Array, jax.Array] | None:
+        """(gate_up [E,D,2F], down [E,F,D]) of a layer in pinned_host memory, or None when not kept: a program can
+        index them with an index it computed (`offload.device_decode`)."""
+        return self._stacks.get(layer)
+
+    def layer_experts(self, layer: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        """(gate_ups, downs): a layer's E per-expert arrays in pinned_host memory."""
+        gus, dns = self._host[layer]
+        return tuple(gus), tuple(dns)
+
+    def host_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
+        """(gate_up, down) of one expert in pinned_host memory."""
+        gus, dns = self._host[layer]
+        return gus[expert], dns[expert]
+
+    # ---- moving ----------------------------------------------------------------------------------------
+    def stage(self, layer: int, experts: np.ndarray) -> Staged:
+        """Issue the host-to-device copy of `experts` of `layer` (one batched device_put); returns at once. Safe
+        to call from another thread: it counts nothing (`count_moved` does, on the caller's thread)."""
+        experts = np.asarray(experts, np.int64)
+        gus, dns = self._host[layer]
+        srcs = ([gus[e] for e in experts], [dns[e] for e in experts])
+        on_device = jax.device_put(srcs, self._device) if experts.size else ([], [])
+        return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]), self.expert_nbytes(layer, experts))
+
+    def commit(self, pool: SlotPool, staged: Staged, slots: np.ndarray) -> None:
+        """Copy staged experts into `slots` of `pool` (one donated program; ordered after earlier pool readers)."""
+        n = staged.experts.size
+        if n == 0:
+            return
+        size = _pow2(n)
+        pad = np.concatenate([np.arange(n), np.full(size - n, n - 1)])
+        slot_ids = np.asarray(slots, np.int32)[pad]  # host: the jitted commit places it beside the pool
+        pool.gate_up, pool.down = self._commit(pool.gate_up, pool.down, tuple(staged.gate_ups[i] for i in pad),
+                                               tuple(staged.downs[i] for i in pad), slot_ids)
+        self._commit_sizes.add(size)
+
+    def write(self, pool: SlotPool, layer: int, experts: np.ndarray, slots: np.ndarray) -> Written:
+        """`experts` of `layer` into `slots` now (ordered after every earlier reader of the pool): one
+        pull-and-commit program for up to FUSED_MAX experts, else stage + commit."""
+        experts = np.asarray(experts, np.int64)
+        slot_ids = np.asarray(slots, np.int32)
+        nbytes = self.count_moved(layer, experts)
+        if experts.size > FUSED_MAX:
+            staged = self.stage(layer, experts)
+            self.commit(pool, staged, slot_ids)
+            return Written(nbytes, staged.downs[-1])  # the copy's end; the commit follows in order
+        gus, dns = self._host[layer]
+        pool.gate_up, pool.down, done = self._pull(pool.gate_up, pool.down, tuple(gus[e] for e in experts),
+                                                   tuple(dns[e] for e in experts), slot_ids)
+        self._pull_sizes.add(experts.size)
+        return Written(nbytes, done)
+
+
+def _copy_expert(gate_ups, downs, expert):
+    """Expert `expert` (a traced index) of one layer, from per-expert pinned arrays into device memory."""
+    def branch(j):
+        return lambda: (jax.device_put(gate_ups[j], DEVICE), jax.device_put(downs[j], DEVICE))
+    return jax.lax.switch(expert, [branch(j) for j in range(len(gate_ups))])
+
+
+def pull_counts(u: int) -> list[int]:
+    """How many experts the branches of `pull_traced` copy for U picks: every count up to EXACT_PULLS, then powers
+    of two and U itself, so a program holds O(U) copies rather than O(U^2)."""
+    counts = set(range(min(u, EXACT_PULLS) + 1)) | {u}
+    counts |= {1 << k for k in range(u.bit_length()) if EXACT_PULLS < 1 << k < u}
+    return sorted(counts)
+
+
+def pull_traced(experts, order, n_miss, rest):
+    """Inside a jitted program: the weights of the U experts of `order` (traced indices), the first n_miss (at
+    least) copied from pinned host memory into device memory, every later one from `rest` = (gate_up [S, D, 2F],
+    down [S, F, D], rows [U]): row u is rest[.][rows[u]] (the slot pool and the picks' slots). `experts` =
+    (gate_up [E,D,2F], down [E,F,D]) layer stacks, or (gate_ups, downs) tuples of E per-expert arrays
+    (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F], downs [U, F, D]). From stacks, one branch per
+    count in `pull_counts(U)` (the smallest >= n_miss runs) whose copies run at once; from per-expert arrays, a
+    `lax.switch` over the E experts per miss, one copy after another. The rows come out whole, in one array per
+    kind, so the caller multiplies them without selecting between copies and pool rows (call 40: a select, and
+    the zeros it chose from, cost a resident layer about 130 us of its 420 on the H200)."""
+    gate_ups, downs = experts
+    pool_gu, pool_dn, rows = rest
+    u = order.shape[0]
+    if isinstance(gate_ups, jax.Array):
+        def pull(j):
+            def copies():
+                out = []
+                for stack, pool in ((gate_ups, pool_gu), (downs, pool_dn)):
+                    got = [jax.device_put(jax.lax.dynamic_index_in_dim(stack, order[i], keepdims=False), DEVICE)
+                           for i in range(j)]
+                    kept = pool[rows[j:]]
+                    out.append(jnp.concatenate([jnp.stack(got), kept]) if got else kept)
+                return tuple(out)
+            return copies
+        counts = pull_counts(u)
+        return jax.lax.switch(jnp.searchsorted(jnp.array(counts), n_miss), [pull(j) for j in counts])
+
+    def one(i):
+        return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]),
+                            lambda: (pool_gu[rows[i]], pool_dn[rows[i]]))
+    return jax.lax.map(one, jnp.arange(u))
+
+
+def expert_paths(moe_layers: tuple[int, ...]) -> dict[int, tuple[str, str]]:
+    """layer -> (gate_up path, down path) in the flat parameter dict (NNX state paths joined with '.')."""
+    return {layer: (f"layers.{layer}.mlp.experts.gate_up", f"layers.{layer}.mlp.experts.down") for layer in moe_layers}
+
+
+def is_expert_path(path: str) -> bool:
+    return ".mlp.experts." in path

@@ -1,0 +1,1 @@
+"""Text in and out: tokenizers and the corpora found on the machine."""

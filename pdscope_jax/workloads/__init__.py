@@ -1,0 +1,1 @@
+"""Routing workloads for random-weight models."""

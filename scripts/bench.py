@@ -1,9 +1,0 @@
-"""Offload benchmark entry point; the logic and its options live in `pdscope_jax.bench` (see its docstring).
-
-    PYTHONPATH=. python scripts/bench.py --model deepseek-v2-lite --gpu-memory 24GB --expert-pool 8GB
-"""
-
-from pdscope_jax.bench import main
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,113 @@
+"""Smoke tests of benchmarks/eval_predictors.py and benchmarks/finetune_experiment.py on a tiny random model."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pdscope_jax
+from pdscope_jax.phaseper.checkpoint import save_predictors
+from pdscope_jax.phaseper.collect import collect_traces, moe_layers
+from pdscope_jax.phaseper.predictor import PredictorHParams, PredictorSet
+from pdscope_jax.phaseper.traces import TraceWriter, load_traces
+
+MODEL = "tiny-deepseek-v2-lite"
+B, T, STEPS = 2, 12, 3
+SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """Traces of the tiny model (random weights, seed 0: what `load(MODEL)` gives) and an untrained checkpoint."""
+    root = tmp_path_factory.mktemp("eval")
+    runner = pdscope_jax.load(MODEL, weights="random", dtype="float32")
+    model, cfg = runner.model, runner.config
+    prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (2 * B, T)).astype(np.int32)
+    with TraceWriter(root / "traces", cfg.fingerprint(), moe_layers(model), cfg.hidden_size, cfg.num_experts_per_tok,
+                     cfg.num_experts, description="tiny smoke") as writer:
+        collect_traces(model, prompts, writer, STEPS, batch_size=B)
+    pset = PredictorSet(PredictorHParams(cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts, 8, 16),
+                        moe_layers(model), (1, 2))
+    ckpt = save_predictors(pset, cfg, root / "predictors", corpus="tiny smoke")
+    return root, ckpt, load_traces(root / "traces")
+
+
+def test_eval_predictors_reports_every_group_phase_and_baseline(setup):
+    root, ckpt, traces = setup
+    ev = _script("eval_predictors")
+    out_json, out_png = root / "p.json", root / "p.png"
+    assert ev.main(["--model", MODEL, "--predictors", str(ckpt), "--train-traces", str(traces.dir),
+                    "--eval", f"heldout={traces.dir}", "--eval", f"ood={traces.dir}", "--out-json", str(out_json),
+                    "--out-png", str(out_png), "--latency-reps", "3"]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["command"].startswith("python benchmarks/eval_predictors.py --model")
+    for name in ("heldout", "ood"):
+        for phase in ("prefill", "decode"):
+            groups = report["results"][name][phase]["groups"]
+            want = {"phaseper", "fate", "frequency"} | ({"prev_token"} if phase == "decode" else set())
+            assert set(groups) == {"input", "middle"}  # the output group holds only the last MoE layer
+            for g in groups:
+                assert set(groups[g]) - {"layers"} == want
+                for m in want:
+                    assert 0.0 <= groups[g][m]["recall_at_k"] <= 1.0 and 0.0 <= groups[g][m]["table5"] <= 1.0
+    # Same traces as held-out and OOD: no drop at all.
+    acc = report["acceptance"]
+    assert acc["ood_drop_prefill_table5_points"]["value"] == pytest.approx(0.0)
+    assert report["latency"]["cpu:0"]["shallow_1_tokens"]["median_ms"] > 0
+    assert report["weights"] == "random"
+    assert report["predictors"]["checkpoint_bytes_on_disk"] > 0 and report["predictors"]["param_bytes_total"] > 0
+    assert out_png.stat().st_size > 0
+
+
+def test_baselines_are_aligned_with_the_traces(setup):
+    root, _, traces = setup
+    ev = _script("eval_predictors")
+    cfg, kernels = ev.router_kernels(MODEL)
+    assert ev.step_layout(traces) == (B, T, STEPS)
+    # The gate of a layer applied to that layer's own input reproduces its recorded choice exactly, so the
+    # Fate baseline (gate of l+1 on the input of l) uses the right kernels.
+    for layer in traces.layers:
+        d = traces.layer("prefill", layer)
+        top = np.argsort(-ev.gate_scores(d["a"], kernels[layer], cfg.scoring_func), axis=1)[:, :traces.k]
+        assert (np.sort(top, axis=1) == np.sort(d["e"], axis=1)).all()
+    # Previous-token reuse: decode step 0 reuses the last prompt token, later steps the same sequence's token.
+    nxt = traces.layers[1]
+    n = len(traces.pairs("decode", traces.layers[0]))
+    freq = np.full(traces.num_experts, 1.0 / traces.num_experts)
+    scores = ev.prev_token_scores(traces, nxt, n, freq)
+    top = np.sort(np.argsort(-scores, axis=1)[:, :traces.k], axis=1)
+    pre, dec = traces.layer("prefill", nxt)["e"], traces.layer("decode", nxt)["e"]
+    assert (top[1] == np.sort(pre[1 * T + T - 1])).all()  # batch 0, sequence 1, first decode step
+    assert (top[B + 1] == np.sort(dec[1])).all()  # batch 0, sequence 1, second decode step
+    assert (top[STEPS * B] == np.sort(pre[B * T + T - 1])).all()  # batch 1, sequence 0, first decode step
+    assert ev.request_steps(traces, "prefill", 2 * B * T).tolist() == [T] * (2 * B)
+
+
+def test_finetune_experiment_records_triggers_and_token_path(setup):
+    root, ckpt, _ = setup
+    ft = _script("finetune_experiment")
+    out_json, out_png = root / "f.json", root / "f.png"
+    assert ft.main(["--model", MODEL, "--predictors", str(ckpt), "--before", "1", "--after", "2",
+                    "--prompt-len", "8", "--decode-steps", "3", "--threshold", "0.0", "--steps", "1",
+                    "--out-json", str(out_json), "--out-png", str(out_png)]) == 0
+    report = json.loads(out_json.read_text())
+    fin = report["finetune"]
+    assert fin["triggers"] >= 1 and fin["finetunes"] >= 1 and fin["finetune_seconds"] > 0
+    tp = report["token_path"]
+    assert tp["observe"]["n"] == 3 * (1 + 3) * 2  # requests x forwards x source layers
+    assert tp["decode_step"]["n"] == 3 * 3
+    assert len(report["per_request"]) == 3 and report["per_request"][-1]["domain"] == "ood"
+    for arm in ("tuned", "frozen"):
+        values = report["recall_at_k_all_layers"][arm]
+        measured = [v for v in values.values() if v is not None]
+        assert measured and all(0.0 <= v <= 1.0 for v in measured), values
+    assert out_png.stat().st_size > 0

@@ -1,0 +1,30 @@
+"""The command line: the README's main job on the embedded model, generation, and bad input."""
+
+from pdscope_jax.cli import main as cli
+
+
+def test_main_job_runs_every_policy_with_plain_tokens(capsys):
+    # demo.main exits 1 when any policy's tokens differ from the plain model's
+    assert cli.main(["run", "--new-tokens", "6", "--policies", "static", "ondemand", "pdscope"]) == 0
+    out = capsys.readouterr().out
+    for policy in ("static", "ondemand", "pdscope"):
+        assert policy in out
+    assert "NO" not in out
+
+
+def test_generate_prints_continuation_and_throughput(capsys):
+    assert cli.main(["generate", "tiny-qwen3-30b-a3b", "--ids", "1,2,3", "--new-tokens", "3", "--dtype", "float32"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines[-2].split(",")) == 3 and "decode" in lines[-1]
+
+
+def test_unknown_model_is_a_one_line_error(capsys):
+    assert cli.main(["generate", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model 'no-such-model'" in err and "deepseek-v2-lite" in err
+
+
+def test_budget_too_small_names_the_numbers(capsys):
+    assert cli.main(["generate", "tiny-mixtral-8x7b", "--policy", "ondemand", "--gpu-memory", "1KB"]) == 2
+    err = capsys.readouterr().err
+    assert "gpu_memory" in err and "KV cache" in err

@@ -1,0 +1,203 @@
+"""Decode as one accelerator program per step (offload.device_decode): its residency rules on a hand-made pool,
+and the engine's tokens against the plain model's for both ways of copying experts, batches, and the fallback."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.engine import device_decode, expert_store
+from pdscope_jax.store.slot_pool import SlotPool
+from pdscope_jax.runtime import select_devices
+from test_offload_engine import Reference, _slots
+
+E, D, F = 4, 8, 4
+
+
+@pytest.fixture(scope="module")
+def experts():
+    rng = np.random.default_rng(0)
+    gate_up = rng.standard_normal((E, D, 2 * F)).astype(np.float32)
+    down = rng.standard_normal((E, F, D)).astype(np.float32)
+    return gate_up, down
+
+
+def _pool(devices, gate_up, down, resident: dict[int, int]) -> SlotPool:
+    """A 3-slot pool of one MoE layer (layer 5) holding `resident` {expert: slot}."""
+    pool = SlotPool(3, (5,), E, D, F, jnp.float32, devices.accel)
+    for clock, (expert, slot) in enumerate(resident.items(), start=1):
+        pool.owner_layer[slot], pool.owner_expert[slot], pool.last_use[slot] = 5, expert, clock
+        pool._slot_of[5][expert] = slot
+        pool.gate_up = pool.gate_up.at[slot].set(gate_up[expert])
+        pool.down = pool.down.at[slot].set(down[expert])
+    return pool
+
+
+def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: dict[int, float], h: np.ndarray):
+    """One MoE layer of one row through `_routed_experts` on a `_pool` holding `resident`; the row routes to
+    `picks` {expert: weight}. Checks its output against the experts' weighted sum. -> (pool, counts, table)."""
+    devices = select_devices()
+    gate_up, down = experts
+    pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
+    if stacks:
+        layer = (jax.device_put(gate_up, pinned), jax.device_put(down, pinned))
+    else:
+        layer = (tuple(jax.device_put(g, pinned) for g in gate_up), tuple(jax.device_put(d, pinned) for d in down))
+    pool = _pool(devices, gate_up, down, resident)
+    table = device_decode.upload(pool, (5,), None if bonus is None else np.array(bonus), devices.accel)
+    on_accel = lambda a: jax.device_put(a, devices.accel)  # noqa: E731
+    ids, weights = on_accel(np.array([list(picks)], np.int32)), on_accel(np.array([list(picks.values())], np.float32))
+    y, pool.gate_up, pool.down, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
+        0, on_accel(h), weights, ids, layer, pool.gate_up, pool.down, table)
+    want = sum(w * expert_ffn(jnp.asarray(h), gate_up[e], down[e]) for e, w in picks.items())
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+    return pool, device_decode.download(table, pool, (5,)), table
+
+
+@pytest.mark.parametrize("stacks, exact_pulls", [(True, 8), (True, 1), (False, 8)])
+@pytest.mark.parametrize("bonus", [None, [[900, 10, 5, 800]]])
+def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, exact_pulls, bonus, monkeypatch):
+    """Experts 0 and 1 resident (used at clocks 1 and 2); the layer runs at clock 3 and its row picks experts 1, 2,
+    3. LRU: the two misses take the free slot and expert 0's. Bonuses: the misses, most worth first (3: 3 + 800,
+    2: 3 + 5), against the slots least worth keeping (the free one, then expert 0's: 1 + 900): expert 3 takes the
+    free slot, expert 2 is not worth expert 0's.
+    With exact_pulls 1 the two misses copy three experts (a rounded-up branch): the same result."""
+    monkeypatch.setattr(expert_store, "EXACT_PULLS", exact_pulls)
+    gate_up, down = experts
+    h = np.random.default_rng(1).standard_normal((1, D)).astype(np.float32)
+    pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, bonus, {3: 0.5, 1: 0.3, 2: 0.2}, h)
+    kept = {2, 3} if bonus is None else {0, 3}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if bonus is None else 0}
+    assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept | {1}
+    for expert in kept | {1}:  # every resident slot holds its expert's weights
+        slot = pool.slot_of(5)[expert]
+        np.testing.assert_array_equal(np.asarray(pool.gate_up[slot]), gate_up[expert])
+        np.testing.assert_array_equal(np.asarray(pool.down[slot]), down[expert])
+    assert np.asarray(table.routed)[0].tolist() == [0, 1, 1, 1]
+
+
+def test_upload_then_download_leaves_the_pool_as_it_was(experts):
+    devices = select_devices()
+    pool = _pool(devices, *experts, {2: 0, 0: 2})
+    before = (pool.owner_layer.copy(), pool.owner_expert.copy(), pool.slot_of(5))
+    device_decode.download(device_decode.upload(pool, (5,), None, devices.accel), pool, (5,))
+    after = (pool.owner_layer, pool.owner_expert, pool.slot_of(5))
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return Reference("tiny-deepseek-v2-lite", batch=1, prompt=20, new=10)
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+@pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
+def test_decode_on_device_matches_plain_model(ds, policy, stacks):
+    """Evictions on every step (a pool of 5 slots), the pdscope run with a hot table's bonuses."""
+    config = ds.runner(policy, _slots(ds, "small")).runtime
+    if policy == "pdscope":
+        counts = {layer: np.arange(ds.cfg.num_experts)[::-1] + 1 for layer in ds.cfg.moe_layers}
+        config = config.replace(policy_options=(("activation_counts", counts),))
+    runner = type(ds.runner(policy, 1))(ds.model, config, expert_stacks=stacks)
+    out = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(out.tokens, ds.tokens)
+    decode = runner.stats["decode"]
+    assert decode["device_steps"] == decode["steps"] == ds.new - 1 and decode["tokens"] == ds.new - 1
+    loaded = decode["experts_loaded_now"]
+    assert decode["activated"] == decode["hits"] + loaded and loaded > 0
+    assert decode["bytes_moved"] == loaded * ds.cfg.expert_bytes(4) and runner.stats["evictions"] > 0
+    assert sum(c.sum() for c in runner.activation_counts["decode"].values()) == (ds.new - 1) * len(
+        ds.cfg.moe_layers) * ds.cfg.num_experts_per_tok
+    assert runner.store.host_bytes_per_model_byte == (2.0 if stacks else 1.0)
+
+
+def test_batched_decode_on_device_matches_plain_model():
+    ref = Reference("tiny-deepseek-v2-lite", batch=2, prompt=12, new=5, seed=3)
+    runner = ref.runner("ondemand", 7, max_batch=2)  # more slots than a step's distinct experts per layer (6)
+    np.testing.assert_array_equal(runner.generate(ref.ids, ref.new).tokens, ref.tokens)
+    assert runner.stats["decode"]["device_steps"] == ref.new - 1
+
+
+def test_a_pool_too_small_for_a_layer_decodes_on_the_host(ds):
+    runner = ds.runner("ondemand", ds.cfg.num_experts_per_tok)  # no slot to spare for a miss
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    decode = runner.stats["decode"]
+    assert decode["device_steps"] == 0 and decode["steps"] == ds.new - 1
+
+
+@pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
+def test_host_decode_still_matches_plain_model(ds, policy):
+    runner = ds.runner(policy, _slots(ds, "small"), device_decode=False)
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    assert runner.stats["decode"]["device_steps"] == 0 and runner.stats["decode"]["planner_calls"] > 0
+
+
+def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
+    """A full pool {0, 1, 3}; the row picks 1, 2, 3 at clock 4, so only expert 0 (1 + 900) could make room for
+    expert 2 (4 + 5)."""
+    pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1, 3: 2}, [[900, 10, 5, 800]], {2: 0.6, 1: 0.3, 3: 0.1},
+                                 np.ones((1, D), np.float32))
+    assert counts == {"activated": 3, "hits": 2, "evictions": 0}
+    assert pool.slot_of(5).tolist() == [0, 1, -1, 2]
+    np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), experts[0][0])  # its weights untouched
+
+
+@pytest.mark.parametrize("favourite_bonus, kept", [(5, False), (2, True)])
+def test_a_favourite_outlives_its_last_use_by_its_bonus_only(experts, favourite_bonus, kept):
+    """A full pool {0, 1, 2} used at clocks 1, 2, 3; experts 1 and 2 worth 9 more, expert 0 (the least recently
+    used) `favourite_bonus` more. At clock 4 the row picks expert 3 (no bonus: worth 4): it replaces expert 0 only
+    when expert 0's last use plus bonus (1 + 5 = 6, or 1 + 2 = 3) is worth less."""
+    pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1, 2: 2}, [[favourite_bonus, 9, 9, 0]], {3: 1.0},
+                                 np.ones((1, D), np.float32))
+    assert counts["evictions"] == int(kept)
+    assert pool.slot_of(5).tolist() == ([-1, 1, 2, 0] if kept else [0, 1, 2, -1])
+    assert pool.last_use[pool.slot_of(5)[1]] == 2  # download gives back last uses, not worths
+
+
+def _claim_one_by_one(keep, owner, misses, worth):
+    """The residency rule as a loop: the misses, most worth first (then lowest id), each take the slot least worth
+    keeping (the lowest index among equals) when worth more than it. -> each slot's owner after the layer."""
+    keep, owner = list(keep), list(owner)
+    for expert in sorted(misses, key=lambda e: (-worth[e], e)):
+        victim = min(range(len(keep)), key=lambda s: (keep[s], s))
+        if worth[expert] > keep[victim]:
+            owner[victim], keep[victim] = expert, worth[expert]
+    return owner
+
+
+def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
+    """Random pools of one MoE layer (12 experts, 9 slots, some free), random worths (ties included, and LRU),
+    4 rows of top-2 (at most 8 picks: `fits`): the table `_routed_experts` leaves equals the rule applied one miss
+    at a time."""
+    devices = select_devices()
+    e, slots, d, f = 12, 9, 4, 2
+    rng = np.random.default_rng(7)
+    zeros = lambda *shape: jnp.zeros(shape, jnp.float32)  # noqa: E731
+    pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
+    layer = (jax.device_put(np.zeros((e, d, 2 * f), np.float32), pinned),
+             jax.device_put(np.zeros((e, f, d), np.float32), pinned))
+    step = jax.jit(device_decode._routed_experts, static_argnums=0)
+    for case in range(30):
+        residents = rng.choice(e, rng.integers(0, slots + 1), replace=False)
+        owner = np.full(slots, -1, np.int32)
+        owner[rng.choice(slots, len(residents), replace=False)] = residents
+        lru = case % 3 == 0
+        bonus = np.zeros(e, np.int32) if lru else rng.integers(0, 4, e).astype(np.int32)
+        keep = np.where(owner >= 0, rng.integers(0, 4, slots) + bonus[np.maximum(owner, 0)], -1)  # ties likely
+        slot_of = np.full(e, -1, np.int32)
+        slot_of[owner[owner >= 0]] = np.flatnonzero(owner >= 0)
+        ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(4)]).astype(np.int32)
+        table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), bonus[None], np.int32(4),
+                                        np.zeros(3, np.int32), np.zeros((1, e), np.int32))
+        _, _, _, after = step(0, zeros(4, d), zeros(4, 2), ids, layer, zeros(slots, d, 2 * f),
+                              zeros(slots, f, d), jax.device_put(table, devices.accel))
+        picked = set(ids.reshape(-1).tolist())
+        worth = {x: 5 + int(bonus[x]) for x in picked}  # the layer's clock, 5, plus the expert's bonus
+        protected = np.where(np.isin(owner, list(picked)), np.iinfo(np.int32).max, keep)
+        want_owner = _claim_one_by_one(protected, owner, sorted(picked - set(residents.tolist())), worth)
+        assert np.asarray(after.owner).tolist() == want_owner, case
+        got_slot_of = np.asarray(after.slot_of)[0]
+        assert all(got_slot_of[x] == s for s, x in enumerate(want_owner) if x >= 0), case
+        assert sorted(np.flatnonzero(got_slot_of >= 0).tolist()) == sorted(x for x in want_owner if x >= 0), case

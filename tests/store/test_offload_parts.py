@@ -1,0 +1,220 @@
+"""Offload building blocks on two CPU devices: runtime config, budget, slot pool, expert store, CPU experts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.store.budget import BudgetError, plan_budget
+from pdscope_jax.engine import cpu_experts, expert_store
+from pdscope_jax.engine.cpu_experts import CpuExperts
+from pdscope_jax.store.expert_store import ExpertStore
+from pdscope_jax.store.slot_pool import SlotPool
+from pdscope_jax.presets import preset
+from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError, bucket, parse_size, select_devices
+
+E, D, F = 8, 64, 32
+
+
+def test_parse_size_units():
+    assert parse_size("24GB") == 24 * 10**9
+    assert parse_size("8GiB") == 8 * 2**30
+    assert parse_size("1.5g") == 1_500_000_000
+    assert parse_size(" 512 MB ") == 512 * 10**6
+    assert parse_size(1024) == 1024
+
+
+@pytest.mark.parametrize("bad", ["24 gigs", "GB", "-3GB", "", "1e9", True, [24]])
+def test_parse_size_rejects_malformed(bad):
+    with pytest.raises(RuntimeConfigError, match="gpu_memory"):
+        RuntimeConfig(gpu_memory=bad)
+
+
+def test_runtime_config_is_frozen_and_hashable():
+    rc = RuntimeConfig(gpu_memory="24GB", expert_pool="8GB", policy="ondemand", policy_options={"b": 1, "a": 2})
+    assert rc.gpu_memory == 24 * 10**9 and rc.expert_pool == 8 * 10**9
+    assert rc.policy_options == (("a", 2), ("b", 1))
+    assert hash(rc) == hash(RuntimeConfig(gpu_memory=24 * 10**9, expert_pool=8 * 10**9, policy="ondemand",
+                                          policy_options=(("a", 2), ("b", 1))))
+    with pytest.raises(Exception):
+        rc.policy = "x"
+    with pytest.raises(RuntimeConfigError, match="decode_buckets"):
+        RuntimeConfig(decode_buckets=(4, 2))
+    assert bucket(3, (1, 2, 4)) == 4 and bucket(9, (4, 8)) == 16
+
+
+def test_select_devices_uses_two_cpu_devices():
+    dev = select_devices()
+    assert dev.accel == jax.devices("cpu")[1] and dev.cpu == jax.devices("cpu")[0]
+
+
+def test_budget_splits_and_fails_with_numbers():
+    cfg = preset("deepseek-v2-lite")
+    rc = RuntimeConfig(gpu_memory="24GB", expert_pool="8GB")
+    b = plan_budget(cfg, rc, non_expert_bytes=3 * 10**9, kv_cache_bytes=10**8, itemsize=2)
+    assert b.slot_bytes == cfg.expert_bytes(2)
+    assert b.pool <= 8 * 10**9 and b.slots == 8 * 10**9 // b.slot_bytes
+    assert b.planned <= b.total
+    uncapped = plan_budget(cfg, rc.replace(expert_pool=None), non_expert_bytes=3 * 10**9, kv_cache_bytes=10**8,
+                           itemsize=2)
+    assert uncapped.slots > b.slots and uncapped.planned <= uncapped.total
+    with pytest.raises(BudgetError, match=r"non-expert weights 3\.00 GB.*budget 2\.00 GB"):
+        plan_budget(cfg, rc.replace(gpu_memory="2GB"), non_expert_bytes=3 * 10**9, kv_cache_bytes=0, itemsize=2)
+
+
+def _pool(slots, layers=(1, 2)):
+    return SlotPool(slots, layers, E, D, F, jnp.float32, select_devices().accel)
+
+
+def test_slot_pool_lru_and_protection():
+    pool = _pool(4)
+    assert not pool.can_double_buffer
+    s = pool.allocate(1, np.array([0, 1, 2]))
+    assert sorted(s.tolist()) == [0, 1, 2] and pool.resident(1)[:3].all()
+    pool.touch(1, np.array([0]))  # expert 0 is now the most recent
+    s2 = pool.allocate(2, np.array([5, 6]))  # one free slot, then the LRU of layer 1 (expert 1)
+    assert pool.slot_of(1)[1] == -1 and pool.slot_of(1)[0] >= 0 and pool.evictions == 1
+    assert set(s2.tolist()) == {3, int(s[1])}
+    with pytest.raises(ValueError, match="slots needed"):
+        pool.allocate(1, np.array([3, 4, 5]), protect=(2,))
+    pool.release(2, np.array([5]))
+    assert pool.slot_of(2)[5] == -1 and pool.free_slots(protect=(1,)) == 2
+    with pytest.raises(ValueError, match="already resident"):
+        pool.allocate(1, np.array([0]))
+
+
+def test_slot_pool_takes_free_then_preferred_then_lru_slots():
+    pool = _pool(5)
+    pool.allocate(1, np.array([0, 1, 2, 3]))
+    pool.touch(1, np.array([0, 1, 2]))  # expert 3 of layer 1 is now the least recently used
+    prefer = pool.slot_of(1)[[1]]
+    first = pool.allocate(2, np.array([4, 5]), prefer=prefer)  # the free slot, then the preferred one
+    assert pool.resident(1)[[0, 2, 3]].all() and not pool.resident(1)[1]
+    assert int(prefer[0]) in first.tolist()
+    pool.allocate(2, np.array([6]), prefer=np.zeros(0, np.int32))  # nothing preferred: least recently used
+    assert not pool.resident(1)[3] and pool.resident(1)[[0, 2]].all()
+
+
+def _stacks(seed=0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((E, D, 2 * F)).astype(dtype) * 0.1, rng.standard_normal((E, F, D)).astype(dtype) * 0.1)
+
+
+def test_store_aliases_cpu_views_and_writes_slots_in_place():
+    dev = select_devices()
+    store = ExpertStore(dev)
+    gu, dn = _stacks()
+    store.add_layer(1, gu, dn)
+    assert store.host_bytes == gu.nbytes + dn.nbytes
+    assert store.host_bytes_per_model_byte == 1.0 and store.cpu_copy_bytes == 0
+    pinned, _ = store.host_weights(1, 3)
+    on_cpu, _ = store.cpu_weights(1, 3)
+    assert pinned.sharding.memory_kind == "pinned_host" and on_cpu.devices() == {dev.cpu}
+    assert on_cpu.unsafe_buffer_pointer() == pinned.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(np.asarray(on_cpu), gu[3])
+
+    pool = _pool(4)
+    address = pool.gate_up.unsafe_buffer_pointer()
+    slots = pool.allocate(1, np.array([5, 2, 7]))
+    written = store.write(pool, 1, np.array([5, 2, 7]), slots)
+    assert written.nbytes == 3 * (gu[0].nbytes + dn[0].nbytes) and store.bytes_moved == written.nbytes
+    np.testing.assert_array_equal(np.asarray(written.done), slots)
+    assert pool.gate_up.unsafe_buffer_pointer() == address  # donated: written in place
+    for e, s in zip((5, 2, 7), slots):
+        np.testing.assert_array_equal(np.asarray(pool.gate_up[s]), gu[e])
+        np.testing.assert_array_equal(np.asarray(pool.down[s]), dn[e])
+    assert store.compiled_programs == 1  # one pull-and-commit program, for three experts
+
+    copies = ExpertStore(dev, cpu_view="copy")
+    copies.add_layer(1, gu, dn)
+    assert copies.host_bytes_per_model_byte == 2.0
+    if dev.accel.platform == "cpu":  # torch pinning needs a GPU
+        with pytest.raises(ValueError, match="host_alloc='torch' needs torch with CUDA"):
+            ExpertStore(dev, host_alloc="torch")
+        assert ExpertStore(dev).host_alloc == "jax"  # what "auto" picks without a GPU
+    assert store.layer_stacks(1) is None  # whole-layer stacks only when asked for (or free, with torch)
+    stacked = ExpertStore(dev, stacks=True)
+    stacked.add_layer(1, gu, dn)
+    np.testing.assert_array_equal(np.asarray(stacked.layer_stacks(1)[0]), gu)
+    assert stacked.layer_stacks(1)[1].sharding.memory_kind == "pinned_host"
+    assert stacked.host_bytes_per_model_byte == 2.0  # a second copy with jax pinning
+
+
+def test_store_write_of_many_experts_stages_then_commits(monkeypatch):
+    monkeypatch.setattr(expert_store, "FUSED_MAX", 2)  # three experts are "many": stage + commit
+    store = ExpertStore(select_devices())
+    gu, dn = _stacks()
+    store.add_layer(1, gu, dn)
+    pool = _pool(4)
+    slots = pool.allocate(1, np.array([6, 0, 3]))
+    written = store.write(pool, 1, np.array([6, 0, 3]), slots)
+    assert written.nbytes == store.bytes_moved == 3 * (gu[0].nbytes + dn[0].nbytes)
+    for e, s in zip((6, 0, 3), slots):
+        np.testing.assert_array_equal(np.asarray(pool.gate_up[s]), gu[e])
+        np.testing.assert_array_equal(np.asarray(pool.down[s]), dn[e])
+    assert store.compiled_programs == 1  # one commit, three experts padded to four
+
+
+@pytest.mark.parametrize("tokens, experts, programs", [
+    (5, 2, {("dense", 5, 2, True)}),  # few rows: one dense program for both experts
+    (5, 8, {("dense", 5, 8, True)}),
+    (3, 7, {("dense", 3, 7, True)}),
+    # many rows: one gathered program per expert, the first one making the accumulator
+    (40, 3, {("gathered", 40, r, first) for r in (16, 32) for first in (True, False)}),
+])
+def test_cpu_experts_match_direct_computation(tokens, experts, programs):
+    dev = select_devices()
+    store = ExpertStore(dev)
+    gu, dn = _stacks(1)
+    store.add_layer(1, gu, dn)
+    rng = np.random.default_rng(2)
+    h = rng.standard_normal((tokens, D)).astype(np.float32)
+    chosen = rng.choice(E, experts, replace=False)
+    groups = [(int(e), np.sort(rng.choice(tokens, rng.integers(1, min(tokens, 20) + 1), replace=False)),
+               rng.uniform(0.1, 1.0, tokens).astype(np.float32)) for e in chosen]
+    groups = [(e, rows, w[: rows.size]) for e, rows, w in groups]
+    cpu = CpuExperts(store, min_rows=16)
+    y = cpu.dispatch(1, jax.device_put(h, dev.cpu), groups)
+    assert y.devices() == {dev.cpu}
+    want = np.zeros_like(h)
+    for e, rows, w in groups:
+        want[rows] += np.asarray(expert_ffn(jnp.asarray(h[rows]), gu[e], dn[e])) * w[:, None]
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)
+    assert cpu._shapes <= programs and cpu.expert_runs == experts
+    cpu.precompile(1, tokens, np.float32)
+    assert cpu.expert_runs == experts  # warm-up runs are not counted
+    # each as a layer's first program and as a later one. Few rows: dense, 1-8 experts. Many (40): h compacted
+    # to 16 rows (dense, 16 programs) or whole (gathered, row buckets 16, 32, 64)
+    assert cpu.compiled_programs == (16 if tokens <= 16 else 16 + 6)
+
+
+def test_compact_rows_give_the_same_result_as_the_whole_input():
+    """The CPU experts on only the rows they read, added back at those rows, equal them on the whole input."""
+    dev = select_devices()
+    store = ExpertStore(dev)
+    gu, dn = _stacks(1)
+    store.add_layer(1, gu, dn)
+    rng = np.random.default_rng(3)
+    n = 300
+    h = rng.standard_normal((n, D)).astype(np.float32)
+    groups = [(e, np.sort(rng.choice(n, size, replace=False)), rng.uniform(0.1, 1.0, size).astype(np.float32))
+              for e, size in ((1, 30), (4, 3), (6, 41))]
+    take, compact = cpu_experts.compact_rows(groups, n, min_rows=8)
+    distinct = np.unique(np.concatenate([rows for _, rows, _ in groups]))
+    assert take.size == cpu_experts.compact_size(distinct.size, n, 8) == 128 and take.dtype == np.int32
+    np.testing.assert_array_equal(take[:distinct.size], distinct)
+    cpu = CpuExperts(store, min_rows=8)
+    whole = np.asarray(cpu.dispatch(1, jax.device_put(h, dev.cpu), groups))
+    part = np.asarray(cpu.dispatch(1, jax.device_put(h[take], dev.cpu), compact))
+    added = np.zeros_like(whole)
+    np.add.at(added, take, part)  # the padding repeats row 0 and adds zeros there
+    np.testing.assert_allclose(added, whole, rtol=1e-6, atol=1e-6)
+    assert cpu_experts.compact_sizes(40, 16) == [16, 40]
+    assert cpu_experts.compact_sizes(4096, 8) == [8, 32, 128, 512, 2048, 4096]
+    assert [cpu_experts.compact_size(r, 300, 8) for r in (1, 8, 9, 33, 129, 300)] == [8, 8, 32, 128, 300, 300]
+
+
+def test_pull_counts_are_exact_up_to_eight_then_powers_of_two():
+    assert expert_store.pull_counts(6) == [0, 1, 2, 3, 4, 5, 6]
+    assert expert_store.pull_counts(48) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48]
