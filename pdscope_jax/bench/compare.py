@@ -64,7 +64,7 @@ PHASE_TIMES = ("cpu_seconds", "gpu_seconds", "transfer_seconds", "exposed_transf
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from pdscope_jax.sched import PLANNERS
+    from pdscope_jax.sched import POLICIES as PLANNERS
 
     p = argparse.ArgumentParser(prog="pdscope-jax bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deepseek-v2-lite",

@@ -73,7 +73,6 @@ from pdscope_jax.store.expert_store import pull_traced
 from pdscope_jax.store.slot_pool import SlotPool
 
 PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
-DEVICE_DECODE_POLICIES = ("gpu", "ondemand", "pdscope")  # decode keeps every activated expert on the accelerator
 F32 = jnp.float32
 
 

@@ -101,14 +101,12 @@ from pdscope_jax.engine.timeline import Timeline
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.models.static_graph import StaticGraph, static_graph
 from pdscope_jax.sched import (CostTable, LayerDemand, ObservingPlanner, Plan, activation_counts, check_plan,
-                               load_cost_table, make_planner)
+                               load_cost_table, make_planner, planner_class)
 from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
-SCORE_POLICIES = ("fate", "pdscope")  # planners that read next_scores
 CPU_CALIBRATION = 0.25  # weight of one layer's measured / predicted CPU time in its (phase, step size) running scale
 CPU_SCALE_MAX = 64.0  # Qwen3-30B-A3B's 4,096-token prefill sat at an earlier cap of 8 (H200, call 50)
-HOT_POLICIES = ("static", "greedy", "pdscope")  # planners with a hot-expert table
 
 
 @dataclasses.dataclass
@@ -300,19 +298,17 @@ class OffloadRunner:
             self._cpu_scale.clear()
         self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options, **engine)
         options = self.runtime.policy_kwargs
-        if policy == "static":  # no loads at run time: the whole pool holds hot experts
-            options.setdefault("hot_per_layer", min(self.config.num_experts,
-                                                    self.pool.num_slots // len(self._moe_layers)))
-        if self.runtime.hot_table and policy in HOT_POLICIES:
-            options.setdefault("activation_counts", activation_counts(self.runtime.hot_table))
-            hot_slots = self.pool.num_slots // 4
-            if policy == "pdscope" and self.pool.can_double_buffer:
-                hot_slots = self.pool.num_slots - 2 * self.config.num_experts
+        hot_table = self.runtime.hot_table
+        hot_slots = planner_class(policy).hot_slots(self.pool.num_slots, self.config.num_experts,
+                                                    self.pool.can_double_buffer, bool(hot_table))
+        if hot_slots is not None:
+            if hot_table:
+                options.setdefault("activation_counts", activation_counts(hot_table))
             options.setdefault("hot_per_layer", min(self.config.num_experts, hot_slots // len(self._moe_layers)))
         self.planner = make_planner(policy, **options)
         self._hot_counts = options.get("activation_counts")  # {layer: [E]} or None
         self._observing = isinstance(self.planner, ObservingPlanner)  # a Protocol check: slow, so once here
-        self._wants_scores = policy in SCORE_POLICIES
+        self._wants_scores = self.planner.reads_next_scores
         for layer in self._moe_layers:
             self.pool.release(layer, np.arange(self.config.num_experts))
         self._pending.clear()
@@ -324,14 +320,14 @@ class OffloadRunner:
 
     def _check_policy(self, policy: str | None) -> None:
         total = len(self._moe_layers) * self.config.num_experts
-        if policy == "gpu" and self.budget.slots < total:
-            raise BudgetError(f"policy 'gpu' keeps every expert resident: {total} slots needed, the budget "
+        if planner_class(policy).keeps_all_resident and self.budget.slots < total:
+            raise BudgetError(f"policy {policy!r} keeps every expert resident: {total} slots needed, the budget "
                               f"gives {self.budget.slots} ({self.budget.describe()})")
 
     def _preload(self) -> None:
         """Resident sets the policy asks for: every expert for 'gpu', the hot table for planners that have one."""
         for layer in self._moe_layers:
-            if self.runtime.policy == "gpu":
+            if self.planner.keeps_all_resident:
                 experts = np.arange(self.config.num_experts)
             elif hasattr(self.planner, "hot_experts"):
                 experts = np.asarray(self.planner.hot_experts(layer))[: self.pool.free_slots(self._moe_layers)]
@@ -506,7 +502,7 @@ class OffloadRunner:
         `device_decode`): for `pdscope` with a hot table, its activations over its layer's mean (1 for an expert
         of average popularity) times the pool's turnover, the ticks in which a step's misses could replace every
         slot (slots / distinct experts a layer can pick); None (LRU) otherwise."""
-        if self.runtime.policy != "pdscope" or not self._hot_counts:
+        if not self.planner.decode_popularity or not self._hot_counts:
             return None
         table = np.stack([np.asarray(self._hot_counts[layer], np.float64) for layer in self._moe_layers])
         over_mean = table / np.maximum(table.mean(axis=1, keepdims=True), 1e-12)
@@ -517,7 +513,7 @@ class OffloadRunner:
         rc = self.runtime
         picks = min(batch * self.config.num_experts_per_tok, self.config.num_experts)
         return (rc.device_decode and rc.async_io and rc.batched_gpu
-                and rc.policy in device_decode.DEVICE_DECODE_POLICIES and device_decode.fits(self.pool, picks))
+                and self.planner.decodes_on_device and device_decode.fits(self.pool, picks))
 
     def _decode_on_device(self, token, cache: list, t: int, max_new_tokens: int, root, temperature: float,
                           top_k: int | None) -> list[np.ndarray]:
@@ -662,7 +658,7 @@ class OffloadRunner:
         # where next-layer scores come from, if the plan reads them: the predictor object (pdscope with one),
         # else the next layer's gate on this layer's h, in the route program
         wants = i in self._next_moe and self._wants_scores
-        predicts = wants and self.predictor is not None and self.runtime.policy != "fate"
+        predicts = wants and self.predictor is not None and self.planner.predictor_scores
         gate = self._layers[self._next_moe[i]] if wants and not predicts else None
         if gate is None:
             x, h, w, ids, routing, shared, layer_cache = self._programs["moe_route"](

@@ -114,7 +114,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pdscope_jax.sched.costs import CostTable
-from pdscope_jax.sched.plan import PHASES, HotExperts, LayerDemand, Plan, cold_to_hot
+from pdscope_jax.sched.plan import PHASES, Capabilities, HotExperts, LayerDemand, Plan, cold_to_hot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +147,20 @@ class _Step3:
     xi: float
 
 
-class AdaptSched:
+class AdaptSched(Capabilities):
     name = "pdscope"
+    reads_next_scores = True
+    predictor_scores = True
+    decodes_on_device = True
+    decode_popularity = True
+
+    @classmethod
+    def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:
+        """The pool less two whole layers when those fit (prefill streams every other expert through them, and
+        decode uses them for its loads and prefetches), else a quarter of it."""
+        if not have_table:
+            return None
+        return pool_slots - 2 * num_experts if layer_buffers_fit else pool_slots // 4
 
     def __init__(self, r_hit_prior: float = 0.5, r_hit_window: int = 16, hot_per_layer: int = 0,
                  activation_counts: Mapping[int, Sequence[float]] | None = None, layer_guard: bool = True,

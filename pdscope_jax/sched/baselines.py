@@ -28,21 +28,27 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from pdscope_jax.sched.costs import CostTable
-from pdscope_jax.sched.plan import HotExperts, LayerDemand, Plan
+from pdscope_jax.sched.plan import Capabilities, HotExperts, LayerDemand, Plan
 
 
-class GpuPlanner:
+class GpuPlanner(Capabilities):
     name = "gpu"
+    keeps_all_resident = True
+    decodes_on_device = True
 
     def plan(self, demand: LayerDemand, costs: CostTable) -> Plan:
         return Plan.from_loads(demand, load_now=demand.missing_cold_to_hot()[::-1])
 
 
-class StaticPlanner:
+class StaticPlanner(Capabilities):
     """Hot experts fixed on the GPU: `hot_experts(layer)` is the `HotExperts(hot_per_layer, activation_counts)`
     table, which the engine preloads; the planner itself only reads residency."""
 
     name = "static"
+
+    @classmethod
+    def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int:
+        return pool_slots  # no loads at run time: the whole pool holds hot experts, with or without counts
 
     def __init__(self, hot_per_layer: int = 0, activation_counts: Mapping[int, Sequence[float]] | None = None):
         self.hot_experts = HotExperts(hot_per_layer, activation_counts)
@@ -56,8 +62,9 @@ def _hottest_that_fit(demand: LayerDemand, slots: int) -> np.ndarray:
     return demand.missing_cold_to_hot()[::-1][:max(slots, 0)]
 
 
-class OnDemandPlanner:
+class OnDemandPlanner(Capabilities):
     name = "ondemand"
+    decodes_on_device = True
 
     def plan(self, demand: LayerDemand, costs: CostTable) -> Plan:
         stream = demand.phase == "prefill" and demand.next_layer is not None
@@ -65,7 +72,7 @@ class OnDemandPlanner:
                                stream_next_layer=stream)
 
 
-class GreedyPlanner:
+class GreedyPlanner(Capabilities):
     """Per-layer balance: with `m` hottest missing experts loaded, the GPU side finishes at
     `t_transfer(m) + t_gpu(resident activated + loaded)` and the CPU side at `t_cpu(the other missing ones)`;
     `m` grows while the GPU side stays strictly below the CPU side (so the move that would make the GPU the
@@ -75,6 +82,10 @@ class GreedyPlanner:
     to layer-local greedy schedulers."""
 
     name = "greedy"
+
+    @classmethod
+    def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:
+        return pool_slots // 4 if have_table else None  # the rest of the pool serves its loads
 
     def __init__(self, prefetch_depth: int = 2, hot_per_layer: int = 0,
                  activation_counts: Mapping[int, Sequence[float]] | None = None):
@@ -106,12 +117,13 @@ class GreedyPlanner:
                                prefetch=same_ids[:max(demand.free_slots - load_now.size, 0)])
 
 
-class FatePlanner:
+class FatePlanner(Capabilities):
     """On-demand loading plus prefetch of those of the `top_k` highest `next_scores` (the predicted activated
     set) that are not resident in the next layer yet, into the slots left. `top_k=None` uses the number of
     experts activated in the current layer (the model's top-k in single-sequence decode)."""
 
     name = "fate"
+    reads_next_scores = True  # always from the next layer's gate: Fate's own predictor
 
     def __init__(self, top_k: int | None = None):
         if top_k is not None and top_k < 0:

@@ -47,6 +47,23 @@ def cold_to_hot(ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return ids[np.lexsort((ids, tokens[ids]))]
 
 
+class Capabilities:
+    """What a planner needs from the engine, as class attributes (the engine reads these, never a policy name).
+    Every planner derives from this; see `sched.registry` for what each one means."""
+
+    reads_next_scores = False
+    predictor_scores = False
+    keeps_all_resident = False
+    decodes_on_device = False
+    decode_popularity = False
+
+    @classmethod
+    def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:
+        """Pool slots its hot-expert table gets (None: no table), given the pool, whether two whole layers fit it
+        (`layer_buffers_fit`) and whether activation counts were given (`have_table`)."""
+        return None
+
+
 class HotExperts:
     """The hot-expert table (PAPER.md offline step 4): per layer, the `per_layer` most activated experts in
     `activation_counts[layer]` (ties: lower id), or experts 0..per_layer-1 for a layer without counts. Planners

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.engine import device_decode, expert_store
+from pdscope_jax.engine import device_decode
+from pdscope_jax.store import expert_store
 from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import select_devices
 from test_offload_engine import Reference, _slots

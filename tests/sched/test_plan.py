@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdscope_jax.sched import (PLANNERS, CostTable, CostTableError, LayerDemand, ObservingPlanner, Plan, Planner,
+from pdscope_jax.sched import (COMPARED, PLAIN, POLICIES, CostTable, CostTableError, LayerDemand, ObservingPlanner, Plan, Planner,
                                PlanError, check_plan, make_planner)
 
 
@@ -209,17 +209,34 @@ def test_unloaded_slots_count_only_when_not_computed():
 
 
 def test_registry():
-    assert set(PLANNERS) == {"gpu", "static", "ondemand", "greedy", "pdscope", "fate"}
-    for name in PLANNERS:
+    assert set(POLICIES) == {"gpu", "static", "ondemand", "greedy", "pdscope", "fate"}
+    for name in POLICIES:
         planner = make_planner(name)
         assert planner.name == name and isinstance(planner, Planner)
     assert isinstance(make_planner("pdscope"), ObservingPlanner)
     assert not isinstance(make_planner("ondemand"), ObservingPlanner)
     assert make_planner("greedy", prefetch_depth=5).prefetch_depth == 5
-    with pytest.raises(ValueError, match="unknown planner 'lru'.*pdscope"):
+    with pytest.raises(ValueError, match="unknown policy 'lru'.*pdscope"):
         make_planner("lru")
-    with pytest.raises(TypeError, match="planner 'fate'"):
+    with pytest.raises(TypeError, match="policy 'fate'"):
         make_planner("fate", depth=3)
+
+
+def test_capabilities_say_what_the_engine_provides():
+    """The engine reads capabilities, not names: each declares what it needs, and the defaults are off."""
+    assert {n for n, p in POLICIES.items() if p.planner.reads_next_scores} == {"fate", "pdscope"}
+    assert {n for n, p in POLICIES.items() if p.planner.predictor_scores} == {"pdscope"}
+    assert {n for n, p in POLICIES.items() if p.planner.keeps_all_resident} == {"gpu"}
+    assert {n for n, p in POLICIES.items() if p.planner.decodes_on_device} == {"gpu", "ondemand", "pdscope"}
+    assert set(COMPARED) == set(POLICIES) - {"gpu"} and PLAIN not in POLICIES
+    # hot tables: static always holds the whole pool; greedy and pdscope only with counts given
+    assert POLICIES["static"].planner.hot_slots(100, 8, True, False) == 100
+    assert POLICIES["greedy"].planner.hot_slots(100, 8, True, False) is None
+    assert POLICIES["greedy"].planner.hot_slots(100, 8, True, True) == 25
+    assert POLICIES["pdscope"].planner.hot_slots(100, 8, True, True) == 84  # less two whole layers of 8
+    assert POLICIES["pdscope"].planner.hot_slots(100, 8, False, True) == 25
+    assert POLICIES["ondemand"].planner.hot_slots(100, 8, True, True) is None
+    assert all(p.description for p in POLICIES.values())
 
 
 @st.composite
@@ -247,7 +264,7 @@ def cost_tables(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(d=demands(), c=cost_tables(), name=st.sampled_from(sorted(PLANNERS)))
+@given(d=demands(), c=cost_tables(), name=st.sampled_from(sorted(POLICIES)))
 def test_every_planner_plan_is_valid(d, c, name):
     if name == "gpu":  # the gpu policy relies on the engine keeping every expert resident
         d = LayerDemand(**{**d.__dict__, "resident": np.ones(d.num_experts, bool), "free_slots": 0,

@@ -7,7 +7,8 @@ import pytest
 
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.store.budget import BudgetError, plan_budget
-from pdscope_jax.engine import cpu_experts, expert_store
+from pdscope_jax.engine import cpu_experts
+from pdscope_jax.store import expert_store
 from pdscope_jax.engine.cpu_experts import CpuExperts
 from pdscope_jax.store.expert_store import ExpertStore
 from pdscope_jax.store.slot_pool import SlotPool
