@@ -1,0 +1,56 @@
+"""benchmarks/results_index.py: the index and the README table come from the result JSON files themselves."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "results_index.py"
+RESULTS = SCRIPT.parent / "results"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("results_index", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _bench(call, commit, workload, points, **extra):
+    return {"what": f"test run {call}", "command": f"/x/pdscope_jax/__main__.py --workload {workload} --call {call}",
+            "commit": commit, "call": call, "weights": "random", "model": "deepseek-v2-lite", "workload": workload,
+            "ablation": False, **extra,
+            "results": [{"policy": p, "batch": 1, "prompt_len": 4096, "prefill_tok_s": pf, "decode_tok_s": dc}
+                        for p, pf, dc in points]}
+
+
+def test_index_and_readme_table_hold_the_files_figures_and_commands(tmp_path, capsys):
+    (tmp_path / "offload_a.json").write_text(json.dumps(_bench(
+        7, "abc1234", "uniform", [("pdscope", 1234.5, 21.25), ("plain", 26000.0, 109.4)],
+        headline_skip=["greedy"])))
+    (tmp_path / "offload_b.json").write_text(json.dumps(_bench(
+        9, "def5678", "uniform", [("pdscope", 8490.2, 18.31), ("greedy", 3000.0, 5.0)],
+        headline_skip=["greedy"])))
+    mod = _module()
+    assert mod.main(["--dir", str(tmp_path)]) == 0
+    index = (tmp_path / "README.md").read_text()
+    for text in ("`offload_a.json`", "`offload_b.json`", "`abc1234` (call 7)", "`def5678` (call 9)",
+                 "python3 -m pdscope_jax bench --workload uniform --call 7", "pdscope 1,234 / 21.2",
+                 "pdscope 8,490 / 18.3", "plain 26,000 / 109"):
+        assert text in index, text
+
+    capsys.readouterr()
+    assert mod.main(["--dir", str(tmp_path), "--readme"]) == 0
+    table = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| `")}
+    assert "8,490 / 18.3" in rows["`pdscope`"]          # the newest call wins
+    assert "26,000 / 109.4" in rows["`plain`"]          # taken from the older file, the only one that has it
+    assert "`greedy`" not in rows                       # skipped: not a current figure
+    assert "DeepSeek-V2-Lite, uniform" in table and "calls 7, 9" in table
+    assert len(table.splitlines()) <= 18
+
+
+def test_every_kept_result_carries_command_and_commit():
+    mod = _module()
+    for name, d in mod.load(RESULTS):
+        p = mod.provenance(d)
+        assert p.get("command") and p.get("commit") and p.get("weights"), name
