@@ -2,10 +2,11 @@
 
 Measures prefill tokens/s at several prompt lengths and decode tokens/s over N generated tokens at batch 1,
 through the public API (`pdscope_jax.load(...).generate`). Each length is run once untimed (compilation)
-and then `--repeats` times; the median is reported. Writes JSON (with the command line, jax version,
-device and "weights") and a PNG into `--out`.
+and then `--repeats` times; the median is reported. Writes `plain_<model>.json` (the rows, with the command
+line, jax version, device and "weights") and `plain_<model>.png` into `--out`, and a summary line to stdout.
+Run from the repository root:
 
-    python benchmarks/bench_plain.py --model deepseek-v2-lite --lengths 128 512 1024 2048 4096 --new-tokens 64
+    PYTHONPATH=. python benchmarks/bench_plain.py --model deepseek-v2-lite --lengths 128 512 1024 2048 4096
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 import pdscope_jax
+from _shared import command_line, pyplot, save_figure
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = {
         "benchmark": "plain (whole model resident, no offload)",
-        "command": shlex.join(["python", f"benchmarks/{Path(__file__).name}", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
         "model": args.model,
         "weights": "random (seeded, real architecture)" if args.weights == "random" else args.weights,
         "dtype": args.dtype,
@@ -83,11 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     lengths = [r["prompt_tokens"] for r in result["rows"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(lengths, [r["prefill_tok_s"] for r in result["rows"]], marker="o")
@@ -95,8 +92,7 @@ def _plot(result: dict, path: Path) -> None:
     right.bar([str(n) for n in lengths], [r["decode_tok_s"] for r in result["rows"]])
     right.set(xlabel="prompt tokens", ylabel="decode tok/s", title=f"decode, {result['new_tokens']} tokens, batch 1")
     fig.suptitle(f"{result['model']} on {result['device']}, whole model resident ({result['weights']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":

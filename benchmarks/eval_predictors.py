@@ -1,35 +1,26 @@
 """Evaluate trained PhasePer predictors on held-out and out-of-domain traces against three baselines.
 
-Contract
-- Inputs: the model (`--model`: only its router kernels and config are used), a predictor checkpoint
-  (`--predictors`), the TRAIN traces the predictors were trained on (used only for the frequency baseline),
-  and one or more evaluation trace sets (`--eval NAME=DIR`, e.g. heldout=... ood=...), all collected by
-  `pdscope-jax collect-traces` from that model (fingerprints are checked).
-- Per evaluation set, phase, source MoE layer l (predicting the experts of the next MoE layer l+1), and
-  aggregated per layer group (mean over the group's layers; every layer has the same tokens), it scores:
-    phaseper   the checkpoint's predictor f_l(a_l, w_l, e_l);
-    fate       Fate-style: layer l+1's gate applied to layer l's MoE input, scoring_func(a_l @ W_gate,l+1);
-    frequency  each l+1 expert's activation frequency in the train traces of the same phase (same for all tokens);
-    prev_token decode only: the routing weights the same sequence's previous token gave the experts at layer
-               l+1 (for the first decode step, the last prompt token's prefill routing); the frequency adds a
-               1e-6-scaled tie-break among the other experts.
-- Metrics (definitions of `pdscope_jax.phaseper.train`):
-    recall_at_k  per token, |top-k(scores) ∩ true experts of l+1| / k, k = the model's top-k (4 here);
-    table5       the paper's Table-5 accuracy with one REQUEST as the step: in prefill the step is one
-                 prompt's tokens (the collected [B*T] forward is cut back into its B sequences of T tokens,
-                 T = prefill step / decode step size), true counts = tokens per l+1 expert in that prompt,
-                 predicted ranking = per-expert sum of scores over the prompt, a true top-6 expert hits if its
-                 predicted rank is within +-2 of its (tie-aware) true rank; in decode the step is one token
-                 (its k experts are the true set: m = min(6, k) = k, so Table-5 there is close to recall@(k+2)).
-- Predictor cost: parameter bytes per network kind and in total, the checkpoint's bytes on disk, and the
-  latency of `PredictorSet.predict` (host arrays in, probabilities out) for 1 token (decode) and T tokens
-  (one prefill request): median and p90 over repetitions after compilation, with the parameters on the CPU
-  backend and, where there is one, on the accelerator.
-- Acceptance checks (reported, never tuned on): held-out prefill Table-5 >= 0.90; held-out decode
-  recall@k >= 0.85; PhasePer above every baseline in every group and phase (held-out, both metrics, and
-  OOD too); OOD drop (held-out minus OOD, in points) <= 8 for prefill Table-5 and decode recall@k.
-- Output: `--out-json` (every number, the exact command, the traces' descriptions) and `--out-png` (per
-  evaluation set: recall@k and Table-5 bars per group and phase, PhasePer next to the baselines).
+Inputs: the model (`--model`: only its router kernels and config are used), a predictor checkpoint
+(`--predictors`), the TRAIN traces the predictors were trained on (`--train-traces`, used only for the frequency
+baseline), and one or more evaluation trace sets (`--eval NAME=DIR`, e.g. heldout=... ood=...), all collected by
+`pdscope-jax collect-traces` from that model (fingerprints are checked).
+Scores, per evaluation set, phase and source MoE layer l (predicting the experts of the next MoE layer l+1), and
+as the mean over each layer group's layers, the methods of `METHODS` (defined in `evaluate_set`: the checkpoint's
+predictor, a Fate-style gate, train-trace frequency, and in decode the previous token's routing) by two metrics
+(`pdscope_jax.phaseper.train`): recall@k per token, k = the model's top-k, and the paper's Table-5 accuracy with
+one request as the step (see `request_steps`).
+Predictor cost: parameter bytes per network kind and in total, the checkpoint's bytes on disk, and the latency of
+`PredictorSet.predict` (host arrays in, probabilities out) for 1 token (decode) and T tokens (one prefill
+request): median and p90 after compilation, with the parameters on the CPU backend and, where there is one, on
+the accelerator.
+Acceptance checks (`TARGETS`; reported, never tuned on): held-out prefill Table-5 >= 0.90; held-out decode
+recall@k >= 0.85; PhasePer above every baseline in every group and phase (every set, both metrics); OOD drop
+(held-out minus OOD, in points) <= 8 for prefill Table-5 and decode recall@k.
+Run from the repository root: `PYTHONPATH=. python benchmarks/eval_predictors.py --model M --predictors DIR
+--train-traces DIR --eval heldout=DIR [--eval ood=DIR] --out-json FILE --out-png FILE`.
+Writes `--out-json` (every number, the exact command, the traces' descriptions; the checks when a `heldout` set
+is given), `--out-png` (per set: recall@k and Table-5 bars per group and phase, PhasePer next to the baselines)
+and a one-line JSON summary to stdout.
 """
 
 from __future__ import annotations
@@ -37,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -45,6 +35,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from _shared import command_line, pyplot, save_figure
 from pdscope_jax.api import resolve
 from pdscope_jax.phaseper.checkpoint import load_predictors
 from pdscope_jax.phaseper.groups import GROUP_NAMES
@@ -113,7 +104,13 @@ def prev_token_scores(traces: Traces, next_layer: int, n: int, freq: np.ndarray)
 
 
 def request_steps(traces: Traces, phase: str, n: int) -> np.ndarray:
-    """Table-5 steps: one prompt (T tokens) per step in prefill, one token per step in decode."""
+    """Table-5 steps: one prompt (T tokens) per step in prefill, one token per step in decode.
+
+    In prefill the collected [B*T] forward is cut back into its B sequences of T tokens (T = prefill step / decode
+    step size); the true counts are tokens per l+1 expert in that prompt, the predicted ranking the per-expert sum
+    of scores over the prompt, and a true top-6 expert hits if its predicted rank is within +-2 of its
+    (tie-aware) true rank. In decode a token's k experts are the true set (m = min(6, k) = k), so Table-5 there is
+    close to recall@(k+2)."""
     if phase == "decode":
         return np.ones(n, np.int32)
     _, t, _ = step_layout(traces)
@@ -128,7 +125,17 @@ def predict_chunked(pset, phase: str, layer: int, a, w, e, chunk: int = 4096) ->
 
 
 def evaluate_set(pset, cfg, kernels, train: Traces, traces: Traces) -> dict:
-    """{phase: {"layers": {layer: {method: {recall_at_k, table5}}}, "groups": {group: {method: ...}}}}."""
+    """{phase: {"layers": {layer: {method: {recall_at_k, table5}}}, "groups": {group: {method: ...}}, "all": ...}}.
+
+    Methods, scoring layer l+1's experts from source layer l:
+      phaseper   the checkpoint's predictor f_l(a_l, w_l, e_l);
+      fate       Fate-style: layer l+1's gate applied to layer l's MoE input, scoring_func(a_l @ W_gate,l+1);
+      frequency  each l+1 expert's activation frequency in the train traces of the same phase (same for all
+                 tokens);
+      prev_token decode only: the routing weights the same sequence's previous token gave the experts at layer
+                 l+1 (for the first decode step, the last prompt token's prefill routing); the frequency adds a
+                 1e-6-scaled tie-break among the other experts.
+    A group's figure is the mean over its layers (every layer has the same tokens)."""
     out = {}
     for phase in PHASES:
         per_layer = {}
@@ -198,7 +205,8 @@ def latency(pset, t_prompt: int, reps: int) -> dict:
                 t0 = time.perf_counter()
                 pset.predict("decode", layer, a, w, e)
                 times.append((time.perf_counter() - t0) * 1e3)
-            out[f"{kind}_{n}_tokens"] = {"median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90))}
+            out[f"{kind}_{n}_tokens"] = {"median_ms": float(np.median(times)),
+                                         "p90_ms": float(np.percentile(times, 90))}
     return out
 
 
@@ -238,11 +246,7 @@ def acceptance(results: dict) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [(p, m) for p in PHASES for m in ("recall_at_k", "table5")]
     fig, axes = plt.subplots(len(results), len(panels), figsize=(4 * len(panels), 3.2 * len(results)),
                              squeeze=False)
@@ -264,10 +268,7 @@ def plot(results: dict, path: Path) -> None:
             ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0][-1].get_legend_handles_labels()
     fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100, rect=(0, 0, 1, 0.94))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -299,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         t_prompt = step_layout(traces)[1]
     sizes = pset.sizes()
     report = {
-        "command": "python benchmarks/eval_predictors.py " + shlex.join(argv),
+        "command": command_line(__file__, argv),
         "model": cfg.name, "weights": "checkpoint" if resolve(args.model)[1] else "random",
         "fingerprint": cfg.fingerprint(),
         "predictors": {"path": str(args.predictors), "corpus": manifest["corpus"], "hparams": manifest["hparams"],
@@ -327,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, args.out_png)
     summary = {name: {phase: {m: {k: round(v, 4) for k, v in vals.items()} for m, vals in res[phase]["all"].items()}
                       for phase in PHASES} for name, res in results.items()}
-    print(json.dumps({"summary": summary, "acceptance": {k: v["pass"] for k, v in report.get("acceptance", {}).items()}}))
+    passed = {k: v["pass"] for k, v in report.get("acceptance", {}).items()}
+    print(json.dumps({"summary": summary, "acceptance": passed}))
     return 0
 
 

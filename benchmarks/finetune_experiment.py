@@ -18,15 +18,16 @@ Contract
   tuner's trigger count, completed fine-tunes and their seconds; and the off-the-token-path evidence:
   the latency distribution of observe() (timed around each call) against the decode token step time
   (model forward), and the decode step time while a fine-tune was running versus idle.
+- Run from the repository root: `PYTHONPATH=. python benchmarks/finetune_experiment.py --predictors DIR
+  --out-json FILE --out-png FILE` (the model defaults to `reference-moe`).
 - Writes `--out-json` (with the exact command) and `--out-png` (error over time, with and without
-  fine-tuning, switch and triggers marked).
+  fine-tuning, switch and triggers marked), and two summary JSON lines to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
@@ -37,12 +38,13 @@ import numpy as np
 import tokenizers
 from flax import nnx
 
-from pdscope_jax.text import corpus
+from _shared import command_line, pyplot, save_figure
 from pdscope_jax.phaseper.checkpoint import load_predictors
 from pdscope_jax.phaseper.collect import walk
 from pdscope_jax.phaseper.finetune import RECENT_TOKENS, OnlineFineTuner, token_errors
 from pdscope_jax.phaseper.losses import targets
 from pdscope_jax.phaseper.train import adamw, make_step_fns
+from pdscope_jax.text import corpus
 
 
 def _forward(graphdef, state, ids, positions, cache):
@@ -208,11 +210,7 @@ def run(args) -> dict:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     stride = report["window_error_stride"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
     for ax, phase in zip(axes, ("prefill", "decode")):
@@ -229,10 +227,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xlabel("tracked (input-group) tokens")
         ax.set_ylabel("1 - recall@k")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-json", type=Path, required=True)
     p.add_argument("--out-png", type=Path, required=True)
     args = p.parse_args(argv)
-    report = {"command": "python benchmarks/finetune_experiment.py " + shlex.join(argv), **run(args)}
+    report = {"command": command_line(__file__, argv), **run(args)}
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
     args.out_json.write_text(json.dumps(report, indent=1))
     plot(report, args.out_png)

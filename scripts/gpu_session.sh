@@ -1,38 +1,32 @@
 #!/usr/bin/env bash
-# The GPU-node measurements the open issues ask for, as stages chained into a few device calls (< 10 min each).
-# Run from the repository root on the GPU node:
+# The GPU-node measurements, as stages chained into a few device calls. Run from the repository root on the node:
 #
 #   OUT=$OUT bash scripts/gpu_session.sh STAGE[:SECONDS] [STAGE[:SECONDS] ...]
 #
-#   (seconds: what a stage took on the H200 on 2026-11-29, latest call; "limit" where it ran out before finishing)
-#   probe      store/transfer probe                                                                        42
+#   probe      store/transfer probe (benchmarks/probes/probe_store_gpu.py)
 #   host       decode host time: helper-thread variants (ondemand pdscope static), then one dispatch's host
 #              time idle and with copies in flight (benchmarks/probes/probe_decode_host.py, probe_dispatch.py)
-#              (not yet run as one stage: the two probes took 252 and 16-37 s in calls 16 and 18-24)
-#   cpu        XLA:CPU vs torch expert FFN (and once more per flag set in CPU_XLA_FLAGS)          11 (+10 each)
-#   plain      whole-model upper bound through the public API, DeepSeek-V2-Lite                           124
-#   profile    the cost table of DeepSeek-V2-Lite on this machine                                           69
-#   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (the offload path works here?)
-#   uniform    every policy, DeepSeek-V2-Lite, uniform routing, 24 GB budget / 8 GB pool                   506
-#   compare    a few policies at the shortest and longest prompt, with a memory trace and a host profile
-#              (all six policies and 1,000 memory steps: 368; with 20 memory steps: 299)
-#   memory     accelerator memory over 1,000 decode steps (ondemand), and a host profile (cProfile)  limit 215
-#   skewed     every policy on the skewed workload           262 (six policies, two prompt lengths, --cprofile 8)
-#              (call 27, device decode, HOST_ALLOC=torch, six policies with plain at 128 and 4,096, bench run alone: 363)
-#   ablation   greedy -> +h -> +i -> +p+a -> +g+c at 4,096 tokens (skewed)         limit 195 at 5/6 (TOKENS=32)
-#   cores      static and pdscope decode, XLA:CPU's threads on every core, then on XLA_CPU_CORES (14)    211
-#   batches    BATCHES (1 8 16 32) x BATCH_POLICIES, chunked prefill of 256 (skewed)   limit 225 at 2/4 (16 32, two)
-#   predictors DeepSeek-V2-Lite traces -> PhasePer -> Orbax -> evaluation, timed end to end              191
-#   qwen       whole-model (QWEN_PLAIN=1, empty: skip) and offloaded Qwen3-30B-A3B at QWEN_LENGTHS, QWEN_POLICIES
-#              (no whole model, 4,096 tokens, four policies, TOKENS=32: 273)
-# Building the offloaded DeepSeek-V2-Lite takes about a minute per benchmark process; a decode of 64 tokens
-# takes 5-10 s per policy at the speeds measured, so `uniform`, `skewed` and `ablation` each need a call of
-# their own (~10 minutes) to finish.
-# BENCH_EXTRA: more bench options for `uniform` and `skewed` (e.g. --cprofile 8 for a host profile and timeline).
-# Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the chain goes on when
-# one fails; every stage logs to <out>/<stage>.log. Benchmarks save partial JSON as they go. With OUT set,
-# everything ends up in one archive, $OUT/results.tgz (the device tool returns at most 8 files).
-# Every benchmark here uses the real architectures with random weights; the JSON files say so.
+#   cpu        XLA:CPU vs torch expert FFN (benchmarks/bench_cpu_expert.py; again per flag set in CPU_XLA_FLAGS)
+#   plain      whole-model upper bound through the public API (benchmarks/bench_plain.py)
+#   profile    the cost table of MODEL on this machine (`python -m pdscope_jax profile`)
+#   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (does the offload path work here?)
+#   uniform    every policy, uniform routing, BUDGET (`python -m pdscope_jax bench`, as are the stages below)
+#   compare    a few policies (COMPARE_POLICIES) at the shortest and longest prompt, with a memory trace and a
+#              host profile
+#   memory     accelerator memory over MEMORY_STEPS decode steps (ondemand, pdscope), and a host profile (cProfile)
+#   skewed     every policy on the skewed workload
+#   ablation   greedy -> +h -> +i -> +p+a -> +g+c at the longest prompt (skewed)
+#   cores      static and pdscope decode, XLA:CPU's threads on every core, then on XLA_CPU_CORES
+#   batches    BATCHES (1 8 16 32) x BATCH_POLICIES at 512 tokens, chunked prefill of 256 (skewed)
+#   predictors MODEL traces -> PhasePer -> Orbax -> evaluation (benchmarks/eval_predictors.py), timed end to end
+#   qwen       whole-model (QWEN_PLAIN=1, empty: skip) and offloaded QWEN at QWEN_LENGTHS, QWEN_POLICIES
+# Building an offloaded model takes a while per benchmark process, so long stages (uniform, skewed, ablation)
+# want a device call each. BENCH_EXTRA: more bench options for `uniform` and `skewed` (e.g. --cprofile 8 for a
+# host profile and timeline). Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the
+# chain goes on when one fails; every stage logs to <results>/<stage>.log (RESULTS, default /tmp/pdscope_results).
+# Benchmarks save partial JSON as they go. With OUT set, everything ends up in one archive, $OUT/results.tgz
+# (the device tool returns few files). Every benchmark here uses the real architectures with random weights;
+# the JSON files say so.
 # Smaller settings (a CPU smoke test of the commands): MODEL=tiny-deepseek-v2-lite QWEN=tiny-qwen3-30b-a3b
 # LENGTHS="32 64" TOKENS=4 BUDGET="--gpu-memory 1GB --expert-pool 200KB" MEMORY_STEPS=8 PROBE_ARGS="--experts 8
 # --hidden 64 --intermediate 32 --matmul 256" CPU_EXPERT_ARGS="--hidden 64 --intermediate 32" PREDICTOR_ARGS=...
@@ -47,7 +41,7 @@ read -r -a lengths <<< "${LENGTHS:-128 512 1024 2048 4096}"
 read -r -a budget <<< "${BUDGET:---gpu-memory 24GB --expert-pool 8GB}"
 tokens=${TOKENS:-64}
 longest=${lengths[-1]}
-costs=${COSTS:-$res/costs_${model}.json}  # COSTS: a cost table measured in an earlier call
+costs=${COSTS:-$res/costs_${model}.json}  # COSTS: a cost table from an earlier run
 # HOST_ALLOC: bench --host-alloc (default auto: torch where it has CUDA, one pinned allocation per layer, from which
 # device decode copies a layer's misses at once)
 bench=(python3 -m pdscope_jax bench --new-tokens "$tokens" "${budget[@]}" ${HOST_ALLOC:+--host-alloc "$HOST_ALLOC"} --out "$res")
@@ -131,7 +125,7 @@ for arg in "$@"; do
       ${bench[*]} --model $qwen --prompt-lens ${QWEN_LENGTHS:-512 $longest} \
         --policies ${QWEN_POLICIES:-static ondemand greedy fate pdscope} --hot-table auto \
         --cost-table $res/costs_$qwen.json --repeats 1" ;;
-    *) sed -n '2,24p' "$0"; exit 2 ;;
+    *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;  # the usage above
   esac
 done
 if [ -n "${OUT:-}" ]; then

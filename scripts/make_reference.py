@@ -1,8 +1,9 @@
 """Write tiny random Hugging Face checkpoints of the four families, with reference logits and greedy tokens.
 
-Needs the `reference` extra (torch, transformers). Usage:
+Needs the `reference` extra (torch, transformers; imported only when it runs, so `--help` works without them).
+Run from the repository root:
 
-    python scripts/make_reference.py [--out tests/data]
+    python scripts/make_reference.py [--out tests/data] [CASE ...]
 
 For each case in CASES it builds the transformers model in float32 from a seeded random init (scaled so that
 routing and logits are far from uniform), saves it with `save_pretrained` (hub tensor names: per-expert tensors,
@@ -12,6 +13,7 @@ instead of transformers 5's `rope_parameters`; Qwen3-MoE's `num_experts`), reloa
     input_ids      int32 [B, T]
     logits         float32 [B, T, V], a full forward without cache
     greedy_tokens  int32 [B, 8], 8 greedy decoding steps of `generate` (KV cache; eos does not stop it)
+Each case goes to <out>/<case>/ (safetensors, config.json, reference.npz); one JSON line per case is printed.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-import transformers
+
+if TYPE_CHECKING:
+    import torch
 
 BATCH, TOKENS, GREEDY_STEPS = 2, 12, 8
 COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -58,6 +62,8 @@ CASES = {
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Scaled random weights: unit-variance activations, peaked routers, norms away from one, non-zero biases."""
+    import torch
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
@@ -92,6 +98,9 @@ def hub_config(path: Path) -> None:
 
 
 def make(name: str, out: Path) -> dict:
+    import torch
+    import transformers
+
     class_name, kwargs, seed, shards = CASES[name]
     torch.manual_seed(seed)
     config = getattr(transformers, class_name)(**kwargs)
@@ -136,6 +145,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "data")
     parser.add_argument("cases", nargs="*", default=list(CASES), help="subset of: " + ", ".join(CASES))
     args = parser.parse_args()
+    import torch
+
     torch.use_deterministic_algorithms(True)
     for name in args.cases:
         print(json.dumps(make(name, args.out)))

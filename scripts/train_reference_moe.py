@@ -1,47 +1,26 @@
 """Train the project's reference MoE: a small DeepSeek-V2 (MLA, shared + routed experts) on Python source.
 
-Usage (from the repository root, with the package importable: `pip install -e .` or `PYTHONPATH=.`):
-
-    python scripts/train_reference_moe.py                      # H200: about 3.5 minutes, 33 MB checkpoint
+Run from the repository root, with the package importable (`pip install -e .` or `PYTHONPATH=.`):
+    python scripts/train_reference_moe.py                      # the reference (sized for one GPU)
     python scripts/train_reference_moe.py --smoke [--out DIR]  # tiny model, 20 steps, CPU-sized (CI)
-
-What it does, in order:
-1. Corpus (`pdscope_jax.text.corpus`): the running interpreter's stdlib `.py` files split 95/5 by path hash into
-   train / held-out, plus out-of-domain text (the first source found: /usr/share/common-licenses,
-   /usr/share/doc/*/copyright, the stdlib's own non-Python text); which one is printed and recorded.
-2. A byte-level BPE `tokenizer.json` (`tokenizers`) trained on the train split; `<|endoftext|>` (id 0) ends
-   every document and is the model's bos/eos.
-3. The model: `pdscope_jax.models.build` on `ModelConfig.from_hf(REFERENCE_CONFIG)` (model_type deepseek_v2):
-   13 decoder layers (1 dense, 12 MoE), 32 routed experts of width 64, top-4, 2 shared experts, MLA with a
-   64-wide kv latent, hidden 160, vocab 8192: 16,512,544 parameters, 33.2 MB as bf16 safetensors.
-4. Training: float32 master weights, forward and backward in bfloat16 (`--compute-dtype`), AdamW
-   (b2 0.95, weight decay 0.1 on matrices, gradient clipping 1.0), linear warm-up then cosine decay to 10%
-   over `--epochs` passes of the train split (6: the stdlib has about 2M tokens, and a model this size
-   memorises it beyond that; held-out loss rises from about 5 epochs on at a constant learning rate).
-   `--steps` and `--max-seconds` (wall time of the loop, compilation included; the horizon is re-fixed after
-   timing the first steps so the schedule ends where the budget does) cap it further.
-   The loss is next-token cross-entropy plus `--balance-coef` times DeepSeek's expert-level balance loss
-   E * sum_i f_i * P_i per MoE layer (f_i: expert i's share of the top-k assignments, P_i: its mean router
-   probability; 1 when routing is uniform), kept small so that routing stays learned and skewed. The forward
-   is `pdscope_jax.phaseper.collect.walk` (the model's own layer pieces, which also expose the routing); the
-   step is one plain `jax.jit` over the (graphdef, state) split made once. Train / held-out / out-of-domain
-   losses are logged every `--eval-every` steps.
-5. Export in the Hugging Face layout into `--out` (default pdscope_jax/assets/reference-moe/): config.json
-   (model_type deepseek_v2, architectures), safetensors in bf16 under the hub keys (per-expert tensors,
-   [out, in]: the exact inverse of the family's `checkpoint_sources`), sharded with
-   model.safetensors.index.json above `--max-shard-mb` (the reference: 3 files of at most 12 MB), and
+In order:
+1. Corpus (`pdscope_jax.text.corpus`): the interpreter's stdlib `.py` files split 95/5 by path hash into train /
+   held-out, plus out-of-domain text (the first source found; recorded); a byte-level BPE `tokenizer.json`
+   trained on the train split, `<|endoftext|>` (id 0) ending every document and serving as bos/eos.
+2. The model: `pdscope_jax.models.build` on `ModelConfig.from_hf(REFERENCE_CONFIG)` (`SMOKE_CONFIG` with --smoke).
+3. Training: float32 master weights, forward and backward in `--compute-dtype`, AdamW (`make_optimizer`),
+   linear warm-up then cosine decay to 10% (`lr_at`) over `--epochs` passes of the train split (more passes
+   memorise the stdlib: held-out loss rises), capped by `--steps` and `--max-seconds` (the horizon is re-fixed
+   after timing the first steps so the schedule ends where the budget does). Loss: next-token cross-entropy
+   plus `--balance-coef` times the expert balance loss (`balance_loss`), kept small so that routing stays
+   learned and skewed. Train / held-out / out-of-domain losses every `--eval-every` steps.
+4. Export in the Hugging Face layout into `--out` (default pdscope_jax/assets/reference-moe/): config.json,
+   bf16 safetensors under the hub keys (`hf_tensors`, sharded above `--max-shard-mb`: `write_safetensors`),
    tokenizer.json.
-6. Checks: `pdscope_jax.load(out)` must give the logits of the trained model with its weights rounded to
-   bf16 (float32 compute at highest matmul precision, tolerance 2e-3); the difference to the unrounded
-   float32 model is reported.
-7. Routing statistics on held-out text (the saved weights): per-layer expert popularity and its skew,
-   inter-layer affinity P(expert j at layer l+1 | expert i at layer l), and how well that table alone
-   predicts the next layer's experts (recall@K on the second half of the tokens, the table built on the
-   first half), against always guessing the K most popular experts.
-8. `--results-dir`/reference_moe_training.json (everything above, the loss curve, timings, the command) and
-   reference_moe_training.png (loss curves, popularity heat map, one affinity matrix); greedy and sampled
-   generations from Python-like prompts are printed and recorded.
-Exit status 1 when the reload check fails (after the results are written).
+5. Checks: `pdscope_jax.load(out)` must give the logits of the trained model with its weights rounded to bf16
+   (`reload_check`, tolerance `RELOAD_TOLERANCE`); then routing statistics on held-out text (`routing_stats`).
+Writes `--results-dir`/reference_moe_training.json (everything above, the loss curve, timings, the command,
+greedy and sampled generations) and reference_moe_training.png; exit status 1 when the reload check fails.
 """
 
 from __future__ import annotations
@@ -377,7 +356,9 @@ def multi_hot(e: np.ndarray, num_experts: int) -> np.ndarray:
 
 
 def routing_stats(experts: np.ndarray, num_experts: int) -> dict:
-    """Popularity, skew and inter-layer affinity from experts [M, N, K]; see the module docstring, step 7.
+    """Routing statistics of experts [M, N, K]: per-layer expert popularity and its skew, the inter-layer affinity
+    P(expert j at layer l+1 | expert i at layer l), and how well that table alone predicts the next layer's
+    experts (recall@K), against always guessing the K most popular experts.
 
     The affinity table is estimated on the first half of the tokens and its recall@K measured on the second.
     """

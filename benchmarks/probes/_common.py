@@ -1,10 +1,21 @@
-"""Pieces shared by the decode-path probe scripts (`scripts/probe_{decode_paths,copy_issue,decode_host,dispatch}.py`).
+"""Pieces shared by the probe scripts of this folder (`benchmarks/probes/probe_*.py`).
 
+A probe run as `python benchmarks/probes/probe_<name>.py` has this folder first on sys.path, hence
+`from _common import ...`.
 Contract:
-- `expert_shape_parser(description, reps)` -> an argparse parser with the expert shape (--hidden, --intermediate,
-  DeepSeek-V2-Lite's by default), --experts (how many experts per measurement), --reps and --out;
+- `expert_shape_parser(description, reps, **int_options)` -> an argparse parser with the expert shape (--hidden,
+  --intermediate, DeepSeek-V2-Lite's by default), --experts (how many experts per measurement), --reps, --out,
+  and one integer option per keyword (`cpu_rows=16` -> `--cpu-rows`, default 16);
 - `random_experts(d, f, k)` -> (gate_ups, downs): k seeded random bf16 numpy arrays [D, 2F] and [F, D];
+- `expert_setup(args)` -> `ExpertSetup` (a tuple) of the parsed shape: d, f, kmax = max(--experts), kmax random
+  experts' gate_ups and downs, and one expert's bytes;
 - `many_experts(x, gate_ups, downs)` -> the f32 sum of k experts' FFN over x (jit it; one program for k experts);
+- `memory_shardings(accel)` -> (pinned host, device memory) single-device shardings of the accelerator;
+- `random_loader(shapes, seed, workload)` -> the engine's `loader(paths, placement)` of seeded random weights,
+  rewritten by a routing workload (`pdscope_jax.workloads.routing.design`) when one is given;
+- `held(call)` -> (call's result, seconds the caller was held); `issue_and_done(fn, reps)` -> median (issue, done)
+  seconds of `fn() -> (result, held seconds)`, the result waited for, after 2 untimed runs;
+- `emit(records, record)` prints a record as one JSON line and appends it;
 - `probe_result(what, devices, records, out, **extra)` -> the result dict (the command line, accelerator and jax
   version, then `extra`, e.g. the expert shape, then the records), also written as JSON to `out` when given.
 """
@@ -14,8 +25,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,13 +38,15 @@ import numpy as np
 from pdscope_jax.models.layers import expert_ffn
 
 
-def expert_shape_parser(description: str, reps: int) -> argparse.ArgumentParser:
+def expert_shape_parser(description: str, reps: int, **int_options: int) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--experts", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--reps", type=int, default=reps)
     parser.add_argument("--out", type=Path, default=None)
+    for name, default in int_options.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
     return parser
 
 
@@ -41,8 +57,63 @@ def random_experts(d: int, f: int, k: int, seed: int = 0) -> tuple[list[np.ndarr
     return gate_ups, downs
 
 
+class ExpertSetup(NamedTuple):
+    d: int
+    f: int
+    kmax: int
+    gate_ups: list[np.ndarray]  # kmax x [D, 2F] bf16
+    downs: list[np.ndarray]  # kmax x [F, D] bf16
+    expert_bytes: int  # one expert's gate_up and down
+
+
+def expert_setup(args: argparse.Namespace) -> ExpertSetup:
+    d, f, kmax = args.hidden, args.intermediate, max(args.experts)
+    gate_ups, downs = random_experts(d, f, kmax)
+    return ExpertSetup(d, f, kmax, gate_ups, downs, gate_ups[0].nbytes + downs[0].nbytes)
+
+
 def many_experts(x, gate_ups, downs):
     return sum(expert_ffn(x, gu, dn).astype(jnp.float32) for gu, dn in zip(gate_ups, downs))
+
+
+def memory_shardings(accel) -> tuple[jax.sharding.Sharding, jax.sharding.Sharding]:
+    return (jax.sharding.SingleDeviceSharding(accel, memory_kind="pinned_host"),
+            jax.sharding.SingleDeviceSharding(accel, memory_kind="device"))
+
+
+def random_loader(shapes: dict, seed: int = 0, workload=None):
+    from pdscope_jax.weights.random_init import random_state
+
+    def random(paths, placement):
+        return random_state({p: shapes[p] for p in paths}, seed, placement)
+
+    return workload.loader(random) if workload is not None else random
+
+
+def held(call):
+    start = time.perf_counter()
+    out = call()
+    return out, time.perf_counter() - start
+
+
+def issue_and_done(fn, reps: int, warm: int = 2) -> tuple[float, float]:
+    issue, done = [], []
+    for rep in range(reps + warm):
+        start = time.perf_counter()
+        out, held_seconds = fn()
+        jax.block_until_ready(out)
+        end = time.perf_counter()
+        if rep >= warm:
+            issue.append(held_seconds)
+            done.append(end - start)
+        del out
+    return statistics.median(issue), statistics.median(done)
+
+
+def emit(records: list[dict], record: dict) -> dict:
+    print(json.dumps(record), flush=True)
+    records.append(record)
+    return record
 
 
 def probe_result(what: str, devices, records: list[dict], out: Path | None, **extra) -> dict:

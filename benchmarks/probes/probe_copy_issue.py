@@ -1,9 +1,8 @@
 """Ways of issuing a decode layer's expert copies, and what each holds the host for.
 
-At batch 1 the engine is host-bound: every MoE layer issues its missed experts' copies, and the issuing thread
-is held while it does. This probe measures, for k experts of one layer (DeepSeek-V2-Lite shape by default,
-bf16, weights random), the time the issuing thread is held (`issue`) and the time until the copy is done
-(`done`), for:
+Why: at batch 1 every MoE layer issues its missed experts' copies, and the issuing thread is held while it does.
+For k experts of one layer (DeepSeek-V2-Lite shape by default, bf16, random weights) it measures the time the
+issuing thread is held (`issue`) and the time until the copy is done (`done`), for:
   - `put_pairs`: one batched `jax.device_put` of the 2k pinned arrays (gate_up and down apart; the engine's way);
   - `put_merged`: one batched `device_put` of k pinned arrays, one per expert ([D, 3F]: gate_up and down
     transposed side by side);
@@ -12,18 +11,18 @@ bf16, weights random), the time the issuing thread is held (`issue`) and the tim
   - `put_then_commit`: the engine's two calls, the batched `device_put` then the jitted donated commit;
   - `thread_put`: the batched `device_put` handed to a helper thread (`issue` = the submit).
 And `cpu_alone` / `cpu_beside_copy`: k experts computed on the CPU backend (8 rows, one program), alone and
-while a batched copy of 8 other experts to the accelerator is in flight (`done` = the CPU part's time).
+while a batched copy of the other experts to the accelerator is in flight (`done` = the CPU part's time).
 Also the dispatch floor of a trivial jitted call with 1 and with 32 device operands, and the round trip of a
-small program whose three outputs the host fetches (`device_get`), as the engine's routing fetch does, and of
-the same outputs packed into one array (`route_roundtrip_packed`).
-Every figure is a median over repeats. Run from the repository root:
-`PYTHONPATH=. python benchmarks/probes/probe_copy_issue.py --out FILE`.
+small program whose three outputs the host fetches (`route_roundtrip`, as the engine's routing fetch does) and
+of the same outputs packed into one array (`route_roundtrip_packed`). Every figure is a median over --reps.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_copy_issue.py [--out FILE]`.
+Writes one JSON line per record to stdout ({kind, experts, issue_ms, done_ms, GBps}) and, with --out, the
+result of `_common.probe_result` (command, accelerator, jax, expert shape, records) as JSON.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import statistics
 import time
 
@@ -31,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import expert_shape_parser, many_experts, probe_result, random_experts
+from _common import (emit, expert_setup, expert_shape_parser, held, issue_and_done, many_experts, memory_shardings,
+                     probe_result)
 from pdscope_jax.runtime import select_devices
 
 
@@ -65,35 +65,15 @@ def _route_like_packed(x):
     return jnp.concatenate([w, ids.astype(y.dtype), y], axis=1)
 
 
-def _timed(fn, reps: int) -> tuple[float, float]:
-    """fn() -> (result, seconds the caller was held). -> median (issue, done) seconds over reps after 2 warm-ups."""
-    issue, done = [], []
-    for rep in range(reps + 2):
-        start = time.perf_counter()
-        out, held = fn()
-        jax.block_until_ready(out)
-        end = time.perf_counter()
-        if rep >= 2:
-            issue.append(held)
-            done.append(end - start)
-        del out
-    return statistics.median(issue), statistics.median(done)
-
-
 def main(argv: list[str] | None = None) -> dict:
-    parser = expert_shape_parser(__doc__.splitlines()[0], reps=15)
-    parser.add_argument("--slots", type=int, default=16)
-    args = parser.parse_args(argv)
-    d, f, kmax = args.hidden, args.intermediate, max(args.experts)
+    args = expert_shape_parser(__doc__.splitlines()[0], reps=15, slots=16).parse_args(argv)
+    d, f, kmax, gu_np, dn_np, expert_bytes = expert_setup(args)
     devices = select_devices()
-    pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
-    device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
-    gu_np, dn_np = random_experts(d, f, kmax)
+    pinned, device = memory_shardings(devices.accel)
     gus = [jax.device_put(a, pinned) for a in gu_np]
     dns = [jax.device_put(a, pinned) for a in dn_np]
     merged = [jax.device_put(np.concatenate([g, n.T], axis=1), pinned) for g, n in zip(gu_np, dn_np)]
     jax.block_until_ready((gus, dns, merged))
-    expert_bytes = gu_np[0].nbytes + dn_np[0].nbytes
     pool = {"gu": jax.device_put(jnp.zeros((args.slots, d, 2 * f), jnp.bfloat16), device),
             "dn": jax.device_put(jnp.zeros((args.slots, f, d), jnp.bfloat16), device)}
     pull = jax.jit(_pull)
@@ -103,15 +83,8 @@ def main(argv: list[str] | None = None) -> dict:
     records = []
 
     def record(kind, k, issue, done):
-        rec = {"kind": kind, "experts": k, "issue_ms": 1e3 * issue, "done_ms": 1e3 * done,
-               "GBps": k * expert_bytes / done / 1e9 if k else None}
-        print(json.dumps(rec), flush=True)
-        records.append(rec)
-
-    def held(call):
-        start = time.perf_counter()
-        out = call()
-        return out, time.perf_counter() - start
+        emit(records, {"kind": kind, "experts": k, "issue_ms": 1e3 * issue, "done_ms": 1e3 * done,
+                       "GBps": k * expert_bytes / done / 1e9 if k else None})
 
     for k in args.experts:
         slots = np.arange(k, dtype=np.int32)
@@ -142,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
             "thread_put": thread_put,
         }
         for kind, fn in ways.items():
-            record(kind, k, *_timed(fn, args.reps))
+            record(kind, k, *issue_and_done(fn, args.reps))
 
     cpu_many = jax.jit(many_experts)
     x_cpu = jax.device_put(np.zeros((8, d), jnp.bfloat16), devices.cpu)
@@ -161,19 +134,23 @@ def main(argv: list[str] | None = None) -> dict:
             seconds = [cpu_part(beside) for _ in range(args.reps + 2)][2:]
             record(kind, k, 0.0, statistics.median(seconds))
 
+    def host_call(kind, call):  # small calls: four times the repeats
+        record(kind, 0, *issue_and_done(lambda: held(call), args.reps * 4))
+
     trivial = jax.jit(lambda *xs: xs[0] + 1)
     operands = [jax.device_put(np.zeros((8, 8), np.float32), device) for _ in range(32)]
     for n in (1, 32):
-        record(f"dispatch_{n}_operands", 0, *_timed(lambda: held(lambda: trivial(*operands[:n])), args.reps * 4))
+        host_call(f"dispatch_{n}_operands", lambda: trivial(*operands[:n]))
     route_like = jax.jit(_route_like)
     x = jax.device_put(np.ones((8, 64), np.float32), device)
-    record("route_roundtrip", 0, *_timed(lambda: held(lambda: jax.device_get(route_like(x))), args.reps * 4))
+    host_call("route_roundtrip", lambda: jax.device_get(route_like(x)))
     packed = jax.jit(_route_like_packed)
-    record("route_roundtrip_packed", 0, *_timed(lambda: held(lambda: jax.device_get(packed(x))), args.reps * 4))
+    host_call("route_roundtrip_packed", lambda: jax.device_get(packed(x)))
 
     return probe_result("ways of issuing a decode layer's expert copies: host held vs done (random weights)",
                         devices, records, args.out,
-                        expert_shape={"hidden": d, "intermediate": f, "dtype": "bfloat16", "expert_bytes": expert_bytes})
+                        expert_shape={"hidden": d, "intermediate": f, "dtype": "bfloat16",
+                                      "expert_bytes": expert_bytes})
 
 
 if __name__ == "__main__":

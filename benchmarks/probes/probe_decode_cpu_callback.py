@@ -1,34 +1,33 @@
 """Can a one-program decode step hand some of a layer's missed experts to the CPU backend while it copies others?
 
-The device decode step (`offload.device_decode`) copies every missed expert over PCIe, about 0.35 ms each on the
-H200, because one accelerator program cannot run experts on the CPU backend. It can call the host, though
+Why: the device decode step (`pdscope_jax.engine.device_decode`) copies every missed expert to the accelerator,
+because one accelerator program cannot run experts on the CPU backend. It can call the host, though
 (`jax.pure_callback`): if the host runs some misses on the JAX CPU backend during that call while the program's
-copies of the other misses are in flight, PCIe and the host's memory serve one layer together, as PAPER.md's
-decode modes want. This probe measures it on `--layers` stand-in MoE layers of DeepSeek-V2-Lite's expert shape in
-one program, one row, per variant "g+c": each layer copies g experts from a pinned host layer stack (index on the
-accelerator) and runs them there, and hands c other experts to a callback that runs them on the CPU backend
-(rows padded to `--cpu-rows`; the CPU arrays are separate copies here, the engine's alias the pinned bytes).
-"0+0" is a callback that computes nothing (its own cost; recorded as "0+0cb"). Reports ms per layer (median of
---reps, waited for), and the bare CPU time of c experts outside any program for comparison. `--variants` picks
-them (default: all of `VARIANTS`); `--experts` is not used.
-Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_decode_cpu_callback.py --out FILE`.
+copies of the other misses are in flight, the host link and the host's memory serve one layer together.
+What: `--layers` stand-in MoE layers of DeepSeek-V2-Lite's expert shape in one program, one row, per variant
+"g+c" (`--variants`, default all of `VARIANTS`): each layer copies g experts from a pinned host layer stack
+(index on the accelerator) and runs them there, and hands c other experts to a callback that runs them on the
+CPU backend (rows padded to `--cpu-rows`; the CPU arrays are separate copies here, the engine's alias the pinned
+bytes). "0+0" is a callback that computes nothing (its own cost; recorded as "0+0cb"). Random weights;
+`--experts` is not used.
+Reports per variant: ms per layer (median of --reps, waited for), and the bare CPU time of c experts outside any
+program (`cpu_alone_ms`); a variant that fails records its error instead.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_decode_cpu_callback.py [--out FILE]`.
+Writes one line per record to stdout and, with --out, the result of `_common.probe_result` as JSON.
 """
 
 from __future__ import annotations
 
 import functools
 
-from _common import expert_shape_parser, probe_result, random_experts
+from _common import expert_shape_parser, many_experts, memory_shardings, probe_result, random_experts
 from pdscope_jax.bench.timing import median_seconds
 
 VARIANTS = ("4+0", "0+4", "2+2", "4+2", "3+3", "6+0", "0+0")
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = expert_shape_parser(__doc__.splitlines()[0], reps=20)
-    parser.add_argument("--num-experts", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--cpu-rows", type=int, default=16)
+    parser = expert_shape_parser(__doc__.splitlines()[0], reps=20, num_experts=16, layers=8, cpu_rows=16)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="g+c: g copied, c on the CPU")
     args = parser.parse_args(argv)
     from pdscope_jax.runtime import request_cpu_stand_in, select_devices
@@ -39,11 +38,10 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
 
     from pdscope_jax.models.layers import expert_ffn
-    from _common import many_experts
 
     devices = select_devices()
     accel, cpu = devices.accel, devices.cpu
-    pinned = jax.sharding.SingleDeviceSharding(accel, memory_kind="pinned_host")
+    pinned, _ = memory_shardings(accel)
     device_space = jax.memory.Space.Device
     e, d, f, layers = args.num_experts, args.hidden, args.intermediate, args.layers
     host = [random_experts(d, f, e, seed=layer) for layer in range(layers)]

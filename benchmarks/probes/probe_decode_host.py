@@ -1,17 +1,20 @@
 """Where a decode layer's host time goes in the engine, and what the engine's helper threads cost it.
 
-Builds the offloaded model once (a preset with seeded random weights, `--workload`, the bench's budget), records
-a hot table from one on-demand generation over another prompt, then for each policy and variant runs one
-warm-up generation and `--repeats` generations of `--tokens` new tokens. It reports the median decode ms per
-step and per MoE layer and the stage timeline (`offload.timeline`) of one more generation. The variants change
-only how the engine's helper threads run:
+Builds the offloaded model once (`--model` with seeded random weights, `--workload`, the bench's budget, the
+host-driven decode), records a hot table from one on-demand generation over another prompt, then for each policy
+and variant runs one warm-up generation and `--repeats` generations of `--tokens` new tokens. The variants change
+only how the engine's helper threads run (it swaps the runner's private `_waiter` and `_stager` executors):
   engine     as shipped;
   no_stamps  the waiter threads that stamp when each part is done are not used: those stamps all read "at
              once" (the step's time split is meaningless; its wall time is not);
   inline     no helper thread at all: staged copies are issued on the main thread too (and no stamps);
   switch_S   as shipped, under `sys.setswitchinterval(S)` (how long a thread waiting for the GIL waits before
              it asks for it; 0.005 s by default).
-Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_decode_host.py --out FILE`.
+Reports per policy and variant: the median decode ms per step and per MoE layer, decode tokens/s, every
+repeat's step time, and the stage timeline (`pdscope_jax.engine.timeline`) of one more generation.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_decode_host.py [--out FILE]`.
+Writes one JSON line per record (without the timeline) to stdout and, with --out, the result of
+`_common.probe_result` (model, workload, prompt length, tokens, budget, records) as JSON.
 """
 
 from __future__ import annotations
@@ -71,20 +74,19 @@ def main(argv: list[str] | None = None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from _common import probe_result, random_loader
     from pdscope_jax import models
-    from pdscope_jax.workloads import routing as workloads
     from pdscope_jax.api import resolve
-    from pdscope_jax.bench.compare import _loader
     from pdscope_jax.engine.runner import OffloadRunner
     from pdscope_jax.engine.timeline import Timeline
-    from _common import probe_result
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.sched.hot import write_layer_stats
+    from pdscope_jax.workloads import routing as workloads
 
     cfg, _ = resolve(args.model)
     dtype = jnp.dtype(args.dtype)
     shapes = models.abstract_state(cfg, dtype)
-    loader = _loader(cfg, None, shapes, 0, workloads.design(cfg, args.workload, seed=0))
+    loader = random_loader(shapes, 0, workloads.design(cfg, args.workload, seed=0))
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy="ondemand",
                        max_seq_len=args.prompt_len + args.tokens + 1, cost_table=args.cost_table,
                        device_decode=False)  # the host-driven decode is what this probe takes apart

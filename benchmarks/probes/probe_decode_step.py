@@ -1,29 +1,27 @@
 """Where a device-decode step spends its time on the accelerator, beyond copying the missed experts.
 
-Decode runs as one program per step (`offload/device_decode.py`). On the H200 a step of DeepSeek-V2-Lite took about
-12 ms more than its copies at 40 GB/s explain (calls 27-30). This probe builds a chain of `--layers` stand-in MoE
-layers in one program, each: four [D, D] matmuls where attention would be, a random router, top-k, then the
-engine's own `device_decode._routed_experts` on a slot pool of `--slots` slots (misses copied from one pinned
-[E, D, 2F] / [E, F, D] stack shared by the layers, LRU residency). The pool starts full. Variants:
+Decode runs as one program per step (`pdscope_jax/engine/device_decode.py`). This probe builds a chain of
+`--layers` stand-in MoE layers in one program, each: four [D, D] matmuls where attention would be, a random
+router, top-k, then the engine's own `device_decode._routed_experts` on a slot pool of `--slots` slots (misses
+copied from one pinned [E, D, 2F] / [E, F, D] stack shared by the layers, LRU residency). The pool starts full.
+Variants (`--variants`):
   resident  every expert of every layer in the pool: no copies, the cost of everything else;
   engine    the engine as it is;
-  fixed     `pull_traced` replaced by a fixed count of copies and no conditional (timing only: its output is
-            wrong whenever a layer misses more experts than it copies).
-Each variant's HLO is searched for conditionals, loops and copies of the whole pool. (Call 32 ran this probe on
-the engine of `e40e558`, whose layer visited its picks in a `lax.scan`, and on that loop unrolled.)
+  fixed     `device_decode.pull_traced` replaced by a fixed count of copies and no conditional (timing only: its
+            output is wrong whenever a layer misses more experts than it copies).
 Each variant runs --warmup steps, then --reps steps with a fresh random input row each, timed one by one (waited
-for); reported: median ms per step, misses per step (from the table's counters), and the copy rate the
-difference to `resident` implies. XLA_FLAGS is recorded: run it under different flags to compare.
-With --profile-steps N, N more steps of each variant run under `jax.profiler.trace`, and the record gets the
-accelerator's kernels per step (`kernel_profile`: busy time and kernel count per step, the kinds of kernel of
-most time, by HLO op and by kernel name). Random weights. Run from the repository root:
-`PYTHONPATH=. python benchmarks/probes/probe_decode_step.py --out FILE`.
+for). Reported per variant: median and minimum ms per step, compile seconds, misses per step (the table's
+counters), the loops, conditionals and whole-pool copies in its HLO, and the copy rate the difference to
+`resident` implies. XLA_FLAGS is recorded: run it under different flags to compare. With --profile-steps N, N
+more steps run under `jax.profiler.trace` and the record gets the accelerator's kernels per step
+(`kernel_profile`). Random weights.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_decode_step.py [--out FILE]`.
+Writes one JSON line per variant to stdout and, with --out, the result of `_common.probe_result` as JSON.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import statistics
@@ -31,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import expert_shape_parser, probe_result
+from _common import emit, expert_shape_parser, memory_shardings, probe_result
 
 VARIANTS = ("resident", "engine", "fixed")
 
@@ -41,7 +39,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-experts", type=int, default=64)
     parser.add_argument("--top-k", type=int, default=6)
     parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--slots", type=int, default=213, help="pool slots (462 of 26 x 64 on the H200: 28 %%)")
+    parser.add_argument("--slots", type=int, default=213,
+                        help="pool slots (default: 28 %% of 12 x 64, the share of DeepSeek-V2-Lite's experts that "
+                             "the bench's 8 GB pool holds)")
     parser.add_argument("--fixed-copies", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     devices = select_devices()
     accel = devices.accel
-    pinned = jax.sharding.SingleDeviceSharding(accel, memory_kind="pinned_host")
+    pinned, _ = memory_shardings(accel)
     e, d, f, k, layers = args.num_experts, args.hidden, args.intermediate, args.top_k, args.layers
     rng = np.random.default_rng(0)
     normal = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02).astype(jnp.bfloat16)
@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         elif resident_ms is not None and record["misses_per_step"] > 0:
             extra_s = (record["ms_per_step"] - resident_ms) / 1e3
             record["implied_copy_gb_per_s"] = record["misses_per_step"] * expert_bytes / max(extra_s, 1e-9) / 1e9
-        print(json.dumps(record), flush=True)
-        records.append(record)
+        emit(records, record)
         del pool_gu, pool_dn, table
     return probe_result("device decode step: time beyond the copies (random weights)", devices, records, args.out,
                         hidden=d, intermediate=f, num_experts=e, top_k=k, expert_bytes=expert_bytes,

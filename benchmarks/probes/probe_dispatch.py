@@ -15,14 +15,15 @@ is in flight, issued in one of three ways just before the call (`..._busy_put`: 
 `..._busy_pull`: a jitted program that copies them to device memory itself; `..._busy_put_later`: a
 `device_put`, then `--later-ms` of waiting before the call, to tell the copy's issue from its flight).
 `--host-alloc torch` pins the experts' host memory with torch instead of jax (the expert store's option), to tell
-whether copies from that memory get in the way of dispatches less.
-Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_dispatch.py --out FILE`.
+whether copies from that memory get in the way of dispatches less. Reads the runner's private layers, cache and
+host store on purpose. Reports per case: the median and p90 host ms.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_dispatch.py [--out FILE]`.
+Writes one JSON line per case to stdout and, with --out, the result of `_common.probe_result` as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def parse_args(argv):
     p.add_argument("--busy-experts", type=int, default=8)
     p.add_argument("--later-ms", type=float, default=1.0)
     p.add_argument("--host-alloc", default="jax", choices=["jax", "torch"],
-                   help="who pins the experts' host memory (offload.expert_store; torch: GPU only)")
+                   help="who pins the experts' host memory (store.expert_store; torch: GPU only)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -49,20 +50,18 @@ def main(argv: list[str] | None = None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from _common import emit, memory_shardings, probe_result, random_loader
     from pdscope_jax import models
-    from pdscope_jax.engine.runner import OffloadRunner
     from pdscope_jax.engine.programs import moe_route
+    from pdscope_jax.engine.runner import OffloadRunner
     from pdscope_jax.presets import preset
-    from _common import probe_result
     from pdscope_jax.runtime import RuntimeConfig
-    from pdscope_jax.weights.random_init import random_state
 
     cfg = preset(args.model).replace(num_layers=2)
     layer_index = cfg.moe_layers[0]
     shapes = models.abstract_state(cfg, jnp.bfloat16)
     runner = OffloadRunner(models.abstract_model(cfg, jnp.bfloat16), RuntimeConfig(policy="ondemand", max_seq_len=64),
-                           lambda paths, placement: random_state({p: shapes[p] for p in paths}, 0, placement),
-                           host_alloc=args.host_alloc)
+                           random_loader(shapes, 0), host_alloc=args.host_alloc)
     accel = runner.devices.accel
     layer = runner._layers[layer_index]
     cache = list(runner._init_cache(1, 64, runner.cache_dtype))[layer_index]
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
     route_leaves = jax.jit(route_from_leaves, static_argnums=(0, 5, 6), donate_argnums=4)
     trivial = jax.jit(lambda a: a + 1)
     trivial_pull = jax.jit(lambda a, b: a + jax.device_put(b, jax.memory.Space.Device))
-    pinned_sharding = jax.sharding.SingleDeviceSharding(accel, memory_kind="pinned_host")
+    pinned_sharding, _ = memory_shardings(accel)
     small_device = jax.device_put(np.zeros(64, np.int32), accel)
     small_numpy = np.zeros(64, np.int32)
     busy_experts = np.arange(args.busy_experts)
@@ -127,10 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
                 out = call()
                 held.append(time.perf_counter() - start)
                 jax.block_until_ready((out, in_flight))
-            record = {"case": name + suffix, "host_ms": 1e3 * statistics.median(held),
-                      "host_ms_p90": 1e3 * sorted(held)[int(0.9 * len(held))]}
-            print(json.dumps(record), flush=True)
-            records.append(record)
+            emit(records, {"case": name + suffix, "host_ms": 1e3 * statistics.median(held),
+                           "host_ms_p90": 1e3 * sorted(held)[int(0.9 * len(held))]})
     return probe_result("host time of one dispatch per kind of call (random weights)", runner.devices, records,
                         args.out, model=cfg.name, host_alloc=args.host_alloc, state_leaves=len(leaves))
 

@@ -1,11 +1,11 @@
 """Can one jitted program choose, on the accelerator, which experts to copy from pinned host memory?
 
-Decode at batch 1 is bound by the host: every MoE layer fetches its routing to the host, plans, and dispatches
-loads and expert programs. If a program could copy the experts its own router picked, straight from pinned host
-memory, a decode layer (or a whole decode step) would need no host round trip. This probe tries the ways such a
-program could be written, each with `--experts` experts of DeepSeek-V2-Lite's shape picked by an index that lives
-on the accelerator, and reports per way whether it compiles, whether the copied weights are right, and its time
-(median of `--reps`, waited for):
+Why: in host-driven decode every MoE layer fetches its routing to the host, plans, and dispatches loads and
+expert programs. If a program could copy the experts its own router picked, straight from pinned host memory, a
+decode layer (or a whole decode step) would need no host round trip. This probe runs the ways such a program
+could be written, each with k experts (k: the first of `--experts`) of DeepSeek-V2-Lite's shape (random weights)
+picked by an index that lives on the accelerator, and reports per way whether it compiles, the largest error of
+its result against numpy-held weights, its time (median of `--reps`, waited for) and copy rate:
   slice    `lax.dynamic_index_in_dim` into a pinned [E, D, 2F] layer stack, then `device_put(.., Space.Device)`;
   gather   `stack[idx]` (one gather of k experts) into device memory;
   switch   per pick, `lax.switch(idx, branches)` over E per-expert pinned arrays, branch e copying expert e;
@@ -13,24 +13,22 @@ on the accelerator, and reports per way whether it compiles, whether the copied 
            (half the picks are made resident): copies only the misses;
   baseline the engine's way: the index on the host, one `device_put` of the k experts' pinned arrays.
 Then `chain`: `--layers` layers in one program, each routing a row with a random router, top-k, copying the picks
-with the first way that worked, and running them: the time per layer when nothing returns to the host.
-Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_host_gather.py --out FILE`.
+with the first of `slice` and `switch` that worked (and again with `cond` where it worked), and running them: the
+time per layer when nothing returns to the host.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_host_gather.py [--out FILE]`.
+Writes one JSON line per record to stdout and, with --out, the result of `_common.probe_result` as JSON.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
-from _common import expert_shape_parser, probe_result
+from _common import emit, expert_shape_parser, memory_shardings, probe_result
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = expert_shape_parser(__doc__.splitlines()[0], reps=20)
-    parser.add_argument("--num-experts", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=4)
-    args = parser.parse_args(argv)
+    args = expert_shape_parser(__doc__.splitlines()[0], reps=20, num_experts=64, layers=4).parse_args(argv)
     from pdscope_jax.runtime import request_cpu_stand_in, select_devices
 
     request_cpu_stand_in()
@@ -42,8 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     devices = select_devices()
     accel = devices.accel
-    pinned = jax.sharding.SingleDeviceSharding(accel, memory_kind="pinned_host")
-    on_device = jax.sharding.SingleDeviceSharding(accel, memory_kind="device")
+    pinned, on_device = memory_shardings(accel)
     device_space = jax.memory.Space.Device
     e, d, f = args.num_experts, args.hidden, args.intermediate
     rng = np.random.default_rng(0)
@@ -133,8 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
                 working.append(name)
         except Exception as error:  # a way XLA cannot compile is a result, not a crash
             record["error"] = f"{type(error).__name__}: {str(error)[:400]}"
-        print(json.dumps(record), flush=True)
-        records.append(record)
+        emit(records, record)
 
     chains = [w for w in ("slice", "switch") if w in working][:1] + [w for w in ("cond",) if w in working]
     routers = [jax.device_put((rng.standard_normal((d, e), np.float32) * 0.02).astype(jnp.bfloat16), accel)
@@ -161,8 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
             times.append(time.perf_counter() - start)
         record = {"way": f"chain_{chain_way}", "experts": k, "layers": args.layers,
                   "ms_per_layer": 1e3 * statistics.median(times) / args.layers}
-        print(json.dumps(record), flush=True)
-        records.append(record)
+        emit(records, record)
     return probe_result("accelerator-side choice of experts to copy from pinned host memory (random weights)",
                         devices, records, args.out, hidden=d, intermediate=f, num_experts=e)
 

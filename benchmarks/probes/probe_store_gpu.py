@@ -1,21 +1,22 @@
-"""Probe the expert-store design on the GPU node; prints one JSON object per finding.
+"""Probe the expert-store design on the accelerator; prints one JSON object per finding.
 
-Run from the repository root on the benchmark node (about a minute, about 6 GB of host and 4 GB of GPU memory):
+Run from the repository root on the GPU node (several GB of host and GPU memory at the default sizes):
     PYTHONPATH=. python benchmarks/probes/probe_store_gpu.py [--layers 4] [--out probe_store.json]
-(On a CPU-only machine it runs with cpu:1 standing in for the GPU, e.g. `--experts 8 --hidden 64
---intermediate 32 --matmul 256`, which smoke-tests the script, not the hardware.)
-What it checks, DeepSeek-V2-Lite expert shape (gate_up [2048, 2816], down [1408, 2048], bf16):
+On a CPU-only machine cpu:1 stands in for the GPU; small sizes (e.g. `--experts 8 --hidden 64 --intermediate 32
+--matmul 256`) smoke-test the script, not the hardware.
+What it checks, DeepSeek-V2-Lite expert shape by default (gate_up [2048, 2816], down [1408, 2048], bf16, random):
 1. placement: `ExpertStore.add_layer` puts experts in the GPU's pinned_host memory (`--host-alloc jax`, or torch
    pinned memory imported through dlpack with `--host-alloc torch`); host RSS growth per model byte (target
-   1.0: no second copy for the CPU backend), build time;
+   1.0: no second copy for the CPU backend), build time; with jax, whether the torch route works too;
 2. zero-copy CPU view: does every CPU-backend view alias the pinned bytes (`host_bytes_per_model_byte`)? and
    does the view read the right values?
-3. slot writes: bandwidth of `ExpertStore.write` (stage + commit) for 1, 8 and 64 experts, in place (pool
-   address unchanged), and the device memory peak it adds (staged arrays);
-4. overlap with GPU compute (a ~60 ms matmul loop) of staging a 64-expert layer (1.1 GB, one batched
+3. slot writes: bandwidth of `ExpertStore.write` (stage + commit) for 1, 8 and `--experts` experts, in place
+   (pool address unchanged), and the device memory peak it adds (staged arrays);
+4. overlap with GPU compute (a loop of 40 `--matmul`-sized matmuls) of staging a whole layer (one batched
    device_put: the engine's transfer) issued before the compute, after it, from a second thread, and of stage +
    commit into the pool before the compute; the commit's own (device-to-device) time;
 5. CPU experts on the aliased views while a write runs (the engine's prefill pattern).
+Writes: the findings ({what, ...}) as JSON lines to stdout and, with --out, as one JSON list.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 
+from _common import emit
+from pdscope_jax.bench.timing import median_seconds
 from pdscope_jax.engine.cpu_experts import CpuExperts
+from pdscope_jax.runtime import select_devices
 from pdscope_jax.store.expert_store import ExpertStore, host_view
 from pdscope_jax.store.slot_pool import SlotPool
-from pdscope_jax.runtime import select_devices
-from pdscope_jax.bench.timing import median_seconds
 
 
 def median_ms(fn, reps: int = 5, warm: int = 2) -> float:
@@ -57,16 +59,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     found: list[dict] = []
 
-    def emit(**row):
-        found.append(row)
-        print(json.dumps(row), flush=True)
+    def finding(**row):
+        emit(found, row)
 
     E, D, F = args.experts, args.hidden, args.intermediate  # noqa: N806 (the file's shape letters)
     dev = select_devices()
-    emit(what="env", command=shlex.join(["python", "benchmarks/probes/probe_store_gpu.py", *(argv if argv is not None
-                                                                                   else sys.argv[1:])]),
-         jax=jax.__version__, accel=str(dev.accel), cpu=str(dev.cpu),
-         accel_memories=[str(m) for m in dev.accel.addressable_memories()])
+    finding(what="env", command=shlex.join(["python", "benchmarks/probes/probe_store_gpu.py",
+                                            *(argv if argv is not None else sys.argv[1:])]),
+            jax=jax.__version__, accel=str(dev.accel), cpu=str(dev.cpu),
+            accel_memories=[str(m) for m in dev.accel.addressable_memories()])
 
     # 1-2. placement and CPU views
     proc = psutil.Process()
@@ -80,32 +81,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
         store.add_layer(layer, gu, dn)
     build_s = time.perf_counter() - start
     rss_growth = proc.memory_info().rss - rss0
-    emit(what="placement", host_alloc=args.host_alloc, layers=args.layers, model_bytes=store.host_bytes,
-         build_s=build_s, rss_growth_bytes=rss_growth, rss_growth_per_model_byte=rss_growth / store.host_bytes,
-         host_bytes_per_model_byte=store.host_bytes_per_model_byte, cpu_copy_bytes=store.cpu_copy_bytes,
-         pinned_memory_kind=store.host_weights(0, 0)[0].sharding.memory_kind)
+    finding(what="placement", host_alloc=args.host_alloc, layers=args.layers, model_bytes=store.host_bytes,
+            build_s=build_s, rss_growth_bytes=rss_growth, rss_growth_per_model_byte=rss_growth / store.host_bytes,
+            host_bytes_per_model_byte=store.host_bytes_per_model_byte, cpu_copy_bytes=store.cpu_copy_bytes,
+            pinned_memory_kind=store.host_weights(0, 0)[0].sharding.memory_kind)
     probe_layer, probe_expert = min(1, args.layers - 1), E - 1
     pinned, _ = store.host_weights(probe_layer, probe_expert)
     view = host_view(pinned)
     on_cpu, _ = store.cpu_weights(probe_layer, probe_expert)
     want = np.asarray(gu[probe_expert])
-    emit(what="cpu_view", view_available=view is not None,
-         view_matches=bool(view is not None and np.array_equal(view, want)),
-         cpu_array_aliases=on_cpu.unsafe_buffer_pointer() == pinned.unsafe_buffer_pointer(),
-         cpu_array_matches=bool(np.array_equal(np.asarray(on_cpu), want)))
+    finding(what="cpu_view", view_available=view is not None,
+            view_matches=bool(view is not None and np.array_equal(view, want)),
+            cpu_array_aliases=on_cpu.unsafe_buffer_pointer() == pinned.unsafe_buffer_pointer(),
+            cpu_array_matches=bool(np.array_equal(np.asarray(on_cpu), want)))
 
     if args.host_alloc == "jax":  # the other route to one host copy, on one layer, where torch has CUDA
         try:
             other = ExpertStore(dev, host_alloc="torch")
             other.add_layer(0, gu, dn)
             pinned_t, _ = other.host_weights(0, probe_expert)
-            emit(what="placement_torch", ok=True, memory_kind=pinned_t.sharding.memory_kind,
-                 device=str(next(iter(pinned_t.devices()))),
-                 host_bytes_per_model_byte=other.host_bytes_per_model_byte,
-                 values_match=bool(np.array_equal(np.asarray(other.cpu_weights(0, probe_expert)[0]), want)))
+            finding(what="placement_torch", ok=True, memory_kind=pinned_t.sharding.memory_kind,
+                    device=str(next(iter(pinned_t.devices()))),
+                    host_bytes_per_model_byte=other.host_bytes_per_model_byte,
+                    values_match=bool(np.array_equal(np.asarray(other.cpu_weights(0, probe_expert)[0]), want)))
             del other, pinned_t
         except Exception as err:  # noqa: BLE001 (a probe reports any failure of this route and goes on)
-            emit(what="placement_torch", ok=False, error=f"{type(err).__name__}: {err}"[:400])
+            finding(what="placement_torch", ok=False, error=f"{type(err).__name__}: {err}"[:400])
 
     # 3. slot writes
     pool = SlotPool(2 * E, tuple(range(args.layers)), E, D, F, jnp.bfloat16, dev.accel)
@@ -121,12 +122,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         ms = median_ms(write)
         nbytes = n * 3 * D * F * 2
-        emit(what="slot_write", experts=n, ms=ms, GBps=nbytes / ms / 1e6)
+        finding(what="slot_write", experts=n, ms=ms, GBps=nbytes / ms / 1e6)
     stats1 = dev.accel.memory_stats() or {}
-    emit(what="slot_write_in_place", same_address=pool.gate_up.unsafe_buffer_pointer() == address,
-         pool_bytes=pool.gate_up.nbytes + pool.down.nbytes,
-         peak_bytes_before=stats0.get("peak_bytes_in_use"), peak_bytes_after=stats1.get("peak_bytes_in_use"),
-         bytes_in_use=stats1.get("bytes_in_use"))
+    finding(what="slot_write_in_place", same_address=pool.gate_up.unsafe_buffer_pointer() == address,
+            pool_bytes=pool.gate_up.nbytes + pool.down.nbytes,
+            peak_bytes_before=stats0.get("peak_bytes_in_use"), peak_bytes_after=stats1.get("peak_bytes_in_use"),
+            bytes_in_use=stats1.get("bytes_in_use"))
 
     # 4. overlap with GPU compute: the engine stages the next layer (one batched device_put) before dispatching
     # compute, then commits it into the pool (device-to-device) when the layer starts
@@ -171,13 +172,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         store.commit(pool, staged, slots)
         pool.gate_up.block_until_ready()
 
-    emit(what="overlap_base", compute_ms=compute_ms, stage_layer_ms=stage_ms,
-         stage_GBps=staged.nbytes / stage_ms / 1e6, commit_layer_ms=median_ms(commit))
+    finding(what="overlap_base", compute_ms=compute_ms, stage_layer_ms=stage_ms,
+            stage_GBps=staged.nbytes / stage_ms / 1e6, commit_layer_ms=median_ms(commit))
     for name, fn in (("stage_before_compute", stage_before), ("stage_after_compute", stage_after),
                      ("stage_in_thread", stage_in_thread), ("stage_and_commit_before_compute", write_before)):
         both = median_ms(fn)
-        emit(what="overlap", variant=name, both_ms=both,
-             hidden_fraction=max(0.0, min(1.0, (compute_ms + stage_ms - both) / stage_ms)))
+        finding(what="overlap", variant=name, both_ms=both,
+                hidden_fraction=max(0.0, min(1.0, (compute_ms + stage_ms - both) / stage_ms)))
     staged = None  # frees the staged layer before the next measurements
     write_ms = median_ms(lambda: write_layer().block_until_ready())
 
@@ -194,8 +195,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         y = cpu_experts.dispatch(last, h, groups)
         jax.block_until_ready((w, y))
 
-    emit(what="cpu_experts_during_write", cpu_experts=n_cpu, cpu_ms=cpu_ms, write_layer_ms=write_ms,
-         both_ms=median_ms(cpu_and_write, reps=3))
+    finding(what="cpu_experts_during_write", cpu_experts=n_cpu, cpu_ms=cpu_ms, write_layer_ms=write_ms,
+            both_ms=median_ms(cpu_and_write, reps=3))
     if args.out:
         args.out.write_text(json.dumps(found, indent=1))
     return found

@@ -2,19 +2,28 @@
 
 import importlib.util
 import json
+import shlex
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_plain.py"
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def test_bench_plain_writes_json_and_png(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_plain", SCRIPT)
+def test_bench_plain_writes_json_and_png(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run as a script: its folder first on sys.path
+    spec = importlib.util.spec_from_file_location("bench_plain", BENCHMARKS / "bench_plain.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    result = bench.main(["--model", "tiny-mixtral-8x7b", "--lengths", "8", "16", "--new-tokens", "3",
-                         "--repeats", "1", "--out", str(tmp_path)])
+    argv = ["--model", "tiny-mixtral-8x7b", "--lengths", "8", "16", "--new-tokens", "3", "--repeats", "1",
+            "--out", str(tmp_path)]
+    result = bench.main(argv)
     saved = json.loads((tmp_path / "plain_tiny-mixtral-8x7b.json").read_text())
     assert saved["rows"] == result["rows"] and [r["prompt_tokens"] for r in saved["rows"]] == [8, 16]
-    assert all(r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 for r in saved["rows"])
-    assert saved["weights"].startswith("random") and "bench_plain.py" in saved["command"]
+    for row in saved["rows"]:  # the reported rates are those of the recorded times (batch 1, 3 - 1 decoded tokens)
+        (prefill,), (decode,) = row["prefill_seconds"], row["decode_seconds"]
+        assert row["prefill_tok_s"] == pytest.approx(row["prompt_tokens"] / prefill)
+        assert row["decode_tok_s"] == pytest.approx(2 / decode)
+    assert saved["weights"].startswith("random") and saved["new_tokens"] == 3 and saved["repeats"] == 1
+    assert saved["command"] == shlex.join(["python", "benchmarks/bench_plain.py", *argv])
     assert (tmp_path / "plain_tiny-mixtral-8x7b.png").stat().st_size > 0
