@@ -10,7 +10,7 @@ resolves
    ~/.cache/huggingface/hub; the newest snapshot holding config.json); nothing is downloaded;
 otherwise it raises `UnknownModelError` listing the known names.
 Without `policy` the model runs whole on the default device (`Runner`). With a policy name (`gpu`, `static`,
-`ondemand`, `greedy`, `fate`, `pdscope`) the offload engine runs it (`offload.engine.OffloadRunner`, same
+`ondemand`, `greedy`, `fate`, `pdscope`) the offload engine runs it (`engine.runner.OffloadRunner`, same
 `logits`/`generate` calls, same numbers) under a `RuntimeConfig` built from `policy` and `**runtime`
 (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
 predictions feed the planner (its fingerprint must match the model).

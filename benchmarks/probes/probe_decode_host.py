@@ -96,14 +96,14 @@ def main(argv: list[str] | None = None) -> dict:
     runner.generate(other, args.tokens)
     hot = write_layer_stats(Path(tempfile.mkdtemp()) / "hot.json", cfg.moe_layers, runner.activation_counts)
     moe_layers = len(cfg.moe_layers)
-    waiter, stager, switch = runner._waiter, runner._stager, sys.getswitchinterval()
+    waiter, stager, switch = runner._executor.waiter, runner._transfers.stager, sys.getswitchinterval()
     records = []
     for policy in args.policies:
         runner.set_policy(policy, hot_table=str(hot))
         runner.warmup(1, args.prompt_len, args.tokens)
         for variant in args.variants:
-            runner._waiter = _NoStamp() if variant in ("no_stamps", "inline") else waiter
-            runner._stager = _Inline() if variant == "inline" else stager
+            runner._executor.waiter = _NoStamp() if variant in ("no_stamps", "inline") else waiter
+            runner._transfers.stager = _Inline() if variant == "inline" else stager
             sys.setswitchinterval(float(variant.split("_", 1)[1]) if variant.startswith("switch_") else switch)
             runner.generate(prompt, args.tokens)
             steps = []
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "steps_ms": [1e3 * s for s in steps], "timeline_ms": timeline["decode"]}
             print(json.dumps({k: v for k, v in record.items() if k != "timeline_ms"}), flush=True)
             records.append(record)
-    runner._waiter, runner._stager = waiter, stager
+    runner._executor.waiter, runner._transfers.stager = waiter, stager
     sys.setswitchinterval(switch)
     return probe_result("decode host time per variant of the engine's helper threads (random weights)",
                         runner.devices, records, args.out, model=cfg.name, weights="random",

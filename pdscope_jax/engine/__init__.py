@@ -1,11 +1,12 @@
 """The offload engine: run an MoE model whose routed experts do not fit the accelerator budget.
 
-Every routed expert lives once in pinned host memory (`expert_store`, the only code that moves expert
-weights); one slot pool on the accelerator (`slot_pool`), sized by `budget`, serves as the prefill double
-buffers and the decode expert cache; experts not in a slot run on the JAX CPU backend (`cpu_experts`);
-`engine.OffloadRunner` runs route -> plan -> execute -> record per MoE layer with a planner from
-`pdscope_jax.sched` and the jitted pieces of `programs`, counts in `stats`, and gives `logits`, `generate` and
-`stats`.
+Every routed expert lives once in pinned host memory (`store.expert_store`, the only code that moves expert
+weights); one slot pool on the accelerator (`store.slot_pool`), sized by `store.budget`, serves as the prefill
+double buffers and the decode expert cache; experts not in a slot run on the JAX CPU backend (`cpu_experts`).
+Reading order: `runner` (OffloadRunner: construction via `build`, policies, statistics, logits/generate/warmup);
+`loop` (a host-planned step: per MoE layer `route` -> plan -> `execute` -> record, with `transfers` staging the
+next layer and `calibration` scaling the planners' CPU costs); `decode` (the decode step executors: that loop, or
+`device_decode`'s one program per step); `programs` (the jitted pieces), `stats`, `timeline`, `warmup`.
 """
 
 from pdscope_jax.store.budget import Budget, BudgetError, plan_budget

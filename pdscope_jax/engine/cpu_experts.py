@@ -13,9 +13,8 @@ program of a layer makes the f32 accumulator itself, later ones add to it (donat
   `min_rows` (padding rows read token 0 with weight 0), and scatter-adds the result.
 `compact_rows(groups, n, min_rows)` serves the many-rows path: the CPU needs only the rows its experts were
 routed, so the caller gathers those (`take`, padded to `compact_size`) on the accelerator, hands the CPU h[take]
-and the groups renumbered into it, and adds the result back at `take`. A prefill chunk of 4,096 rows whose CPU
-experts were routed 200 rows then moves 200 rows each way, not the whole chunk (16 MB there, 32 MB of float32
-back), and the CPU's accumulator is as small.
+and the groups renumbered into it, and adds the result back at `take`: only those rows travel each way, and the
+CPU's accumulator is as small.
 Padding bounds the set of compiled programs; `precompile` compiles them all for a token count. Weights come
 from the expert store's CPU views; this module never copies or moves expert weights.
 """
@@ -36,9 +35,7 @@ DENSE_EXPERTS = 8  # experts per dense program
 
 def _gathered(acc, h, rows, weights, gate_up, down):
     """acc [N,D] f32 (None: zeros) + weights[:,None] * expert_ffn(h[rows]); h [N,D], rows [R] int32, weights [R].
-    Optimization barriers keep the gather and the scatter out of the matmuls' fusions. On the GPU node (jax
-    0.11.2) this program took about twice the bare expert's time without them at every row count, and 1.2-1.4x
-    with them (benchmarks/results/cpu_expert_vs_torch_h200_run{2,3}.json)."""
+    Optimization barriers keep the gather and the scatter out of the matmuls' fusions (which slow the matmuls)."""
     x = jax.lax.optimization_barrier(h[rows])  # [R, D]
     y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))  # [R, D]
     acc = jnp.zeros(h.shape, F32) if acc is None else acc

@@ -1,60 +1,29 @@
 """Decode as ONE accelerator program per step: the program routes each MoE layer, takes every activated expert
-from the slot pool or copies it from pinned host memory itself, and keeps the pool a cache of them; the host only
-dispatches the step.
+from the slot pool or copies it from pinned host memory itself, and keeps the pool a cache of them.
 
-Why: host-driven decode (`offload.engine`: per MoE layer, fetch the routing, plan, dispatch loads and expert
-programs) held the H200 node's host 1.7-3.2 ms per MoE layer at batch 1, while the copies themselves need about
-0.35 ms per missed expert (benchmarks/results, calls 16-24). A jitted program can index pinned host memory with an
-index it computed and copy just that expert (`benchmarks/probes/probe_host_gather.py`: 6 experts in 2.1-2.9 ms, 36-48 GB/s),
-so a whole decode step needs no host round trip. What it cannot do well is run experts on the CPU backend: a
-host callback (`jax.pure_callback`) that runs them there costs more than copying them
-(`benchmarks/probes/probe_decode_cpu_callback.py`, call 49: a layer handing 4 experts to the CPU took 3.10 ms against 1.47 ms
-copying them; 2 + 2 took 3.28 ms, so the copies did not overlap the callback, and 4 experts took 1.37 ms on the CPU
-outside any program). Policies whose decode plan keeps every activated expert on the accelerator
-(`DEVICE_DECODE_POLICIES`) use it. Measured on
-the H200 (calls 26-29): decode 12.6 -> 18.1 tok/s for `ondemand`, 8.6 -> 21.9 for `pdscope` (skewed routing);
-with a layer's picks handled as straight-line code instead of a loop (call 34): 20.1 and 23.6. The picks' weights
-as one array straight from the copy (no zero rows, no select between copies and pool rows) and a matmul with a
-batch dimension on both sides (no transpose): a resident stand-in layer 0.53-0.57 -> 0.46 ms (the decode probe,
-calls 39-40 against 45), DeepSeek-V2-Lite decode 19.8-20.9 -> 21.1-22.5 tok/s (skewed, calls 41 and 46). Tried
-and measured slower (calls 43-44): running each pick where its weights lie, one matmul per pick (XLA rewrites a
-one-row matmul into a multiply and a reduction that write the whole product, and merged two-row ones into one
-matmul over concatenated weights).
-
+Why: host-driven decode holds the host per MoE layer (fetch the routing, plan, dispatch) longer than the copies
+need; a jitted program can index pinned host memory with an index it computed, so a step needs no host round
+trip. It runs no expert on the CPU (a host callback costs more than the copy), so only planners whose decode
+keeps every activated expert on the accelerator use it (`engine.decode.choose`).
 Contract:
-- `PoolTable`: the slot pool's table as accelerator arrays: `slot_of` [Lm, E] int32 (-1: not resident), `owner`
-  [S] int32 (MoE position * E + expert; -1: free), `keep` [S] int32 (how much the slot's expert is worth keeping;
-  the victim of a miss is the slot of least `keep`; -1: free), `bonus` [Lm, E] int32 >= 0 (clock ticks an
-  expert's popularity adds to its worth; zeros: LRU), `clock` [] int32 (one tick per MoE layer run), `counts`
-  [3] int32 (activated, hits, evictions since upload), `routed` [Lm, E] int32 (rows routed to each expert since
-  upload). `upload(pool, moe_layers, bonus, device)` builds it from a `SlotPool` (bonus [Lm, E] or None: LRU);
-  `download(table, pool, moe_layers)` writes it back (the pool's arrays are the step's donated outputs, set by
-  the caller).
-- Residency rules (GreedyDual with popularity as the cost): an expert used at clock c is worth c + its bonus. A
-  hit refreshes its slot's `keep` to that; a layer's misses, most worth first, are paired with the slots least
-  worth keeping (least first, this layer's hits excluded), and a miss takes its slot when it is worth more than
-  the slot's expert (always, under LRU), else it is used once and not kept. Under LRU (`ondemand`, `gpu`) the
-  pool is an LRU cache; with bonuses from a hot table (`pdscope`, `engine._decode_bonus`) a popular expert
-  outlives an unpopular one used as recently by its bonus in ticks, and an expert used often stays whatever the
-  table says. Fixed priorities, the rule before call 40, kept the table's favourites even where decode used
-  others: Qwen3-30B-A3B's hit rate was 0.92 against LRU's 0.96 (call 39), 0.985 with GreedyDual (call 40). The
-  other way on DeepSeek-V2-Lite with skewed routing: 0.50 with fixed priorities (call 37), 0.41 with
-  GreedyDual (call 41; LRU 0.35), where a bonus of one pool turnover lets a popular expert go after a few idle
-  steps.
+- `PoolTable`: the pool's table on the accelerator: `slot_of` [Lm, E] (-1: not resident), `owner` [S] (MoE
+  position * E + expert; -1: free), `keep` [S] (worth keeping; -1: free), `bonus` [Lm, E] >= 0 (ticks an expert's
+  popularity adds to its worth; zeros: LRU), `clock` [] (one tick per MoE layer), `counts` [3] (activated, hits,
+  evictions), `routed` [Lm, E] (rows routed), all int32, counted since `upload(pool, moe_layers, bonus, device)`;
+  `download(table, pool, moe_layers)` writes it back into the `SlotPool` -> {activated, hits, evictions}.
+- Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit
+  refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
+  (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept.
 - `decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token,
   positions, caches, root, step, pool_gu, pool_dn, table) -> (token [B], positions + 1, step + 1, caches,
-  pool_gu, pool_dn, table)`: one step of the model on token [B] at positions [B, 1] (graphs, model_graph,
-  moe_layers and sampling static; caches, pool and table donated). `experts[m]` is the m-th MoE layer's experts
-  in pinned host memory: (gate_up [E,D,2F], down [E,F,D]) whole-layer stacks, or (gate_ups, downs) tuples of E
-  per-expert arrays. Per MoE layer: the route program's attention, router and shared experts; the layer's
-  distinct activated experts (at most min(B*K, E)); its misses copied first (`expert_store.pull_traced`: from
-  stacks, all at once; from per-expert arrays, one after another); then the distinct experts run in one batched
-  call, each weighted over the rows that chose it, and each miss is kept or not by the rules above. Sampling
-  matches `programs.next_token` with key fold_in(root, step).
-- `fits(pool, picks)`: whether the pool can serve a layer of `picks` distinct experts this way (more slots than
-  picks, so a layer's misses always find a victim that is not one of its hits).
-Numbers equal the host-driven engine's within float tolerance: same programs for attention and routing, the same
-expert function, a per-expert sum in float32.
+  pool_gu, pool_dn, table)`: one model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's
+  experts in pinned host memory, whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert
+  arrays. Sampling matches `programs.next_token` with key fold_in(root, step). `build_decode_step()` jits it
+  (graphs, model graph, MoE layers and sampling static; caches, pool and table donated).
+- `fits(pool, picks)`: the pool has more slots than a layer's `picks` distinct experts, so a miss always finds a
+  victim that is not one of the layer's hits.
+Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32
+sums).
 """
 
 from __future__ import annotations
@@ -89,6 +58,7 @@ class PoolTable:
 
 
 def fits(pool: SlotPool, picks: int) -> bool:
+    """Whether the pool can serve a layer of `picks` distinct experts (see the module docstring)."""
     return pool.num_slots > picks
 
 
@@ -125,12 +95,11 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
 
 def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
-    (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop: the layer's misses
-    are copied at once and every pick's weights come out of that copy's program as one array (hits read from
-    their slots) before any slot is written, every distinct expert runs in one batched call, and the misses, most
-    worth first, are paired with the slots least worth keeping (a hit slot never among them). A loop over the
-    picks cost the H200 a kernel chain per pick (and XLA:CPU a copy of the whole pool per layer); unrolled, the
-    GPU build copied the pool per layer."""
+    (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop over the picks (a
+    loop costs a kernel chain per pick and copies of the pool): the layer's misses are copied at once and every
+    pick's weights come out of that copy's program as one array (hits read from their slots) before any slot is
+    written, every distinct expert runs in one batched call, and the misses, most worth first, are paired with
+    the slots least worth keeping (a hit slot never among them)."""
     num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
     size = min(ids.size, num_experts)
@@ -148,7 +117,7 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: a batch dimension on both sides, so the
-    outputs = jax.vmap(expert_ffn)(rows, gate_ups, downs).astype(F32)  # weights are not transposed (call 40)
+    outputs = jax.vmap(expert_ffn)(rows, gate_ups, downs).astype(F32)  # weights are not transposed
     y = jnp.sum(jnp.where(valid[:, None, None], coeff[:, :, None] * outputs, 0.0), axis=0)
 
     hit = valid & ~miss

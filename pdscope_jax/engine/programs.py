@@ -7,8 +7,8 @@ arguments static, so each traces once per shape: `embed`, `dense_layer` (a decod
 `gpu_experts` (`models.layers.combine_experts` over the slot pool), `take_rows` (the rows of the MoE input
 the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of
 positions) and `next_token` (sampling at one position). KV caches are donated. `cache_size(jitted)` counts a
-jitted function's compiled programs (None where jax hides it). The engine (`offload.engine`) decides what runs
-when; nothing here touches the host.
+jitted function's compiled programs (None where jax hides it). The engine (`engine.loop`, `engine.execute`)
+decides what runs when; nothing here touches the host.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def dense_layer(graph, state, x, positions, layer_cache):
 def moe_route(graph, state, x, positions, layer_cache, n_pad, with_h):
     """Attention, MoE input, router and shared experts; routed inputs padded to n_pad rows. `routing` packs what
     the host fetches into ONE f32 array [n_pad, 2K (+ D with_h)]: weights, expert ids (exact in f32) and, with_h,
-    h. One fetch instead of three took a third of the time even on the CPU backend (benchmarks/probes/probe_copy_issue.py)."""
+    h: one fetch costs less than three."""
     layer = nnx.merge(graph.graphdef, state)
     x, layer_cache = layer.attend(x, positions, layer_cache)  # [B, T, D]
     h = layer.mlp_input(x).reshape(-1, x.shape[-1])  # [N, D]
@@ -57,8 +57,7 @@ def gate_scores(graph, state, h, valid):
 
 def moe_route_scored(graph, state, x, positions, layer_cache, n_pad, with_h, next_graph, next_state, valid):
     """`moe_route` and, from its h, `gate_scores` of the next layer (graph/state next_*; valid [n_pad] f32) in
-    ONE program. A separate scores dispatch held the H200's host 0.3-0.4 ms per decode layer
-    (benchmarks/probes/probe_decode_host.py); merged, throughput moved within run-to-run noise (benchmarks/results, call 21)."""
+    ONE program, sparing the host a dispatch per layer."""
     out = moe_route(graph, state, x, positions, layer_cache, n_pad, with_h)
     return (*out, gate_scores(next_graph, next_state, out[1], valid))
 

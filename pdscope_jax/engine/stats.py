@@ -37,7 +37,7 @@ class PhaseStats:
     planner_calls: int = 0  # layers planned
     handoff_seconds: float = 0.0  # decode on the accelerator: waiting, before its first step, for the work that
     # prefill left queued on the accelerator (in `generate_seconds`, not in `seconds`)
-    device_steps: int = 0  # steps run as one accelerator program (offload.device_decode): in `seconds`, hits,
+    device_steps: int = 0  # steps run as one accelerator program (engine.device_decode): in `seconds`, hits,
     # bytes and gpu_experts, but in none of the CPU / GPU / transfer time splits, which such a step does not measure
 
     @property

@@ -44,7 +44,7 @@ def test_warmup_compiles_every_mix_of_gpu_and_cpu_parts():
     engine = runner.engine
     engine.warmup(1, 12, 4)
     compiled = engine.compiled_programs["moe_combine"]
-    shapes = engine._step_shapes  # (batch, tokens, padded rows) of the steps warm-up ran
+    shapes = engine._loop.step_shapes  # (batch, tokens, padded rows) of the steps warm-up ran
     assert {t for _, t, _ in shapes} == {16, 1}  # the prefill bucket and decode
     d, accel = cfg.hidden_size, engine.devices.accel
     for b, t, rows in shapes:
@@ -89,7 +89,7 @@ def test_progress_bars_nest_when_loading_an_offloaded_checkpoint(monkeypatch):
     what loads must equal the plain model."""
     from pathlib import Path
 
-    import pdscope_jax.engine.runner as engine_module
+    import pdscope_jax.engine.build as engine_module
     import pdscope_jax.weights.checkpoint as checkpoint_module
 
     bars = []

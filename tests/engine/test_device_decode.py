@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.engine import device_decode
+from pdscope_jax.engine import decode, device_decode
 from pdscope_jax.store import expert_store
 from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import select_devices
+from pdscope_jax.sched import planner_class
+from pdscope_jax.sched.registry import POLICIES
 from test_offload_engine import Reference, _slots
 
 E, D, F = 4, 8, 4
@@ -133,6 +135,32 @@ def test_host_decode_still_matches_plain_model(ds, policy):
     runner = ds.runner(policy, _slots(ds, "small"), device_decode=False)
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     assert runner.stats["decode"]["device_steps"] == 0 and runner.stats["decode"]["planner_calls"] > 0
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_decode_runs_on_device_exactly_when_the_planner_and_the_switches_allow(ds, policy):
+    """The step executor follows the planner's capability `decodes_on_device` with RuntimeConfig.device_decode
+    on, and the host-planned loop otherwise; tokens are the plain model's either way."""
+    on_device = planner_class(policy).decodes_on_device
+    runner = ds.runner(policy, _slots(ds, "all" if planner_class(policy).keeps_all_resident else "small"))
+    np.testing.assert_array_equal(runner.generate(ds.ids, 3).tokens, ds.tokens[:, :3])
+    decode_stats = runner.stats["decode"]
+    assert decode_stats["steps"] == 2 and decode_stats["device_steps"] == (2 if on_device else 0)
+    assert (decode_stats["planner_calls"] == 0) == on_device
+    runner.set_policy(policy, runner.runtime.policy_options, device_decode=False)
+    np.testing.assert_array_equal(runner.generate(ds.ids, 3).tokens, ds.tokens[:, :3])
+    assert runner.stats["decode"]["device_steps"] == 0 and runner.stats["decode"]["planner_calls"] > 0
+
+
+def test_the_device_executor_needs_async_io_batched_gpu_a_large_enough_pool_and_steps(ds):
+    runner = ds.runner("ondemand", _slots(ds, "small"))
+    assert decode.choose(runner, 1, 5) is decode.DeviceDecode
+    assert decode.choose(runner, 1, 0) is decode.HostDecode  # nothing to decode
+    assert decode.choose(runner, 2, 5) is decode.HostDecode  # 2 rows x top-3 = 6 picks: 5 slots leave no victim
+    for switch in ("async_io", "batched_gpu", "device_decode"):
+        runner.set_policy("ondemand", **{switch: False})
+        assert decode.choose(runner, 1, 5) is decode.HostDecode, switch
+        runner.set_policy("ondemand", **{switch: True})
 
 
 def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):

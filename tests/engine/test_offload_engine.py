@@ -236,12 +236,12 @@ def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, cali
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     assert runner.stats["prefill"]["cpu_experts"] > 0
     scales = runner.stats["cpu_cost_scale"]
-    planner_table = runner._planner_costs("prefill", 32)
+    planner_table = runner._calibration.costs_for("prefill", 32)
     if calibrated:
         assert set(scales) == {"prefill 32", "decode 1"} and scales["prefill 32"] > 1.0
         np.testing.assert_allclose(planner_table.cpu_expert_seconds,
                                    np.asarray(table.cpu_expert_seconds) * round(scales["prefill 32"], 1))
-        assert runner._planner_costs("prefill", 64) is table  # another step size: nothing learned yet
+        assert runner._calibration.costs_for("prefill", 64) is table  # another step size: nothing learned yet
     else:
         assert all(scale == 1.0 for scale in scales.values()) and planner_table is table
     runner.set_policy("ondemand")

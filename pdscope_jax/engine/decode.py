@@ -1,0 +1,125 @@
+"""The decode step executors and the choice between them.
+
+Contract: `choose(engine, batch, steps)` -> the executor class for a generate's `steps` decode steps:
+`DeviceDecode` when the planner's capability `decodes_on_device` holds, RuntimeConfig's `device_decode`,
+`async_io` and `batched_gpu` are on and the pool can serve a layer's distinct experts (`device_decode.fits`);
+else `HostDecode`. The choice depends on nothing that changes between steps, so it holds for the whole decode
+(the device executor keeps the pool's table on the accelerator from its first step to its last).
+Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), root key,
+temperature, top_k); `step(n)` runs decode step n (sampling with key fold_in(root, n)); `finish()` -> the new
+tokens' host copies [B] each, in order, and adds what it counted to the decode statistics.
+- `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
+- `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
+  commits staged copies, waits for prefill's queued work (`handoff_seconds`), uploads the pool's table, and
+  fetches each token two steps behind its step, so the host never waits for the step it just dispatched. Its
+  steps count in `device_steps`, `seconds`, hits, bytes and gpu_experts, not in the time splits.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from pdscope_jax.engine import device_decode
+
+
+def choose(engine, batch: int, steps: int):
+    rc, cfg = engine.runtime, engine.config
+    picks = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
+    on_device = (steps > 0 and rc.device_decode and rc.async_io and rc.batched_gpu
+                 and engine.planner.decodes_on_device and device_decode.fits(engine.pool, picks))
+    return DeviceDecode if on_device else HostDecode
+
+
+class HostDecode:
+    def __init__(self, engine, token, cache: list, t: int, root, temperature: float, top_k: int | None):
+        self.engine, self.token, self.cache, self.t = engine, token, cache, t
+        self.root, self.temperature, self.top_k = root, temperature, top_k
+        self.tokens: list[np.ndarray] = []
+
+    def step(self, n: int) -> None:
+        e, b, accel = self.engine, self.token.shape[0], self.engine.devices.accel
+        positions = jax.device_put(np.full((b, 1), self.t + n - 1, np.int32), accel)
+        x, self.cache = e._loop.step(self.token[:, None], positions, self.cache, "decode", np.ones(b, bool))
+        self.token = e._programs["next_token"](e._graph, e._state, x, 0,
+                                               jax.device_put(jax.random.fold_in(self.root, n), accel),
+                                               self.temperature, self.top_k)
+        self.tokens.append(np.array(self.token))  # a host copy, so nothing on the accelerator grows with the output
+
+    def finish(self) -> list[np.ndarray]:
+        return self.tokens
+
+
+class DeviceDecode:
+    def __init__(self, engine, token, cache: list, t: int, root, temperature: float, top_k: int | None):
+        e = self.engine = engine
+        e._transfers.commit_all()  # nothing staged stays behind the table's upload
+        e._transfers.streamed.clear()
+        stats = e.phase_stats["decode"]
+        waited = time.perf_counter()
+        jax.block_until_ready((e.pool.gate_up, e.pool.down))  # prefill's queued work apart from the steps'
+        stats.handoff_seconds += time.perf_counter() - waited
+        accel, b = e.devices.accel, token.shape[0]
+        moe = e._moe_layers
+        self.table = device_decode.upload(e.pool, moe, decode_bonus(e, b), accel)
+        self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
+        self.graphs = tuple(layer.graph for layer in e._layers)
+        self.states = tuple(layer.state for layer in e._layers)
+        self.token, self.caches = token, tuple(cache)
+        self.positions = jax.device_put(np.full((b, 1), t, np.int32), accel)
+        self.step_no = jax.device_put(np.int32(1), accel)  # the step counter lives on the accelerator
+        self.key = jax.device_put(root, accel)
+        self.temperature, self.top_k = temperature, top_k
+        self.in_flight, self.tokens = [], []
+        self.start = time.perf_counter()
+
+    def step(self, n: int) -> None:
+        e, pool = self.engine, self.engine.pool
+        (self.token, self.positions, self.step_no, self.caches, pool.gate_up, pool.down,
+         self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.temperature, self.top_k,
+                                      self.states, e._state, self.experts, self.token, self.positions, self.caches,
+                                      self.key, self.step_no, pool.gate_up, pool.down, self.table)
+        self.token.copy_to_host_async()
+        self.in_flight.append(self.token)
+        if len(self.in_flight) > 2:
+            self.tokens.append(np.array(self.in_flight.pop(0)))
+
+    def finish(self) -> list[np.ndarray]:
+        e, tokens = self.engine, self.tokens
+        tokens += [np.array(tk) for tk in self.in_flight]
+        seconds = time.perf_counter() - self.start
+        moe = e._moe_layers
+        counts = device_decode.download(self.table, e.pool, moe)
+        for layer, routed in zip(moe, np.asarray(self.table.routed)):
+            e.activation_counts["decode"][layer] += routed
+        misses = counts["activated"] - counts["hits"]
+        # every routed expert has one size: the misses' bytes are those of as many copies of one expert
+        nbytes = e.store.count_moved(moe[0], np.zeros(misses, np.int64))
+        stats = e.phase_stats["decode"]
+        stats.steps += len(tokens)
+        stats.device_steps += len(tokens)
+        stats.tokens += self.token.shape[0] * len(tokens)
+        stats.seconds += seconds
+        stats.activated += counts["activated"]
+        stats.hits += counts["hits"]
+        stats.experts_loaded_now += misses
+        stats.gpu_experts += counts["activated"]  # every activated expert ran on the accelerator
+        stats.bytes_moved += nbytes
+        return tokens
+
+
+def decode_bonus(engine, batch: int) -> np.ndarray | None:
+    """[Lm, E] clock ticks each expert's popularity adds to its worth in the device-side cache (see
+    `device_decode`): for a planner with the `decode_popularity` capability and a hot table, its activations over
+    its layer's mean (1 for an expert of average popularity) times the pool's turnover, the ticks in which a
+    step's misses could replace every slot (slots / distinct experts a layer can pick); None (LRU) otherwise."""
+    hot = engine._hot_counts
+    if not engine.planner.decode_popularity or not hot:
+        return None
+    cfg = engine.config
+    table = np.stack([np.asarray(hot[layer], np.float64) for layer in engine._moe_layers])
+    over_mean = table / np.maximum(table.mean(axis=1, keepdims=True), 1e-12)
+    turnover = engine.pool.num_slots / min(batch * cfg.num_experts_per_tok, cfg.num_experts)
+    return np.round(over_mean * turnover).astype(np.int32)

@@ -1,0 +1,162 @@
+"""Carrying out one MoE layer's `Plan`: loads, CPU experts, the next layer's transfers, GPU experts, the sum.
+
+Contract: `PlanExecutor(...).execute(i, nxt, phase, plan, r, stats, rc) -> (x [B, T, D], LayerTiming)`, in order:
+commit the copies staged for layer i; free the unloaded slots it does not compute with; hand the CPU experts to
+the CPU backend (dispatched only; with many rows only the rows they read travel, gathered on the accelerator);
+issue the loads of `load_now` (`ExpertStore.write`, ordered before every later reader of the pool), so the CPU
+experts compute while they copy; stage the next layer's transfers (`Transfers.issue_next`) before compute is
+dispatched, so they overlap it; dispatch the GPU experts (one `gpu_experts` program over the pool with a
+slot_of map, or one per expert with `batched_gpu` off); hand the GPU result and the copies to helper threads that
+stamp when each is done (`LayerTiming.ready`); wait for the CPU part only; add the parts and the shared experts.
+With `async_io` off each copy is waited for where it is issued and the CPU experts start after the copies.
+Counts bytes and loads into `stats`; the rest of the layer's figures settle from the returned `LayerTiming`.
+Marks "cpu_submitted", "loads_issued", "next_issued", "gpu_dispatched", "cpu_joined", "combined".
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import jax
+import numpy as np
+
+from pdscope_jax.engine.cpu_experts import CpuExperts, compact_rows
+from pdscope_jax.engine.route import Routed
+from pdscope_jax.engine.stats import LayerTiming, PhaseStats
+from pdscope_jax.engine.transfers import Transfers
+from pdscope_jax.runtime import Devices, RuntimeConfig
+from pdscope_jax.sched import CostTable, Plan
+from pdscope_jax.store.expert_store import Staged
+from pdscope_jax.store.slot_pool import SlotPool
+
+
+class PlanExecutor:
+    def __init__(self, programs: dict, pool: SlotPool, cpu_experts: CpuExperts, transfers: Transfers,
+                 devices: Devices, costs: CostTable, mark):
+        self._programs, self.pool, self.cpu_experts, self.transfers = programs, pool, cpu_experts, transfers
+        self.store = transfers.store
+        self.devices, self.costs, self._mark = devices, costs, mark
+        # stamps when a part running elsewhere is done (its thread waits, the host does not)
+        self.waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
+
+    def execute(self, i: int, nxt: int | None, phase: str, plan: Plan, r: Routed, stats: PhaseStats,
+                rc: RuntimeConfig):
+        pool = self.pool
+        on_gpu = np.zeros(pool.num_experts, bool)  # [E]
+        on_gpu[plan.gpu] = True
+        self.transfers.commit(i)
+        pool.release(i, plan.unload[~on_gpu[plan.unload]])  # unloads this layer does not compute with: free now
+        cpu_part, cpu_start = None, time.perf_counter()
+        if plan.cpu.size and rc.async_io:  # the CPU experts run while the loads copy
+            cpu_part = self._run_cpu(i, plan.cpu, r)
+            self._mark(phase, "cpu_submitted", i)
+        start = time.perf_counter()
+        loads, loads_end = self._load_now(i, plan.load_now, stats, rc.async_io)
+        self._mark(phase, "loads_issued", i)
+        staged_next = self.transfers.issue_next(i, nxt, plan, stats, rc.async_io)  # before compute: overlaps it
+        self._mark(phase, "next_issued", i)
+        dispatched = time.perf_counter()
+        if plan.cpu.size and not rc.async_io:  # synchronous I/O: nothing overlapped the copies
+            cpu_part, cpu_start = self._run_cpu(i, plan.cpu, r), dispatched
+        y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r, rc.batched_gpu)
+        self._mark(phase, "gpu_dispatched", i)
+        # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
+        ready = {name: self.waiter.submit(ready_at, arrays) for name, arrays in
+                 (("gpu", y_gpu), ("load", loads)) if arrays is not None}
+        if staged_next is not None:
+            ready["transfer"] = self.waiter.submit(staged_ready_at, staged_next)
+        if cpu_part is not None:
+            ready["cpu"] = self.waiter.submit(ready_at, cpu_part[0])
+        (y_cpu, cpu_rows), cpu_end = self._join_cpu(cpu_part)
+        self._mark(phase, "cpu_joined", i)
+        x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu, cpu_rows)
+        self._mark(phase, "combined", i)
+        pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
+        pool.touch(i, plan.gpu)
+        return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end,
+                              loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]), r.padded_rows)
+
+    def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats, async_io: bool
+                  ) -> tuple[jax.Array | None, float | None]:
+        """Issue the load of `experts` of layer i into slots. -> (an array ready when the load is done, None) or,
+        with `async_io` off, where the copy is waited for here, (None, perf_counter when it was done); (None,
+        None) when nothing was loaded."""
+        if experts.size == 0:
+            return None, None
+        written = self.store.write(self.pool, i, experts, self.pool.allocate(i, experts, protect=(i,)))
+        stats.bytes_moved += written.nbytes
+        stats.experts_loaded_now += experts.size
+        if not async_io:
+            written.done.block_until_ready()
+            return None, time.perf_counter()
+        return written.done, None
+
+    def _run_gpu(self, i: int, experts: np.ndarray, on_gpu: np.ndarray, r: Routed, batched: bool):
+        """Dispatch layer i's GPU `experts` over the slot pool (on_gpu [E] marks them). -> y [Nb, D], or None."""
+        if experts.size == 0:
+            return None
+        pool = self.pool
+        slot_of = pool.slot_of(i)  # [E]
+        slot_of[~on_gpu] = -1
+        # batched: one program for every GPU expert; else one program per expert (the ablation's baseline)
+        parts = [slot_of] if batched else [_only(slot_of, e) for e in experts]
+        y_gpu = None
+        for part in parts:
+            y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down, part)  # part: host [E]
+            y_gpu = y if y_gpu is None else y_gpu + y
+        return y_gpu
+
+    def _run_cpu(self, i: int, experts: np.ndarray, r: Routed) -> tuple[jax.Array, jax.Array | None]:
+        """Dispatch layer i's CPU `experts` on the CPU backend (returns at once). -> (y f32 there, rows): y [Nb, D]
+        and rows None when h came to the host with the routing (few rows), else only the rows the experts read
+        (`cpu_experts.compact_rows`, gathered on the accelerator): y [R, D] for rows [R] on the accelerator."""
+        groups = _groups(experts, r.rows, r.w_host, r.ids_host)
+        if r.h_host is not None:
+            return self.cpu_experts.dispatch(i, jax.device_put(r.h_host, self.devices.cpu), groups), None
+        take, groups = compact_rows(groups, r.h.shape[0], self.cpu_experts.min_rows)
+        take = jax.device_put(take, self.devices.accel)
+        h_cpu = jax.device_put(self._programs["take_rows"](r.h, take), self.devices.cpu)
+        return self.cpu_experts.dispatch(i, h_cpu, groups), take
+
+    def _join_cpu(self, part: tuple[jax.Array, jax.Array | None] | None
+                  ) -> tuple[tuple[jax.Array | None, jax.Array | None], float | None]:
+        """Wait for the CPU part. -> ((y on the accelerator, its rows or None), perf_counter when the CPU was
+        done), or ((None, None), None) without one."""
+        if part is None:
+            return (None, None), None
+        acc, rows = part
+        acc.block_until_ready()
+        done = time.perf_counter()
+        return (jax.device_put(acc, self.devices.accel), rows), done
+
+
+def _only(slot_of: np.ndarray, expert: int) -> np.ndarray:
+    """slot_of [E] with every expert but `expert` mapped to -1."""
+    out = np.full_like(slot_of, -1)
+    out[expert] = slot_of[expert]
+    return out
+
+
+def _groups(experts: np.ndarray, rows: np.ndarray, w: np.ndarray, ids: np.ndarray
+            ) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """Per expert: (expert, rows of h routed to it, their routing weights); w, ids [Nv, K] belong to `rows` [Nv]."""
+    flat = ids.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.stack([experts, experts + 1]))  # [2, n]
+    k = ids.shape[1]
+    out = []
+    for e, lo, hi in zip(experts, bounds[0], bounds[1]):
+        picks = order[lo:hi]
+        out.append((int(e), rows[picks // k], w.reshape(-1)[picks]))
+    return out
+
+
+def staged_ready_at(staging: concurrent.futures.Future[Staged]) -> float:
+    staged = staging.result()
+    return ready_at(staged.gate_ups + staged.downs)
+
+
+def ready_at(arrays) -> float:
+    jax.block_until_ready(arrays)
+    return time.perf_counter()

@@ -1,0 +1,134 @@
+"""The host-planned step: one forward over the layers, and per MoE layer route -> plan -> execute -> record.
+
+Contract: `HostLoop.step(ids [B, T], positions [B, T], cache, phase, valid [B*T] bool) -> (x [B, T, D], cache)`.
+Token counts are padded to buckets (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled
+programs is bounded; padded rows route but count in no statistic. Per MoE layer (`moe_layer`, Algorithm 1):
+  route    `Router.route`: attention, router, shared experts, next-layer scores; the routing to the host;
+           then what it chose is counted (activation counts, the planner's observation, prefetch use);
+  plan     a `LayerDemand` -> the planner's `Plan` (costs with the in-situ CPU calibration), checked;
+  execute  `PlanExecutor.execute`: loads, CPU experts, the next layer's transfers, GPU experts, the sum;
+  record   the layer's `LayerTiming` waits for the end of the step (`settle`), so no layer waits for its own
+           compute and the next layer's programs queue behind it.
+The loop reads the runner's session (`planner`, `runtime`, `phase_stats`, `activation_counts`, `timeline`) and
+owns only the step's unsettled timings and the step shapes run (for warm-up).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+from pdscope_jax.engine.calibration import CpuCalibration
+from pdscope_jax.engine.execute import PlanExecutor
+from pdscope_jax.engine.route import Routed, Router
+from pdscope_jax.engine.stats import LayerTiming
+from pdscope_jax.engine.transfers import Transfers
+from pdscope_jax.runtime import bucket
+from pdscope_jax.sched import LayerDemand, Plan, check_plan
+
+
+class HostLoop:
+    def __init__(self, engine, router: Router, executor: PlanExecutor, transfers: Transfers,
+                 calibration: CpuCalibration):
+        self.engine = engine
+        self.router, self.executor, self.transfers, self.calibration = router, executor, transfers, calibration
+        moe = engine._moe_layers
+        self._next_moe = dict(zip(moe[:-1], moe[1:]))
+        self._prev_moe = dict(zip(moe[1:], moe[:-1]))
+        self._mark = engine._mark
+        self.observing = False  # the planner learns from each layer's activated experts (set by set_policy)
+        self.unsettled: list[LayerTiming] = []
+        self.step_shapes: set[tuple[int, int, int]] = set()  # (batch, tokens, padded rows) of steps run
+
+    def step(self, ids, positions, cache: list, phase: str, valid: np.ndarray):
+        e = self.engine
+        start = time.perf_counter()
+        n = valid.size
+        n_pad = bucket(n, e.runtime.decode_buckets if phase == "decode" else e.runtime.prefill_buckets)
+        self.step_shapes.add((*ids.shape, n_pad))
+        valid_pad = np.zeros(n_pad, bool)
+        valid_pad[:n] = valid
+        # the next-layer gate's row mask, on the accelerator once per step rather than once per layer
+        valid_device = (jax.device_put(valid_pad.astype(np.float32), e.devices.accel) if self.router.wants_scores
+                        else None)
+        if phase == "decode":
+            self.transfers.streamed.clear()  # what prefill streamed is now part of the decode cache
+        elif self.transfers.streams_prefill and e.pool.can_double_buffer:
+            first = e._moe_layers[0]  # streams behind the embedding and the layers before it
+            self.transfers.stream(first, (), e.phase_stats[phase], e.runtime.async_io)
+        programs = e._programs
+        x = programs["embed"](e._graph, e._state, ids)
+        for i, layer in enumerate(e._layers):
+            if layer.moe:
+                x, cache[i] = self.moe_layer(i, x, positions, cache[i], phase, valid_pad, valid_device)
+            else:
+                x, cache[i] = programs["dense_layer"](layer.graph, layer.state, x, positions, cache[i])
+        x.block_until_ready()
+        self.settle()
+        reported = e.devices.accel.memory_stats() or {}
+        if "peak_bytes_in_use" in reported:
+            e.device_peak_bytes = max(e.device_peak_bytes or 0, int(reported["peak_bytes_in_use"]))
+        stats = e.phase_stats[phase]
+        stats.steps += 1
+        stats.tokens += int(valid.sum())
+        stats.seconds += time.perf_counter() - start
+        return x, cache
+
+    def moe_layer(self, i: int, x, positions, layer_cache, phase: str, valid: np.ndarray, valid_device):
+        self._mark(phase, "layer_start", i)
+        r = self.router.route(i, x, positions, layer_cache, phase, valid, valid_device)  # route
+        self._count(i, phase, r)
+        plan = self._plan(i, phase, r)  # plan
+        x, timing = self.executor.execute(i, self._next_moe.get(i), phase, plan, r,  # execute
+                                          self.engine.phase_stats[phase], self.engine.runtime)
+        self.unsettled.append(timing)  # record, at the end of the step
+        return x, r.layer_cache
+
+    def _count(self, i: int, phase: str, r: Routed) -> None:
+        """What routing chose: activation counts, the planner's observation, prefetches used."""
+        e = self.engine
+        e.activation_counts[phase][i] += r.tokens
+        activated = np.flatnonzero(r.tokens)
+        if self.observing and i in self._prev_moe:
+            e.planner.observe(self._prev_moe[i], phase, activated)
+        prefetched = self.transfers.take_prefetched(i)
+        if prefetched is not None:
+            e.phase_stats[phase].prefetch_used += int(np.isin(prefetched, activated).sum())
+
+    def _plan(self, i: int, phase: str, r: Routed) -> Plan:
+        e = self.engine
+        nxt, pool = self._next_moe.get(i), e.pool
+        resident = pool.resident(i)
+        demand = LayerDemand(
+            layer=i, phase=phase, tokens_per_expert=r.tokens, resident=resident, next_layer=nxt,
+            next_scores=None if nxt is None else r.next_scores,
+            next_resident=None if nxt is None else pool.resident(nxt),
+            free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
+        start = time.perf_counter()
+        plan = e.planner.plan(demand, self.calibration.costs_for(phase, r.padded_rows))
+        planner_seconds = time.perf_counter() - start
+        check_plan(demand, plan)
+        self._mark(phase, "planned", i)
+        if phase == "prefill" and nxt is not None:
+            self.transfers.streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
+        stats = e.phase_stats[phase]
+        stats.planner_seconds += planner_seconds
+        stats.planner_calls += 1
+        stats.activated += int(demand.activated.sum())
+        stats.hits += int((demand.activated & resident).sum())
+        return plan
+
+    def settle(self) -> None:
+        """Add the step's timed layers to the statistics (`LayerTiming.settle_into`), their done-times to the
+        timeline, and their CPU times to the calibration."""
+        for t in self.unsettled:
+            done = {name: future.result() for name, future in t.ready.items()}
+            for name, at in {"cpu": t.cpu_end, **done}.items():  # the helper's stamp of the CPU part is exact
+                if at is not None:
+                    self._mark(t.phase, f"{name}_done", t.layer, at)
+            if "cpu" in done and t.cpu_predicted > 0:
+                self.calibration.observe(t, done["cpu"])
+            t.settle_into(self.engine.phase_stats[t.phase], done)
+        self.unsettled.clear()

@@ -1,0 +1,56 @@
+"""Compiling, before timing, the programs whose use depends on routing (which warm-up's dummy tokens may not hit).
+
+Contract (each runs its programs on zeros or on slots it frees again; the caller resets the pool afterwards):
+- `precompile_combine(programs, step_shapes, devices, dtype, hidden, min_rows)`: `moe_combine` for each
+  (batch, tokens, padded rows) seen with every mix of parts (GPU only, CPU only, both, neither), the CPU part
+  whole (few rows) or compacted to each size it can take, with `take_rows` for those sizes.
+- `precompile_slot_writes(pool, store, layer, num_experts)`: the commits of staged copies (power-of-two sizes up
+  to the one a whole layer pads to) and the pull-and-commit loads (each count up to `FUSED_MAX`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from pdscope_jax.engine.cpu_experts import DENSE_MAX_ROWS, compact_sizes
+from pdscope_jax.runtime import Devices
+from pdscope_jax.store.expert_store import FUSED_MAX, ExpertStore
+from pdscope_jax.store.slot_pool import SlotPool
+
+
+def precompile_combine(programs: dict, step_shapes, devices: Devices, dtype, hidden: int, min_rows: int) -> None:
+    accel = devices.accel
+
+    def zeros(shape, kind=dtype):
+        return jax.device_put(np.zeros(shape, kind), accel)
+
+    for b, t, rows in sorted(step_shapes):
+        x, shared, y_gpu = zeros((b, t, hidden)), zeros((b * t, hidden)), zeros((rows, hidden))
+        if rows <= DENSE_MAX_ROWS:
+            cpu_parts = [(zeros((rows, hidden), np.float32), None)]
+        else:
+            cpu_parts = [(zeros((size, hidden), np.float32), zeros(size, np.int32))
+                         for size in compact_sizes(rows, min_rows)]
+            for _, take in cpu_parts:
+                programs["take_rows"](y_gpu, take)
+        programs["moe_combine"](x, shared, y_gpu, None, None)
+        programs["moe_combine"](x, shared, None, None, None)
+        for y_cpu, take in cpu_parts:
+            programs["moe_combine"](x, shared, None, y_cpu, take)
+            programs["moe_combine"](x, shared, y_gpu, y_cpu, take)
+
+
+def precompile_slot_writes(pool: SlotPool, store: ExpertStore, layer: int, num_experts: int) -> None:
+    limit, size = min(num_experts, pool.num_slots), 1
+    while limit:  # commits pad to a power of two: up to the one `limit` experts pad to
+        experts = np.arange(min(size, limit))
+        pool.release(layer, experts)
+        store.commit(pool, store.stage(layer, experts), pool.allocate(layer, experts))
+        if size >= limit:
+            break
+        size *= 2
+    for size in range(1, min(FUSED_MAX, limit) + 1):
+        experts = np.arange(size)
+        pool.release(layer, experts)
+        store.write(pool, layer, experts, pool.allocate(layer, experts))
