@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pdscope_jax import models
     from pdscope_jax.workloads import routing as workloads
     from pdscope_jax.api import resolve
-    from pdscope_jax.bench.compare import _loader
+    from pdscope_jax.bench.runs import weights_loader as _loader
     from pdscope_jax.engine.runner import OffloadRunner
     from pdscope_jax.engine.timeline import Timeline
     from _common import probe_result
