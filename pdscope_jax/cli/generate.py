@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from pdscope_jax.sched import POLICIES
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdscope-jax generate", description=__doc__.splitlines()[0])
@@ -23,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--policy", help="offloading policy: gpu, static, ondemand, greedy, fate, pdscope")
+    parser.add_argument("--policy", help=f"offloading policy: {', '.join(POLICIES)}")
     parser.add_argument("--gpu-memory", default="24GB")
     parser.add_argument("--expert-pool")
     parser.add_argument("--predictors", help="PhasePer checkpoint directory (with --policy)")

@@ -1,14 +1,17 @@
-"""The `pdscope-jax` command line.
-
-Each sub-command hands its remaining arguments to the module that owns the work, imported only when that
-sub-command runs (so `pdscope-jax --help` stays fast):
+"""The `pdscope-jax` command line: one module per command in this folder, imported only when it runs.
 
     pdscope-jax run                                                the main job on the embedded default model
     pdscope-jax generate MODEL [--prompt TEXT | --ids 1,2,3] ...   plain or offloaded generation
-    pdscope-jax bench ...                                          policies side by side (pdscope_jax.bench.compare)
+    pdscope-jax bench ...                                          policies side by side
     pdscope-jax collect-traces ...                                 routing traces for PhasePer
     pdscope-jax train-predictors ...                               PhasePer predictors from traces
     pdscope-jax profile ...                                        cost table for AdaptSched
+
+Contract: `main(argv) -> int` hands the arguments after the command's name to that module's function and
+returns its exit status (0 when it returns something other than an int). A bad input error (unknown model,
+corrupt checkpoint, budget too small, ...) is printed as one line on stderr with status 2; no command or an
+unknown one prints the usage (status 2; 0 for -h/--help). This module imports nothing heavier than argparse, so
+`pdscope-jax --help` does not start JAX.
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = {
+COMMANDS = {  # name: (module, function, help)
     "run": ("pdscope_jax.cli.run", "main", "the whole pipeline on the embedded reference MoE, policies side by side"),
     "generate": ("pdscope_jax.cli.generate", "main", "generate text or token ids with a model"),
-    "bench": ("pdscope_jax.bench.compare", "main", "benchmark offloading policies"),
-    "collect-traces": ("pdscope_jax.phaseper.collect", "collect_traces_main", "record routing traces for PhasePer"),
+    "bench": ("pdscope_jax.cli.bench", "main", "benchmark offloading policies"),
+    "collect-traces": ("pdscope_jax.cli.collect_traces", "collect_traces_main", "record routing traces for PhasePer"),
     "train-predictors": ("pdscope_jax.cli.train_predictors", "train_predictors_main", "train PhasePer on collected traces"),
-    "profile": ("pdscope_jax.bench.profile", "profile_main", "measure the cost table of a model on this machine"),
+    "profile": ("pdscope_jax.cli.profile", "profile_main", "measure the cost table of a model on this machine"),
 }
 
 
@@ -40,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = command(argv[1:])
     except _user_errors() as err:
-        # Bad input (unknown model, corrupt checkpoint, budget too small, ...): every such error names the
-        # problem and the fix, so show the message, not a traceback.
+        # Every such error names the problem and the fix, so show the message, not a traceback.
         print(f"pdscope-jax {args.command}: error: {err}", file=sys.stderr)
         return 2
     return result if isinstance(result, int) else 0
@@ -49,12 +51,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from pdscope_jax.config import ConfigError
-    from pdscope_jax.store.budget import BudgetError
     from pdscope_jax.phaseper.checkpoint import PredictorCheckpointError
     from pdscope_jax.phaseper.traces import TraceError
     from pdscope_jax.presets import UnknownModelError
     from pdscope_jax.runtime import RuntimeConfigError
     from pdscope_jax.sched.costs import CostTableError
+    from pdscope_jax.store.budget import BudgetError
     from pdscope_jax.weights.checkpoint import CheckpointError
 
     return (UnknownModelError, ConfigError, CheckpointError, BudgetError, RuntimeConfigError, CostTableError,

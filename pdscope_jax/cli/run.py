@@ -19,7 +19,8 @@ import sys
 import time
 from pathlib import Path
 
-POLICIES = ("static", "ondemand", "greedy", "fate", "pdscope")
+from pdscope_jax.sched import COMPARED
+
 PROMPT = '''import os
 import sys
 
@@ -42,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--expert-pool-fraction", type=float, default=0.25,
                         help="share of all routed experts the GPU slot pool may hold")
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", default=list(COMPARED),
+                        help="offloading policies (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32 on CPU: XLA:CPU bf16 is slow at few rows")
     args = parser.parse_args(argv)
 

@@ -4,7 +4,7 @@ at toy sizes on two CPU devices."""
 import json
 from pathlib import Path
 
-from pdscope_jax.bench.compare import main as bench_main
+from pdscope_jax.cli.bench import main as bench_main
 from pdscope_jax.presets import preset
 
 REFERENCE = Path(__file__).resolve().parents[2] / "pdscope_jax" / "assets" / "reference-moe"
@@ -44,5 +44,8 @@ def test_checkpoint_model_with_plain_upper_bound(tmp_path):
             "float32", "--out", str(tmp_path)]
     report = bench_main(argv)
     assert report["weights"] == "checkpoint" and report["workload"] == "checkpoint"
-    assert [r["policy"] for r in report["results"]] == ["pdscope", "plain"]
-    assert report["results"][0]["tokens_match_plain"] and report["results"][1]["prefill_tok_s"] > 0
+    assert report["command"].endswith(" ".join(argv)) and report["complete"]
+    assert [(r["policy"], r["prompt_len"]) for r in report["results"]] == [("pdscope", 16), ("plain", 16)]
+    offload, plain = report["results"]
+    assert offload["tokens_match_plain"] and offload["tokens_before_divergence"] == 3
+    assert plain["tokens_match_plain"] is None and len(plain["repeats"]) == 1

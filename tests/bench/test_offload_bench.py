@@ -2,15 +2,24 @@
 
 import json
 import runpy
+import statistics
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from pdscope_jax.bench.compare import main as bench_main
+from pdscope_jax.cli.bench import main as bench_main
 from pdscope_jax.presets import preset
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks"
+PROBES = SCRIPTS / "probes"
+
+
+@pytest.fixture
+def probes(monkeypatch):
+    """The probe scripts import their shared helpers as `_common`, from their own folder."""
+    monkeypatch.syspath_prepend(str(PROBES))
+    return PROBES
 
 
 def test_bench_writes_json_png_and_flat_memory(tmp_path):
@@ -27,7 +36,8 @@ def test_bench_writes_json_png_and_flat_memory(tmp_path):
     assert [(r["policy"], r["prompt_len"]) for r in saved["results"]] == [("static", 16), ("pdscope", 16)]
     assert [e["policy"] for e in saved["errors"]] == ["gpu"]  # 6 slots cannot hold every expert
     for r in saved["results"]:
-        assert r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0 and len(r["repeats"]) == 2
+        assert len(r["repeats"]) == 2 and r["decode_tok_s"] == statistics.median(x["decode_tok_s"] for x in r["repeats"])
+        assert "tokens_match_plain" not in r  # no plain run to compare with
         assert [x["pool"] for x in r["repeats"]] == ["cold", "warm"]
         assert (r["prefill_tok_s_cold"], r["prefill_tok_s_warm"]) == tuple(x["prefill_tok_s"] for x in r["repeats"])
         assert set(r["prefill"]) >= {"cpu_seconds", "gpu_seconds", "transfer_seconds", "exposed_transfer_seconds",
@@ -70,8 +80,8 @@ def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypat
     assert profile["timeline_ms"]["prefill"]["layers"] == moe_layers
 
 
-def test_decode_paths_probe_smoke(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_decode_paths.py"))["main"]
+def test_decode_paths_probe_smoke(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_decode_paths.py"))["main"]
     result = main(["--hidden", "64", "--intermediate", "32", "--experts", "1", "2", "--reps", "1",
                    "--out", str(tmp_path / "paths.json")])
     kinds = {(r["kind"], r.get("experts")) for r in result["records"]}
@@ -80,8 +90,8 @@ def test_decode_paths_probe_smoke(tmp_path):
     assert json.loads((tmp_path / "paths.json").read_text())["expert_shape"]["hidden"] == 64
 
 
-def test_decode_cpu_callback_probe_smoke(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_decode_cpu_callback.py"))["main"]
+def test_decode_cpu_callback_probe_smoke(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_decode_cpu_callback.py"))["main"]
     result = main(["--hidden", "64", "--intermediate", "32", "--num-experts", "4", "--layers", "2", "--reps", "1",
                    "--variants", "2+0", "1+1", "0+0", "--out", str(tmp_path / "cb.json")])
     by = {r["variant"]: r for r in result["records"]}
@@ -99,8 +109,8 @@ def test_cpu_expert_script_smoke(tmp_path):
     assert json.loads((tmp_path / "cpu.json").read_text())["summary"]["shape"] == {"hidden": 64, "intermediate": 32}
 
 
-def test_store_probe_script_smoke(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_store_gpu.py"))["main"]
+def test_store_probe_script_smoke(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_store_gpu.py"))["main"]
     found = main(["--layers", "2", "--experts", "4", "--hidden", "64", "--intermediate", "32", "--matmul", "64",
                   "--out", str(tmp_path / "probe.json")])
     by = {row["what"]: row for row in found}
@@ -111,16 +121,16 @@ def test_store_probe_script_smoke(tmp_path):
 
 
 def test_tokens_before_divergence_counts_the_common_prefix():
-    from pdscope_jax.bench.compare import _common_prefix
+    from pdscope_jax.bench.runs import common_prefix
 
     plain = np.array([[5, 6, 7, 8], [1, 2, 3, 4]])
-    assert _common_prefix(plain, plain.copy()) == 4
-    assert _common_prefix(plain, np.array([[5, 6, 7, 9], [1, 2, 0, 4]])) == 2  # the earliest difference counts
-    assert _common_prefix(plain, np.array([[0, 6, 7, 8], [1, 2, 3, 4]])) == 0
+    assert common_prefix(plain, plain.copy()) == 4
+    assert common_prefix(plain, np.array([[5, 6, 7, 9], [1, 2, 0, 4]])) == 2  # the earliest difference counts
+    assert common_prefix(plain, np.array([[0, 6, 7, 8], [1, 2, 3, 4]])) == 0
 
 
-def test_copy_issue_probe_smoke(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_copy_issue.py"))["main"]
+def test_copy_issue_probe_smoke(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_copy_issue.py"))["main"]
     result = main(["--hidden", "64", "--intermediate", "32", "--experts", "1", "2", "--slots", "4", "--reps", "1",
                    "--out", str(tmp_path / "copies.json")])
     kinds = {(r["kind"], r["experts"]) for r in result["records"]}
@@ -131,8 +141,8 @@ def test_copy_issue_probe_smoke(tmp_path):
     assert json.loads((tmp_path / "copies.json").read_text())["expert_shape"]["hidden"] == 64
 
 
-def test_decode_host_probe_smoke(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_decode_host.py"))["main"]
+def test_decode_host_probe_smoke(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_decode_host.py"))["main"]
     result = main(["--model", "tiny-deepseek-v2-lite", "--policies", "pdscope", "--variants", "engine", "inline",
                    "switch_0.001", "--tokens", "3", "--repeats", "1", "--gpu-memory", "1GB", "--expert-pool", "200KB",
                    "--out", str(tmp_path / "host.json")])
@@ -143,8 +153,8 @@ def test_decode_host_probe_smoke(tmp_path):
     assert json.loads((tmp_path / "host.json").read_text())["weights"] == "random"
 
 
-def test_dispatch_probe_smoke(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_dispatch.py"))["main"]
+def test_dispatch_probe_smoke(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_dispatch.py"))["main"]
     result = main(["--model", "tiny-deepseek-v2-lite", "--reps", "2", "--busy-experts", "2", "--later-ms", "0.1",
                    "--out", str(tmp_path / "dispatch.json")])
     cases = {r["case"] for r in result["records"]}
@@ -154,8 +164,8 @@ def test_dispatch_probe_smoke(tmp_path):
     assert json.loads((tmp_path / "dispatch.json").read_text())["state_leaves"] > 0
 
 
-def test_decode_step_probe_smoke(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_decode_step.py"))["main"]
+def test_decode_step_probe_smoke(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_decode_step.py"))["main"]
     result = main(["--hidden", "16", "--intermediate", "8", "--num-experts", "8", "--top-k", "2", "--layers", "2",
                    "--slots", "5", "--reps", "3", "--warmup", "1", "--out", str(tmp_path / "step.json")])
     records = {r["variant"]: r for r in result["records"]}
@@ -172,8 +182,8 @@ def test_bench_refuses_an_unknown_policy_before_building(capsys):
     assert "invalid choice: 'nope'" in capsys.readouterr().err
 
 
-def test_decode_step_probe_profiles_the_kernels_it_ran(tmp_path):
-    main = runpy.run_path(str(SCRIPTS / "probe_decode_step.py"))["main"]
+def test_decode_step_probe_profiles_the_kernels_it_ran(tmp_path, probes):
+    main = runpy.run_path(str(probes / "probe_decode_step.py"))["main"]
     result = main(["--hidden", "16", "--intermediate", "8", "--num-experts", "8", "--top-k", "2", "--layers", "2",
                    "--slots", "5", "--reps", "2", "--warmup", "1", "--variants", "engine", "--profile-steps", "2"])
     profile = result["records"][0]["kernel_profile"]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from pdscope_jax.presets import preset
-from pdscope_jax.bench.profile import profile_main
+from pdscope_jax.cli.profile import profile_main
 from pdscope_jax.sched import CostTable, load_cost_table
 from pdscope_jax.sched.costs import table_name
 

@@ -1,10 +1,22 @@
-"""The command line: the README's main job on the embedded model, generation, and bad input."""
+"""The command line: the README's main job on the embedded model, generation, bad input, and a help that does
+not start JAX."""
+
+import subprocess
+import sys
 
 from pdscope_jax.cli import main as cli
 
 
+def test_help_lists_every_command_without_importing_jax():
+    code = ("import sys; from pdscope_jax.cli.main import main; assert main(['--help']) == 0; "
+            "assert 'jax' not in sys.modules, 'jax imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for command in cli.COMMANDS:
+        assert command in out
+
+
 def test_main_job_runs_every_policy_with_plain_tokens(capsys):
-    # demo.main exits 1 when any policy's tokens differ from the plain model's
+    # `run` exits 1 when any policy's tokens differ from the plain model's
     assert cli.main(["run", "--new-tokens", "6", "--policies", "static", "ondemand", "pdscope"]) == 0
     out = capsys.readouterr().out
     for policy in ("static", "ondemand", "pdscope"):

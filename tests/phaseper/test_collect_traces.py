@@ -9,7 +9,8 @@ from flax import nnx
 
 from pdscope_jax import models
 from pdscope_jax.api import Runner
-from pdscope_jax.phaseper.collect import collect_traces, collect_traces_main, moe_layers, walk
+from pdscope_jax.cli.collect_traces import collect_traces_main
+from pdscope_jax.phaseper.collect import collect_traces, moe_layers, walk
 from pdscope_jax.phaseper.traces import TraceWriter, load_traces
 from pdscope_jax.presets import preset
 

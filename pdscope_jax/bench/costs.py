@@ -1,60 +1,35 @@
-"""`pdscope-jax profile`: measure a model's cost table on the machine at hand (PAPER.md offline step 3).
+"""Measure a model's cost table on the machine at hand (PAPER.md offline step 3; `pdscope-jax profile`).
 
-Contract: `profile_main(argv) -> dict` (the saved table as a dict) measures, for one model (a preset name or a
-checkpoint directory; only shapes matter, so weights are seeded random values, never read from disk) in the
-chosen dtype, on the accelerator and the CPU backend that `runtime.select_devices` picks:
-- `cpu_expert_seconds[b]`: one routed expert over b tokens (h of b rows) through the engine's CPU path
-  (`offload.cpu_experts`, the expert read through the expert store's CPU view of pinned memory);
+Contract: `measure_cost_table(args, command) -> dict` (the saved table as a dict) takes the options of
+`pdscope-jax profile` (attributes named as its flags) and measures, for one model (a preset name or a checkpoint
+directory; only shapes matter, so weights are seeded random values, never read from disk) in `args.dtype`, on
+the accelerator and the CPU backend that `runtime.select_devices` picks:
+- `cpu_expert_seconds[b]`: one routed expert over b tokens through the engine's CPU path (`engine.cpu_experts`,
+  the expert read through the expert store's CPU view of pinned memory);
 - `gpu_expert_seconds[b]`: one expert over b tokens as one `combine_experts` program on the accelerator;
   `gpu_launch_seconds`: a trivial program on the accelerator (capped at the fastest expert time);
-- `transfer_seconds[n]` for n = 1, 2, 4, ..., E experts copied pinned_host -> accelerator device memory in one
-  batched `device_put` (as `ExpertStore.stage` issues them); `t_io` and `alpha` are the slope and intercept of a
-  least-squares line through them (alpha clipped at 0, t_io at a positive floor), the transfer start-up and the
-  per-expert time;
+- `transfer_seconds[n]` for n = 1, 2, 4, ..., E experts copied pinned_host -> device memory in one batched
+  `device_put` (as `ExpertStore.stage` issues them); `t_io` and `alpha` are the slope and intercept of a
+  least-squares line through them (alpha clipped at 0, t_io at a positive floor);
 - attention of the first MoE layer (`layer.attend`, random weights, a zero KV cache): prefill at batch 1 over b
-  tokens; decode one step of b sequences against `--decode-context` cached positions, measured up to
-  `--decode-max-batch` sequences and scaled proportionally to b beyond.
-Every time is the median of `--repeats` runs after one untimed run (compilation). The table
-(`sched.costs.CostTable`, `source: "measured"`) is saved to `--out`, by default
-`costs_dir()/<model>-<device>.json` (`sched.costs.table_name`), where <device> is the accelerator's kind, or
-"cpu-standin" when a CPU device stands in for it; `meta` names both devices, says whether the accelerator is a
-stand-in, and records the command, date, dtype and jax version. `RuntimeConfig(cost_table=<that name>)` then
-finds it. A rich progress bar shows the measurements; the last stdout line is a JSON summary (path, t_io,
-alpha). `--max-tokens` cuts the token buckets (a quick table for tiny presets).
+  tokens; decode one step of b sequences against `args.decode_context` cached positions, measured up to
+  `args.decode_max_batch` sequences and scaled proportionally to b beyond.
+Every time is the median of `args.repeats` runs after one untimed run (compilation). The table
+(`sched.costs.CostTable`, `source: "measured"`) is saved to `args.out`, by default
+`costs_dir()/<model>-<device>.json` (`sched.costs.table_name`; <device> is the accelerator's kind, or
+"cpu-standin" when a CPU device stands in for it); `meta` names both devices, says whether the accelerator is a
+stand-in, and records `command`, date, dtype and jax version. A rich progress bar shows the measurements on
+stderr; the last stdout line is a JSON summary (path, t_io, alpha). SystemExit when no token bucket is left.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
-import shlex
 import sys
-from pathlib import Path
-
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from pdscope_jax.runtime import RuntimeConfig
-
-    p = argparse.ArgumentParser(prog="pdscope-jax profile", description=__doc__.splitlines()[0])
-    p.add_argument("model", help="preset name or checkpoint directory (only its config.json is read)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--buckets", nargs="+", type=int, default=list(DEFAULT_BUCKETS), help="token buckets")
-    p.add_argument("--max-tokens", type=int, default=None, help="drop buckets above this")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--decode-context", type=int, default=512, help="cached positions a decode step attends to")
-    p.add_argument("--decode-max-batch", type=int, default=64, help="largest decode batch measured")
-    p.add_argument("--cpu-min-rows", type=int, default=RuntimeConfig.cpu_min_rows,
-                   help="the engine's CPU row padding (default: RuntimeConfig's)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default: the cost-table directory)")
-    return p.parse_args(argv)
-
-
-def profile_main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def measure_cost_table(args, command: str) -> dict:
     import jax
 
     from pdscope_jax.runtime import request_cpu_stand_in
@@ -99,7 +74,7 @@ def profile_main(argv: list[str] | None = None) -> dict:
             "weights": "random", "jax": jax.__version__, "repeats": args.repeats,
             "decode_context": args.decode_context, "decode_max_batch": args.decode_max_batch,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": shlex.join(["pdscope-jax", "profile", *(sys.argv[1:] if argv is None else argv)])}
+            "command": command}
     table = CostTable(token_buckets=tuple(buckets), cpu_expert_seconds=cpu, gpu_expert_seconds=gpu, t_io=t_io,
                       alpha=alpha, attn_prefill_seconds=prefill, attn_decode_seconds=decode,
                       gpu_launch_seconds=launch, transfer_counts=tuple(counts), transfer_seconds=xfer,
@@ -262,7 +237,3 @@ def _random_layer(cfg, dtype, index: int, seed: int, device):
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-if __name__ == "__main__":
-    profile_main()

@@ -1,0 +1,243 @@
+"""The pieces of `pdscope-jax bench` that run the model: which runs, how each is timed and summarised, the plain
+reference run and token parity, the hot table, the host profile.
+
+Contract
+- `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
+  name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
+  `device_decode`. A label `NAME:host` (`HOST_DECODE`) is policy NAME with `device_decode` off. With
+  `args.ablation` the runs are `ABLATION` then the plain run.
+- `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
+- `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
+  stands without activation counts (a fixed resident set: `hot_slots(..., have_table=False)` is not None).
+- `time_point(runner, run, prompt, args, tokens)`: `args.warmup` warm-ups, then `args.repeats` timed
+  generations; the first starts from the pool `set_policy` left ("cold"), the others from the pool the one
+  before left ("warm"). Returns the `summarise`d result row.
+- `run_plain(...)`: the whole model on the default device (no budget), timed the same way; then
+  `mark_parity(results, tokens)` sets `tokens_match_plain` / `tokens_before_divergence` on every offload row.
+- `weights_loader`, `record_hot_table`, `profile_runs`, `describe_runner`: see their docstrings.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from pdscope_jax.bench.report import PHASE_TIMES
+from pdscope_jax.sched import PLAIN, planner_class
+
+HOST_DECODE = ":host"  # a policy name's suffix: RuntimeConfig.device_decode off
+# The paper's ablation steps (label, policy, hot table, async_io, batched_gpu): greedy with synchronous I/O and
+# one GPU program per expert, +h hot table, +i asynchronous I/O, +p+a AdaptSched with next-layer scores,
+# +g+c one batched GPU program per layer in prefill and decode as one program per step. The paper's "+c" (a
+# CPU cache prefetch of expert weights) has no JAX counterpart and is not modelled.
+ABLATION = (
+    ("greedy", "greedy", False, False, False),
+    ("+h", "greedy", True, False, False),
+    ("+i", "greedy", True, True, False),
+    ("+p+a", "pdscope", True, True, False),
+    ("+g+c", "pdscope", True, True, True),
+)
+PHASE_KEYS = (*PHASE_TIMES, "seconds", "generate_seconds", "bytes_moved", "hit_rate", "prefetch_accuracy",
+              "cpu_experts", "gpu_experts", "planner_ms_per_layer", "device_steps", "handoff_seconds")
+
+
+def plan_runs(args) -> list[dict]:
+    """The runs in order: label, policy and engine switches (the hot table is filled in once it is known)."""
+    if args.ablation:
+        return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched,
+                 "device_decode": True} for label, policy, hot, aio, batched in ABLATION] + [
+            {"label": PLAIN, "policy": PLAIN}]
+    return [{"label": label, "policy": label.removesuffix(HOST_DECODE), "hot": args.hot_table is not None,
+             "async_io": True, "batched_gpu": True, "device_decode": not label.endswith(HOST_DECODE)}
+            for label in args.policies]
+
+
+def engine_switches(run: dict, hot_table) -> dict:
+    """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
+    return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
+            "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"]}
+
+
+def planner_options(runner, policy: str, hot_per_layer: int | None) -> dict:
+    """Planner options from the command line (the engine fills in the defaults)."""
+    fixed_hot_set = planner_class(policy).hot_slots(runner.pool.num_slots, runner.config.num_experts,
+                                                    runner.pool.can_double_buffer, False) is not None
+    return {"hot_per_layer": hot_per_layer} if hot_per_layer is not None and fixed_hot_set else {}
+
+
+def set_run(runner, run: dict, args, hot_table) -> dict:
+    """Switch `runner` to `run`'s policy and engine switches; returns the switches."""
+    engine = engine_switches(run, hot_table)
+    runner.set_policy(run["policy"], planner_options(runner, run["policy"], args.hot_per_layer), **engine)
+    return engine
+
+
+def time_point(runner, run: dict, engine: dict, prompt, args, tokens: dict, advance) -> dict:
+    """Warm-ups and timed repeats of one (run, batch, prompt length) point; `advance()` after each generation.
+    The first repeat's tokens go into `tokens[(label, batch, prompt_len)]`."""
+    b, t = prompt.shape
+    for _ in range(args.warmup):
+        runner.warmup(b, t)  # decode programs do not depend on the step count
+        advance()
+    compiled_after_warmup = runner.compiled_programs["total"]
+    repeats = []
+    for i in range(args.repeats):
+        runner.reset_stats()
+        out = runner.generate(prompt, args.new_tokens)
+        tokens.setdefault((run["label"], b, t), out.tokens)
+        repeats.append({"pool": "warm" if i else "cold", "prefill_tok_s": out.prefill_tokens_per_s,
+                        "decode_tok_s": out.decode_tokens_per_s, **runner.stats})
+        advance()
+    return summarise(run["policy"], t, repeats, compiled_after_warmup, variant=run["label"], batch=b, engine=engine)
+
+
+def summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after_warmup: int, *, variant: str,
+              batch: int, engine: dict) -> dict:
+    """One result row: medians over the repeats (cold and warm prefill apart), per-phase medians, the repeats."""
+    out = {"variant": variant, "policy": policy, "batch": batch, "prompt_len": prompt_len, **engine,
+           "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in repeats),
+           "decode_tok_s": statistics.median(r["decode_tok_s"] for r in repeats),
+           "prefill_tok_s_cold": repeats[0]["prefill_tok_s"],
+           "prefill_tok_s_warm": statistics.median(r["prefill_tok_s"] for r in repeats[1:]) if repeats[1:] else None,
+           "compiled_programs_after_warmup": compiled_after_warmup,
+           "compiled_programs_after_runs": repeats[-1]["compiled_programs"]["total"]}
+    for phase in ("prefill", "decode"):
+        out[phase] = {key: _median(repeats, phase, key) for key in PHASE_KEYS}
+    out["repeats"] = repeats
+    return out
+
+
+def _median(repeats: list[dict], phase: str, key: str):
+    values = [r[phase][key] for r in repeats if r[phase][key] is not None]
+    return statistics.median(values) if values else None
+
+
+def weights_loader(cfg, checkpoint, shapes, seed: int, workload):
+    """`loader(paths, placement)` of the benchmarked weights: the checkpoint's, or seeded random ones rewritten
+    by the workload."""
+    if checkpoint is not None:
+        from pdscope_jax import models
+        from pdscope_jax.weights.checkpoint import checkpoint_loader, open_checkpoint
+
+        return checkpoint_loader(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), shapes)
+    from pdscope_jax.weights.random_init import random_state
+
+    def random(paths, placement):
+        return random_state({p: shapes[p] for p in paths}, seed, placement)
+
+    return workload.loader(random) if workload is not None else random
+
+
+def record_hot_table(runner, cfg, args, rng, path) -> str:
+    """Activation counts of one generation over prompts not used for timing, at the first batch size and the
+    longest prompt (the most routed tokens: a short prompt gives too few picks per expert to tell popularity
+    from noise), saved as a hot table at `path`. The policy that records them loads every activated expert."""
+    import numpy as np
+
+    from pdscope_jax.sched.hot import write_layer_stats
+
+    b, t = args.batch[0], max(args.prompt_lens)
+    runner.set_policy("ondemand")
+    runner.generate(rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32), args.new_tokens)
+    return str(write_layer_stats(path, cfg.moe_layers, runner.activation_counts))
+
+
+def run_plain(cfg, dtype, loader, shapes, args, prompts, tokens, advance, describe) -> list[dict]:
+    """The whole model on the accelerator (no budget), timed like the offload runs; one row per point.
+    `describe(text)` names the point being measured, `advance()` follows each generation."""
+    import jax
+
+    from pdscope_jax import models
+    from pdscope_jax.generation.generator import Generator
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # where `pdscope_jax.load` runs a model whole
+    generator = Generator(models.from_flat(cfg, dtype, loader(list(shapes), lambda path: device)))
+    rows = []
+    for b in args.batch:
+        for t in args.prompt_lens:
+            describe(f"{PLAIN} batch {b} prompt {t}")
+            for _ in range(args.warmup):
+                generator.generate(prompts[b, t], args.new_tokens)
+                advance()
+            repeats = []
+            for _ in range(args.repeats):
+                out = generator.generate(prompts[b, t], args.new_tokens)
+                tokens.setdefault((PLAIN, b, t), out.tokens)
+                repeats.append({"prefill_tok_s": out.prefill_tokens_per_s, "decode_tok_s": out.decode_tokens_per_s})
+                advance()
+            rows.append({"variant": PLAIN, "policy": PLAIN, "batch": b, "prompt_len": t,
+                         "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in repeats),
+                         "decode_tok_s": statistics.median(r["decode_tok_s"] for r in repeats),
+                         "repeats": repeats})
+    return rows
+
+
+def mark_parity(results: list[dict], tokens: dict) -> None:
+    """Per offload row: whether its first repeat's tokens equal the plain run's at the same point, and how many
+    new tokens agree before the first difference (None where either is missing). In bfloat16, reductions that
+    add in another order can flip a near-tie between two tokens, after which the texts differ."""
+    import numpy as np
+
+    for r in results:
+        plain = tokens.get((PLAIN, r["batch"], r["prompt_len"]))
+        mine = tokens.get((r["variant"], r["batch"], r["prompt_len"]))
+        if r["policy"] == PLAIN or plain is None or mine is None:
+            r["tokens_match_plain"] = r["tokens_before_divergence"] = None
+            continue
+        r["tokens_match_plain"] = bool(np.array_equal(plain, mine))
+        r["tokens_before_divergence"] = common_prefix(plain, mine)
+
+
+def common_prefix(a, b) -> int:
+    """New tokens the two [B, T] outputs agree on before their first difference (in any sequence)."""
+    import numpy as np
+
+    differs = np.flatnonzero((np.asarray(a) != np.asarray(b)).any(axis=0))
+    return int(differs[0]) if differs.size else int(np.asarray(a).shape[1])
+
+
+def profile_runs(runner, runs: list[dict], args, prompts, status, hot_table) -> dict:
+    """Where the host's time goes: per run, the functions with the most own and cumulative time (cProfile) over
+    one generation of `args.cprofile` tokens at the first batch size and the longest prompt (after its warm-up:
+    the long prefill is the one worth a timeline), then one more generation's stage timeline.
+    `status(text)` is a context manager that shows what runs."""
+    import cProfile
+    import pstats
+
+    from pdscope_jax.engine.timeline import Timeline
+
+    out = {}
+    for run in runs:
+        set_run(runner, run, args, hot_table)
+        prompt = prompts[args.batch[0], args.prompt_lens[-1]]
+        with status(f"profiling {run['label']}"):
+            runner.generate(prompt, args.cprofile)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            result = runner.generate(prompt, args.cprofile)
+            profiler.disable()
+            runner.timeline = Timeline()  # once more without the profiler: stage timestamps per layer
+            runner.generate(prompt, args.cprofile)
+            timeline, runner.timeline = runner.timeline.summary(), None
+        stats = pstats.Stats(profiler)
+        rows = [{"function": f"{path.rsplit('/', 1)[-1]}:{line}({name})", "calls": calls, "own_s": own,
+                 "cumulative_s": cum} for (path, line, name), (_, calls, own, cum, _) in stats.stats.items()]
+        out[run["label"]] = {
+            "prefill_seconds": result.prefill_seconds, "decode_seconds": result.decode_seconds,
+            "new_tokens": args.cprofile, "prompt_len": args.prompt_lens[-1], "timeline_ms": timeline,
+            "by_own_time": sorted(rows, key=lambda r: -r["own_s"])[:25],
+            "by_cumulative_time": sorted(rows, key=lambda r: -r["cumulative_s"])[:40]}
+    return out
+
+
+def describe_runner(runner) -> dict:
+    """The budget, slots, double buffering and host memory of the offload runner (None values without one)."""
+    if runner is None:
+        return {"budget": None, "slots": None, "double_buffering": None, "host_bytes_per_model_byte": None,
+                "host_expert_bytes": None, "host_peak_rss_bytes": None}
+    import resource
+
+    return {"budget": dict(runner.budget.lines()), "slots": runner.pool.num_slots,
+            "double_buffering": runner.pool.can_double_buffer,
+            "host_bytes_per_model_byte": runner.store.host_bytes_per_model_byte,
+            "host_expert_bytes": runner.store.host_bytes,
+            "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # Linux: KiB

@@ -1,0 +1,86 @@
+"""`pdscope-jax bench`: the command line of the policy comparison (`bench.compare.compare`).
+
+Contract: `main(argv) -> dict` parses the options, pins the process to `--cpu-threads` cores before JAX starts
+(XLA:CPU's thread flags do not bind; affinity set before JAX starts does), records the command line and returns
+the report of `bench.compare.compare`. `parse_args(argv)` is the parsing alone: `--policies` takes the registry's
+policy names (`sched.POLICIES`), each also as `NAME:host` (decode planned by the host layer by layer), and
+`sched.PLAIN` (the whole model without offloading); the default is `sched.COMPARED` then `PLAIN`; an unknown
+name exits (status 2) before anything is built. `--ablation` runs the ablation sequence (`bench.runs.ABLATION`:
+greedy, +h hot table, +i asynchronous I/O, +p+a AdaptSched with next-layer scores, +g+c one batched GPU program
+per layer and decode as one program per step) instead. Example on the GPU node:
+    python -m pdscope_jax bench --model deepseek-v2-lite --policies ondemand greedy fate pdscope \\
+        --prompt-lens 128 512 1024 2048 4096 --new-tokens 64 --gpu-memory 24GB --expert-pool 8GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from pdscope_jax.bench.runs import HOST_DECODE
+from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pdscope-jax bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Offload benchmark: prefill and decode throughput of each policy under "
+                                            "a GPU memory budget.\n\npolicies:\n" + _policy_lines())
+    p.add_argument("--model", default="deepseek-v2-lite",
+                   help="preset name (random weights) or checkpoint directory (its weights)")
+    p.add_argument("--policies", nargs="+", default=[*COMPARED, PLAIN],
+                   choices=[*POLICIES, *(f"{name}{HOST_DECODE}" for name in POLICIES), PLAIN], metavar="POLICY",
+                   help=f"policy names (below), each also as NAME{HOST_DECODE} (decode planned by the host layer "
+                        f"by layer, never as one accelerator program per step), and '{PLAIN}' for the whole model "
+                        "without offloading")
+    p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
+    p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
+                   help="routing of random-weight models (pdscope_jax.workloads.routing)")
+    p.add_argument("--hot-table", default=None, help="layer_stats.json, trace directory, or 'auto'")
+    p.add_argument("--prompt-lens", nargs="+", type=int, default=[128, 512, 1024, 2048, 4096])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", nargs="+", type=int, default=[1])
+    p.add_argument("--gpu-memory", default="24GB")
+    p.add_argument("--expert-pool", default=None, help="cap on the expert slot pool, e.g. 8GB")
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--hot-per-layer", type=int, default=None,
+                   help="resident experts per layer of the policies with a fixed hot set (static; default: the "
+                        "pool split evenly)")
+    p.add_argument("--cost-table", default=None, help="cost table JSON from `pdscope-jax profile`")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-threads", type=int, default=None, help="pin the process to this many cores")
+    p.add_argument("--xla-cpu-cores", type=int, default=None,
+                   help="give XLA:CPU's compute threads this many cores; host threads keep every core "
+                        "(runtime.start_backends)")
+    p.add_argument("--cpu-view", default="alias", choices=["alias", "copy"],
+                   help="CPU experts read pinned memory in place (alias) or from a second host copy")
+    p.add_argument("--host-alloc", default="auto", choices=["auto", "jax", "torch"],
+                   help="pin expert memory through jax (pinned_host) or torch (+dlpack; GPU only); auto: torch on a "
+                        "GPU where torch has CUDA (store.expert_store)")
+    p.add_argument("--track-memory", type=int, default=0, metavar="N", help="also record memory over N decode steps")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile (cProfile) one generation of N tokens per run, after the timed ones")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    return p.parse_args(argv)
+
+
+def _policy_lines() -> str:
+    return "\n".join(f"  {name}: {policy.description}" for name, policy in POLICIES.items())
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.cpu_threads:
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpu_threads])
+    from pdscope_jax.bench.compare import compare
+
+    return compare(args, shlex.join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""`pdscope-jax profile`: the command line of the cost-table measurement (`bench.costs.measure_cost_table`).
+
+Contract: `profile_main(argv) -> dict` parses MODEL and the measurement options, records the command line as
+`pdscope-jax profile ARGS`, and returns the saved table as a dict. `parse_args(argv)` is the parsing alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from pdscope_jax.runtime import RuntimeConfig
+
+    p = argparse.ArgumentParser(prog="pdscope-jax profile",
+                                description="Measure a model's cost table on the machine at hand.")
+    p.add_argument("model", help="preset name or checkpoint directory (only its config.json is read)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--buckets", nargs="+", type=int, default=list(DEFAULT_BUCKETS), help="token buckets")
+    p.add_argument("--max-tokens", type=int, default=None, help="drop buckets above this")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-context", type=int, default=512, help="cached positions a decode step attends to")
+    p.add_argument("--decode-max-batch", type=int, default=64, help="largest decode batch measured")
+    p.add_argument("--cpu-min-rows", type=int, default=RuntimeConfig.cpu_min_rows,
+                   help="the engine's CPU row padding (default: RuntimeConfig's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: the cost-table directory)")
+    return p.parse_args(argv)
+
+
+def profile_main(argv: list[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    from pdscope_jax.bench.costs import measure_cost_table
+
+    return measure_cost_table(args, shlex.join(["pdscope-jax", "profile", *argv]))
+
+
+if __name__ == "__main__":
+    profile_main()

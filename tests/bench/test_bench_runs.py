@@ -1,0 +1,49 @@
+"""The bench command's runs and options come from the policy registry: defaults, choices, help, the ablation
+sequence, host-planned decode and which planners take `--hot-per-layer` (no model is built)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from pdscope_jax.bench.runs import ABLATION, HOST_DECODE, engine_switches, plan_runs, planner_options
+from pdscope_jax.cli.bench import parse_args
+from pdscope_jax.sched import COMPARED, PLAIN, POLICIES, planner_class
+
+
+def test_policy_defaults_choices_and_help_come_from_the_registry(capsys):
+    assert parse_args([]).policies == [*COMPARED, PLAIN]
+    every = [*POLICIES, *(f"{name}{HOST_DECODE}" for name in POLICIES), PLAIN]
+    assert parse_args(["--policies", *every]).policies == every
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = capsys.readouterr().out
+    for name, policy in POLICIES.items():
+        assert f"{name}: {policy.description[:30]}" in " ".join(text.split())
+
+
+def test_runs_for_policies_host_decode_and_plain():
+    args = parse_args(["--policies", "ondemand", f"pdscope{HOST_DECODE}", PLAIN, "--hot-table", "t.json"])
+    runs = plan_runs(args)
+    assert [(r["label"], r["policy"]) for r in runs] == [("ondemand", "ondemand"),
+                                                          (f"pdscope{HOST_DECODE}", "pdscope"), (PLAIN, PLAIN)]
+    assert [r["device_decode"] for r in runs[:2]] == [True, False]
+    assert engine_switches(runs[0], "t.json") == {"hot_table": "t.json", "async_io": True, "batched_gpu": True,
+                                                  "device_decode": True}
+    no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
+    assert engine_switches(no_table, "t.json")["hot_table"] is None
+
+
+def test_ablation_runs_in_order_then_plain():
+    runs = plan_runs(parse_args(["--ablation", "--policies", "ondemand"]))
+    assert [r["label"] for r in runs] == [label for label, *_ in ABLATION] + [PLAIN]
+    assert [engine_switches(r, "t.json")["hot_table"] for r in runs[:-1]] == [None] + ["t.json"] * 4
+    assert all(planner_class(r["policy"]) for r in runs[:-1])
+
+
+def test_hot_per_layer_goes_to_planners_with_a_fixed_hot_set():
+    runner = SimpleNamespace(pool=SimpleNamespace(num_slots=12, can_double_buffer=True),
+                             config=SimpleNamespace(num_experts=4))
+    given = {name for name in POLICIES if planner_options(runner, name, 2) == {"hot_per_layer": 2}}
+    fixed = {name for name in POLICIES if planner_class(name).hot_slots(12, 4, True, False) is not None}
+    assert given == fixed == {"static"}
+    assert all(planner_options(runner, name, None) == {} for name in POLICIES)
