@@ -189,12 +189,7 @@ class ModelConfig:
     @classmethod
     def from_json(cls, path: str | Path, name: str = "") -> "ModelConfig":
         path = Path(path)
-        try:
-            hf = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{path} is not valid JSON: {err}") from None
+        hf = read_json(path, ConfigError, missing="no config.json at {path}", invalid="{path} is not valid JSON: {err}")
         return cls.from_hf(hf, name=name or path.parent.name)
 
     def fingerprint(self) -> str:
@@ -203,6 +198,17 @@ class ModelConfig:
 
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
+
+
+def read_json(path: Path, error: type[Exception], missing: str, invalid: str) -> Any:
+    """The JSON value in the file at `path`. A missing file raises `error(missing)`, text that is not JSON
+    `error(invalid)`; both messages are format strings that may name `{path}`, and `invalid` also `{err}`."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise error(missing.format(path=path)) from None
+    except json.JSONDecodeError as err:
+        raise error(invalid.format(path=path, err=err)) from None
 
 
 def _first_id(value: Any) -> int | None:

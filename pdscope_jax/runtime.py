@@ -1,9 +1,9 @@
 """Runtime settings, kept apart from the model architecture (`pdscope_jax.config.ModelConfig`).
 
-Contract: `RuntimeConfig` is frozen (and hashable while its policy options are). It says how a model runs on this machine: the accelerator
-memory budget, the cap on the routed-expert slot pool, the expert-placement policy (a planner name from
-`pdscope_jax.sched`, or None to run the model whole), CPU threads, prefill chunking, the largest batch and
-sequence the KV cache is sized for, the token buckets that bound how many programs get compiled, the
+Contract: `RuntimeConfig` is frozen (and hashable while its policy options are). It says how a model runs on this
+machine: the accelerator memory budget, the cap on the routed-expert slot pool, the expert-placement policy (a
+planner name from `pdscope_jax.sched`, or None to run the model whole), CPU threads, prefill chunking, the largest
+batch and sequence the KV cache is sized for, the token buckets that bound how many programs get compiled, the
 planners' cost table, the hot-expert table (activation counts) and two engine switches the ablation turns off
 (`async_io`: transfers overlap compute; `batched_gpu`: one batched GPU program per layer).
 Sizes are given as bytes or strings such as "24GB" (10^9), "24GiB" (2^30), "512MB", "1.5G"; a malformed size
@@ -83,14 +83,13 @@ class RuntimeConfig:
     max_seq_len: int = 4096  # ... of this many tokens (prompt plus generated)
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # token counts of compiled decode programs
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-    cpu_min_rows: int = 8  # CPU expert programs pad rows to at least this (XLA:CPU bf16 is slow at one row;
-    # on the H200 node 8 rows beat 16 and 32: benchmarks/results/cpu_expert_vs_torch.json)
+    cpu_min_rows: int = 8  # CPU expert programs pad rows to at least this (XLA:CPU bf16 is slow at one row)
     cost_table: str | None = None  # name or path of a `pdscope-jax profile` table (sched.costs.find_cost_table)
     hot_table: str | None = None  # layer_stats.json or a trace directory: activation counts for hot experts
     async_io: bool = True  # stage transfers ahead of compute (False: wait for each right where it is issued)
     batched_gpu: bool = True  # one GPU program per layer for all GPU experts (False: one program per expert)
     device_decode: bool = True  # decode as one accelerator program per step where the policy allows it
-    # (offload.device_decode; with async_io and batched_gpu on); False: the host plans every layer
+    # (engine.device_decode; with async_io and batched_gpu on); False: the host plans every layer
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)

@@ -1,106 +1,28 @@
-"""AdaptSched, PDScope's phase-adaptive cross-layer planner (docs PAPER.md, "AdaptSched").
+"""AdaptSched, PDScope's phase-adaptive cross-layer planner (PAPER.md "AdaptSched").
 
-Contract: `AdaptSched.plan(demand, costs) -> Plan` decides, for one MoE layer, the on-demand loads `L_on`
-(`load_now`), the next layer's prefetches `L_pre` (`prefetch`) and the unloads `L_un` (`unload`); every activated
-expert not resident and not in `L_on` runs on the CPU. It keeps three pieces of online state: the predictor's hit
-rate `R_hit` per phase (fed by `observe`), the step at which each expert of each layer was last activated (to
-pick unloads least recently used first), and `last_decision` (a `Decision`, for logging). Like `static`, it
-has a hot-expert table (`hot_experts(layer)`, options `hot_per_layer` and `activation_counts`; empty by default)
-that the engine preloads and that AdaptSched never unloads.
-
-Notation (all lists sorted ascending by tokens, ties by id; "hottest" = most tokens):
-- `E_cur`: activated experts of this layer that are not resident (nor in flight), n = |E_cur|.
-- `E_next`: predicted experts of the next layer not resident there, n' = |E_next|, with predicted token counts.
-  The predicted set is the m highest `next_scores` (m = experts activated in this layer; single-lookahead
-  assumption that the next layer activates about as many), and an expert's predicted tokens are
-  `score * total_assignments / sum(scores)` with `total_assignments = sum(tokens_per_expert)` = tokens x k
-  (the brief's `score * tokens * k / sum(scores)`).
-- GPU side of a layer: `t_transfer(m) + t_gpu(resident activated + loaded)` (`alpha + m * t_io` plus ONE batched
-  program; the engine submits a layer's GPU experts together). The paper's `t_g` is this batched time.
-- CPU side: `t_cpu` summed over the experts left on the CPU. `t_attn` = the next layer's attention at this
-  step's token count.
-
+`AdaptSched.plan(demand, costs) -> Plan` decides for one MoE layer the on-demand loads L_on (`load_now`), the
+next layer's prefetches L_pre (`prefetch`) and the unloads L_un (`unload`); every activated expert neither
+resident nor in L_on runs on the CPU. E_cur / E_next: this layer's activated and the next layer's predicted
+experts that are not resident, n and n' of them, ascending by (predicted) tokens. A layer's GPU side is
+`t_transfer(its loads) + t_gpu(its GPU set)` (one batched program), its CPU side `t_cpu` summed over its CPU
+experts; `t_attn` is the next layer's attention.
 Prefill (and decode mode d):
-1. `E_all` = E_cur ∪ E_next ascending (at equal tokens a current expert counts as hotter: its demand is real).
-   First i with `T_G(i) < T_C(i)`, `T_G(i) = t_transfer(|E_all[i:]|) + t_g(current part) + t_g(next part)`,
-   `T_C(i) = t_cpu(E_all[0:i]) + t_attn`; `L_global = E_all[i:]` (empty when no i qualifies).
-2. Let j0 = the first index of E_cur inside L_global. Smallest i' >= j0 with
-   `t_transfer(n - i') + t_g < t_cpu(E_cur[0:i'-1])` (the boundary expert E_cur[i'-1] is left out of the CPU
-   side, so it stays on the CPU and PCIe is saved for prefetching); `L_on = E_cur[i':]`, or nothing.
-3. Bubble `T_gap = T_C - T_G` of the layer as decided (T_C over every CPU-side expert E_cur[0:i'], T_G with the
-   L_on transfers); `f = (T_gap + t_attn) / t_io`; the ceil(f)-th prefetch is issued only if
-   `xi = R_hit (f - ceil(f) + 1) t_io - (1 - R_hit)(ceil(f) - f) t_io > 0`; `L_pre` = the hottest ceil(f)
-   (else floor(f)) of E_next.
-Decode: k = experts activated in this layer; `n_c = argmin_x max(t_gpu(k - x experts), x * t_cpu(1 expert))` at
-the layer's mean tokens per expert; then by (n vs n_c, n' vs n_c):
-- a (n > n_c, n' <= n_c): step 2 with `T_C = t_cpu(E_cur[0:i'])` (boundary included: minimise this layer's
-  latency), j0 = 0; no prefetch, no unload.
-- b (n <= n_c, n' > n_c): no loads; unload, then step 3 with the constraint
-  `(c - f)+ t_io + t_g(next, c prefetched) < t_cpu(E_next[0:n'-c])` on the prefetch count c (c lowered until
-  it holds: never make the next layer's GPU side the slower one).
-- c (both <= n_c): unload only.  d (both > n_c): steps 1-3 with b's constraint.
-Loads and prefetches never exceed the slots that exist (`free_slots` plus unloaded experts); when cut, the
-hottest are kept, so on-demand monotonicity holds: a loaded expert of E_cur has every hotter one loaded too.
-
-Where PAPER.md (or the paper's extracted text) is ambiguous, the reading taken here:
-- Indexing: the paper writes E_cur[0..n] (n + 1 experts) with `(n - i' + 1) t_io`; both count the experts
-  E_cur[i':]. Here n = |E_cur| and the transfer term is `t_transfer(|E_cur[i':]|)`; `[a:b]` excludes b as in
-  Python, which makes PAPER.md's "prefill leaves out the boundary expert" and "decode includes it" hold. A
-  consequence of the formula: for i' <= 1 the prefill criterion's CPU side `t_cpu(E_cur[0:0])` is 0, so prefill
-  (and mode d) keeps at least the two coldest of E_cur on the CPU and loads nothing when n <= 2; decode mode a
-  keeps at least one.
-- Decode mode conditions compare counts (PAPER.md: "n' <= n_c"); the extracted Algorithm 1 writes `n' - 1`.
-- `t_g` is the batched GPU time of the layer's GPU set (not a per-expert constant); in step 1 it is the sum of
-  both layers' batched times. The decode balance uses the same batched model for `(k - n_c) t_g`.
-- `T_gap` uses the physical CPU side (the boundary expert runs on the CPU, so it belongs to the bubble), not
-  step 2's criterion value.
-- In mode b/d the constraint, stated for ceil(f), is applied to the chosen count c with `(c - f)+`.
-- `L_un` ("unload redundant experts"): resident experts of this layer not activated now and not in the hot
-  table, least recently activated first; mode c frees `n_c - n` of them (the layer's GPU surplus over the
-  balance point), mode b `max(n_c - n, c - free_slots)` so the prefetch has room.
-- `R_hit` is the fraction of the planner's high-priority predictions that were activated: the prefetched
-  experts, or when none were prefetched the top min(n', |actual|) of E_next; the mean over the last
-  `r_hit_window` observations per phase, `r_hit_prior` before any.
-- Step 1 only bounds step 2 (j0); `L_pre` comes from E_next, as the paper's Algorithm 1 states.
-- Departure (`layer_guard`, on by default): in prefill and mode d, when the layer steps 1-2 leave, max(T_G, T_C),
-  would take longer than loading every expert of E_cur now, the boundary becomes the one that minimises
-  max(T_G, T_C) (`balanced_boundary`; step 3 then prefetches into that layer's bubble). Steps 1-2 keep PCIe free
-  for the next layer's prefetches by leaving this layer's CPU side long; past that point the layer costs more
-  than it would without any CPU expert. Measured on the H200 (Qwen3-30B-A3B, uniform, 4,096 tokens, call 39):
-  without the guard about 11 CPU experts a layer took 14 ms of CPU time a layer, where loading every missing
-  expert costs about 8 ms, and `fate` (no CPU experts) prefilled 1.6 times faster; with it (call 40), 118 CPU
-  experts in all and prefill 3,718 -> 4,404 tok/s. DeepSeek-V2-Lite's 4,096-token prefill, which streams whole
-  layers, fell 8,094 -> 7,347 in the run that brought the guard (call 41), together with a CPU calibration at
-  its cap; with the calibration per step size it prefilled 7,655 and 6,951 (calls 43 and 46), so the guard's
-  share was not told apart from the run-to-run spread.
-- Departure (`link_window`, on by default): in prefill, step 3 counts the prefetches that fit while the link is
-  free, `f = (max(T_G, T_C) + t_attn - t_transfer(L_on)) / t_io` (the layer's time after its own loads have
-  crossed, plus the next attention), instead of the GPU's wait for the CPU `T_C - T_G + t_attn`: a staged copy
-  runs beside the GPU's compute, not only in its bubble. The paper's window is never the larger one, and it is
-  empty wherever the GPU side is the slower, i.e. in every layer without CPU experts. Measured on the H200
-  (Qwen3-30B-A3B, uniform, 4,096 tokens, call 50, next-layer scores in prefill, the paper's window): prefetch
-  accuracy 0.69, 97 CPU experts, 4,308 tok/s, where `fate` (every predicted expert prefetched, no CPU) had
-  5,552 (call 47). With the link window, together with the engine's CPU calibration allowed past 8 (its cap
-  then; the scale went to 62-64 and the CPU experts from 97 to 1; the two changes were measured only together):
-  5,019 against `fate`'s 5,408 (call 51), 5,869 against 5,986 (call 52), prefetch accuracy 0.78-0.80. The
-  streaming test below still weighs the plan with the paper's window, and the link window applies only where
-  the next layer does not stream: with it in the test (call 51), DeepSeek-V2-Lite's skewed 4,096-token prefill
-  streamed fewer layers, moved 24.4 GB instead of 22.9 and ran 28 CPU experts instead of 4 (7,074 tok/s, median
-  of two, against 8,375 without, call 50; 8,981, median of three, as committed, call 52).
-  `layer_guard=False, link_window=False` runs the paper's steps exactly (the hand-computed tests do).
-
-Full-layer double buffering (PAPER.md "Execution engine", prefill): when the pool holds two whole layers
-(`total_slots >= 2E`) AdaptSched sets `stream_next_layer` in prefill if the cost table says streaming every
-non-resident expert of the next layer beats its own plan for that layer:
-- streamed: `max(0, t_transfer(non-resident there) - (max(T_G, T_C) + t_attn)) + t_g(all predicted experts)`
-  (the copy hides behind this layer's compute and the next attention; then every expert runs on the GPU);
-- planned: `min(max(t_g(resident + L_pre), C), t_transfer(n_miss) + t_g(all predicted))`, where the expected
-  misses are the predicted non-resident experts outside `L_pre` plus a share `1 - R_hit` of `L_pre` (a
-  mispredicted prefetch leaves an expert of similar load uncovered), `C` is their CPU time and `n_miss` their
-  count (the alternative of loading them on demand).
-Predicted next-layer tokens are the E_next estimate over every scored expert; without scores, this layer's
-tokens stand in (single-layer lookahead: prefill hits nearly every expert in every layer). The plan's `L_pre`
-stays in the plan: the engine uses it where it cannot double-buffer.
+1. E_all = E_cur + E_next ascending; L_global = E_all[i:] for the first i whose GPU side is below the CPU
+   side of E_all[0:i] plus t_attn; j0 = the E_cur experts in E_all[0:i] bound step 2.
+2. L_on = E_cur[i':] for the smallest i' >= j0 whose GPU side is below t_cpu(E_cur[0:i'-1]).
+3. f = (T_C - T_G + t_attn) / t_io prefetches fit in the bubble; the ceil(f)-th is issued only if its expected
+   utility xi (from the hit rate R_hit of the phase) is positive; L_pre = the hottest ceil(f) or floor(f) of E_next.
+Decode: n_c = argmin_x max(t_gpu(k - x experts), x * t_cpu(1 expert)); by (n > n_c, n' > n_c): a = step 2 with
+the boundary on the CPU side; b = unload, then step 3 kept from making the next layer's GPU side the slower;
+c = unload only; d = steps 1-3 with b's constraint. L_un: resident, not activated, not hot, least recently used.
+Loads and prefetches never exceed free slots plus unloads; when cut, the hottest are kept.
+Departures (on by default; `layer_guard=False, link_window=False` runs the paper's steps exactly):
+- `layer_guard`: in prefill and mode d, when steps 1-2 leave the layer slower than loading all of E_cur, take
+  the boundary minimising max(T_G, T_C): a long CPU side frees PCIe for prefetches but costs more than it saves.
+- `link_window`: in prefill, unless the next layer streams, step 3 fills the time the link is free,
+  max(T_G, T_C) + t_attn - t_transfer(L_on): a staged copy overlaps compute, not only the GPU's bubble.
+- `stream_next_layer` (PAPER.md "Execution engine"): in prefill, when the pool holds two whole layers, stream
+  the whole next layer where the cost table says it beats the plan (`_stream_pays`).
 """
 
 from __future__ import annotations
@@ -148,19 +70,27 @@ class _Step3:
 
 
 class AdaptSched(Capabilities):
+    """The planner of the module docstring. Online state: R_hit per phase (`observe`: the fraction of the
+    prefetched experts, or with none prefetched of the top min(n', |actual|) of E_next, that the next layer
+    activated; mean of the last `r_hit_window`, `r_hit_prior` before any), each expert's last activated step
+    (for L_un), `last_decision`, and the hot table `hot_experts(layer)` that the engine preloads and that is
+    never unloaded. Readings of the paper where it is ambiguous:
+    - `[a:b]` excludes b; the transfer term counts |E_cur[i':]|. So prefill (and mode d) leaves the boundary
+      expert E_cur[i'-1] out of the CPU side (it still runs there, PCIe stays free), decode mode a counts it;
+      prefill therefore keeps at least two of E_cur on the CPU, mode a at least one.
+    - Decode modes compare counts (`n' <= n_c`); `t_g` is the batched time of a GPU set, in step 1 the sum of
+      both layers', and the decode balance uses the same batched model.
+    - T_gap uses the physical CPU side (boundary included); in modes b/d the next-layer constraint, stated for
+      ceil(f), is applied to the chosen count c as `(c - f)+ t_io + t_g(next) < t_cpu(rest of E_next)`.
+    - Mode c unloads `n_c - n`, mode b `max(n_c - n, c - free_slots)`; step 1 only bounds step 2, L_pre comes
+      from E_next; predicted tokens are `score * total_assignments / sum(scores)` over the m highest scores
+      (m = experts activated in this layer)."""
+
     name = "pdscope"
     reads_next_scores = True
     predictor_scores = True
     decodes_on_device = True
     decode_popularity = True
-
-    @classmethod
-    def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:
-        """The pool less two whole layers when those fit (prefill streams every other expert through them, and
-        decode uses them for its loads and prefetches), else a quarter of it."""
-        if not have_table:
-            return None
-        return pool_slots - 2 * num_experts if layer_buffers_fit else pool_slots // 4
 
     def __init__(self, r_hit_prior: float = 0.5, r_hit_window: int = 16, hot_per_layer: int = 0,
                  activation_counts: Mapping[int, Sequence[float]] | None = None, layer_guard: bool = True,
@@ -178,6 +108,13 @@ class AdaptSched(Capabilities):
         self._last_used: dict[int, np.ndarray] = {}
         self._step = 0
         self.last_decision: Decision | None = None
+
+    @classmethod
+    def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:
+        if not have_table:
+            return None
+        # two whole layers stay free when they fit: prefill streams through them, decode loads into them
+        return pool_slots - 2 * num_experts if layer_buffers_fit else pool_slots // 4
 
     # ---- online statistics -------------------------------------------------------------------------------
 
@@ -293,8 +230,15 @@ def _predicted_tokens(scores: np.ndarray, assignments: int) -> np.ndarray:
 
 def _stream_pays(d: LayerDemand, costs: CostTable, tok: np.ndarray, prefetch: np.ndarray, window: float,
                  r_hit: float) -> bool:
-    """Whether streaming the whole next layer beats the plan for it (module docstring, "Full-layer double
-    buffering"); `window` is this layer's time as decided plus the next attention."""
+    """Whether streaming the whole next layer beats the plan for it. Only when the pool holds two whole layers
+    (`total_slots >= 2E`). `window` = this layer's time as decided plus the next attention.
+    - streamed: `max(0, t_transfer(non-resident there) - window) + t_g(all predicted experts)` (the copy hides
+      behind this layer and the next attention; then every expert runs on the GPU);
+    - planned: `min(max(t_g(resident + L_pre), C), t_transfer(n_miss) + t_g(all predicted))`: the expected
+      misses are the predicted non-resident experts outside L_pre plus a share 1 - R_hit of L_pre, C their CPU
+      time, n_miss their count (the alternative: load them on demand).
+    Predicted next-layer tokens come from the scores, else this layer's tokens stand in (prefill hits nearly
+    every expert in every layer). The plan's L_pre stays: the engine uses it where it cannot double-buffer."""
     e = d.num_experts
     if d.next_layer is None or d.total_slots < 2 * e:
         return False

@@ -19,13 +19,7 @@ Cost model (all times in seconds):
 - `t_attn(phase, tokens)`: one layer's attention (GPU) for `tokens` tokens in `phase`.
 Zero tokens (or an empty set, or n = 0 transfers) cost nothing.
 
-JSON layout (version 1):
-    {"version": 1, "source": "measured" | "analytic", "model": str, "token_buckets": [int, ...],
-     "cpu_expert_seconds": [...], "gpu_expert_seconds": [...], "gpu_launch_seconds": float,
-     "t_io": float, "alpha": float, "attn_seconds": {"prefill": [...], "decode": [...]},
-     "transfer_counts": [int, ...], "transfer_seconds": [...], "meta": {...}}
-Every per-bucket list has one value per token bucket. A malformed file raises `CostTableError` naming every
-problem at once.
+JSON layout: `CostTable.to_dict`. A malformed file raises `CostTableError` naming every problem at once.
 
 Where tables live: `costs_dir()` ($PDSCOPE_JAX_COSTS, else ~/.cache/pdscope_jax/costs) holds
 `<model>-<device>.json` (`table_name`); `find_cost_table(ref)` / `load_cost_table(ref)` accept a path or such a
@@ -226,6 +220,11 @@ class CostTable:
                    model=model, meta=meta)
 
     def to_dict(self) -> dict[str, Any]:
+        """The JSON layout (version 1); every per-bucket list has one value per token bucket:
+            {"version": 1, "source": "measured" | "analytic", "model": str, "token_buckets": [int, ...],
+             "cpu_expert_seconds": [...], "gpu_expert_seconds": [...], "gpu_launch_seconds": float,
+             "t_io": float, "alpha": float, "attn_seconds": {"prefill": [...], "decode": [...]},
+             "transfer_counts": [int, ...], "transfer_seconds": [...], "meta": {...}}"""
         return {
             "version": VERSION,
             "source": self.source,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdscope_jax.config import read_json
 from pdscope_jax.sched.costs import PHASES
 
 
@@ -35,12 +36,8 @@ def activation_counts(path: str | Path, phases: Sequence[str] = PHASES) -> dict[
         return _from_traces(path, phases)
     if path.is_dir():
         path = path / "layer_stats.json"
-    try:
-        stats = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise HotTableError(f"{path}: no such file (want layer_stats.json or a trace directory)") from None
-    except json.JSONDecodeError as e:
-        raise HotTableError(f"{path}: not JSON ({e})") from None
+    stats = read_json(path, HotTableError, missing="{path}: no such file (want layer_stats.json or a trace directory)",
+                      invalid="{path}: not JSON ({err})")
     if not isinstance(stats, dict) or "layers" not in stats or "phases" not in stats:
         raise HotTableError(f"{path}: not a layer_stats.json (needs the keys 'layers' and 'phases')")
     layers = [int(layer) for layer in stats["layers"]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from pdscope_jax.config import ModelConfig
-from pdscope_jax.models.layers import GATHER_MAX_ASSIGNMENTS, grouped_tiles
+from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, grouped_tiles
 from pdscope_jax.runtime import RuntimeConfig, format_size
 
 

@@ -1,43 +1,28 @@
 """The expert store: the only code that moves routed-expert weights.
 
 Contract:
-- Host copy, once: every routed expert of every MoE layer lives in the accelerator's `pinned_host` memory, one
-  allocation per expert and weight (gate_up [D, 2F], down [F, D]), so any subset of a layer can be the operand
-  of one transfer program. `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` takes a layer's stacked weights
-  (numpy, or a jax array in any device's device memory), copies it expert by expert into pinned memory and
-  keeps no reference to the stack: the caller drops it, so only one layer ever exists twice.
-- CPU view, no second copy: the CPU backend computes an expert from a CPU-device array that aliases the same
-  pinned bytes (the pinned buffer's address viewed as numpy, then `jax.device_put(view, cpu)`, which XLA:CPU
-  takes zero-copy for 64-byte-aligned buffers). The alias is verified per expert (same address, same bytes);
-  where it does not hold, the store keeps a CPU copy and says so in `host_bytes_per_model_byte` (1.0 when
-  every view aliases, 2.0 when none does). `cpu_view="copy"` forces copies. `host_alloc="torch"` (GPU only; what
-  the default "auto" picks on a GPU where torch has CUDA, else "jax")
-  pins the memory with torch instead and imports it zero-copy through dlpack, a second route to one copy where
-  a pinned_host array's address is not readable from the host.
-  The aliased views are read-only by convention: nothing writes to expert weights after `add_layer`.
-- Layer stacks: `layer_stacks(layer)` -> (gate_up [E,D,2F], down [E,F,D]) pinned arrays of the same weights, for
-  programs that pick experts by an index they computed (`offload.device_decode`). With `host_alloc="torch"` each
-  layer is one pinned allocation, and the stacks and every expert's array alias it (no extra bytes); with
-  `host_alloc="jax"` they exist only with `stacks=True`, as a second pinned copy (counted in
-  `host_bytes_per_model_byte`). `pull_traced(experts, order, n_miss, rest)` is the copy a program makes itself,
-  with indices it computed (`offload.device_decode`'s decode step uses it).
-- Moving, in two steps so that transfers overlap compute:
-  `stage(layer, experts) -> Staged` issues ONE batched `jax.device_put` of the experts' pinned arrays to the
-  accelerator's device memory and returns at once (the copy runs on the host-to-device stream; issued before
-  the compute it should hide behind, it overlaps it). `commit(pool, staged, slots)` then copies the staged
-  arrays into their slots with ONE jitted program that donates the pool (device-to-device, in place, no
-  reallocation), compiled once per batch size: sizes are padded to a power of two by repeating the last expert
-  (an idempotent write). A slot write cannot itself overlap compute that reads the pool: donation orders it
-  after every pending reader, which is why the host-to-device part is staged outside the pool. Staged arrays
-  live until their commit; the budget counts two layers of them ("transfer staging").
-  `write(pool, layer, experts, slots) -> Written` is for loads needed right away: up to `FUSED_MAX` experts
-  move in ONE jitted program that takes their pinned arrays, copies them to device memory itself and writes
-  them into the donated pool (one dispatch instead of a `device_put` and a commit: on the H200 it held the
-  host 0.27-0.60 ms for 1-8 experts against 0.43-1.60 ms, and finished as fast or faster, see
-  `benchmarks/probes/probe_copy_issue.py`); compiled once per exact count, since padding would copy a repeated expert
-  twice. More experts go through stage + commit. `Written.done` is a small array ready when the write is.
-  Staging may run on another thread (`device_put` releases the caller there); `bytes_moved` is then updated
-  by the caller's thread only, through `write` and `count_moved`.
+- Host copy, once: `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` copies a layer's stacked weights (numpy,
+  or a jax array anywhere) expert by expert into the accelerator's `pinned_host` memory, one allocation per
+  expert and weight, so any subset of a layer can be the operand of one transfer; it keeps no reference to the
+  stack, so only one layer ever exists twice. Nothing writes to expert weights afterwards.
+- CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes
+  (XLA:CPU takes 64-byte-aligned buffers zero-copy), verified per expert (same address, same bytes); where it
+  does not hold the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0: every view aliases,
+  2.0: none does). `cpu_view="copy"` forces copies. `host_alloc="torch"` (the GPU default where torch has
+  CUDA) pins with torch and imports zero-copy through dlpack, for where a pinned array's address is unreadable.
+- Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts
+  by a computed index (`engine.device_decode`; `pull_traced` is their copy). With torch one allocation per layer
+  that the experts alias; with jax only when `stacks=True`, a second pinned copy (in host_bytes_per_model_byte).
+- Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched
+  `device_put` and returns at once (issued before the compute it should hide behind, it overlaps it);
+  `commit(pool, staged, slots)` writes the staged arrays into their slots with ONE jitted program that donates
+  the pool (in place), compiled per power-of-two batch size (padding repeats the last expert: an idempotent
+  write). Donation orders a slot write after every pending reader of the pool, which is why the host-to-device
+  part is staged outside it; the budget counts two layers of staged arrays.
+  `write(pool, layer, experts, slots) -> Written` is for loads needed now: up to `FUSED_MAX` experts in ONE
+  program that copies from pinned memory and writes the donated pool (one dispatch instead of two; compiled
+  per exact count, as padding would copy an expert twice), more through stage + commit; `Written.done` is ready
+  when the write is. Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
 """
 
 from __future__ import annotations
@@ -229,7 +214,7 @@ class ExpertStore:
 
     def layer_stacks(self, layer: int) -> tuple[jax.Array, jax.Array] | None:
         """(gate_up [E,D,2F], down [E,F,D]) of a layer in pinned_host memory, or None when not kept: a program can
-        index them with an index it computed (`offload.device_decode`)."""
+        index them with an index it computed (`engine.device_decode`)."""
         return self._stacks.get(layer)
 
     def layer_experts(self, layer: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -304,8 +289,8 @@ def pull_traced(experts, order, n_miss, rest):
     (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F], downs [U, F, D]). From stacks, one branch per
     count in `pull_counts(U)` (the smallest >= n_miss runs) whose copies run at once; from per-expert arrays, a
     `lax.switch` over the E experts per miss, one copy after another. The rows come out whole, in one array per
-    kind, so the caller multiplies them without selecting between copies and pool rows (call 40: a select, and
-    the zeros it chose from, cost a resident layer about 130 us of its 420 on the H200)."""
+    kind, so the caller multiplies them without selecting between copies and pool rows (a select, and the zeros
+    it would choose from, would cost every resident layer)."""
     gate_ups, downs = experts
     pool_gu, pool_dn, rows = rest
     u = order.shape[0]

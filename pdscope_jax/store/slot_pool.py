@@ -93,7 +93,7 @@ class SlotPool:
         return slots.astype(np.int32)
 
     def set_table(self, owner_layer: np.ndarray, owner_expert: np.ndarray, last_use: np.ndarray, clock: int) -> None:
-        """Replace the table with one kept elsewhere (`offload.device_decode` keeps it on the accelerator in
+        """Replace the table with one kept elsewhere (`engine.device_decode` keeps it on the accelerator in
         decode): each slot's owner (-1: free) and LRU clock; the expert -> slot maps follow from the owners."""
         self.owner_layer, self.owner_expert = np.asarray(owner_layer, np.int64), np.asarray(owner_expert, np.int64)
         self.last_use = np.asarray(last_use, np.int64)

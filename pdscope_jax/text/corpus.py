@@ -9,13 +9,8 @@ Contract:
 - `split_documents(docs, heldout_fraction, seed)`: a document is held out when the SHA-256 of
   `f"{seed}:{name}"` falls below the fraction, so the split depends only on the relative path, never on
   the order of files or on the machine: two interpreters put a file they share on the same side.
-- `out_of_domain(max_chars)`: text that is not Python, for out-of-domain evaluation. The first of these
-  sources that yields at least `MIN_OOD_CHARS` characters wins, and its name is returned with the text:
-    1. "common-licenses": `/usr/share/common-licenses/*` (Debian/Ubuntu `base-files`, always installed);
-    2. "doc-copyright": `/usr/share/doc/*/copyright` (dpkg docs; removed on some slim images);
-    3. "stdlib-text": the interpreter's own non-Python text files (`LICENSE.txt`, `*.txt`, `*.rst` anywhere
-       under the stdlib, test data included: none of it is Python source);
-    4. "none": an empty list, when nothing above exists.
+- `out_of_domain(max_chars)`: text that is not Python, for out-of-domain evaluation, from the first source that
+  yields at least `MIN_OOD_CHARS` characters (its name is returned with the text; the function lists them).
 - `cjk_text(stdlib=None)`: Chinese, Japanese and Korean sample texts, UTF-8, that CPython ships for its codec
   tests (`test/cjkencodings/*-utf8.txt` under the stdlib; empty where a distribution strips the tests). A
   harder switch of corpus than `out_of_domain`'s English prose for a model trained on Python: a byte-level BPE
@@ -23,8 +18,8 @@ Contract:
 - `load_corpus(...)` bundles the three sets; `token_stream(encode_batch, docs, eos_id)` concatenates
   documents' token ids, each document followed by the end-of-text id (`encode_batch(texts) -> list of id
   lists`; `tokenizer_encoder(tokenizer)` makes one from a `tokenizers.Tokenizer`); `sample_windows` and
-  `chunk_windows` cut a stream into `[count, length]`
-  int32 windows (seeded random offsets for training batches and prompts, consecutive for evaluation).
+  `chunk_windows` cut a stream into `[count, length]` int32 windows (seeded random offsets for training
+  batches and prompts, consecutive for evaluation).
 
 Nothing here trains a tokenizer or touches a model: callers bring the encoder.
 """
@@ -133,6 +128,12 @@ def _collect_text(paths: Sequence[Path], root: Path, max_chars: int) -> list[Doc
 def out_of_domain(max_chars: int = 2_000_000, stdlib: Path | None = None,
                   common_licenses: Path = COMMON_LICENSES,
                   doc_root: Path = DOC_ROOT) -> tuple[str, list[Document]]:
+    """(source name, documents) of the first source with at least `MIN_OOD_CHARS` characters, in this order:
+    1. "common-licenses": `/usr/share/common-licenses/*` (Debian/Ubuntu `base-files`, always installed);
+    2. "doc-copyright": `/usr/share/doc/*/copyright` (dpkg docs; removed on some slim images);
+    3. "stdlib-text": the interpreter's own non-Python text files (`LICENSE.txt`, `*.txt`, `*.rst` anywhere
+       under the stdlib, test data included: none of it is Python source);
+    4. "none": an empty list, when nothing above exists."""
     stdlib = stdlib_root() if stdlib is None else Path(stdlib)
     candidates = [
         ("common-licenses", common_licenses,

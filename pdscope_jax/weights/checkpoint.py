@@ -56,7 +56,7 @@ ITEM_SIZES = {
     "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
 }
 _CHUNK_BYTES = 32 << 20  # a read buffer; bounds the extra memory of transposing or converting a tensor
-_TRANSPOSE_ROWS = 64  # transposing a few rows at a time keeps the strided writes in cache: ~4x faster
+_TRANSPOSE_ROWS = 64  # transposing a few rows at a time keeps the strided writes in cache
 _MAX_LINES = 100  # message lines shown; `CheckpointError.problems` keeps them all
 PROGRESS_BYTES = 256 << 20  # loading at least this many bytes shows a progress bar
 _REDOWNLOAD = "download or convert the checkpoint again"

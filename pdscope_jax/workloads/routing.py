@@ -3,36 +3,18 @@ that expert popularity and inter-layer affinity look like what the trained refer
 
 Why: seeded random weights route nearly uniformly and without inter-layer structure, which no trained MoE does,
 and which hides exactly what hot-expert tables and cross-layer prediction exploit. The reference MoE
-(`pdscope_jax/assets/reference-moe`, trained on the H200) recorded its held-out routing in
+(`pdscope_jax/assets/reference-moe`) recorded its held-out routing in
 `benchmarks/results/reference_moe_training.json` ("routing_heldout": per-layer expert counts [12, 32], and per
 layer pair the recall@K of an inter-layer affinity table against the recall@K of always guessing the K most
-popular experts). The skewed workload reproduces, per MoE layer of the target model:
+popular experts). The skewed workload reproduces, per MoE layer of the target model (reference layers mapped
+by relative depth, nearest index):
 - popularity: the reference layer's sorted share curve (share of top-k assignments by expert rank), resampled to
   E experts through its cumulative curve (so the top-quarter share carries over exactly when 4 divides E) and
-  capped at 1/k per expert (an expert is chosen at most once per token), assigned to experts by a seeded
-  permutation;
+  capped at 1/k per expert (an expert is chosen at most once per token), assigned by a seeded permutation;
 - affinity: the reference's lift of affinity recall over popularity recall, `(r_aff - r_pop) / (1 - r_pop)`,
   which unlike raw recall is comparable across expert counts and top-k (the reference: about 0.29).
-Reference layers map to target layers by relative depth (nearest index).
-
-How, so that every policy and the plain model see one and the same model (parity holds; nothing changes at run
-time): the last `channel` hidden dimensions become a routing channel. The embedding writes a per-token code
-there (`channel - 1` seeded standard normal values and one constant, scaled to the embedding's own spread), and
-no layer writes into it (those columns of every attention output projection, dense and shared-expert down
-projection and routed expert down projection are zero), so the residual stream carries the code unchanged to
-every layer. Each router reads only the channel: its kernel rows there are `[A_l; b_l]` (A_l [channel-1, E]
-unit-norm columns, b_l [E] per-expert offsets through the constant), its other rows zero. Post-attention
-RMSNorm only rescales a token's channel by a positive factor (random-init norms are ones), and every family's
-expert choice (softmax top-k, group-limited greedy, sigmoid with the zero correction bias of random init at
-n_group 1) depends only on the order of the logits, so the experts a token picks at layer l are exactly
-top-k(z_t A_l + b_l) for its code z_t: the routing is a function of the token id, the same in prefill and
-decode, and can be fitted offline in numpy:
-- `A_{l+1} = cos(theta_l) A_l P_l + sin(theta_l) G_{l+1}` (columns renormalised; P_l a seeded permutation of
-  experts, G fresh Gaussian): tokens that pick expert i at layer l lean towards expert P_l(i) next; theta_l is
-  bisected until the measured lift matches the target (theta = 0: fully determined, pi/2: independent);
-- b_l by fixed-point iteration `b += log(target share) - log(measured share)` over the calibration tokens.
-Calibration tokens are the vocabulary (a seeded sample of `calibration` ids when larger), i.e. the statistics
-hold for prompts drawn uniformly from the vocabulary, as the benchmarks draw them.
+Every policy and the plain model see one and the same model (a routing channel in the residual stream, see
+`Workload`), so parity holds and nothing changes at run time.
 
 Contract: `design(cfg, workload, seed=0, stats=None) -> Workload | None` (None for "uniform");
 `Workload.transform(path, array) -> array` rewrites one parameter (others pass through), `Workload.loader(loader)`
@@ -140,6 +122,24 @@ def _unit_columns(a: np.ndarray) -> np.ndarray:
 
 @dataclasses.dataclass
 class Workload:
+    """The skewed model, the same for every policy and the plain model: the last `channel` hidden dimensions become
+    a routing channel. The embedding writes a per-token code there (`channel - 1` seeded standard normal values and
+    one constant, scaled to the embedding's own spread), and no layer writes into it (those columns of every
+    attention output projection, dense and shared-expert down projection and routed expert down projection are
+    zero), so the residual stream carries the code unchanged to every layer. Each router reads only the channel: its
+    kernel rows there are `[A_l; b_l]` (A_l [channel-1, E] unit-norm columns, b_l [E] per-expert offsets through the
+    constant), its other rows zero. Post-attention RMSNorm only rescales a token's channel by a positive factor
+    (random-init norms are ones), and every family's expert choice (softmax top-k, group-limited greedy, sigmoid
+    with the zero correction bias of random init at n_group 1) depends only on the order of the logits, so the
+    experts a token picks at layer l are exactly top-k(z_t A_l + b_l) for its code z_t: the routing is a function of
+    the token id, the same in prefill and decode, and can be fitted offline in numpy:
+    - `A_{l+1} = cos(theta_l) A_l P_l + sin(theta_l) G_{l+1}` (columns renormalised; P_l a seeded permutation of
+      experts, G fresh Gaussian): tokens that pick expert i at layer l lean towards expert P_l(i) next; theta_l is
+      bisected until the measured lift matches the target (theta = 0: fully determined, pi/2: independent);
+    - b_l by fixed-point iteration `b += log(target share) - log(measured share)` over the calibration tokens.
+    Calibration tokens are the vocabulary (a seeded sample of `calibration` ids when larger), i.e. the statistics
+    hold for prompts drawn uniformly from the vocabulary, as the benchmarks draw them."""
+
     name: str
     cfg: object
     channel: int  # routing channel width (the last `channel` hidden dimensions)

@@ -8,7 +8,7 @@ from flax import nnx
 
 from pdscope_jax import models
 from pdscope_jax.generation.generator import Generator
-from pdscope_jax.models import layers
+from pdscope_jax.models import experts
 from pdscope_jax.store.budget import BudgetError
 from pdscope_jax.engine.runner import OffloadRunner, analytic_costs
 from pdscope_jax.store.expert_store import is_expert_path
@@ -81,7 +81,7 @@ def test_policy_matches_plain_model(ds, policy, pool):
 def test_batched_tiles_over_the_pool_match_plain_model(ds, policy, monkeypatch):
     """With a pool of more slots than experts, prefill's experts run as batched tiles over the pool (the path
     the H200 takes; tiny experts normally skip it): the plain model's logits and tokens still."""
-    monkeypatch.setattr(layers, "TILED_MIN_EXPERT_ELEMENTS", 0)
+    monkeypatch.setattr(experts, "TILED_MIN_EXPERT_ELEMENTS", 0)
     runner = ds.runner(policy, _slots(ds, "double"))
     np.testing.assert_allclose(runner.logits(ds.ids), ds.logits, atol=TOL, rtol=0)
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)

@@ -8,6 +8,7 @@ import pytest
 import tokenizers
 
 import pdscope_jax
+from pdscope_jax.generation.generator import GenerationResult
 from pdscope_jax.presets import UnknownModelError
 from pdscope_jax.text.tokenizer import token_batch
 
@@ -35,9 +36,17 @@ def test_greedy_generate_equals_argmax_of_full_recompute(runner, request):
     # Causal: the full forward over prompt + generated tokens predicts each generated token at the step before.
     logits = runner.logits(np.concatenate([PROMPT, out.tokens], axis=1))
     np.testing.assert_array_equal(logits[:, PROMPT.shape[1] - 1:-1].argmax(-1), out.tokens)
-    assert out.prefill_seconds > 0 and out.decode_seconds > 0
-    assert out.prefill_tokens_per_s > 0 and out.decode_tokens_per_s > 0
     assert out.text is None
+
+
+def test_rates_count_prompt_tokens_in_prefill_and_the_rest_in_decode():
+    """Prefill covers B * prompt_len tokens and yields each sequence's first new token; decode the others."""
+    out = GenerationResult.timed(np.zeros((2, 8), np.int32), prompt_len=6, prefill_seconds=0.5, decode_seconds=2.0)
+    assert (out.prefill_seconds, out.decode_seconds) == (0.5, 2.0)
+    assert out.prefill_tokens_per_s == pytest.approx(2 * 6 / 0.5)
+    assert out.decode_tokens_per_s == pytest.approx(2 * 7 / 2.0)
+    one = GenerationResult.timed(np.zeros((3, 1), np.int32), prompt_len=4, prefill_seconds=1.0, decode_seconds=0.0)
+    assert one.decode_tokens_per_s == 0.0  # one new token: nothing decoded, and no division by a zero time
 
 
 def test_sampling(v2):

@@ -7,8 +7,8 @@ import pytest
 from flax import nnx
 
 from pdscope_jax import models
-from pdscope_jax.models import layers
-from pdscope_jax.models.layers import combine_experts, expert_ffn
+from pdscope_jax.models import experts
+from pdscope_jax.models.experts import combine_experts, expert_ffn
 from pdscope_jax.presets import PUBLISHED, preset
 
 TINY = ["tiny-deepseek-v2-lite", "tiny-moonlight-16b-a3b", "tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b"]
@@ -108,9 +108,9 @@ def _experts(rng, e=6, d=16, f=8, n=50, k=2):
 def tiles_for_small_experts(request, monkeypatch):
     """The tiled path normally waits for large experts; let these toy ones reach it, in both of its forms (all
     tiles as one batched matmul, or one tile after another when the gathered weights would be too large)."""
-    monkeypatch.setattr(layers, "TILED_MIN_EXPERT_ELEMENTS", 0)
+    monkeypatch.setattr(experts, "TILED_MIN_EXPERT_ELEMENTS", 0)
     if request.param == "tile_after_tile":
-        monkeypatch.setattr(layers, "GROUPED_MAX_BYTES", 0)
+        monkeypatch.setattr(experts, "GROUPED_MAX_BYTES", 0)
 
 
 @pytest.mark.parametrize("n", [4, 50, 200])  # 8, 100, 400 assignments over 6 experts: gather, ragged_dot, tiles
@@ -216,5 +216,5 @@ def test_published_parameter_counts(name):
     shapes = models.abstract_state(cfg, jnp.bfloat16)
     total = sum(int(np.prod(s.shape)) for s in shapes.values())
     assert abs(total / PUBLISHED_PARAMS[name] - 1) < 0.02, total
-    experts = sum(int(np.prod(s.shape)) for p, s in shapes.items() if ".experts." in p)
-    assert experts == len(cfg.moe_layers) * cfg.num_experts * cfg.expert_param_count()
+    expert_params = sum(int(np.prod(s.shape)) for p, s in shapes.items() if ".experts." in p)
+    assert expert_params == len(cfg.moe_layers) * cfg.num_experts * cfg.expert_param_count()

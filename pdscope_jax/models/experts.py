@@ -1,0 +1,148 @@
+"""Routed-expert math: one expert's FFN and the weighted sum over each token's top-k experts.
+
+Contract:
+- `expert_ffn(x [N,D], gate_up [D,2F], down [F,D]) -> [N,D]` is the one definition of a routed expert,
+  `(silu(x @ Wg) * (x @ Wu)) @ Wd` with gate and up fused (gate columns first); matmuls in the weights' dtype,
+  float32 accumulation, result in x's dtype.
+- `combine_experts(x, weights, ids, gate_up [S,D,2F], down [S,F,D], slot_of [E])` sums `weights * expert_ffn`
+  over the top-k experts that `slot_of` maps to a slot (>= 0) and ignores the rest. The plain model passes
+  `slot_of = arange(E)`, the offload engine its slot maps. Three exact paths, chosen statically by shape (few
+  assignments: gather; many: sort + `jax.lax.ragged_dot`; very many per slot, or a pool of more slots than
+  experts: tiles of one slot's rows); all agree within float32 tolerance.
+- `grouped_tiles` sizes the tiled path; the offload budget (`store.budget`) counts its activations with it.
+Pure jax functions of their arguments: no parameters, no state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+# combine_experts' paths. Up to GATHER_MAX_ASSIGNMENTS (token, expert) assignments: gather one weight copy per
+# assignment (decode). From TILED_MIN_ROWS_PER_SLOT assignments per slot on average, or whenever there are more
+# slots than experts: tiles, each of one slot's rows, because ragged_dot's cost grows with the number of groups
+# (slots), not only with the rows, and a layer's tiles are bounded by the E slots it can use. In between: sort +
+# ragged_dot. Tiles run as ONE batched matmul over a gathered copy of each tile's weights while that copy stays
+# under GROUPED_MAX_BYTES (the tile grows with the tokens, so the copy holds at most about 2E + 1 experts); larger
+# experts (Mixtral's) run tile after tile (`lax.map`) over TILE_ROWS-row tiles instead, which still beats
+# ragged_dot over a large pool.
+GATHER_MAX_ASSIGNMENTS = 64
+TILED_MIN_ROWS_PER_SLOT = 64
+TILE_ROWS = 128
+GROUPED_MIN_TILE = 64
+GROUPED_MAX_TILE = 512
+GROUPED_MAX_BYTES = 3 * 10**9
+# Tiles only pay when each tile's matmul is large: many tiny sequential tiles of a small expert are slower than
+# ragged_dot.
+TILED_MIN_EXPERT_ELEMENTS = 1 << 20  # D * 2F of one expert's gate_up
+
+
+def _swiglu(h: jax.Array) -> jax.Array:
+    """[..., 2F] fused gate|up pre-activations -> [..., F]."""
+    gate, up = jnp.split(h, 2, axis=-1)
+    return jax.nn.silu(gate) * up
+
+
+def expert_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
+    """One routed expert: x [N, D], gate_up [D, 2F], down [F, D] -> [N, D] in x's dtype.
+
+    Matmuls run in the weights' dtype with float32 accumulation.
+    """
+    h = jnp.dot(x.astype(gate_up.dtype), gate_up, preferred_element_type=F32)  # [N, 2F]
+    act = _swiglu(h).astype(down.dtype)
+    return jnp.dot(act, down, preferred_element_type=F32).astype(x.dtype)
+
+
+def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array, down: jax.Array,
+                    slot_of: jax.Array) -> jax.Array:
+    """sum_k weights[n,k] * expert_ffn(x[n]) over experts with slot_of[id] >= 0.
+
+    x [N, D], weights [N, K] float32, ids [N, K] int32, gate_up [S, D, 2F], down [S, F, D], slot_of [E] int32
+    -> [N, D] in x's dtype.
+    """
+    n, k = ids.shape
+    slots = slot_of[ids]  # [N, K]
+    valid = slots >= 0
+    slots = jnp.where(valid, slots, 0)
+    if n * k <= GATHER_MAX_ASSIGNMENTS:
+        per_token = jax.vmap(lambda xn, gu, dn: expert_ffn(xn[None], gu, dn)[0], in_axes=(None, 0, 0))
+        y = jax.vmap(per_token)(x, gate_up[slots], down[slots])  # [N, K, D]
+        y = jnp.where(valid[..., None], y.astype(F32) * weights[..., None], 0.0)
+        return y.sum(axis=1).astype(x.dtype)
+    num_slots, num_experts = gate_up.shape[0], slot_of.shape[0]
+    big_experts = gate_up.shape[1] * gate_up.shape[2] >= TILED_MIN_EXPERT_ELEMENTS
+    if big_experts and (num_slots > num_experts or n * k >= TILED_MIN_ROWS_PER_SLOT * num_slots):
+        used = min(num_slots, num_experts + 1)
+        expert_bytes = (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * gate_up.dtype.itemsize
+        tile, _, batched = grouped_tiles(n * k, used, expert_bytes)
+        return _combine_tiled(x, weights, slots, valid, gate_up, down, tile if batched else TILE_ROWS, used,
+                              batched=batched)
+    return _combine_ragged(x, weights, slots, valid, gate_up, down)
+
+
+def grouped_tiles(assignments: int, used_slots: int, expert_bytes: int) -> tuple[int, int, bool]:
+    """(tile rows, tile count, batched) of the batched tiled path for `assignments` rows over at most
+    `used_slots` slots of `expert_bytes` each: the tile is the power of two nearest above the mean rows per slot,
+    within [GROUPED_MIN_TILE, GROUPED_MAX_TILE]; the count bounds the tiles any routing can fill (every slot's
+    last tile may be partly empty); `batched` says whether the gathered copy of the tiles' weights fits
+    GROUPED_MAX_BYTES (if not, `combine_experts` runs TILE_ROWS tiles one after another instead)."""
+    mean = -(-assignments // max(used_slots, 1))
+    tile = min(max(1 << max(mean - 1, 0).bit_length(), GROUPED_MIN_TILE), GROUPED_MAX_TILE)
+    count = _tile_count(assignments, used_slots, tile)
+    return tile, count, count * expert_bytes <= GROUPED_MAX_BYTES
+
+
+def _tile_count(assignments: int, used_slots: int, tile: int) -> int:
+    return -(-(assignments + used_slots * (tile - 1)) // tile)
+
+
+def _combine_ragged(x, weights, slots, valid, gate_up, down):
+    """Many tokens: sort the N*K assignments by slot and run each slot's rows as one group of ragged_dot."""
+    n, k = slots.shape
+    flat_slots = slots.reshape(-1)  # [N*K]
+    order = jnp.argsort(flat_slots, stable=True)
+    token_of = order // k  # assignment n*K + j belongs to token n
+    group_sizes = jnp.bincount(flat_slots, length=gate_up.shape[0]).astype(jnp.int32)  # [S]
+    xs = x[token_of].astype(gate_up.dtype)  # [N*K, D] grouped by slot
+    h = jax.lax.ragged_dot(xs, gate_up, group_sizes, preferred_element_type=F32)  # [N*K, 2F]
+    act = _swiglu(h).astype(down.dtype)
+    y = jax.lax.ragged_dot(act, down, group_sizes, preferred_element_type=F32)  # [N*K, D]
+    y = jnp.where(valid.reshape(-1)[order, None], y * weights.reshape(-1)[order, None], 0.0)
+    return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(y).astype(x.dtype)
+
+
+def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots, batched):
+    """Many tokens: sort assignments by slot, pad each slot's rows to whole tiles, run expert_ffn per tile: all
+    tiles as one batched matmul over a gathered copy of their weights (`batched`), or one after another.
+    At most `max_used_slots` distinct slots occur in `slots` (the layer's E experts, and slot 0 where invalid
+    assignments point), which bounds the tiles of padding."""
+    n, k = slots.shape
+    num_slots = gate_up.shape[0]
+    a = n * k
+    flat = slots.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    sorted_slots = flat[order]
+    sizes = jnp.bincount(flat, length=num_slots)  # [S]
+    padded = (sizes + tile - 1) // tile * tile
+    padded_end = jnp.cumsum(padded)
+    dest = (padded_end - padded)[sorted_slots] + jnp.arange(a) - (jnp.cumsum(sizes) - sizes)[sorted_slots]
+    num_tiles = _tile_count(a, max_used_slots, tile)
+    rows = jnp.zeros((num_tiles * tile,), jnp.int32).at[dest].set((order // k).astype(jnp.int32))
+    w = jnp.where(valid.reshape(-1)[order], weights.reshape(-1)[order], 0.0)
+    w_rows = jnp.zeros((num_tiles * tile,), F32).at[dest].set(w)
+    starts = jnp.arange(num_tiles) * tile
+    tile_slot = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_slots - 1)
+    xt = x[rows].reshape(num_tiles, tile, x.shape[1])
+    if batched:  # rows of unused tiles carry weight 0, so they need no mask
+        gu, dn = gate_up[tile_slot], down[tile_slot]  # [T, D, 2F], [T, F, D]
+        h = jnp.einsum("tcd,tdf->tcf", xt.astype(gu.dtype), gu, preferred_element_type=F32)
+        y = jnp.einsum("tcf,tfd->tcd", _swiglu(h).astype(dn.dtype), dn, preferred_element_type=F32).astype(x.dtype)
+    else:
+        def one_tile(args):
+            xg, slot, live = args
+            return jax.lax.cond(live, lambda: expert_ffn(xg, gate_up[slot], down[slot]), lambda: jnp.zeros_like(xg))
+
+        y = jax.lax.map(one_tile, (xt, tile_slot, starts < padded_end[-1]))
+    y = y.reshape(num_tiles * tile, -1).astype(F32) * w_rows[:, None]
+    return jnp.zeros((n, x.shape[1]), F32).at[rows].add(y).astype(x.dtype)
