@@ -236,6 +236,8 @@ def readme_section(entries: list[tuple[str, dict]], prompt_len: int = 4096) -> s
     lines += ["", "From " + ", ".join(f"`{f}`" for f in files)
               + (f" (calls {', '.join(map(str, calls))})" if calls else "")
               + "; each file's command and commit: `benchmarks/results/README.md`; the history: `docs/MEASUREMENTS.md`."]
+    # a result that is known to flatter says so in its JSON ("caveat"), and the table carries it
+    lines += [f"Caveat ({name}): {d['caveat']}" for name, d in entries if name in files and d.get("caveat")]
     return "\n".join(lines) + "\n"
 
 
