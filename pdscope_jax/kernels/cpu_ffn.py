@@ -1,0 +1,176 @@
+"""One layer's CPU experts in one call: a C++ kernel run by the JAX CPU backend, with an XLA fallback.
+
+Contract: `moe_ffn_cpu(h, coef, gate_up, down, ids=None)` -> out [N, D] float32 with
+    out[n] = sum_j coef[j, n] * expert_ffn(h[n], gate_up_j, down_j)        (models.layers.expert_ffn)
+- h [N, D] on the CPU backend, any float dtype (cast to the weights' dtype, as `expert_ffn` does);
+  coef [k, N] float32, 0 where row n is not routed to expert j (those rows skip that expert);
+- the experts either as sequences of k arrays gate_up_j [D, 2F], down_j [F, D] (ids None: the expert store's
+  per-expert CPU views), or as a layer's stacks [E, D, 2F], [E, F, D] with ids [k] int32 naming the experts
+  (ids are data: one compiled program serves any set of k experts).
+The kernel reads each weight where it lies (no gather, no copy), once per call, on every thread of its pool,
+with AVX-512 BF16 dot products and float32 accumulation; the activation is rounded to bf16 after scaling by
+coef, and the output is float32 (the XLA path rounds each expert's output to h's dtype first): the two agree
+to bf16 rounding. Eager or inside `jax.jit`; the path is chosen at trace time by `impl`:
+- "auto": the kernel where `available()` and `kernel_supports(...)`, else "xla";
+- "kernel": the kernel, or an error where it cannot run; "xla": XLA ops, rows zero-padded to `min_rows`
+  (XLA:CPU is pathologically slow on bf16 matmuls of one row), as the engine's dense path computes them.
+`available()`: the library is built and loaded, its targets registered, and the CPU has AVX-512 BF16 (the
+kernel's portable path is correct but not fast, so "auto" uses it only when forced with `set_isa("portable")`).
+The library is compiled on first use (`kernels.build`); `PDSCOPE_CPU_KERNEL=0` disables it. Threads:
+`PDSCOPE_CPU_FFN_THREADS` or `set_threads(n)`, by default the CPUs this process may run on.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdscope_jax.kernels.build import SOURCES, shared_library
+from pdscope_jax.models.layers import expert_ffn
+
+SOURCE = SOURCES / "cpu_ffn.cc"
+LIST_TARGET = "pdscope_cpu_ffn_list"
+STACKED_TARGET = "pdscope_cpu_ffn_stacked"
+BLOCK = 32  # the kernel needs D and F to be multiples of this
+ISAS = {"portable": 0, "avx512_bf16": 2}
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded ctypes library or None, once tried
+
+
+def library() -> ctypes.CDLL | None:
+    """The kernel library, built and loaded and its FFI targets registered on first call; None where it cannot
+    be (no compiler, build failure, not x86-64 Linux, or PDSCOPE_CPU_KERNEL=0)."""
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _load()
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("PDSCOPE_CPU_KERNEL", "1") == "0":
+        return None
+    path = shared_library(SOURCE)
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name in ("pdscope_cpu_ffn_isa", "pdscope_cpu_ffn_best_isa", "pdscope_cpu_ffn_threads"):
+        getattr(lib, name).restype = ctypes.c_int
+    for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [ctypes.c_int]
+    lib.pdscope_cpu_ffn_read.restype = None
+    lib.pdscope_cpu_ffn_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    for target in (LIST_TARGET, STACKED_TARGET):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    return lib
+
+
+def built() -> bool:
+    """The library is loaded (on any CPU: the portable path runs everywhere it builds)."""
+    return library() is not None
+
+
+def available() -> bool:
+    """The kernel is what "auto" uses: built, and running its AVX-512 BF16 path (or forced to portable)."""
+    lib = library()
+    return lib is not None and (lib.pdscope_cpu_ffn_best_isa() == ISAS["avx512_bf16"] or _state.get("forced", False))
+
+
+def isa() -> str | None:
+    """The kernel's instruction set in use ("avx512_bf16" or "portable"), None where not built."""
+    lib = library()
+    return None if lib is None else {v: k for k, v in ISAS.items()}[lib.pdscope_cpu_ffn_isa()]
+
+
+def set_isa(name: str | None) -> str | None:
+    """Force the kernel's instruction set ("portable", or "avx512_bf16" where supported), None for the best.
+    Returns the one in use (None where not built)."""
+    lib = library()
+    if lib is None:
+        return None
+    _state["forced"] = name == "portable"
+    lib.pdscope_cpu_ffn_set_isa(-1 if name is None else ISAS[name])
+    return isa()
+
+
+def threads() -> int:
+    """Threads of the kernel's pool (0 where not built)."""
+    lib = library()
+    return 0 if lib is None else lib.pdscope_cpu_ffn_threads()
+
+
+def set_threads(n: int) -> int:
+    """Replace the kernel's pool with n threads (n <= 0: the default); not while a kernel runs."""
+    lib = library()
+    return 0 if lib is None else lib.pdscope_cpu_ffn_set_threads(n)
+
+
+def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s at which the kernel's pool reads a fresh buffer of `nbytes` (median of `repeats`; 0.0 if not built):
+    the memory speed the kernel can hope for."""
+    import time
+
+    lib = library()
+    if lib is None:
+        return 0.0
+    buffer = np.ones(nbytes // 8, np.float64)
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        lib.pdscope_cpu_ffn_read(buffer.ctypes.data, buffer.nbytes)
+        times.append(time.perf_counter() - start)
+    return buffer.nbytes / float(np.median(times[1:])) / 1e9
+
+
+def kernel_supports(h, gate_up) -> bool:
+    """The kernel can compute this call: bf16 weights, D and F multiples of 32 (shapes and dtypes only)."""
+    d, two_f = gate_up.shape[-2:]
+    return (jnp.dtype(gate_up.dtype) == jnp.bfloat16 and h.ndim == 2 and h.shape[1] == d
+            and d % BLOCK == 0 and two_f % (2 * BLOCK) == 0)
+
+
+def moe_ffn_xla(h, coef, gate_up, down, ids=None, min_rows: int = 8) -> jax.Array:
+    """The XLA path of `moe_ffn_cpu` (same arguments): each expert on all rows, weighted by coef."""
+    n = h.shape[0]
+    if ids is not None:
+        gate_up, down = gate_up[ids], down[ids]  # [k, D, 2F], [k, F, D]
+    x = jnp.pad(h, ((0, max(min_rows - n, 0)), (0, 0)))  # [max(N, min_rows), D]
+    out = jnp.zeros(h.shape, jnp.float32)
+    for j in range(coef.shape[0]):
+        out = out + coef[j][:, None] * expert_ffn(x, gate_up[j], down[j])[:n].astype(jnp.float32)
+    return out
+
+
+def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: jax.Array | Sequence[jax.Array],
+                down: jax.Array | Sequence[jax.Array], ids: jax.Array | None = None, *, impl: str = "auto",
+                min_rows: int = 8) -> jax.Array:
+    """out [N, D] float32 = sum_j coef[j, n] * expert_ffn(h[n], expert j); see the module docstring."""
+    if impl not in ("auto", "kernel", "xla"):
+        raise ValueError(f"impl must be 'auto', 'kernel' or 'xla', got {impl!r}")
+    k = coef.shape[0]
+    if ids is None and (len(gate_up) != k or len(down) != k):
+        raise ValueError(f"coef has {k} experts, got {len(gate_up)} gate_up and {len(down)} down arrays")
+    first = gate_up if ids is not None else (gate_up[0] if k else None)
+    if first is None:
+        return jnp.zeros(h.shape, jnp.float32)
+    use_kernel = impl == "kernel" or (impl == "auto" and available() and kernel_supports(h, first))
+    if not use_kernel:
+        return moe_ffn_xla(h, coef, gate_up, down, ids, min_rows)
+    if library() is None:
+        raise RuntimeError("the CPU expert kernel is not built (see the warning of pdscope_jax.kernels.build)")
+    if not kernel_supports(h, first):
+        raise ValueError(f"the CPU expert kernel needs bf16 weights with D and F multiples of {BLOCK}, "
+                         f"got {first.dtype} {first.shape} for h {h.shape}")
+    out_type = jax.ShapeDtypeStruct(h.shape, jnp.float32)
+    h = h.astype(jnp.bfloat16)
+    coef = coef.astype(jnp.float32)
+    if ids is None:
+        return jax.ffi.ffi_call(LIST_TARGET, out_type)(h, coef, *gate_up, *down)
+    return jax.ffi.ffi_call(STACKED_TARGET, out_type)(h, coef, jnp.asarray(ids, jnp.int32), gate_up, down)

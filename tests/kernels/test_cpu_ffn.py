@@ -1,0 +1,143 @@
+"""The CPU expert kernel against the XLA path and an exact float64 reference; the fallback paths."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax.kernels import build, cpu_ffn
+
+D, F, E = 256, 160, 10  # F = 5 blocks of 32: units split unevenly over threads
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def weights():
+    rng = np.random.default_rng(0)
+    gate_up = jnp.asarray(rng.standard_normal((E, D, 2 * F)) * 0.06, jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((E, F, D)) * 0.08, jnp.bfloat16)
+    return gate_up, down
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_ffn.built():
+        pytest.skip("the CPU expert kernel is not built here (no C++ compiler or a failed build)")
+    yield
+    cpu_ffn.set_isa(None)
+
+
+def exact(h, coef, gate_up, down, ids) -> np.ndarray:
+    """sum_j coef[j, n] * expert_ffn(h[n]) in float64 from the bf16 values."""
+    h = np.asarray(h.astype(jnp.float32), np.float64)
+    out = np.zeros(h.shape)
+    for j, e in enumerate(ids):
+        gu, dn = (np.asarray(w[e].astype(jnp.float32), np.float64) for w in (gate_up, down))
+        pre = h @ gu
+        gate, up = pre[:, :F], pre[:, F:]
+        out += coef[j][:, None] * ((gate / (1 + np.exp(-gate)) * up) @ dn)
+    return out
+
+
+def case(rows: int, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((rows, D)), jnp.bfloat16)
+    ids = rng.choice(E, k, replace=False).astype(np.int32)
+    coef = rng.random((k, rows)).astype(np.float32)
+    coef[rng.random((k, rows)) < 0.4] = 0.0  # rows not routed to an expert
+    coef[-1] = 0.0 if k > 1 else coef[-1]  # an expert no row is routed to
+    return h, coef, ids
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_kernel_matches_xla(kernel, weights, rows, k):
+    gate_up, down = weights
+    h, coef, ids = case(rows, k, seed=rows * 10 + k)
+    want = exact(h, coef, gate_up, down, ids)
+    xla = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="xla")
+    stacked = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
+    listed = jax.jit(lambda h, c, g, d: cpu_ffn.moe_ffn_cpu(h, c, g, d, impl="kernel"))(
+        h, coef, [gate_up[e] for e in ids], [down[e] for e in ids])
+    assert stacked.dtype == jnp.float32 and stacked.shape == (rows, D)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(listed))  # same kernel, same order
+    # bf16 rounding: the XLA path rounds each expert's output to bf16, the kernel only the activation
+    assert rel(stacked, xla) < 1e-2
+    assert rel(stacked, want) < 5e-3
+    assert rel(xla, want) < 1e-2
+    unrouted = ~(coef != 0).any(axis=0)
+    assert np.all(np.asarray(stacked)[unrouted] == 0.0)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_portable_path_matches(kernel, weights, rows):
+    gate_up, down = weights
+    h, coef, ids = case(rows, 4, seed=rows)
+    fast = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
+    assert cpu_ffn.set_isa("portable") == "portable"
+    try:
+        portable = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
+    finally:
+        cpu_ffn.set_isa(None)
+    assert rel(portable, fast) < 1e-5
+    assert rel(portable, exact(h, coef, gate_up, down, ids)) < 5e-3
+
+
+def test_float32_inputs_and_threads(kernel, weights):
+    gate_up, down = weights
+    h, coef, ids = case(5, 3, seed=7)
+    before = cpu_ffn.threads()
+    try:
+        assert cpu_ffn.set_threads(3) == 3
+        out = cpu_ffn.moe_ffn_cpu(h.astype(jnp.float32), coef, gate_up, down, ids, impl="kernel")
+    finally:
+        cpu_ffn.set_threads(before)
+    assert rel(out, exact(h, coef, gate_up, down, ids)) < 5e-3
+
+
+def test_kernel_refuses_what_it_cannot_compute(kernel, weights):
+    gate_up, down = weights
+    h, coef, ids = case(2, 2, seed=3)
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_ffn.moe_ffn_cpu(h, coef, gate_up.astype(jnp.float32), down.astype(jnp.float32), ids, impl="kernel")
+
+
+def test_auto_falls_back_to_xla(weights, monkeypatch):
+    gate_up, down = weights
+    h, coef, ids = case(4, 3, seed=5)
+    want = cpu_ffn.moe_ffn_xla(h, coef, gate_up, down, ids)
+    monkeypatch.setitem(cpu_ffn._state, "lib", None)  # as where no library could be built
+    assert not cpu_ffn.available() and cpu_ffn.isa() is None and cpu_ffn.threads() == 0
+    np.testing.assert_array_equal(np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids)), np.asarray(want))
+    with pytest.raises(RuntimeError, match="not built"):
+        cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
+
+
+def test_auto_uses_xla_for_float32_weights(weights):
+    gate_up, down = (w.astype(jnp.float32) for w in weights)
+    h, coef, ids = case(3, 2, seed=9)
+    out = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(cpu_ffn.moe_ffn_xla(h, coef, gate_up, down, ids)))
+    assert rel(out, exact(h, coef, gate_up, down, ids)) < 1e-2
+
+
+def test_no_experts_gives_zeros():
+    h = jnp.ones((3, D), jnp.bfloat16)
+    out = cpu_ffn.moe_ffn_cpu(h, np.zeros((0, 3), np.float32), [], [])
+    assert out.shape == (3, D) and not np.any(np.asarray(out))
+
+
+def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setenv("PDSCOPE_KERNEL_CACHE", str(tmp_path))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert build.shared_library(cpu_ffn.SOURCE) is None
+    assert len(caught) == 1 and "using the XLA path" in str(caught[0].message)
+    assert not list(tmp_path.glob("*.so"))
