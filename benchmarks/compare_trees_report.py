@@ -6,8 +6,8 @@
 Input: two JSON files written by `pdscope-jax bench` with the same arguments (one per tree, one device call).
 Output: a JSON with the provenance fields the results index reads (`what`, `command`, `commit`, `call`,
 `weights`), `old_commit`, `order` (which tree ran first), `comparison` (per policy, prompt length and phase:
-old, new, new / old, and the cold and warm prefill repeats) and both bench files whole under `trees`; and the
-same table printed. Only reads and writes files; the figures are the bench files' own medians.
+old, new, new / old, and the cold and warm prefill repeats) and both bench files whole under `trees`; a PNG of
+the ratios beside it; and the same table printed. Only reads and writes files; the figures are the bench files' own medians.
 """
 
 from __future__ import annotations
@@ -44,6 +44,26 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    """Bars of new / old per (policy, prompt, phase), with the +-3 % band."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['policy']}\n{r['prompt_len']} {r['phase'][:3]}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, 0.75 * len(rows)), 4))
+    ax.bar(range(len(rows)), [r["ratio"] for r in rows], color=["C0" if r["phase"] == "prefill" else "C1"
+                                                                 for r in rows])
+    ax.axhspan(0.97, 1.03, color="0.85", zorder=0)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), labels, fontsize=7)
+    ax.set_ylim(0.6, 1.25)
+    ax.set_ylabel("new / old tok/s")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("old", type=Path)
@@ -63,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
               "workload": new.get("workload"), "order": args.order.split(), "comparison": rows,
               "trees": {"old": old, "new": new}}
     args.out.write_text(json.dumps(report, indent=1) + "\n")
+    plot(rows, f"{args.what} (call {args.call}; weights: {report['weights']})", args.out.with_suffix(".png"))
     print(table(rows))
     return 0
 

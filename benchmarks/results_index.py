@@ -125,6 +125,16 @@ def headline(d) -> str:
             f"{t}: {fmt(ms.get(('engine_bf16', t)))} / {fmt(ms.get(('torch_bf16', t)))}" for t in toks)
     if isinstance(d.get("records"), list):
         return probe_headline(d["records"])
+    if isinstance(d.get("comparison"), list):
+        ratios = [r["ratio"] for r in d["comparison"] if r.get("ratio")]
+        return (f"new / old per policy, prompt and phase ({' then '.join(d.get('order', []))}): "
+                f"{min(ratios):.2f}-{max(ratios):.2f}; " + "; ".join(
+                    f"{r['policy']} {r['prompt_len']} {r['phase']} {r['ratio']:.2f}" for r in d["comparison"]
+                    if r.get("prompt_len") == max(x["prompt_len"] for x in d["comparison"])))
+    if "kernel_isa" in d and isinstance(d.get("results"), list):
+        cells = [r for r in d["results"] if r.get("experts") == 6]
+        return (f"GB/s of expert bytes at k=6, {d.get('kernel_threads')} threads ({d.get('kernel_isa')}): " + "; ".join(
+            f"{r['impl']} {r['rows']} rows {fmt(r.get('gbps'))}" for r in cells))
     return ""
 
 
