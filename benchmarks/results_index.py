@@ -247,7 +247,11 @@ def readme_section(entries: list[tuple[str, dict]], prompt_len: int = 4096) -> s
               + (f" (calls {', '.join(map(str, calls))})" if calls else "")
               + "; each file's command and commit: `benchmarks/results/README.md`; the history: `docs/MEASUREMENTS.md`."]
     # a result that is known to flatter says so in its JSON ("caveat"), and the table carries it
-    lines += [f"Caveat ({name}): {d['caveat']}" for name, d in entries if name in files and d.get("caveat")]
+    caveats: dict[str, list[str]] = {}
+    for name, d in entries:
+        if name in files and d.get("caveat"):
+            caveats.setdefault(d["caveat"], []).append(name)
+    lines += [f"Caveat ({', '.join(names)}): {text}." for text, names in caveats.items()]
     return "\n".join(lines) + "\n"
 
 
