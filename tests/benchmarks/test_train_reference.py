@@ -21,15 +21,26 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_reference_moe.
 
 
 @pytest.fixture(scope="module")
-def train():
+def script():
+    """The entry point, loaded by path; loading it puts scripts/ on sys.path for its stages `reference_moe`."""
     spec = importlib.util.spec_from_file_location("train_reference_moe", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_reference_config_meets_the_brief(train):
-    cfg = ModelConfig.from_hf(train.REFERENCE_CONFIG)
+@pytest.fixture(scope="module")
+def train(script):
+    return script.train
+
+
+@pytest.fixture(scope="module")
+def checkpoint(script):
+    return script.checkpoint
+
+
+def test_reference_config_meets_the_brief(script):
+    cfg = ModelConfig.from_hf(script.REFERENCE_CONFIG)
     assert cfg.model_type == "deepseek_v2" and cfg.uses_mla and cfg.kv_lora_rank > 0
     assert len(cfg.moe_layers) >= 12 and cfg.num_experts >= 32 and cfg.num_experts_per_tok >= 4
     assert cfg.num_shared_experts > 0
@@ -39,10 +50,10 @@ def test_reference_config_meets_the_brief(train):
 
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v2-lite", "tiny-qwen3-30b-a3b"])
-def test_hf_tensors_is_the_inverse_of_checkpoint_sources(train, tmp_path, name):
+def test_hf_tensors_is_the_inverse_of_checkpoint_sources(checkpoint, tmp_path, name):
     cfg = preset(name)
     flat = {k: np.asarray(v) for k, v in models.to_flat(models.build(cfg, nnx.Rngs(3), jnp.float32)).items()}
-    tensors = train.hf_tensors(cfg, flat, dtype=np.float32)
+    tensors = checkpoint.hf_tensors(cfg, flat, dtype=np.float32)
     if cfg.model_type == "deepseek_v2":
         layer = cfg.moe_layers[0]
         f, d = cfg.moe_intermediate_size, cfg.hidden_size
@@ -82,12 +93,12 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth(train):
     assert train.lr_at(100, 1.0, 10, 100) == pytest.approx(0.1)
 
 
-def test_routing_stats_popularity_and_affinity(train):
+def test_routing_stats_popularity_and_affinity(checkpoint):
     e, k, n = 8, 2, 400
     rng = np.random.default_rng(0)
     first = np.stack([rng.choice(4, k, replace=False) for _ in range(n)])  # only experts 0..3 at layer 0
     experts = np.stack([first, (first + 4) % e, first]).astype(np.int32)  # [M=3, N, K], fully predictable
-    stats = train.routing_stats(experts, e)
+    stats = checkpoint.routing_stats(experts, e)
     counts = np.asarray(stats["counts"])
     assert counts.shape == (3, e) and (counts.sum(1) == n * k).all()
     assert (counts[0, 4:] == 0).all() and stats["unused_experts"] == 3 * 4
@@ -98,22 +109,22 @@ def test_routing_stats_popularity_and_affinity(train):
     assert stats["top_quarter_share"][0] == pytest.approx(0.5, abs=0.05)
 
 
-def test_write_safetensors_shards_with_an_index(train, tmp_path):
+def test_write_safetensors_shards_with_an_index(checkpoint, tmp_path):
     tensors = {f"t{i}": np.full((100,), i, np.float32) for i in range(5)}  # 400 bytes each
     (tmp_path / "model.safetensors").write_bytes(b"stale")
-    files = train.write_safetensors(tmp_path, tensors, max_shard_bytes=1000)
+    files = checkpoint.write_safetensors(tmp_path, tensors, max_shard_bytes=1000)
     assert [f.name for f in files] == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert not (tmp_path / "model.safetensors").exists()
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert index["weight_map"] == {"t0": files[0].name, "t1": files[0].name, "t2": files[1].name,
                                    "t3": files[1].name, "t4": files[2].name}
-    assert train.write_safetensors(tmp_path, tensors, max_shard_bytes=10_000)[0].name == "model.safetensors"
+    assert checkpoint.write_safetensors(tmp_path, tensors, max_shard_bytes=10_000)[0].name == "model.safetensors"
     assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
-def test_smoke_run_trains_exports_and_reloads(train, tmp_path):
+def test_smoke_run_trains_exports_and_reloads(script, tmp_path):
     # A small shard limit makes the smoke checkpoint sharded, so the reload check goes through the index.
-    assert train.main(["--smoke", "--out", str(tmp_path), "--max-shard-mb", "0.2"]) == 0
+    assert script.main(["--smoke", "--out", str(tmp_path), "--max-shard-mb", "0.2"]) == 0
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "deepseek_v2" and config["architectures"] == ["DeepseekV2ForCausalLM"]
     weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
