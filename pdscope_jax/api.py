@@ -15,7 +15,10 @@ Without `policy` the model runs whole on the default device (`Runner`). With a p
 (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
 predictions feed the planner (its fingerprint must match the model).
 `Runner.logits(input_ids) -> np.float32 [B,T,V]` and `Runner.generate(input_ids | text, ...)` take rectangular
-batches (ragged input raises ValueError); text needs the checkpoint's tokenizer.json. `runner.config`
+batches; text needs the checkpoint's tokenizer.json. Validate first, then work: `load` checks dtype, seed,
+policy and runtime settings before reading any weight, and `logits`/`generate` check ids (integers in
+[0, vocab) before any cast), shapes, sampling settings and, offloaded, max_batch / max_seq_len before any
+compilation; every bad input raises one `errors.InputError` (a ValueError) naming each problem. `runner.config`
 (ModelConfig) and `runner.tokenizer` (or None) stay reachable, and `runner.model` (the NNX CausalLM) for the
 plain model; an offloaded runner has `runner.engine` instead. The offload engine sizes its KV cache for
 `max_batch` sequences (default 1) of `max_seq_len` tokens: pass them in `**runtime` for larger batches.
@@ -31,10 +34,11 @@ import jax.numpy as jnp
 
 from pdscope_jax import models
 from pdscope_jax.config import ModelConfig
-from pdscope_jax.generation.generator import GenerationResult, Generator
+from pdscope_jax.errors import collect, raise_problems
+from pdscope_jax.generation.generator import GenerationResult, Generator, check_request
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.presets import UnknownModelError, known_names, preset
-from pdscope_jax.text.tokenizer import Tokenizer, token_batch
+from pdscope_jax.text.tokenizer import Tokenizer
 from pdscope_jax.weights.checkpoint import checkpoint_loader, open_checkpoint
 from pdscope_jax.weights.random_init import random_state
 
@@ -50,13 +54,17 @@ class Runner:
         self.tokenizer = tokenizer
         self._generator = Generator(model)
 
+    _limits: dict = {}  # max_batch / max_seq_len the engine was sized for (none for the whole model)
+
     def logits(self, input_ids):
-        return self._generator.logits(token_batch(input_ids, self.tokenizer))
+        ids = check_request(input_ids, self.tokenizer, self.config.vocab_size, what="logits", **self._limits)
+        return self._generator.logits(ids)
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                  seed: int = 0) -> GenerationResult:
-        result = self._generator.generate(token_batch(input_ids, self.tokenizer), max_new_tokens, temperature,
-                                          top_k, seed)
+        ids = check_request(input_ids, self.tokenizer, self.config.vocab_size, max_new_tokens, temperature, top_k,
+                            seed, **self._limits)
+        result = self._generator.generate(ids, max_new_tokens, temperature, top_k, seed)
         if self.tokenizer is not None:
             result.text = [self.tokenizer.decode(row) for row in result.tokens]
         return result
@@ -98,8 +106,7 @@ def resolve(name_or_path: str) -> tuple[ModelConfig, Path | None]:
 
 def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16",
          policy: str | None = None, predictors: str | Path | None = None, **runtime):
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+    rc = check_load(dtype, seed, policy, predictors, runtime)  # before anything is read or built
     cfg, checkpoint = resolve(str(name_or_path))
     if weights == "random":
         checkpoint = None
@@ -112,15 +119,11 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     else:
         loader = checkpoint_loader(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), shapes)
     tokenizer = None if checkpoint is None else Tokenizer.from_dir(checkpoint)
-    if policy is None:
-        if runtime or predictors is not None:
-            raise ValueError(f"{', '.join([*runtime, *(['predictors'] if predictors else [])])} only apply with a "
-                             "policy (e.g. policy='pdscope'); without one the model runs whole")
+    if rc is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         model = models.from_flat(cfg, jdtype, loader(list(shapes), lambda path: device))
         return Runner(model, tokenizer)
     from pdscope_jax.engine.runner import OffloadRunner
-    from pdscope_jax.runtime import RuntimeConfig
 
     predictor = None
     if predictors is not None:
@@ -130,9 +133,38 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
 
         predictor, _manifest = load_predictors(predictors, cfg)
         predictor.to_device(select_devices().accel)  # it reads the hidden states where the model computes them
-    engine = OffloadRunner(models.abstract_model(cfg, jdtype), RuntimeConfig(policy=policy, **runtime), loader,
-                           predictor=predictor)
+    engine = OffloadRunner(models.abstract_model(cfg, jdtype), rc, loader, predictor=predictor)
     return OffloadedRunner(engine, tokenizer)
+
+
+def check_load(dtype, seed, policy, predictors, runtime: dict):
+    """The RuntimeConfig of a `load` call (None without a policy), after checking every setting at once."""
+    import dataclasses
+    import numbers
+
+    from pdscope_jax.runtime import RuntimeConfig
+    from pdscope_jax.sched import check_policy
+
+    problems = []
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        problems.append(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        problems.append(f"seed must be an integer in [0, 2**32) (jax keys keep 32 bits), got {seed!r}")
+    if policy is None:
+        if runtime or predictors is not None:
+            problems.append(f"{', '.join([*runtime, *(['predictors'] if predictors else [])])} only apply with a "
+                            "policy (e.g. policy='pdscope'); without one the model runs whole")
+        raise_problems(problems, "load")
+        return None
+    collect(problems, check_policy, policy)
+    fields = {f.name for f in dataclasses.fields(RuntimeConfig)} - {"policy"}
+    unknown = sorted(set(runtime) - fields)
+    if unknown:
+        problems.append(f"unknown runtime settings {unknown}; known: {', '.join(sorted(fields))}")
+    rc = collect(problems, RuntimeConfig, policy=policy if isinstance(policy, str) else None,
+                 **{k: v for k, v in runtime.items() if k in fields})
+    raise_problems(problems, "load")
+    return rc.replace(policy=policy)
 
 
 class OffloadedRunner(Runner):
@@ -147,10 +179,13 @@ class OffloadedRunner(Runner):
         self.config = engine.config
         self.tokenizer = tokenizer
         self._generator = engine
+        self._limits = {"max_batch": engine.runtime.max_batch, "max_seq_len": engine.runtime.max_seq_len}
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                  seed: int = 0) -> GenerationResult:
-        batch, prompt_len = token_batch(input_ids, self.tokenizer).shape
+        # check before warm-up, which compiles for tens of seconds
+        batch, prompt_len = check_request(input_ids, self.tokenizer, self.config.vocab_size, max_new_tokens,
+                                          temperature, top_k, seed, **self._limits).shape
         if (batch, prompt_len, max_new_tokens) not in self.engine.warmed_shapes:
             self.engine.warmup(batch, prompt_len, max_new_tokens)
         return super().generate(input_ids, max_new_tokens, temperature, top_k, seed)

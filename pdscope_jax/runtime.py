@@ -7,7 +7,8 @@ batch and sequence the KV cache is sized for, the token buckets that bound how m
 planners' cost table, the hot-expert table (activation counts) and two engine switches the ablation turns off
 (`async_io`: transfers overlap compute; `batched_gpu`: one batched GPU program per layer).
 Sizes are given as bytes or strings such as "24GB" (10^9), "24GiB" (2^30), "512MB", "1.5G"; a malformed size
-raises `RuntimeConfigError` naming the field and the accepted forms.
+raises `RuntimeConfigError` (an `errors.InputError`) naming the field and the accepted forms; a size must be
+finite and positive (`expert_pool` may be 0: no slots). Every bad field is named in one error.
 
 `select_devices()` is the one place that decides which device is the accelerator and which is the CPU
 backend: the first GPU and the first CPU device when a GPU exists; otherwise, with two or more CPU devices
@@ -18,10 +19,14 @@ CPU device both roles fall on it.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 from typing import Any, NamedTuple
 
 import jax
+
+from pdscope_jax.errors import InputError, collect
 
 _UNITS = {
     "": 1, "b": 1,
@@ -33,20 +38,22 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 
-class RuntimeConfigError(ValueError):
+class RuntimeConfigError(InputError):
     """A runtime setting that cannot be used (malformed size, unknown value, inconsistent fields)."""
 
 
 def parse_size(value: int | float | str, field: str = "size") -> int:
-    """'24GB' -> 24_000_000_000, '8GiB' -> 8 * 2**30, 1024 -> 1024. Raises RuntimeConfigError when malformed."""
-    if isinstance(value, bool):
-        raise RuntimeConfigError(f"{field}: expected a size such as '24GB', got {value!r}")
-    if isinstance(value, (int, float)):
+    """'24GB' -> 24_000_000_000, '8GiB' -> 8 * 2**30, 1024 -> 1024 (any real number of bytes, numpy ones too).
+    Raises RuntimeConfigError when malformed, negative, NaN or infinite."""
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise RuntimeConfigError(f"{field}: a size must be a finite number of bytes, got {value!r}")
         if value < 0:
             raise RuntimeConfigError(f"{field}: a size cannot be negative, got {value!r}")
         return int(value)
     if not isinstance(value, str):
-        raise RuntimeConfigError(f"{field}: expected a size such as '24GB', got {type(value).__name__} {value!r}")
+        raise RuntimeConfigError(f"{field}: expected a size such as '24GB' or a number of bytes, got "
+                                 f"{type(value).__name__} {value!r}")
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -64,11 +71,18 @@ def format_size(nbytes: int) -> str:
     return f"{nbytes / 1e6:.1f} MB"
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _buckets(values: tuple[int, ...], field: str) -> tuple[int, ...]:
-    values = tuple(int(v) for v in values)
-    if not values or any(v <= 0 for v in values) or list(values) != sorted(set(values)):
-        raise RuntimeConfigError(f"{field}: expected strictly increasing positive sizes, got {values}")
-    return values
+    try:
+        ok = all(_is_int(v) for v in values)
+    except TypeError:
+        ok = False
+    if not ok or not values or any(v <= 0 for v in values) or list(values) != sorted(set(values)):
+        raise RuntimeConfigError(f"{field}: expected strictly increasing positive integer sizes, got {values!r}")
+    return tuple(int(v) for v in values)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,22 +107,37 @@ class RuntimeConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
-        set_("gpu_memory", parse_size(self.gpu_memory, "gpu_memory"))
-        if self.gpu_memory <= 0:
-            raise RuntimeConfigError("gpu_memory must be positive")
+        problems: list[str] = []
+
+        check = lambda fn, *args: collect(problems, fn, *args)  # noqa: E731
+        size = check(parse_size, self.gpu_memory, "gpu_memory")
+        if size is not None:
+            set_("gpu_memory", size)
+            if size <= 0:
+                problems.append("gpu_memory must be positive")
         if self.expert_pool is not None:
-            set_("expert_pool", parse_size(self.expert_pool, "expert_pool"))
+            size = check(parse_size, self.expert_pool, "expert_pool")
+            if size is not None:
+                set_("expert_pool", size)
         if self.policy is not None and not isinstance(self.policy, str):
-            raise RuntimeConfigError(f"policy: expected a planner name or None, got {self.policy!r}")
+            problems.append(f"policy: expected a planner name or None, got {self.policy!r}")
         if isinstance(self.policy_options, dict):
             set_("policy_options", tuple(sorted(self.policy_options.items())))
-        for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows"):
-            if int(getattr(self, name)) <= 0:
-                raise RuntimeConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
-        if self.cpu_threads is not None and self.cpu_threads <= 0:
-            raise RuntimeConfigError(f"cpu_threads must be positive or None, got {self.cpu_threads!r}")
-        set_("decode_buckets", _buckets(self.decode_buckets, "decode_buckets"))
-        set_("prefill_buckets", _buckets(self.prefill_buckets, "prefill_buckets"))
+        for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows", "cpu_threads"):
+            value = getattr(self, name)
+            if name == "cpu_threads" and value is None:
+                continue
+            if not _is_int(value) or value <= 0:
+                problems.append(f"{name} must be a positive integer{' or None' if name == 'cpu_threads' else ''}, "
+                                f"got {value!r}")
+            else:
+                set_(name, int(value))
+        for name in ("decode_buckets", "prefill_buckets"):
+            values = check(_buckets, getattr(self, name), name)
+            if values is not None:
+                set_(name, values)
+        if problems:
+            raise RuntimeConfigError("; ".join(problems), problems)
 
     @property
     def policy_kwargs(self) -> dict[str, Any]:

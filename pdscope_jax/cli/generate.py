@@ -3,6 +3,8 @@
 Contract: `main(argv)` loads MODEL through `pdscope_jax.load` (preset names use seeded random weights unless
 `--weights DIR`), runs the model whole or under `--policy` with `--gpu-memory` / `--expert-pool`, prints the
 continuation (text when the checkpoint has a tokenizer, token ids otherwise) and the per-phase throughput.
+Every argument that can be checked without weights (ids, sampling settings, policy, sizes, lengths) is checked
+before the model loads; one `errors.InputError` names every problem.
 """
 
 from __future__ import annotations
@@ -32,12 +34,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import pdscope_jax
+    from pdscope_jax.api import check_load, resolve
+    from pdscope_jax.errors import collect, raise_problems
+    from pdscope_jax.generation.generator import check_request
 
     runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
+    # validate first, everything at once: the model's config is cheap to read, its weights are not
+    problems, ids, rc = [], None, None
+    if args.ids is not None:
+        try:
+            ids = [[int(token) for token in args.ids.split(",")]]
+        except ValueError:
+            problems.append(f"--ids: expected comma-separated integers such as 1,2,3, got {args.ids!r}")
+    rc = collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime)
+    limits = {} if rc is None else {"max_batch": rc.max_batch, "max_seq_len": rc.max_seq_len}
+    collect(problems, check_request, ids if ids is not None else [[0]], None, resolve(args.model)[0].vocab_size,
+            args.new_tokens, args.temperature, args.top_k, args.seed, **limits)
+    raise_problems(problems, "bad arguments")
     runner = pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
                               policy=args.policy, predictors=args.predictors, **runtime)
-    if args.ids is not None:
-        prompt = [[int(token) for token in args.ids.split(",")]]
+    if ids is not None:
+        prompt = ids
     elif args.prompt is not None:
         prompt = args.prompt
     else:

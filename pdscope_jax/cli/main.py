@@ -8,9 +8,11 @@
     pdscope-jax profile ...                                        cost table for AdaptSched
 
 Contract: `main(argv) -> int` hands the arguments after the command's name to that module's function and
-returns its exit status (0 when it returns something other than an int). A bad input error (unknown model,
-corrupt checkpoint, budget too small, ...) is printed as one line on stderr with status 2; no command or an
-unknown one prints the usage (status 2; 0 for -h/--help). This module imports nothing heavier than argparse, so
+returns its exit status (0 when it returns something other than an int). A user error (`errors.InputError` and
+its subclasses: bad ids or settings, unknown policy, budget too small, ...; also unknown model, corrupt
+checkpoint, missing file) is printed as a few lines on stderr, without a traceback, with status 2; any other
+exception is an internal error: its traceback is printed, status 1. `pdscope-jax --debug COMMAND ...` prints
+the traceback of user errors too. No command or an unknown one prints the usage (status 2; 0 for -h/--help). This module imports nothing heavier than argparse, so
 `pdscope-jax --help` does not start JAX.
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 COMMANDS = {  # name: (module, function, help)
     "run": ("pdscope_jax.cli.run", "main", "the whole pipeline on the embedded reference MoE, policies side by side"),
@@ -33,7 +36,11 @@ COMMANDS = {  # name: (module, function, help)
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="pdscope-jax", description="Phase-adaptive MoE offloading on JAX.")
+    parser.add_argument("--debug", action="store_true", help="print tracebacks for user errors too")
     parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in COMMANDS.items()))
+    debug = bool(argv) and argv[0] == "--debug"
+    if debug:
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
@@ -42,25 +49,39 @@ def main(argv: list[str] | None = None) -> int:
     command = getattr(importlib.import_module(module), function)
     try:
         result = command(argv[1:])
-    except _user_errors() as err:
-        # Every such error names the problem and the fix, so show the message, not a traceback.
-        print(f"pdscope-jax {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except SystemExit:
+        raise  # argparse's own usage errors (status 2) and --help (0)
+    except KeyboardInterrupt:
+        print(f"pdscope-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 (sorted into user and internal errors below)
+        user = isinstance(err, _user_errors())
+        if debug or not user:
+            traceback.print_exc()
+        if user:
+            # Every such error names the problem and the fix, so the message is enough.
+            print(f"pdscope-jax {args.command}: error: {err}", file=sys.stderr)
+            return 2
+        print(f"pdscope-jax {args.command}: internal error (a bug; the traceback above says where): "
+              f"{type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     return result if isinstance(result, int) else 0
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
     from pdscope_jax.config import ConfigError
+    from pdscope_jax.errors import InputError
     from pdscope_jax.phaseper.checkpoint import PredictorCheckpointError
     from pdscope_jax.phaseper.traces import TraceError
     from pdscope_jax.presets import UnknownModelError
     from pdscope_jax.runtime import RuntimeConfigError
     from pdscope_jax.sched.costs import CostTableError
+    from pdscope_jax.sched.hot import HotTableError
     from pdscope_jax.store.budget import BudgetError
     from pdscope_jax.weights.checkpoint import CheckpointError
 
-    return (UnknownModelError, ConfigError, CheckpointError, BudgetError, RuntimeConfigError, CostTableError,
-            PredictorCheckpointError, TraceError, FileNotFoundError)
+    return (InputError, UnknownModelError, ConfigError, CheckpointError, BudgetError, RuntimeConfigError, CostTableError,
+            PredictorCheckpointError, TraceError, HotTableError, FileNotFoundError)
 
 
 if __name__ == "__main__":

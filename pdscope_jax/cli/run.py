@@ -6,7 +6,7 @@ DeepSeek-V2-architecture model trained on the Python standard library) and its P
 under every offloading policy with an expert pool that holds only a fraction of the routed experts, and prints
 per phase: tokens/s, slot hit rate, prefetch accuracy, exposed transfer time, CPU/GPU expert counts, and whether
 the tokens equal the plain model's (they must: policies change placement, never results; the exit status is 1
-when any policy's tokens differ).
+when any policy's tokens differ). Arguments are checked before anything loads (one `errors.InputError`).
 
 On a machine without a GPU, a second CPU device stands in for the accelerator: the figures then show the
 mechanics (hits, transfers, prefetch accuracy), not GPU speed.
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="offloading policies (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32 on CPU: XLA:CPU bf16 is slow at few rows")
     args = parser.parse_args(argv)
+    check_args(args)
 
     import numpy as np
     from rich.console import Console
@@ -104,6 +105,26 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[red]tokens differ from the plain model under: {', '.join(mismatched)}")
         return 1
     return 0
+
+
+def check_args(args) -> None:
+    """Everything checkable before loading: policies, dtype, token count, pool fraction (one InputError)."""
+    import math
+
+    from pdscope_jax.api import DTYPES
+    from pdscope_jax.errors import collect, raise_problems
+    from pdscope_jax.sched import check_policy
+
+    problems: list[str] = []
+    for policy in args.policies:
+        collect(problems, check_policy, policy)
+    if args.dtype not in DTYPES:
+        problems.append(f"--dtype {args.dtype!r} is not supported; supported: {', '.join(DTYPES)}")
+    if args.new_tokens < 1:
+        problems.append(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if not (math.isfinite(args.expert_pool_fraction) and 0 < args.expert_pool_fraction <= 1):
+        problems.append(f"--expert-pool-fraction must lie in (0, 1], got {args.expert_pool_fraction}")
+    raise_problems(problems, "bad arguments")
 
 
 def _pct(value: float | None) -> str:

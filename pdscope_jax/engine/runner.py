@@ -46,7 +46,7 @@ from pdscope_jax.engine.stats import PhaseStats
 from pdscope_jax.engine.timeline import Timeline
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.engine.warmup import precompile_combine, precompile_slot_writes
-from pdscope_jax.generation.generator import CACHE_BUCKET, GenerationResult, check_sampling
+from pdscope_jax.generation.generator import CACHE_BUCKET, GenerationResult, check_request
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.sched import (CostTable, ObservingPlanner, activation_counts, load_cost_table, make_planner,
                                planner_class)
@@ -199,7 +199,7 @@ class OffloadRunner:
 
     # ---- public API ------------------------------------------------------------------------------------
     def logits(self, input_ids) -> np.ndarray:
-        ids = self._check(input_ids, 0)
+        ids = self._check(input_ids)
         b, t = ids.shape
         out = np.zeros((b, t, self.config.vocab_size), np.float32)
         cache, chunks = self._start(ids, 0)
@@ -212,8 +212,7 @@ class OffloadRunner:
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                  seed: int = 0) -> GenerationResult:
-        check_sampling(max_new_tokens, temperature, top_k, self.config.vocab_size)
-        ids = self._check(input_ids, max_new_tokens)
+        ids = self._check(input_ids, max_new_tokens, temperature, top_k, seed)
         b, t = ids.shape
         temperature = float(temperature)
         root = jax.random.key(seed)
@@ -275,18 +274,13 @@ class OffloadRunner:
             self.timeline.mark(phase, event, layer, time.perf_counter() if at is None else at)
 
     # ---- steps -----------------------------------------------------------------------------------------
-    def _check(self, input_ids, max_new_tokens: int) -> np.ndarray:
-        ids = np.asarray(input_ids)
-        vocab, rc = self.config.vocab_size, self.runtime
-        if ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-            raise ValueError(f"token ids must lie in [0, {vocab}); got {ids.min()}..{ids.max()}")
-        b, t = ids.shape
-        if b > rc.max_batch or t + max_new_tokens > rc.max_seq_len:
-            raise ValueError(f"batch {b} x {t} + {max_new_tokens} tokens exceeds what the budget was sized for "
-                             f"(RuntimeConfig max_batch={rc.max_batch}, max_seq_len={rc.max_seq_len})")
-        return ids.astype(np.int32)
+    def _check(self, input_ids, max_new_tokens=None, temperature=0.0, top_k=None, seed=0) -> np.ndarray:
+        """int32 ids [B, T] after checking every argument of the call (`generation.generator.check_request`):
+        ids in [0, vocab) before the cast, B >= 1, T >= 1, the KV cache's max_batch / max_seq_len, sampling."""
+        rc = self.runtime
+        return check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed,
+                             max_batch=rc.max_batch, max_seq_len=rc.max_seq_len,
+                             what="logits" if max_new_tokens is None else "generate")
 
     def _start(self, ids: np.ndarray, max_new_tokens: int):
         """A fresh KV cache and the padded prompt's chunks [(c0, ids [B, C])]."""

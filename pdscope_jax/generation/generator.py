@@ -11,13 +11,17 @@ functions on them:
   wait on the device (block_until_ready), so they measure execution only.
 A float32 model runs its matmuls at full float32 precision also on GPUs (whose default is TF32), so that
 float32 results match the CPU's and the reference's.
-Inputs must be rectangular int32 [B, T] (see `tokenizer.token_batch`).
+Inputs must be rectangular int32 [B, T] (see `tokenizer.token_batch`). `check_request` checks one call's
+arguments at once (ids, sampling settings, batch and length limits) before any compilation, raising one
+`errors.InputError` that names every problem; `check_sampling` the sampling settings alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+import numbers
 import time
 
 import jax
@@ -25,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pdscope_jax.errors import InputError, collect, raise_problems
 from pdscope_jax.models.layers import CausalLM
+from pdscope_jax.text.tokenizer import token_batch
 
 CACHE_BUCKET = 64  # cache lengths are rounded up to a multiple of this so nearby lengths share programs
 
@@ -50,14 +56,50 @@ class GenerationResult:
                    decoded / decode_seconds if decoded else 0.0)
 
 
-def check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, vocab_size: int) -> None:
-    """Reject generation settings that cannot work, naming the setting and its valid range."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and not 1 <= top_k <= vocab_size:
-        raise ValueError(f"top_k must be in [1, {vocab_size}], got {top_k}")
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def sampling_problems(max_new_tokens, temperature, top_k, vocab_size: int, seed=0) -> list[str]:
+    """What is wrong with these generation settings (empty when nothing), each with its valid range."""
+    problems = []
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        problems.append(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
+            or not math.isfinite(temperature) or temperature < 0):
+        problems.append(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= vocab_size):
+        problems.append(f"top_k must be in [1, {vocab_size}] (the vocabulary) or None, got {top_k!r}")
+    if not _is_int(seed) or not 0 <= seed < 2**32:  # jax keys keep 32 bits: larger seeds would collide
+        problems.append(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    return problems
+
+
+def check_sampling(max_new_tokens, temperature, top_k, vocab_size: int, seed=0) -> None:
+    """Reject generation settings that cannot work, naming each setting and its valid range (InputError)."""
+    raise_problems(sampling_problems(max_new_tokens, temperature, top_k, vocab_size, seed), "generate")
+
+
+def check_request(inputs, tokenizer, vocab_size: int, max_new_tokens=None, temperature=0.0, top_k=None, seed=0,
+                  max_batch: int | None = None, max_seq_len: int | None = None, what: str = "generate"):
+    """int32 ids [B, T] of one `logits` (max_new_tokens None) or `generate` call, after checking every
+    argument: the ids (`token_batch`), the sampling settings, and B <= max_batch, T + max_new_tokens <=
+    max_seq_len where given. One InputError names every problem."""
+    problems: list[str] = []
+    ids = collect(problems, token_batch, inputs, tokenizer, vocab_size)
+    if max_new_tokens is not None:
+        problems += sampling_problems(max_new_tokens, temperature, top_k, vocab_size, seed)
+    if ids is not None:
+        b, t = ids.shape
+        new = max_new_tokens if _is_int(max_new_tokens) else 0
+        if max_batch is not None and b > max_batch:
+            problems.append(f"batch {b} exceeds max_batch={max_batch} the engine was sized for; load with a "
+                            "larger max_batch")
+        if max_seq_len is not None and t + new > max_seq_len:
+            problems.append(f"{t} prompt + {new} new tokens exceed max_seq_len={max_seq_len} the engine was sized "
+                            "for; load with a larger max_seq_len")
+    raise_problems(problems, what)
+    return ids
 
 
 def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
@@ -107,10 +149,10 @@ class Generator:
 
     def _check(self, input_ids: np.ndarray) -> None:
         vocab = self.config.vocab_size
-        if input_ids.ndim != 2:
-            raise ValueError(f"input_ids must be [batch, tokens], got shape {input_ids.shape}")
+        if input_ids.ndim != 2 or 0 in input_ids.shape:
+            raise InputError(f"input_ids must be [batch, tokens] with both >= 1, got shape {input_ids.shape}")
         if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab):
-            raise ValueError(f"token ids must lie in [0, {vocab}); got {input_ids.min()}..{input_ids.max()}")
+            raise InputError(f"token ids must lie in [0, {vocab}); got {input_ids.min()}..{input_ids.max()}")
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         self._check(input_ids)
@@ -133,7 +175,7 @@ class Generator:
     def generate(self, input_ids: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0) -> GenerationResult:
         self._check(input_ids)
-        check_sampling(max_new_tokens, temperature, top_k, self.config.vocab_size)
+        check_sampling(max_new_tokens, temperature, top_k, self.config.vocab_size, seed)
         temperature = float(temperature)
         b, t = input_ids.shape
         max_len = -(-(t + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET

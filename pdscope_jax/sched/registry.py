@@ -3,7 +3,8 @@ must provide for it (read from the planner's capability attributes, never from i
 
 Contract:
 - `POLICIES: {name: Policy}` in the order users see them; `make_planner(name, **options)` builds a planner
-  (ValueError naming the known policies for an unknown name; TypeError naming the policy for a bad option).
+  (`UnknownPolicyError`, an `errors.InputError` and so a ValueError, naming the known policies for an unknown
+  name; TypeError naming the policy for a bad option).
 - `PLAIN` is the name of the reference run (the whole model resident, no planner); `COMPARED` the policies a
   side-by-side run shows by default (every offloading policy but `gpu`, which needs the whole model to fit).
 - Capabilities, class attributes of every planner (defaults in `Capabilities`):
@@ -20,11 +21,22 @@ from __future__ import annotations
 
 import dataclasses
 
+from pdscope_jax.errors import InputError
 from pdscope_jax.sched.adaptsched import AdaptSched
 from pdscope_jax.sched.baselines import FatePlanner, GpuPlanner, GreedyPlanner, OnDemandPlanner, StaticPlanner
 from pdscope_jax.sched.plan import Planner
 
 PLAIN = "plain"
+
+
+class UnknownPolicyError(InputError):
+    """A policy name that is not in `POLICIES`."""
+
+
+def check_policy(name) -> None:
+    """Raise UnknownPolicyError naming the known policies unless `name` is one of them."""
+    if not isinstance(name, str) or name not in POLICIES:
+        raise UnknownPolicyError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,10 +65,8 @@ def make_planner(name: str, **options) -> Planner:
     """A new planner for policy `name` with its constructor options (`static`: hot_per_layer, activation_counts;
     `greedy`: prefetch_depth, hot_per_layer, activation_counts; `fate`: top_k; `pdscope`: r_hit_prior,
     r_hit_window, hot_per_layer, activation_counts)."""
-    try:
-        cls = POLICIES[name].planner
-    except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}") from None
+    check_policy(name)
+    cls = POLICIES[name].planner
     try:
         return cls(**options)
     except TypeError as e:
@@ -65,6 +75,5 @@ def make_planner(name: str, **options) -> Planner:
 
 def planner_class(name: str) -> type:
     """The planner class of policy `name` (its capabilities without building one); ValueError when unknown."""
-    if name not in POLICIES:
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    check_policy(name)
     return POLICIES[name].planner

@@ -14,11 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 from pdscope_jax.config import ModelConfig
+from pdscope_jax.errors import InputError
 from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, grouped_tiles
 from pdscope_jax.runtime import RuntimeConfig, format_size
 
 
-class BudgetError(ValueError):
+class BudgetError(InputError):
     """The accelerator budget cannot hold the parts that must live there."""
 
 

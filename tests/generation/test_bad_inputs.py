@@ -1,0 +1,269 @@
+"""Bad inputs at every public entry: each is refused with the project's own error (`errors.InputError`, or exit
+status 2 and no traceback from the CLI) before any weight loads or program compiles.
+
+`CASES` is the one list: the tests run it, and `python3 -m tests.generation.test_bad_inputs` writes it with
+each outcome to docs/BAD_INPUTS.md (`test_bad_inputs_table_is_current` fails when that file has drifted).
+A hypothesis property test walks generate's argument space: every call returns the plain model's answer or
+raises InputError, never anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pdscope_jax
+from pdscope_jax.cli import main as cli
+from pdscope_jax.errors import InputError
+
+MODEL = "tiny-deepseek-v2-lite"  # vocabulary 256
+TABLE = Path(__file__).parents[2] / "docs" / "BAD_INPUTS.md"
+BIG = 3 + 2**32  # an int32 cast would make it 3
+
+
+def _load(**kw):
+    return lambda r: pdscope_jax.load(MODEL, dtype="float32", **kw)
+
+
+def _gen(ids, **kw):
+    return lambda r: r["plain"].generate(ids, **{"max_new_tokens": 2, **kw})
+
+
+def _off(ids, **kw):
+    return lambda r: r["offloaded"].generate(ids, **{"max_new_tokens": 2, **kw})
+
+
+def _cli(*argv):
+    return lambda r: ("cli", list(argv))
+
+
+# (input, where, call, the phrase its message must hold)
+CASES = [
+    (f"token id 3 + 2**32 = {BIG}", "Runner.generate", _gen([[1, BIG]]), "token ids must lie in"),
+    ("token id -1", "Runner.generate", _gen([[1, -1]]), "token ids must lie in"),
+    ("token id = vocab (256)", "Runner.generate", _gen([[1, 256]]), r"token ids must lie in \[0, 256\)"),
+    ("uint64 token id 2**63", "Runner.generate", _gen(np.array([[2**63]], np.uint64)), "token ids must lie in"),
+    ("Python int token id 2**70 (object array)", "Runner.generate", _gen([[2**70]]), "token ids must lie in"),
+    ("float token ids [[1.0, 2.0]]", "Runner.generate", _gen([[1.0, 2.0]]), "expected integer token ids"),
+    ("bool token ids [[True]]", "Runner.generate", _gen([[True]]), "expected integer token ids"),
+    ("ragged batch [[1, 2], [3]]", "Runner.generate", _gen([[1, 2], [3]]), "different lengths"),
+    ("ids mixing a list and an int [[1, 2], 3]", "Runner.generate", _gen([[1, 2], 3]), "mixing single ids"),
+    ("empty batch, shape (0, 4)", "Runner.generate", _gen(np.zeros((0, 4), np.int32)), "at least one sequence"),
+    ("empty prompts, shape (2, 0)", "Runner.generate", _gen(np.zeros((2, 0), np.int32)), "at least one token"),
+    ("empty list []", "Runner.generate", _gen([]), "at least one sequence"),
+    ("3-D ids, shape (1, 2, 2)", "Runner.generate", _gen(np.ones((1, 2, 2), np.int32)), r"\[batch, tokens\]"),
+    ("text without tokenizer.json", "Runner.generate", _gen("hello"), "tokenizer"),
+    ("temperature NaN", "Runner.generate", _gen([[1, 2]], temperature=math.nan), "temperature must be a finite"),
+    ("temperature inf", "Runner.generate", _gen([[1, 2]], temperature=math.inf), "temperature must be a finite"),
+    ("temperature -1", "Runner.generate", _gen([[1, 2]], temperature=-1), "temperature must be"),
+    ("temperature '0.5' (a string)", "Runner.generate", _gen([[1, 2]], temperature="0.5"), "temperature must be"),
+    ("top_k 257 > vocab", "Runner.generate", _gen([[1, 2]], temperature=1.0, top_k=257), r"top_k must be in \[1, 256\]"),
+    ("top_k 0", "Runner.generate", _gen([[1, 2]], temperature=1.0, top_k=0), "top_k must be in"),
+    ("top_k 2.5", "Runner.generate", _gen([[1, 2]], temperature=1.0, top_k=2.5), "top_k must be in"),
+    ("top_k True", "Runner.generate", _gen([[1, 2]], temperature=1.0, top_k=True), "top_k must be in"),
+    ("max_new_tokens 0", "Runner.generate", _gen([[1, 2]], max_new_tokens=0), "max_new_tokens must be"),
+    ("max_new_tokens 2.0 (a float)", "Runner.generate", _gen([[1, 2]], max_new_tokens=2.0), "max_new_tokens must be"),
+    ("max_new_tokens '8' (a string)", "Runner.generate", _gen([[1, 2]], max_new_tokens="8"), "max_new_tokens must be"),
+    ("seed -1", "Runner.generate", _gen([[1, 2]], seed=-1), "seed must be"),
+    ("seed 2**40 (jax keys keep 32 bits)", "Runner.generate", _gen([[1, 2]], seed=2**40), "seed must be"),
+    ("id 999, temperature -1, top_k 0 at once", "Runner.generate",
+     _gen([[999]], temperature=-1, top_k=0), "3 problems"),
+    (f"token id {BIG}", "Runner.logits", lambda r: r["plain"].logits([[BIG]]), "token ids must lie in"),
+    ("empty batch, shape (0, 3)", "Runner.logits", lambda r: r["plain"].logits(np.zeros((0, 3), np.int64)),
+     "at least one sequence"),
+    ("policy 'nosuch'", "load", _load(policy="nosuch"), "unknown policy 'nosuch'; known: gpu"),
+    ("dtype 'int8'", "load", lambda r: pdscope_jax.load(MODEL, dtype="int8"), "dtype 'int8' is not supported"),
+    ("seed -1", "load", _load(seed=-1), "seed must be"),
+    ("expert_pool NaN", "load", _load(policy="ondemand", expert_pool=math.nan), "expert_pool: a size must be a finite"),
+    ("gpu_memory inf", "load", _load(policy="ondemand", gpu_memory=math.inf), "gpu_memory: a size must be a finite"),
+    ("gpu_memory '24 gigs'", "load", _load(policy="ondemand", gpu_memory="24 gigs"), "cannot read '24 gigs'"),
+    ("gpu_memory [24] (a list)", "load", _load(policy="ondemand", gpu_memory=[24]), "expected a size"),
+    ("gpu_memory 0", "load", _load(policy="ondemand", gpu_memory=0), "gpu_memory must be positive"),
+    ("expert_pool -5", "load", _load(policy="ondemand", expert_pool=-5), "cannot be negative"),
+    ("max_batch 1.5", "load", _load(policy="ondemand", max_batch=1.5), "max_batch must be a positive integer"),
+    ("max_seq_len '128' (a string)", "load", _load(policy="ondemand", max_seq_len="128"),
+     "max_seq_len must be a positive integer"),
+    ("unknown setting foo=1", "load", _load(policy="ondemand", foo=1), r"unknown runtime settings \['foo'\]"),
+    ("max_seq_len without a policy", "load", _load(max_seq_len=128), "only apply with a policy"),
+    ("policy 'nosuch' and gpu_memory NaN at once", "load", _load(policy="nosuch", gpu_memory=math.nan),
+     "2 problems"),
+    ("batch 2 > max_batch 1", "offloaded generate", _off(np.ones((2, 4), np.int32)), "exceeds max_batch=1"),
+    ("60 prompt + 10 new tokens > max_seq_len 64", "offloaded generate",
+     _off(np.ones((1, 60), np.int32), max_new_tokens=10), "exceed max_seq_len=64"),
+    (f"token id {BIG}", "offloaded generate", _off([[1, BIG]]), "token ids must lie in"),
+    ("temperature NaN", "offloaded generate", _off([[1, 2]], temperature=math.nan), "temperature must be a finite"),
+    ("top_k 1000 > vocab", "offloaded generate", _off([[1, 2]], temperature=1.0, top_k=1000), "top_k must be in"),
+    ("empty batch, shape (0, 4)", "offloaded logits",
+     lambda r: r["offloaded"].logits(np.zeros((0, 4), np.int32)), "at least one sequence"),
+    ("prompt of 65 tokens > max_seq_len 64", "offloaded logits",
+     lambda r: r["offloaded"].logits(np.ones((1, 65), np.int32)), "exceed max_seq_len=64"),
+    ("--policy nosuch", "CLI generate", _cli("generate", MODEL, "--policy", "nosuch"), "unknown policy 'nosuch'"),
+    ("--ids 1,x", "CLI generate", _cli("generate", MODEL, "--ids", "1,x"), "comma-separated integers"),
+    (f"--ids 1,{BIG}", "CLI generate", _cli("generate", MODEL, "--ids", f"1,{BIG}"), "token ids must lie in"),
+    ("--temperature nan", "CLI generate", _cli("generate", MODEL, "--temperature", "nan"), "temperature must be"),
+    ("--top-k 100000", "CLI generate", _cli("generate", MODEL, "--top-k", "100000", "--temperature", "1"),
+     "top_k must be in"),
+    ("--new-tokens 0", "CLI generate", _cli("generate", MODEL, "--new-tokens", "0"), "max_new_tokens must be"),
+    ("--policy ondemand --expert-pool nan", "CLI generate",
+     _cli("generate", MODEL, "--policy", "ondemand", "--expert-pool", "nan"), "expert_pool: cannot read 'nan'"),
+    ("--new-tokens 0 --temperature -1 --policy nosuch at once", "CLI generate",
+     _cli("generate", MODEL, "--new-tokens", "0", "--temperature", "-1", "--policy", "nosuch"), "3 problems"),
+    ("--policies nosuch", "CLI run", _cli("run", "--policies", "nosuch"), "unknown policy 'nosuch'"),
+    ("--new-tokens 0", "CLI run", _cli("run", "--new-tokens", "0"), "--new-tokens must be >= 1"),
+    ("--expert-pool-fraction 2", "CLI run", _cli("run", "--expert-pool-fraction", "2"), r"must lie in \(0, 1\]"),
+    ("--dtype int8", "CLI run", _cli("run", "--dtype", "int8"), "--dtype 'int8' is not supported"),
+]
+
+
+def runners() -> dict:
+    return {"plain": pdscope_jax.load(MODEL, dtype="float32"),
+            "offloaded": pdscope_jax.load(MODEL, dtype="float32", policy="ondemand", gpu_memory="1GB",
+                                          max_seq_len=64)}
+
+
+def outcome(call, r, capsys=None) -> str:
+    """What a case does: 'InputError: message' / 'exit 2: stderr' (CLI), one line; raises anything else."""
+    result = call(r)
+    if isinstance(result, tuple) and result and result[0] == "cli":
+        if capsys is not None:
+            capsys.readouterr()
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = cli.main(result[1])
+        text = err.getvalue() + (capsys.readouterr().err if capsys is not None else "")
+        assert "Traceback" not in text, text
+        return f"exit {code}: {text.strip()}"
+    return f"returned {type(result).__name__}"
+
+
+def run_case(call, r, capsys=None) -> str:
+    try:
+        return outcome(call, r, capsys)
+    except InputError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.fixture(scope="module")
+def r():
+    return runners()
+
+
+@pytest.mark.parametrize("what, where, call, phrase", CASES, ids=[f"{c[1]}: {c[0]}" for c in CASES])
+def test_bad_input_is_a_clear_error_before_any_work(what, where, call, phrase, r, capsys, monkeypatch):
+    # the offloaded runner must refuse before its warm-up compiles anything
+    monkeypatch.setattr(r["offloaded"].engine, "warmup", lambda *a: pytest.fail("warm-up ran before the check"))
+    result = run_case(call, r, capsys)
+    assert result.startswith("exit 2: " if where.startswith("CLI") else "InputError: "), result
+    assert re.search(phrase, result), result
+
+
+def test_a_valid_call_still_works(r):
+    assert r["plain"].generate([[1, 2, 3]], max_new_tokens=2, temperature=0.5, top_k=5).tokens.shape == (1, 2)
+    assert r["plain"].generate(np.array([[1, 2]], np.uint64), max_new_tokens=1).tokens.shape == (1, 1)
+
+
+def render(rows) -> str:
+    lines = ["# Bad inputs tried", "",
+             "Written by `python3 -m tests.generation.test_bad_inputs` from the list its tests run (`CASES`); "
+             f"model {MODEL} (random weights, float32, vocabulary 256; offloaded: policy ondemand, max_batch 1, "
+             "max_seq_len 64). Every outcome is the project's own error (`pdscope_jax.errors.InputError` or a "
+             "subclass), raised before weights load or programs compile; the CLI prints it without a traceback "
+             "and exits 2.", "",
+             f"{len(rows)} inputs.", "", "| # | input | where | outcome |", "|---|---|---|---|"]
+    for i, (what, where, result) in enumerate(rows, 1):
+        cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+        result = " ".join(result.split())
+        lines.append(f"| {i} | {cell(what)} | {where} | {cell(result)} |")
+    return "\n".join(lines) + "\n"
+
+
+def table(r) -> str:
+    return render([(what, where, run_case(call, r)) for what, where, call, _ in CASES])
+
+
+def test_bad_inputs_table_is_current(r):
+    assert len(CASES) >= 40
+    assert TABLE.read_text() == table(r), "docs/BAD_INPUTS.md drifted: python3 -m tests.generation.test_bad_inputs"
+
+
+# ---- property: generate's argument space ----------------------------------------------------------------
+def _valid(ids, max_new_tokens, temperature, top_k, seed) -> bool:
+    if isinstance(ids, str):
+        return False
+    try:
+        a = np.asarray(ids, dtype=object)
+    except ValueError:
+        return False
+    ints = all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in a.flat)
+    return (a.ndim == 2 and ints and a.shape[0] >= 1 and a.shape[1] >= 1 and all(0 <= x < 256 for x in a.flat)
+            and isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1
+            and isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+            and math.isfinite(temperature) and temperature >= 0
+            and (top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and 1 <= top_k <= 256))
+            and isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32)
+
+
+VALID = {"ids": st.integers(1, 2).flatmap(lambda b: st.integers(1, 3).flatmap(
+              lambda t: st.lists(st.lists(st.integers(0, 255), min_size=t, max_size=t), min_size=b, max_size=b))),
+         "max_new_tokens": st.integers(1, 3), "temperature": st.sampled_from([0.0, 0.7]),
+         "top_k": st.sampled_from([None, 1, 5, 256]), "seed": st.integers(0, 2**32 - 1)}
+BAD_ID = st.sampled_from([256, -1, BIG, 2**40, 2**70])
+BAD = {"ids": st.one_of(st.lists(st.lists(st.one_of(st.integers(0, 255), BAD_ID), min_size=1, max_size=3),
+                                  min_size=0, max_size=2),
+                        st.sampled_from([[], [[]], [[1, 2], [3]], [[1.5]], [[True]], "text", np.zeros((0, 2), int)])),
+       "max_new_tokens": st.sampled_from([0, -1, 2.0, None, "2", True]),
+       "temperature": st.sampled_from([-1.0, math.nan, math.inf, -math.inf, "1", None]),
+       "top_k": st.sampled_from([0, 257, 2.5, -3, True, "5"]),
+       "seed": st.sampled_from([-1, 2**32, 2**40, 1.5, None])}
+
+
+COUNTS = {"answered": 0, "refused": 0}
+
+
+@st.composite
+def generate_args(draw):
+    """Valid arguments with none, one or several replaced by bad ones (so both outcomes are exercised)."""
+    broken = draw(st.sampled_from([(), (), (), ("ids",), ("max_new_tokens",), ("temperature",), ("top_k",),
+                                   ("seed",), ("ids", "temperature", "top_k")]))
+    return {name: draw(BAD[name] if name in broken else VALID[name]) for name in VALID}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=generate_args())
+def test_generate_returns_the_plain_answer_or_an_input_error(r, args):
+    ids, max_new_tokens, temperature, top_k, seed = (args[k] for k in VALID)
+    runner = r["plain"]
+    try:
+        out = runner.generate(ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    except InputError:
+        assert not _valid(ids, max_new_tokens, temperature, top_k, seed)
+        COUNTS["refused"] += 1
+        return
+    COUNTS["answered"] += 1
+    assert _valid(ids, max_new_tokens, temperature, top_k, seed)
+    # the plain model's answer: the generator itself on the same ids, already int32
+    want = runner._generator.generate(np.asarray(ids, np.int32), max_new_tokens, temperature, top_k, seed)
+    np.testing.assert_array_equal(out.tokens, want.tokens)
+
+
+def test_the_property_saw_both_outcomes():
+    if not any(COUNTS.values()):
+        pytest.skip("runs after the property test only")
+    assert COUNTS["answered"] > 0 and COUNTS["refused"] > 0, COUNTS
+
+
+if __name__ == "__main__":
+    from pdscope_jax.runtime import request_cpu_stand_in
+
+    request_cpu_stand_in()
+    TABLE.write_text(table(runners()))
+    print(f"wrote {TABLE} ({len(CASES)} inputs)", file=sys.stderr)
