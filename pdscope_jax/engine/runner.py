@@ -221,13 +221,11 @@ class OffloadRunner:
 
         start = time.perf_counter()
         cache, chunks = self._start(ids, max_new_tokens)
-        token = None  # the first new token: sampled in the chunk that holds the prompt's last token, t - 1
+        # the first new token: sampled in the chunk that holds the prompt's last token, t - 1 (T >= 1 is checked)
         for c0, x, cache in self._prefill(chunks, cache, t):
             if c0 <= t - 1 < c0 + x.shape[1]:
                 token = next_token(self._graph, self._state, x, t - 1 - c0,
                                    jax.device_put(jax.random.fold_in(root, 0), accel), temperature, top_k)
-        if token is None:  # no chunk holds a real token
-            raise ValueError(f"generate needs a prompt of at least one token, got shape {ids.shape}")
         tokens = [np.array(token)]  # a host copy (np.asarray could alias the buffer on CPU); waits
         prefill_seconds = time.perf_counter() - start
         self.phase_stats["prefill"].generate_seconds += prefill_seconds

@@ -13,7 +13,7 @@ A float32 model runs its matmuls at full float32 precision also on GPUs (whose d
 float32 results match the CPU's and the reference's.
 Inputs must be rectangular int32 [B, T] (see `tokenizer.token_batch`). `check_request` checks one call's
 arguments at once (ids, sampling settings, batch and length limits) before any compilation, raising one
-`errors.InputError` that names every problem; `check_sampling` the sampling settings alone.
+`errors.InputError` that names every problem; `Generator` runs it on every call too.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pdscope_jax.errors import InputError, collect, raise_problems
+from pdscope_jax.errors import collect, raise_problems
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.text.tokenizer import token_batch
 
@@ -73,11 +73,6 @@ def sampling_problems(max_new_tokens, temperature, top_k, vocab_size: int, seed=
     if not _is_int(seed) or not 0 <= seed < 2**32:  # jax keys keep 32 bits: larger seeds would collide
         problems.append(f"seed must be an integer in [0, 2**32), got {seed!r}")
     return problems
-
-
-def check_sampling(max_new_tokens, temperature, top_k, vocab_size: int, seed=0) -> None:
-    """Reject generation settings that cannot work, naming each setting and its valid range (InputError)."""
-    raise_problems(sampling_problems(max_new_tokens, temperature, top_k, vocab_size, seed), "generate")
 
 
 def check_request(inputs, tokenizer, vocab_size: int, max_new_tokens=None, temperature=0.0, top_k=None, seed=0,
@@ -147,15 +142,8 @@ class Generator:
         full_f32 = jnp.dtype(self.cache_dtype) == jnp.float32
         self._precision = functools.partial(jax.default_matmul_precision, "highest" if full_f32 else None)
 
-    def _check(self, input_ids: np.ndarray) -> None:
-        vocab = self.config.vocab_size
-        if input_ids.ndim != 2 or 0 in input_ids.shape:
-            raise InputError(f"input_ids must be [batch, tokens] with both >= 1, got shape {input_ids.shape}")
-        if input_ids.size and (input_ids.min() < 0 or input_ids.max() >= vocab):
-            raise InputError(f"token ids must lie in [0, {vocab}); got {input_ids.min()}..{input_ids.max()}")
-
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
-        self._check(input_ids)
+        input_ids = check_request(input_ids, None, self.config.vocab_size, what="logits")
         b, t = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         with self._precision():
@@ -174,8 +162,7 @@ class Generator:
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0) -> GenerationResult:
-        self._check(input_ids)
-        check_sampling(max_new_tokens, temperature, top_k, self.config.vocab_size, seed)
+        input_ids = check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed)
         temperature = float(temperature)
         b, t = input_ids.shape
         max_len = -(-(t + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET

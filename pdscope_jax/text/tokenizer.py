@@ -73,7 +73,12 @@ def token_batch(inputs, tokenizer: Tokenizer | None, vocab_size: int | None = No
     if ids.size and not integral:
         problems.append(f"expected integer token ids, got {ids.dtype} (e.g. {ids.flat[0]!r}); pass ints")
     if ids.size and integral:
-        lo, hi = int(min(ids.flat)), int(max(ids.flat))  # on the values given, before any cast
+        # on the values given, before any cast; numpy's min/max are exact for integer dtypes, and only an object
+        # array (Python ints, possibly beyond 64 bits) needs Python's
+        if ids.dtype == object:
+            lo, hi = int(min(ids.flat)), int(max(ids.flat))
+        else:
+            lo, hi = int(ids.min()), int(ids.max())
         limit = 2**31 if vocab_size is None else vocab_size
         if lo < 0 or hi >= limit:
             problems.append(f"token ids must lie in [0, {limit}); got {lo}..{hi}")
