@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from pdscope_jax import models
 from pdscope_jax.config import ModelConfig
 from pdscope_jax.errors import collect, raise_problems
-from pdscope_jax.generation.generator import GenerationResult, Generator, check_request
+from pdscope_jax.generation.generator import GenerationResult, Generator, check_request, seed_problems
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.presets import UnknownModelError, known_names, preset
 from pdscope_jax.text.tokenizer import Tokenizer
@@ -140,7 +140,6 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
 def check_load(dtype, seed, policy, predictors, runtime: dict):
     """The RuntimeConfig of a `load` call (None without a policy), after checking every setting at once."""
     import dataclasses
-    import numbers
 
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.sched import check_policy
@@ -148,8 +147,7 @@ def check_load(dtype, seed, policy, predictors, runtime: dict):
     problems = []
     if not isinstance(dtype, str) or dtype not in DTYPES:
         problems.append(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-        problems.append(f"seed must be an integer in [0, 2**32) (jax keys keep 32 bits), got {seed!r}")
+    problems += seed_problems(seed)
     if policy is None:
         if runtime or predictors is not None:
             problems.append(f"{', '.join([*runtime, *(['predictors'] if predictors else [])])} only apply with a "

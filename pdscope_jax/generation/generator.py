@@ -70,9 +70,15 @@ def sampling_problems(max_new_tokens, temperature, top_k, vocab_size: int, seed=
         problems.append(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
     if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= vocab_size):
         problems.append(f"top_k must be in [1, {vocab_size}] (the vocabulary) or None, got {top_k!r}")
-    if not _is_int(seed) or not 0 <= seed < 2**32:  # jax keys keep 32 bits: larger seeds would collide
-        problems.append(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    problems += seed_problems(seed)
     return problems
+
+
+def seed_problems(seed) -> list[str]:
+    """What is wrong with a random seed (empty when nothing): jax keys keep 32 bits, larger seeds would collide."""
+    if not _is_int(seed) or not 0 <= seed < 2**32:
+        return [f"seed must be an integer in [0, 2**32) (jax keys keep 32 bits), got {seed!r}"]
+    return []
 
 
 def check_request(inputs, tokenizer, vocab_size: int, max_new_tokens=None, temperature=0.0, top_k=None, seed=0,
