@@ -199,7 +199,7 @@ class OffloadRunner:
 
     # ---- public API ------------------------------------------------------------------------------------
     def logits(self, input_ids) -> np.ndarray:
-        ids = self._check(input_ids)
+        ids = self._check(input_ids, what="logits")
         b, t = ids.shape
         out = np.zeros((b, t, self.config.vocab_size), np.float32)
         cache, chunks = self._start(ids, 0)
@@ -272,13 +272,13 @@ class OffloadRunner:
             self.timeline.mark(phase, event, layer, time.perf_counter() if at is None else at)
 
     # ---- steps -----------------------------------------------------------------------------------------
-    def _check(self, input_ids, max_new_tokens=None, temperature=0.0, top_k=None, seed=0) -> np.ndarray:
+    def _check(self, input_ids, max_new_tokens=None, temperature=0.0, top_k=None, seed=0,
+               what: str = "generate") -> np.ndarray:
         """int32 ids [B, T] after checking every argument of the call (`generation.generator.check_request`):
         ids in [0, vocab) before the cast, B >= 1, T >= 1, the KV cache's max_batch / max_seq_len, sampling."""
         rc = self.runtime
         return check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed,
-                             max_batch=rc.max_batch, max_seq_len=rc.max_seq_len,
-                             what="logits" if max_new_tokens is None else "generate")
+                             max_batch=rc.max_batch, max_seq_len=rc.max_seq_len, what=what)
 
     def _start(self, ids: np.ndarray, max_new_tokens: int):
         """A fresh KV cache and the padded prompt's chunks [(c0, ids [B, C])]."""

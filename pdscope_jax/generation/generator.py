@@ -83,12 +83,12 @@ def seed_problems(seed) -> list[str]:
 
 def check_request(inputs, tokenizer, vocab_size: int, max_new_tokens=None, temperature=0.0, top_k=None, seed=0,
                   max_batch: int | None = None, max_seq_len: int | None = None, what: str = "generate"):
-    """int32 ids [B, T] of one `logits` (max_new_tokens None) or `generate` call, after checking every
-    argument: the ids (`token_batch`), the sampling settings, and B <= max_batch, T + max_new_tokens <=
-    max_seq_len where given. One InputError names every problem."""
+    """int32 ids [B, T] of one `logits` call (`what="logits"`: ids only) or `generate` call, after checking
+    every argument: the ids (`token_batch`), for generate the sampling settings (max_new_tokens None included),
+    and B <= max_batch, T + max_new_tokens <= max_seq_len where given. One InputError names every problem."""
     problems: list[str] = []
     ids = collect(problems, token_batch, inputs, tokenizer, vocab_size)
-    if max_new_tokens is not None:
+    if what != "logits":
         problems += sampling_problems(max_new_tokens, temperature, top_k, vocab_size, seed)
     if ids is not None:
         b, t = ids.shape
