@@ -43,7 +43,8 @@ def import_old(tree: Path, into: Path):
     return importlib.import_module(OLD_NAME)
 
 
-def run(args) -> dict:
+def run(args, report: dict) -> dict:
+    """Fill `report["rows"]`, writing the report to `args.out` after every row (a run cut short keeps its rows)."""
     import pdscope_jax as new
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -55,7 +56,7 @@ def run(args) -> dict:
                                    **runtime) for name, module in (("old", old), ("new", new))}
         rng = np.random.default_rng(0)
         vocab = trees["new"].config.vocab_size
-        rows = []
+        rows = report.setdefault("rows", [])
         for policy in args.policies:
             for runner in trees.values():
                 runner.engine.set_policy(policy)
@@ -81,9 +82,11 @@ def run(args) -> dict:
                 for phase in ("prefill", "decode"):
                     row[f"{phase}_ratio"] = row["new"][f"{phase}_median"] / row["old"][f"{phase}_median"]
                 rows.append(row)
+                if args.out:
+                    args.out.write_text(json.dumps(report, indent=1) + "\n")
                 print(f"{policy:9s} {t:6d} prefill new/old {row['prefill_ratio']:.3f}  decode new/old "
                       f"{row['decode_ratio']:.3f}  same tokens: {same_tokens}", flush=True)
-    return {"rows": rows}
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -101,16 +104,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--cost-table", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip() or "?"
+    here = Path(__file__).resolve().parent.parent
+    # A copied tree (the GPU node's) may carry a stale git HEAD; a COMMIT file written beside it names the real one.
+    commit = ((here / "COMMIT").read_text().strip() if (here / "COMMIT").exists() else
+              subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=here).stdout.strip() or "?")
     report = {"what": "old and new tree in one process, generations interleaved",
               "command": " ".join(["python3", "benchmarks/compare_trees_inprocess.py",
                                    *(sys.argv[1:] if argv is None else argv)]),
               "commit": commit, "old_commit": args.old_commit, "model": args.model,
-              "weights": "random (seeded; both trees the same)", **run(args)}
-    if args.out:
-        args.out.write_text(json.dumps(report, indent=1) + "\n")
-    return report
+              "weights": "random (seeded; both trees the same)", "rows": []}
+    return run(args, report)
 
 
 if __name__ == "__main__":
