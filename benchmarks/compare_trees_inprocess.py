@@ -49,7 +49,8 @@ def run(args, report: dict) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         old = import_old(Path(args.old_tree), Path(tmp))
-        runtime = {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
+        runtime = {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool,
+                   "max_seq_len": max(args.prompt_lens) + args.new_tokens}
         if args.cost_table:
             runtime["cost_table"] = args.cost_table
         trees = {name: module.load(args.model, weights="random", seed=0, dtype=args.dtype, policy=args.policies[0],
