@@ -98,6 +98,9 @@ def headline(d) -> str:
         one = lambda key: d[key][0] if isinstance(d.get(key), list) and d[key] else None  # noqa: E731
         return (f"1 token: CPU expert {fmt(1e3 * one('cpu_expert_seconds'))} ms, GPU expert "
                 f"{fmt(1e3 * one('gpu_expert_seconds'))} ms; t_io {fmt(1e3 * d.get('t_io', 0))} ms an expert")
+    if isinstance(d.get("rows"), list) and d["rows"] and "prefill_ratio" in d["rows"][0]:
+        return "new / old of the medians, one process, interleaved: " + "; ".join(
+            f"{r['policy']} {r['prompt_len']} {r['prefill_ratio']:.3f} / {r['decode_ratio']:.3f}" for r in d["rows"])
     if isinstance(d.get("rows"), list):
         return "prefill / decode tok/s: " + "; ".join(
             f"{r.get('prompt_tokens', '?')}: {fmt(r.get('prefill_tok_s'))} / {fmt(r.get('decode_tok_s'))}"
