@@ -7,7 +7,8 @@ weights, 17.3 MB an expert) at --rows (1, 4, 16, 64) and --experts k (1, 6, 16),
   - `xla`: the XLA path in `jax.jit` on the CPU backend, rows zero-padded to --min-rows, each expert on every
     row weighted by coef (the engine's dense decode path).
 Each repeat runs a different set of experts out of --pool-experts, so the weights come from memory, not the
-cache. GB/s = bytes of the k experts' weights / median time after warm-up. Also records the pool's plain
+cache. GB/s = bytes of the k experts' weights / median time after warm-up. `--profile` adds the kernel's time
+by phase (`kernels.cpu_ffn.profile_read`) from a second, untimed pass. Also records the pool's plain
 read bandwidth (`read_bandwidth`), the threads used, the CPU model, host and jax version, and writes all of it
 as JSON to --out. Builds the kernel on first use (needs a C++ compiler; without one only `xla` runs).
 Run from the repository root: `PYTHONPATH=. python3 benchmarks/bench_cpu_kernel.py --out /tmp/x.json`.
@@ -66,6 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--min-rows", type=int, default=8, help="the XLA path pads rows to this (engine default)")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warm", type=int, default=2)
+    parser.add_argument("--profile", action="store_true",
+                        help="after timing, run the kernel's repeats again with its phase profile on and record "
+                             "ms per call by phase (`profile_ms`)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -118,6 +122,12 @@ def main(argv: list[str] | None = None) -> dict:
                 ms = median_ms(programs[impl], arg_sets, args.warm)
                 row = {"impl": impl, "rows": n, "experts": k, "ms": round(ms, 3),
                        "gbps": round(k * expert_bytes / ms / 1e6, 1)}
+                if args.profile and impl != "xla":  # a second pass: the timed one runs without the clock reads
+                    cpu_ffn.profile(True)
+                    for arg_set in arg_sets[args.warm:]:
+                        jax.block_until_ready(programs[impl](*arg_set))
+                    cpu_ffn.profile(False)
+                    row["profile_ms"] = {key: round(v, 4) for key, v in cpu_ffn.profile_read().items()}
                 report["results"].append(row)
                 print(json.dumps(row), flush=True)
 

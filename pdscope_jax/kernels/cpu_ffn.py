@@ -67,6 +67,10 @@ def _load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [ctypes.c_int]
     lib.pdscope_cpu_ffn_read.restype = None
     lib.pdscope_cpu_ffn_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    lib.pdscope_cpu_ffn_profile.restype = None
+    lib.pdscope_cpu_ffn_profile.argtypes = [ctypes.c_int]
+    lib.pdscope_cpu_ffn_profile_read.restype = ctypes.c_int
+    lib.pdscope_cpu_ffn_profile_read.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
     for target in (LIST_TARGET, STACKED_TARGET):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
     return lib
@@ -127,6 +131,32 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         lib.pdscope_cpu_ffn_read(buffer.ctypes.data, buffer.nbytes)
         times.append(time.perf_counter() - start)
     return buffer.nbytes / float(np.median(times[1:])) / 1e9
+
+
+PROFILE_FIELDS = ("setup", "compute", "reduce", "gate_up", "act", "down", "groups", "slowest_group")
+
+
+def profile(on: bool) -> None:
+    """Start (totals reset) or stop the kernel's phase profile of later calls; no-op where not built."""
+    lib = library()
+    if lib is not None:
+        lib.pdscope_cpu_ffn_profile(int(on))
+
+
+def profile_read() -> dict[str, float]:
+    """Milliseconds per call, by phase, over the calls since `profile(True)` ({} where not built or no call):
+    `setup` (routing rows into units), `compute` and `reduce` (wall time of the two pool runs); `gate_up`, `act`,
+    `down` and `groups` summed over the pool's groups (thread time: divide by `threads()` for wall time);
+    `slowest_group` the longest group. `calls` is the number of calls."""
+    lib = library()
+    if lib is None:
+        return {}
+    totals = (ctypes.c_double * 16)()
+    n = lib.pdscope_cpu_ffn_profile_read(totals, 16)
+    calls = totals[0]
+    if calls == 0:
+        return {}
+    return {"calls": int(calls), **{name: totals[i + 1] / calls / 1e6 for i, name in enumerate(PROFILE_FIELDS[:n - 1])}}
 
 
 def kernel_supports(h, gate_up) -> bool:

@@ -141,3 +141,23 @@ def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch):
         assert build.shared_library(cpu_ffn.SOURCE) is None
     assert len(caught) == 1 and "using the XLA path" in str(caught[0].message)
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_profile_splits_each_call_into_phases(kernel, weights):
+    gate_up, down = weights
+    h, coef, ids = case(16, 3, seed=11)
+    cpu_ffn.profile(True)
+    try:
+        for _ in range(3):
+            cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel").block_until_ready()
+        got = cpu_ffn.profile_read()
+    finally:
+        cpu_ffn.profile(False)
+    assert got["calls"] == 3
+    assert set(cpu_ffn.PROFILE_FIELDS) <= set(got)
+    assert all(got[name] >= 0 for name in cpu_ffn.PROFILE_FIELDS)
+    assert got["gate_up"] > 0 and got["down"] > 0  # the fast path timed its phases
+    assert got["groups"] >= got["gate_up"] + got["act"] + got["down"] - 1e-6  # phases lie inside the groups
+    assert got["slowest_group"] <= got["groups"] + 1e-9
+    cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel").block_until_ready()
+    assert cpu_ffn.profile_read()["calls"] == 3  # stopped: later calls are not counted

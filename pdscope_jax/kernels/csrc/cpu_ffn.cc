@@ -73,6 +73,16 @@ inline bf16 f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
 
 inline float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
+// Nanoseconds by phase, summed over a group's units (profiling only).
+struct Phases {
+  int64_t gate_up = 0, act = 0, down = 0, total = 0;
+};
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // One call's problem and its plan.
 struct Call {
@@ -88,6 +98,8 @@ struct Call {
   std::vector<char> used;               // per group: it had units (its partial is meaningful)
   std::atomic<size_t> next_chunk{0};    // the reduction's chunks, claimed likewise
   int isa = kScalar;
+  bool profile = false;
+  std::vector<Phases> group_ns;         // per group: where its time went (only when profiling)
 };
 
 struct Scratch {
@@ -246,25 +258,53 @@ void down_avx_upto(const Call& c, const bf16* w, int b, const int* rows, int m, 
   down_avx<R>(c, w, b, rows, act, partial, pf);
 }
 
-void unit_avx(const Call& c, int j, int b, const int* rows, int m, Scratch& s, float* partial) {
+// exp(x) for x in [-88, 88]: 2^(x log2 e) split into 2^n (scalef) and a degree-6 polynomial of the
+// fraction (relative error ~2e-7, far below the bf16 rounding the activation gets next).
+inline __m512 exp_avx(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // in [-0.35, 0.35]
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// act[0..32) = bf16(scale * silu(g) * u) for one row's 32 columns, rounded to nearest even like f32_to_bf16.
+inline void activation_avx(const float* g, const float* u, float scale, bf16* act) {
+  for (int i = 0; i < kBlock; i += 16) {
+    const __m512 gv = _mm512_loadu_ps(g + i);
+    const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    const __m512 a = _mm512_mul_ps(_mm512_mul_ps(sig, _mm512_loadu_ps(u + i)), _mm512_set1_ps(scale));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + i), (__m256i)_mm512_cvtneps_pbh(a));
+  }
+}
+
+void unit_avx(const Call& c, int j, int b, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
   const bf16* gu = c.gate_up[j];
   float* g = s.gu.data();
   float* u = g + kGuRows * kBlock;
   bf16* act = s.act.data();
   const float* coef = c.coef + size_t(j) * c.n;
+  int64_t t = ph ? now_ns() : 0;
   for (int r0 = 0; r0 < m; r0 += kGuRows) {
     const int rb = std::min(kGuRows, m - r0);
     gate_up_avx_upto<kGuRows>(c, gu, b, rows + r0, rb, g, u, r0 == 0);
-    for (int r = 0; r < rb; ++r) {
-      const float scale = coef[rows[r0 + r]];
-      for (int i = 0; i < kBlock; ++i)
-        act[(r0 + r) * kBlock + i] = f32_to_bf16(scale * silu(g[r * kBlock + i]) * u[r * kBlock + i]);
-    }
+    if (ph) { const int64_t t1 = now_ns(); ph->gate_up += t1 - t; t = t1; }
+    for (int r = 0; r < rb; ++r)
+      activation_avx(g + r * kBlock, u + r * kBlock, coef[rows[r0 + r]], act + (r0 + r) * kBlock);
+    if (ph) { const int64_t t1 = now_ns(); ph->act += t1 - t; t = t1; }
   }
   for (int r0 = 0; r0 < m; r0 += kDownRows) {
     const int rb = std::min(kDownRows, m - r0);
     down_avx_upto<kDownRows>(c, c.down[j], b, rows + r0, rb, act + r0 * kBlock, partial, r0 == 0);
   }
+  if (ph) ph->down += now_ns() - t;
 }
 
 bool cpu_has_avx512bf16() {
@@ -276,7 +316,7 @@ bool cpu_has_avx512bf16() {
 #pragma GCC pop_options
 #else
 bool cpu_has_avx512bf16() { return false; }
-void unit_avx(const Call&, int, int, const int*, int, Scratch&, float*) {}
+void unit_avx(const Call&, int, int, const int*, int, Scratch&, float*, Phases*) {}
 #endif
 
 void unit_scalar(const Call& c, int j, int b, const int* rows, int m, Scratch& s, float* partial) {
@@ -406,6 +446,11 @@ std::unique_ptr<Pool> g_pool;
 std::atomic<int> g_isa{-1};  // -1: not chosen yet
 std::mutex g_call_mu;
 std::vector<std::vector<float>> g_partials;  // per group of units: its partial sum, reused across calls
+std::atomic<bool> g_profile{false};
+// Profile totals over calls (guarded by g_call_mu): calls, then ns of: setup, compute (wall), reduce (wall),
+// and summed over groups gate_up, act, down, group total; then the slowest group's total summed over calls.
+constexpr int kProfileFields = 9;
+double g_profile_totals[kProfileFields] = {0};
 
 Pool& pool() {
   std::lock_guard<std::mutex> lock(g_pool_mu);
@@ -433,6 +478,8 @@ void compute_group(void* ctx, int g) {
   Scratch& s = tls_scratch;
   s.act.resize(size_t(c.n) * kBlock);
   s.gu.resize(2 * kGuRows * kBlock);
+  Phases* ph = c.profile ? &c.group_ns[g] : nullptr;
+  const int64_t start = ph ? now_ns() : 0;
   float* partial = c.partials[g];
   std::memset(partial, 0, sizeof(float) * size_t(c.n) * c.d);
   c.used[g] = 1;
@@ -441,10 +488,11 @@ void compute_group(void* ctx, int g) {
     const int* rows = c.rows.data() + c.row_off[j];
     const int m = c.row_off[j + 1] - c.row_off[j];
     if (c.isa == kAvx512Bf16)
-      unit_avx(c, j, c.unit_block[u], rows, m, s, partial);
+      unit_avx(c, j, c.unit_block[u], rows, m, s, partial, ph);
     else
       unit_scalar(c, j, c.unit_block[u], rows, m, s, partial);
   }
+  if (ph) ph->total = now_ns() - start;
 }
 
 constexpr size_t kReduceChunk = 2048;
@@ -466,6 +514,7 @@ void reduce_chunk(void* ctx, int chunk) {
 }
 
 void run_call(Call& c) {
+  const int64_t t0 = now_ns();
   c.isa = current_isa();
   c.row_off.assign(c.k + 1, 0);
   for (int j = 0; j < c.k; ++j) {
@@ -491,8 +540,28 @@ void run_call(Call& c) {
     c.partials.push_back(g_partials[g].data());
   }
   c.used.assign(groups, 0);
+  c.profile = g_profile.load();
+  if (c.profile) c.group_ns.assign(groups, Phases());
+  const int64_t t1 = now_ns();
   p.Run(compute_group, &c, groups);
+  const int64_t t2 = now_ns();
   p.Run(reduce_chunk, &c, int((size_t(c.n) * c.d + kReduceChunk - 1) / kReduceChunk));
+  if (c.profile) {
+    double* tot = g_profile_totals;
+    int64_t slowest = 0;
+    tot[0] += 1;
+    tot[1] += double(t1 - t0);
+    tot[2] += double(t2 - t1);
+    tot[3] += double(now_ns() - t2);
+    for (const Phases& ph : c.group_ns) {
+      tot[4] += double(ph.gate_up);
+      tot[5] += double(ph.act);
+      tot[6] += double(ph.down);
+      tot[7] += double(ph.total);
+      slowest = std::max(slowest, ph.total);
+    }
+    tot[8] += double(slowest);
+  }
 }
 
 ffi::Error check_shapes(const Call& c) {
@@ -620,6 +689,20 @@ int pdscope_cpu_ffn_set_isa(int isa) {
 }
 
 int pdscope_cpu_ffn_threads() { return pool().size(); }
+
+// Start (1, totals reset) or stop (0) the phase profile of later calls.
+void pdscope_cpu_ffn_profile(int on) {
+  std::lock_guard<std::mutex> lock(g_call_mu);
+  if (on) std::fill(g_profile_totals, g_profile_totals + kProfileFields, 0.0);  // stopping keeps them to read
+  g_profile.store(on != 0);
+}
+
+// Copy the profile totals (see g_profile_totals) into out[0 .. n); returns how many fields exist.
+int pdscope_cpu_ffn_profile_read(double* out, int n) {
+  std::lock_guard<std::mutex> lock(g_call_mu);
+  for (int i = 0; i < std::min(n, kProfileFields); ++i) out[i] = g_profile_totals[i];
+  return kProfileFields;
+}
 
 // Replace the thread pool with one of n threads (n <= 0: the default, from PDSCOPE_CPU_FFN_THREADS or the
 // CPUs this process may run on). Not to be called while a kernel runs.
