@@ -4,12 +4,13 @@ Each case runs `pdscope-jax generate` in fresh processes that share one new, emp
 the first process compiles everything (cold), the next `--warm` ones read it (warm). Per process it records the
 wall time from launch to exit, the seconds XLA spent compiling, and the compilation cache's hits and misses
 (jax's monitoring events); per case the cache's size on disk and cold / median warm. Cases:
-- `tiny`: tiny-deepseek-v2-lite, whole, float32 (any machine);
+- `tiny`: tiny-deepseek-v2-lite, whole, float32 (any machine); `tiny-offloaded`: the same under `pdscope`
+  with a slot pool for a third of its experts;
 - `deepseek-offloaded`: DeepSeek-V2-Lite with random weights under `pdscope`, 24 GB GPU budget, 8 GB expert pool
   (a GPU machine: about 30 GB of pinned host memory).
 Writes JSON (command, commit, machine, per case the processes) to `--out`.
 
-    python3 benchmarks/start_times.py --cases tiny --out docs/fragments/faststart_start_times.json
+    python3 benchmarks/start_times.py --cases tiny tiny-offloaded --out docs/fragments/faststart_start_times.json
     python3 benchmarks/start_times.py --cases tiny deepseek-offloaded --out benchmarks/results/start_times_h200.json
 """
 
@@ -31,6 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 COMMON = ["--ids", "1,2,3,4,5,6,7,8", "--new-tokens", "16"]
 CASES = {
     "tiny": ["tiny-deepseek-v2-lite", "--dtype", "float32", *COMMON],
+    "tiny-offloaded": ["tiny-deepseek-v2-lite", "--dtype", "float32", "--policy", "pdscope", "--gpu-memory", "1GB",
+                       "--expert-pool", "40KB", *COMMON],
     "deepseek-offloaded": ["deepseek-v2-lite", "--weights", "random", "--policy", "pdscope", "--gpu-memory", "24GB",
                            "--expert-pool", "8GB", "--max-seq-len", "512", *COMMON],
 }
