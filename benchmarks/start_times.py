@@ -5,7 +5,7 @@ the first process compiles everything (cold), the next `--warm` ones read it (wa
 wall time from launch to exit, the seconds XLA spent compiling, and the compilation cache's hits and misses
 (jax's monitoring events); per case the cache's size on disk and cold / median warm. Cases:
 - `tiny`: tiny-deepseek-v2-lite, whole, float32 (any machine); `tiny-offloaded`: the same under `pdscope`
-  with a slot pool for a third of its experts;
+  with a slot pool of one expert (of 24);
 - `deepseek-offloaded`: DeepSeek-V2-Lite with random weights under `pdscope`, 24 GB GPU budget, 8 GB expert pool
   (a GPU machine: about 30 GB of pinned host memory).
 Writes JSON (command, commit, machine, per case the processes) to `--out`.

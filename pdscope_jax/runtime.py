@@ -229,7 +229,8 @@ def enable_compile_cache(enabled: bool | str | Path = True) -> str | None:
     in this process (e.g. through JAX_COMPILATION_CACHE_DIR, or an earlier call) is kept as it is, and False
     never turns a configured cache off. Programs of any size and compile time are cached (jax's defaults skip
     those compiled in under a second, most of this project's); the directory holds at most
-    COMPILE_CACHE_MAX_BYTES. Safe to call any number of times, before or after JAX has compiled anything."""
+    COMPILE_CACHE_MAX_BYTES. A directory that cannot be created turns the cache off with a warning. Safe to call
+    any number of times, before or after JAX has compiled anything."""
     configured = jax.config.jax_compilation_cache_dir
     setting = os.environ.get(COMPILE_CACHE_ENV, "").strip()
     if configured or enabled is False or setting.lower() in _OFF:
@@ -239,7 +240,14 @@ def enable_compile_cache(enabled: bool | str | Path = True) -> str | None:
     else:
         path = compile_cache_dir() if setting.lower() in _ON else Path(setting)
     path = path.expanduser()
-    path.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a read-only home must not stop a run: it only compiles every time
+        import warnings
+
+        warnings.warn(f"compilation cache off: cannot create {path} ({err}); set {COMPILE_CACHE_ENV} to a writable "
+                      "directory, or to 0 to silence this", stacklevel=2)
+        return None
     from jax.experimental.compilation_cache import compilation_cache
 
     jax.config.update("jax_compilation_cache_dir", str(path))

@@ -72,3 +72,15 @@ def test_cli_caches_under_xdg_cache_home_unless_told_not_to(tmp_path):
     second = subprocess.run(generate, env=env, check=True, capture_output=True, text=True).stdout
     assert _entries(cache) == written  # the second run wrote no program: it compiled none
     assert first.splitlines()[0] == second.splitlines()[0]  # the same tokens
+
+
+def test_unwritable_directory_warns_and_runs_without_cache(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    code = ("import warnings, jax; from pdscope_jax.runtime import enable_compile_cache\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            f"    assert enable_compile_cache({str(blocker / 'xla')!r}) is None\n"
+            "assert jax.config.jax_compilation_cache_dir is None\n"
+            "assert any('compilation cache off' in str(w.message) for w in caught), caught")
+    subprocess.run([sys.executable, "-c", code], env=_env(), check=True, capture_output=True)
