@@ -1,13 +1,15 @@
 """`load()` and the `Runner`: the public entry point.
 
-Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, **runtime)`
+Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, revision=None,
+compile_cache=True, **runtime)`
 resolves
 1. a preset name (`pdscope_jax.presets`): random weights (`weights=None` or "random"), or `weights=<directory>`
    holding that architecture's safetensors;
 2. a checkpoint embedded in the package (`EMBEDDED`, e.g. "reference-moe", the default model);
 3. a directory holding config.json: its safetensors (`weights=None`), or random weights (`weights="random"`);
 4. a Hugging Face hub name ("org/name") found in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub, else
-   ~/.cache/huggingface/hub; the newest snapshot holding config.json); nothing is downloaded;
+   ~/.cache/huggingface/hub; the snapshot `refs/main` names, or `revision=`); nothing is downloaded here
+   (`pdscope-jax download NAME` fetches);
 otherwise it raises `UnknownModelError` listing the known names.
 Without `policy` the model runs whole on the default device (`Runner`). With a policy name (`gpu`, `static`,
 `ondemand`, `greedy`, `fate`, `pdscope`) the offload engine runs it (`engine.runner.OffloadRunner`, same
@@ -22,6 +24,8 @@ compilation; every bad input raises one `errors.InputError` (a ValueError) namin
 (ModelConfig) and `runner.tokenizer` (or None) stay reachable, and `runner.model` (the NNX CausalLM) for the
 plain model; an offloaded runner has `runner.engine` instead. The offload engine sizes its KV cache for
 `max_batch` sequences (default 1) of `max_seq_len` tokens: pass them in `**runtime` for larger batches.
+`load` turns on the persistent compilation cache (`runtime.enable_compile_cache`; `compile_cache=False` or a
+directory), so a second process compiles nothing the first one did.
 """
 
 from __future__ import annotations
@@ -78,16 +82,39 @@ def hf_cache_dirs() -> list[Path]:
     return [Path.home() / ".cache" / "huggingface" / "hub"]
 
 
-def find_in_hf_cache(name: str) -> Path | None:
-    """The newest snapshot directory of hub repo `name` ("org/name") that holds config.json, or None."""
+def find_in_hf_cache(name: str, revision: str | None = None) -> Path | None:
+    """The snapshot directory of hub repo `name` ("org/name") that holds config.json, or None when the repo is
+    not cached. The snapshot is the one `refs/<revision>` names (default `main`, what `huggingface_hub` writes
+    on download), or `revision` itself when it is a cached commit hash. A cached repo without that ref (e.g.
+    copied by hand) falls back to its only snapshot; with several and no ref the choice would be a guess, so it
+    raises UnknownModelError naming the snapshots and how to pick one (`revision=`, `--revision`)."""
     folder = "models--" + name.replace("/", "--")
-    snapshots = [s for root in hf_cache_dirs() for s in (root / folder / "snapshots").glob("*")
-                 if (s / "config.json").exists()]
-    return max(snapshots, key=lambda s: s.stat().st_mtime) if snapshots else None
+    for root in hf_cache_dirs():
+        repo = root / folder
+        snapshots = sorted(s for s in (repo / "snapshots").glob("*") if (s / "config.json").exists())
+        if not snapshots:
+            continue
+        ref = repo / "refs" / (revision or "main")
+        wanted = ref.read_text().strip() if ref.is_file() else revision
+        if wanted is not None:
+            match = [s for s in snapshots if s.name == wanted]
+            if match:
+                return match[0]
+            raise UnknownModelError(
+                f"{name}: revision {revision or 'main'!r} ({wanted}) is not among the cached snapshots with "
+                f"config.json in {repo / 'snapshots'} ({', '.join(s.name for s in snapshots)}); download it "
+                f"(`pdscope-jax download {name}`) or pass one of the cached commits as the revision")
+        if len(snapshots) == 1:
+            return snapshots[0]
+        raise UnknownModelError(
+            f"{name}: {repo} has no refs/main and {len(snapshots)} snapshots ({', '.join(s.name for s in snapshots)});"
+            " pass the commit to use as revision= (CLI: --revision), or pass the snapshot directory itself")
+    return None
 
 
-def resolve(name_or_path: str) -> tuple[ModelConfig, Path | None]:
-    """(config, checkpoint directory or None for a preset) of a name or path; see the module docstring."""
+def resolve(name_or_path: str, revision: str | None = None) -> tuple[ModelConfig, Path | None]:
+    """(config, checkpoint directory or None for a preset) of a name or path; see the module docstring.
+    `revision` (a branch, tag or commit of a Hugging Face hub repo) only applies to hub names."""
     try:
         return preset(name_or_path), None
     except UnknownModelError:
@@ -95,19 +122,24 @@ def resolve(name_or_path: str) -> tuple[ModelConfig, Path | None]:
     path = EMBEDDED.get(name_or_path) or Path(name_or_path).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return ModelConfig.from_json(path / "config.json"), path
-    snapshot = find_in_hf_cache(name_or_path)
+    snapshot = find_in_hf_cache(name_or_path, revision)
     if snapshot is not None:
         return ModelConfig.from_json(snapshot / "config.json", name=name_or_path), snapshot
     where = ", ".join(str(d) for d in hf_cache_dirs())
+    fetch = f"; fetch it with `pdscope-jax download {name_or_path}`" if name_or_path.count("/") == 1 else ""
     raise UnknownModelError(
         f"unknown model {name_or_path!r}: not a preset, not a directory with config.json, not in the Hugging Face "
-        f"cache ({where}); known names: {', '.join([*EMBEDDED, *known_names()])}")
+        f"cache ({where}){fetch}; known names: {', '.join([*EMBEDDED, *known_names()])}")
 
 
 def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16",
-         policy: str | None = None, predictors: str | Path | None = None, **runtime):
+         policy: str | None = None, predictors: str | Path | None = None, revision: str | None = None,
+         compile_cache: bool | str | Path = True, **runtime):
     rc = check_load(dtype, seed, policy, predictors, runtime)  # before anything is read or built
-    cfg, checkpoint = resolve(str(name_or_path))
+    cfg, checkpoint = resolve(str(name_or_path), revision)
+    from pdscope_jax.runtime import enable_compile_cache
+
+    enable_compile_cache(compile_cache)
     if weights == "random":
         checkpoint = None
     elif weights is not None:

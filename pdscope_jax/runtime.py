@@ -14,6 +14,11 @@ finite and positive (`expert_pool` may be 0: no slots). Every bad field is named
 backend: the first GPU and the first CPU device when a GPU exists; otherwise, with two or more CPU devices
 (tests set `jax_num_cpu_devices=2`), cpu:1 stands for the accelerator and cpu:0 for the CPU backend; with one
 CPU device both roles fall on it.
+
+`enable_compile_cache()` turns on JAX's persistent compilation cache (every compiled program, however small, is
+written to disk and read back by later processes): by default in `compile_cache_dir()` (`$XDG_CACHE_HOME`, else
+~/.cache, then pdscope_jax/xla); the environment variable PDSCOPE_JAX_COMPILE_CACHE=0 turns it off, a path there
+chooses the directory. `load()` and the CLI call it (`load(..., compile_cache=False)`, `--no-compile-cache`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import re
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -201,3 +208,53 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
             return b
     last = buckets[-1]
     return -(-n // last) * last
+
+
+COMPILE_CACHE_ENV = "PDSCOPE_JAX_COMPILE_CACHE"  # 0/off/false/no: no cache; 1/on/unset: the default; else a path
+COMPILE_CACHE_MAX_BYTES = 8 * 2**30  # least recently used programs go beyond this (jax's LRU cache, via filelock)
+_OFF, _ON = {"0", "off", "false", "no"}, {"", "1", "on", "true", "yes"}
+
+
+def compile_cache_dir() -> Path:
+    """The default persistent compilation cache: $XDG_CACHE_HOME/pdscope_jax/xla, else ~/.cache/pdscope_jax/xla."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "pdscope_jax" / "xla"
+
+
+def enable_compile_cache(enabled: bool | str | Path = True) -> str | None:
+    """Turn on JAX's persistent compilation cache for this process. -> its directory, or None when off.
+
+    `enabled`: True (the directory PDSCOPE_JAX_COMPILE_CACHE names, else `compile_cache_dir()`), a directory, or
+    False; PDSCOPE_JAX_COMPILE_CACHE=0 turns it off whatever `enabled` says. A cache directory already configured
+    in this process (e.g. through JAX_COMPILATION_CACHE_DIR, or an earlier call) is kept as it is, and False
+    never turns a configured cache off. Programs of any size and compile time are cached (jax's defaults skip
+    those compiled in under a second, most of this project's); the directory holds at most
+    COMPILE_CACHE_MAX_BYTES. A directory that cannot be created turns the cache off with a warning. Safe to call
+    any number of times, before or after JAX has compiled anything."""
+    configured = jax.config.jax_compilation_cache_dir
+    setting = os.environ.get(COMPILE_CACHE_ENV, "").strip()
+    if configured or enabled is False or setting.lower() in _OFF:
+        return configured or None
+    if enabled is not True:
+        path = Path(enabled)
+    else:
+        path = compile_cache_dir() if setting.lower() in _ON else Path(setting)
+    path = path.expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a read-only home must not stop a run: it only compiles every time
+        import warnings
+
+        warnings.warn(f"compilation cache off: cannot create {path} ({err}); set {COMPILE_CACHE_ENV} to a writable "
+                      "directory, or to 0 to silence this", stacklevel=2)
+        return None
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # every entry (0 means jax's default)
+    jax.config.update("jax_compilation_cache_max_size", COMPILE_CACHE_MAX_BYTES)
+    # jax decides whether to use the cache at its first compilation: start over, so a process that already
+    # compiled something (without a cache) uses it from now on
+    compilation_cache.reset_cache()
+    return str(path)

@@ -1,7 +1,8 @@
 """`pdscope-jax generate`: generate from a prompt (text or token ids) with any model and policy.
 
 Contract: `main(argv)` loads MODEL through `pdscope_jax.load` (preset names use seeded random weights unless
-`--weights DIR`), runs the model whole or under `--policy` with `--gpu-memory` / `--expert-pool`, prints the
+`--weights DIR`; `--revision` picks a Hugging Face cache snapshot), runs the model whole or under `--policy` with
+`--gpu-memory` / `--expert-pool` (and the KV cache sized by `--max-seq-len` / `--max-batch`), prints the
 continuation (text when the checkpoint has a tokenizer, token ids otherwise) and the per-phase throughput.
 Every argument that can be checked without weights (ids, sampling settings, policy, sizes, lengths) is checked
 before the model loads; one `errors.InputError` names every problem.
@@ -31,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-memory", default="24GB")
     parser.add_argument("--expert-pool")
     parser.add_argument("--predictors", help="PhasePer checkpoint directory (with --policy)")
+    parser.add_argument("--max-seq-len", type=int,
+                        help="tokens per sequence (prompt plus new) the offloaded KV cache holds (with --policy; "
+                             "default 4096)")
+    parser.add_argument("--max-batch", type=int, help="sequences the offloaded KV cache holds (with --policy; default 1)")
+    parser.add_argument("--revision", help="branch, tag or commit of a Hugging Face cache model (default: refs/main)")
     args = parser.parse_args(argv)
 
     import pdscope_jax
@@ -39,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     from pdscope_jax.generation.generator import check_request
 
     runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
+    # given without --policy, check_load names them as settings that need one
+    runtime |= {k: v for k, v in (("max_seq_len", args.max_seq_len), ("max_batch", args.max_batch)) if v is not None}
     # validate first, everything at once: the model's config is cheap to read, its weights are not
     problems, ids, rc = [], None, None
     if args.ids is not None:
@@ -48,11 +56,11 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"--ids: expected comma-separated integers such as 1,2,3, got {args.ids!r}")
     rc = collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime)
     limits = {} if rc is None else {"max_batch": rc.max_batch, "max_seq_len": rc.max_seq_len}
-    collect(problems, check_request, ids if ids is not None else [[0]], None, resolve(args.model)[0].vocab_size,
+    collect(problems, check_request, ids if ids is not None else [[0]], None, resolve(args.model, args.revision)[0].vocab_size,
             args.new_tokens, args.temperature, args.top_k, args.seed, **limits)
     raise_problems(problems, "bad arguments")
     runner = pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
-                              policy=args.policy, predictors=args.predictors, **runtime)
+                              policy=args.policy, predictors=args.predictors, revision=args.revision, **runtime)
     if ids is not None:
         prompt = ids
     elif args.prompt is not None:

@@ -6,13 +6,17 @@
     pdscope-jax collect-traces ...                                 routing traces for PhasePer
     pdscope-jax train-predictors ...                               PhasePer predictors from traces
     pdscope-jax profile ...                                        cost table for AdaptSched
+    pdscope-jax download NAME                                      fetch a checkpoint from the Hugging Face hub
 
 Contract: `main(argv) -> int` hands the arguments after the command's name to that module's function and
 returns its exit status (0 when it returns something other than an int). A user error (`errors.InputError` and
 its subclasses: bad ids or settings, unknown policy, budget too small, ...; also unknown model, corrupt
 checkpoint, missing file) is printed as a few lines on stderr, without a traceback, with status 2; any other
 exception is an internal error: its traceback is printed, status 1. `pdscope-jax --debug COMMAND ...` prints
-the traceback of user errors too. No command or an unknown one prints the usage (status 2; 0 for -h/--help). This module imports nothing heavier than argparse, so
+the traceback of user errors too. No command or an unknown one prints the usage (status 2; 0 for -h/--help).
+Every command but `download` runs with the persistent compilation cache on (`runtime.enable_compile_cache`);
+`--no-compile-cache` (before or after the command name) turns it off, by setting PDSCOPE_JAX_COMPILE_CACHE=0
+for this process and those it starts. This module imports nothing heavier than argparse, so
 `pdscope-jax --help` does not start JAX.
 """
 
@@ -20,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import traceback
+
+from pdscope_jax.errors import InputError
 
 COMMANDS = {  # name: (module, function, help)
     "run": ("pdscope_jax.cli.run", "main", "the whole pipeline on the embedded reference MoE, policies side by side"),
@@ -30,14 +37,22 @@ COMMANDS = {  # name: (module, function, help)
     "collect-traces": ("pdscope_jax.cli.collect_traces", "collect_traces_main", "record routing traces for PhasePer"),
     "train-predictors": ("pdscope_jax.cli.train_predictors", "train_predictors_main", "train PhasePer on collected traces"),
     "profile": ("pdscope_jax.cli.profile", "profile_main", "measure the cost table of a model on this machine"),
+    "download": ("pdscope_jax.cli.download", "main", "fetch a model's checkpoint from the Hugging Face hub"),
 }
+NO_JAX = {"download"}  # commands that compile nothing: they start without the compilation cache (or JAX)
+NO_COMPILE_CACHE = "--no-compile-cache"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="pdscope-jax", description="Phase-adaptive MoE offloading on JAX.")
     parser.add_argument("--debug", action="store_true", help="print tracebacks for user errors too")
+    parser.add_argument(NO_COMPILE_CACHE, action="store_true",
+                        help="compile every program afresh, without reading or writing the persistent compilation "
+                             "cache (default: on, in $XDG_CACHE_HOME or ~/.cache, under pdscope_jax/xla)")
     parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in COMMANDS.items()))
+    no_cache = NO_COMPILE_CACHE in argv
+    argv = [a for a in argv if a != NO_COMPILE_CACHE]
     debug = bool(argv) and argv[0] == "--debug"
     if debug:
         argv = argv[1:]
@@ -46,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     args = parser.parse_args(argv[:1])
     module, function, _ = COMMANDS[args.command]
+    if no_cache:
+        os.environ["PDSCOPE_JAX_COMPILE_CACHE"] = "0"  # runtime.COMPILE_CACHE_ENV, which load() honours too
+    elif args.command not in NO_JAX and "-h" not in argv and "--help" not in argv:
+        from pdscope_jax.runtime import enable_compile_cache
+
+        enable_compile_cache()
     command = getattr(importlib.import_module(module), function)
     try:
         result = command(argv[1:])
@@ -55,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pdscope-jax {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 (sorted into user and internal errors below)
-        user = isinstance(err, _user_errors())
+        # InputError first: the other user error types import most of the package (and JAX)
+        user = isinstance(err, InputError) or isinstance(err, _user_errors())
         if debug or not user:
             traceback.print_exc()
         if user:

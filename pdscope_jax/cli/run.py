@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=list(COMPARED),
                         help="offloading policies (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32 on CPU: XLA:CPU bf16 is slow at few rows")
+    parser.add_argument("--max-seq-len", type=int, default=1024,
+                        help="tokens (prompt plus new) the offloaded KV cache holds (default: %(default)s)")
     args = parser.parse_args(argv)
     check_args(args)
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[yellow]no PhasePer checkpoint at {args.predictors}: pdscope and fate use the next layer's "
                       "gate on the current hidden state as their predictor")
     runner = pdscope_jax.load(args.model, dtype=args.dtype, policy=args.policies[0], predictors=predictors,
-                              gpu_memory="4GB", expert_pool=pool_bytes, max_seq_len=1024)
+                              gpu_memory="4GB", expert_pool=pool_bytes, max_seq_len=args.max_seq_len)
     engine = runner.engine
     devices = select_devices()
     console.rule(f"offloaded: {engine.pool.num_slots} of {all_experts} experts fit the slot pool "
@@ -122,6 +124,8 @@ def check_args(args) -> None:
         problems.append(f"--dtype {args.dtype!r} is not supported; supported: {', '.join(DTYPES)}")
     if args.new_tokens < 1:
         problems.append(f"--new-tokens must be >= 1, got {args.new_tokens}")
+    if args.max_seq_len < 1:
+        problems.append(f"--max-seq-len must be >= 1, got {args.max_seq_len}")
     if not (math.isfinite(args.expert_pool_fraction) and 0 < args.expert_pool_fraction <= 1):
         problems.append(f"--expert-pool-fraction must lie in (0, 1], got {args.expert_pool_fraction}")
     raise_problems(problems, "bad arguments")

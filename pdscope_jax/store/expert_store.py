@@ -8,11 +8,15 @@ Contract:
 - CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes
   (XLA:CPU takes 64-byte-aligned buffers zero-copy), verified per expert (same address, same bytes); where it
   does not hold the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0: every view aliases,
-  2.0: none does). `cpu_view="copy"` forces copies. `host_alloc="torch"` (the GPU default where torch has
-  CUDA) pins with torch and imports zero-copy through dlpack, for where a pinned array's address is unreadable.
+  2.0: none does). `cpu_view="copy"` forces copies.
+- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"torch"` (one pinned buffer per layer
+  imported zero-copy through dlpack; the `torch` extra, a CUDA build); `"auto"`: torch on a GPU where it has
+  CUDA, else jax. Torch because only one allocation per layer gives stacks the experts alias (one host copy), and
+  device decode copies a layer's misses from a stack at once (H200, MEASUREMENTS.md call 25: 6 experts 2.58 ms,
+  2.87 one by one from per-expert arrays); the cited GPU results ran so. `store.host_alloc` says which ran.
 - Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts
-  by a computed index (`engine.device_decode`; `pull_traced` is their copy). With torch one allocation per layer
-  that the experts alias; with jax only when `stacks=True`, a second pinned copy (in host_bytes_per_model_byte).
+  by a computed index (`engine.device_decode`, `pull_traced`): free with torch; with jax only when `stacks=True`,
+  as a second pinned copy (counted in host_bytes_per_model_byte).
 - Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched
   `device_put` and returns at once (issued before the compute it should hide behind, it overlaps it);
   `commit(pool, staged, slots)` writes the staged arrays into their slots with ONE jitted program that donates
@@ -110,7 +114,8 @@ class ExpertStore:
             host_alloc = "torch" if devices.accel.platform == "gpu" and _torch_cuda() else "jax"
         if host_alloc == "torch" and not _torch_cuda():
             raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
-                             "through dlpack); use host_alloc='jax'")
+                             "through dlpack): pip install 'pdscope_jax[torch]' (a CUDA build of torch) on a GPU "
+                             "machine, or use host_alloc='jax'")
         self.devices = devices
         self.cpu_view = cpu_view
         self.host_alloc = host_alloc

@@ -131,7 +131,7 @@ def test_store_aliases_cpu_views_and_writes_slots_in_place():
     copies.add_layer(1, gu, dn)
     assert copies.host_bytes_per_model_byte == 2.0
     if dev.accel.platform == "cpu":  # torch pinning needs a GPU
-        with pytest.raises(ValueError, match="host_alloc='torch' needs torch with CUDA"):
+        with pytest.raises(ValueError, match=r"host_alloc='torch' needs torch with CUDA.*pdscope_jax\[torch\]"):
             ExpertStore(dev, host_alloc="torch")
         assert ExpertStore(dev).host_alloc == "jax"  # what "auto" picks without a GPU
     assert store.layer_stacks(1) is None  # whole-layer stacks only when asked for (or free, with torch)

@@ -1,0 +1,130 @@
+"""Cold against warm start of `pdscope-jax generate`: the persistent compilation cache measured.
+
+Each case runs `pdscope-jax generate` in fresh processes that share one new, empty compilation cache directory:
+the first process compiles everything (cold), the next `--warm` ones read it (warm). Per process it records the
+wall time from launch to exit, the seconds XLA spent compiling, and the compilation cache's hits and misses
+(jax's monitoring events); per case the cache's size on disk and cold / median warm. Cases:
+- `tiny`: tiny-deepseek-v2-lite, whole, float32 (any machine); `tiny-offloaded`: the same under `pdscope`
+  with a slot pool of one expert (of 24);
+- `deepseek-offloaded`: DeepSeek-V2-Lite with random weights under `pdscope`, 24 GB GPU budget, 8 GB expert pool
+  (a GPU machine: about 30 GB of pinned host memory).
+Writes JSON (command, commit, machine, per case the processes) to `--out`.
+
+    python3 benchmarks/start_times.py --cases tiny tiny-offloaded --out docs/fragments/faststart_start_times.json
+    python3 benchmarks/start_times.py --cases tiny deepseek-offloaded --out benchmarks/results/start_times_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+COMMON = ["--ids", "1,2,3,4,5,6,7,8", "--new-tokens", "16"]
+CASES = {
+    "tiny": ["tiny-deepseek-v2-lite", "--dtype", "float32", *COMMON],
+    "tiny-offloaded": ["tiny-deepseek-v2-lite", "--dtype", "float32", "--policy", "pdscope", "--gpu-memory", "1GB",
+                       "--expert-pool", "40KB", *COMMON],
+    "deepseek-offloaded": ["deepseek-v2-lite", "--weights", "random", "--policy", "pdscope", "--gpu-memory", "24GB",
+                           "--expert-pool", "8GB", "--max-seq-len", "512", *COMMON],
+}
+# Runs in each process: the CLI's generate, with jax's compilation events counted.
+CHILD = """
+import json, sys
+from jax import monitoring
+counts, seconds = {}, {}
+monitoring.register_event_listener(lambda name, **kw: counts.__setitem__(name, counts.get(name, 0) + 1))
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: seconds.__setitem__(name, seconds.get(name, 0.0) + secs))
+from pdscope_jax.cli.main import main
+status = main(["generate", *sys.argv[1:]])
+print("@@" + json.dumps({"status": status, "counts": counts, "seconds": seconds}))
+"""
+
+
+def run_process(argv: list[str], env: dict) -> dict:
+    """One `generate` process: wall seconds, compile seconds, cache hits / misses, its printed lines."""
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise SystemExit(f"generate {' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    lines = done.stdout.strip().splitlines()
+    report = json.loads(lines[-1][2:])
+    counts, seconds = report["counts"], report["seconds"]
+    return {"wall_s": round(wall, 3),
+            "compile_s": round(seconds.get("/jax/core/compile/backend_compile_duration", 0.0), 3),
+            "cache_hits": counts.get("/jax/compilation_cache/cache_hits", 0),
+            "cache_misses": counts.get("/jax/compilation_cache/cache_misses", 0),
+            "output": lines[:-1]}
+
+
+def run_case(name: str, warm: int) -> dict:
+    cache = Path(tempfile.mkdtemp(prefix=f"pdscope_cc_{name}_"))
+    env = {**os.environ, "PDSCOPE_JAX_COMPILE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the fresh directory above, not one configured elsewhere
+    try:
+        processes = [run_process(CASES[name], env) for _ in range(1 + warm)]
+        cache_bytes = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    cold, warm_runs = processes[0], processes[1:]
+    warm_wall = statistics.median(p["wall_s"] for p in warm_runs)
+    return {"case": name, "argv": ["pdscope-jax", "generate", *CASES[name]], "cold": cold, "warm": warm_runs,
+            "cold_s": cold["wall_s"], "warm_median_s": warm_wall, "cold_over_warm": round(cold["wall_s"] / warm_wall, 2),
+            "same_output": all(p["output"][0] == cold["output"][0] for p in warm_runs), "cache_bytes": cache_bytes}
+
+
+def commit() -> str:
+    """HEAD of this checkout (with '+dirty' when tracked files differ), or a COMMIT file where git has none."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        marker = REPO / "COMMIT"
+        return marker.read_text().strip() if marker.exists() else "unknown"
+
+
+def machine() -> dict:
+    import jax
+
+    return {"python": platform.python_version(), "jax": jax.__version__, "cpus": len(os.sched_getaffinity(0)),
+            "devices": [str(d) for d in jax.devices()], "platform": platform.platform()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["tiny"], choices=sorted(CASES))
+    parser.add_argument("--warm", type=int, default=2, help="warm processes after the cold one")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.warm < 1:
+        parser.error("--warm must be >= 1")
+    results = {"what": "cold vs warm start of `pdscope-jax generate` (persistent compilation cache)",
+               "command": "python3 benchmarks/start_times.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+               "commit": commit(), "machine": machine(), "cases": []}
+    for name in args.cases:
+        case = run_case(name, args.warm)
+        results["cases"].append(case)
+        print(f"{name}: cold {case['cold_s']:.1f} s ({case['cold']['cache_misses']} programs compiled), warm "
+              f"{case['warm_median_s']:.1f} s ({case['warm'][0]['cache_hits']} read from the cache, "
+              f"{case['warm'][0]['cache_misses']} compiled): {case['cold_over_warm']}x", flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=1) + "\n")  # after every case: a cut-short run keeps some
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
