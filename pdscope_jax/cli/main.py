@@ -6,6 +6,8 @@
     pdscope-jax collect-traces ...                                 routing traces for PhasePer
     pdscope-jax train-predictors ...                               PhasePer predictors from traces
     pdscope-jax profile ...                                        cost table for AdaptSched
+    pdscope-jax serve MODEL [--port 8000 --api-key KEY] ...        OpenAI-compatible HTTP server
+    pdscope-jax chat MODEL                                         terminal chat, answers streamed
 
 Contract: `main(argv) -> int` hands the arguments after the command's name to that module's function and
 returns its exit status (0 when it returns something other than an int). A user error (`errors.InputError` and
@@ -30,6 +32,8 @@ COMMANDS = {  # name: (module, function, help)
     "collect-traces": ("pdscope_jax.cli.collect_traces", "collect_traces_main", "record routing traces for PhasePer"),
     "train-predictors": ("pdscope_jax.cli.train_predictors", "train_predictors_main", "train PhasePer on collected traces"),
     "profile": ("pdscope_jax.cli.profile", "profile_main", "measure the cost table of a model on this machine"),
+    "serve": ("pdscope_jax.cli.serve", "main", "an OpenAI-compatible HTTP server (the [serve] extra)"),
+    "chat": ("pdscope_jax.cli.chat", "main", "chat with a model in the terminal, answers streamed"),
 }
 
 

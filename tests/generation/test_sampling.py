@@ -92,13 +92,22 @@ def test_new_settings_compile_nothing():
     offloaded.generate(ids, max_new_tokens=4)
     compiled = offloaded.engine.compiled_programs["total"]
     compiles = []
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, *_a, **_k: compiles.append(event) if "backend_compile" in event else None)
+
+    def listen(event, *_args, **_kwargs):
+        if "backend_compile" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
     outputs = set()
-    for params in settings:
-        outputs.add(plain.generate(ids, max_new_tokens=4, **params).tokens.tobytes())
-        offloaded.generate(ids, max_new_tokens=4, **params)
-    assert compiles == [] and offloaded.engine.compiled_programs["total"] == compiled
+    try:
+        for params in settings:
+            outputs.add(plain.generate(ids, max_new_tokens=4, **params).tokens.tobytes())
+            offloaded.generate(ids, max_new_tokens=4, **params)
+        assert compiles == [] and offloaded.engine.compiled_programs["total"] == compiled
+        plain.generate(np.ones((3, 5), np.int32), max_new_tokens=2)  # a new shape does compile: the count works
+        assert compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
     assert len(outputs) > 1  # the settings did change the answers
 
 
