@@ -28,24 +28,28 @@ def main(argv: list[str] | None = None, stdin=None, stdout=None) -> int:
     parser.add_argument("--sample-seed", type=int, default=0, help="seed of the sampler")
     args = parser.parse_args(argv)
 
+    from pdscope_jax.api import resolve
     from pdscope_jax.errors import InputError
     from pdscope_jax.generation.chat import ChatTemplate, eos_ids, generation_defaults
     from pdscope_jax.generation.sampling import SamplingParams
     from pdscope_jax.serve.text import TextStream
 
+    given = {k: v for k, v in {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+                               "min_p": args.min_p, "repetition_penalty": args.repetition_penalty}.items()
+             if v is not None}
+    # every setting checked before the weights load: the model's config is cheap to read
+    problems = SamplingParams(**given, seed=args.sample_seed).problems(resolve(args.model)[0].vocab_size)
+    if args.max_tokens < 1:
+        problems.append(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if problems:
+        raise InputError("; ".join(problems))
     load = loader(args)
     template = chat_template(args)
     runner = load()
     if runner.tokenizer is None:
         raise InputError(f"{args.model} has no tokenizer.json, so it cannot chat; use a checkpoint with one")
     template = template or ChatTemplate.from_dir(runner.checkpoint)
-    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-             "repetition_penalty": args.repetition_penalty}
-    params = SamplingParams(**{**generation_defaults(runner.checkpoint),
-                               **{k: v for k, v in given.items() if v is not None}, "seed": args.sample_seed})
-    problems = params.problems(runner.config.vocab_size)
-    if problems:
-        raise InputError("; ".join(problems))
+    params = SamplingParams(**{**generation_defaults(runner.checkpoint), **given, "seed": args.sample_seed})
     sampling = {k: getattr(params, k) for k in ("top_p", "min_p", "repetition_penalty")}
     eos = eos_ids(runner.config, runner.checkpoint)
     opening = [{"role": "system", "content": args.system}] if args.system else []

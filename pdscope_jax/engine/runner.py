@@ -239,10 +239,11 @@ class OffloadRunner:
         # the first new token: sampled in the chunk that holds the prompt's last token, t - 1 (T >= 1 is checked)
         for c0, x, cache in self._prefill(chunks, cache, t):
             if c0 <= t - 1 < c0 + x.shape[1]:
-                picked, state = self._programs["next_token"](self._graph, self._state, x, t - 1 - c0, state, 0)
-        yield jax.device_get(picked)
+                first, state = self._programs["next_token"](self._graph, self._state, x, t - 1 - c0, state, 0)
+        token, first = first.token, jax.device_get(first)  # only the token stays on the accelerator
+        yield first
         executor = decode.choose(self, b, max_new_tokens - 1)  # host-planned layers, or one program per step
-        decoder = executor(self, picked.token, cache, t, state)
+        decoder = executor(self, token, cache, t, state)
         done = 0
         try:
             for step in range(1, max_new_tokens):
