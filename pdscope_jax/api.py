@@ -16,8 +16,9 @@ Without `policy` the model runs whole on the default device (`Runner`). With a p
 `logits`/`generate` calls, same numbers) under a `RuntimeConfig` built from `policy` and `**runtime`
 (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
 predictions feed the planner (its fingerprint must match the model).
-`Runner.logits(input_ids) -> np.float32 [B,T,V]` and `Runner.generate(input_ids | text, ...)` take rectangular
-batches; text needs the checkpoint's tokenizer.json. Validate first, then work: `load` checks dtype, seed,
+`Runner.logits(input_ids) -> np.float32 [B,T,V]`, `Runner.generate(input_ids | text, ...)` and
+`Runner.steps(...)` (the same, one step per `next`, for streaming) take rectangular batches; text needs the
+checkpoint's tokenizer.json; sampling keywords are `generation.sampling.SamplingParams`'s fields. Validate first, then work: `load` checks dtype, seed,
 policy and runtime settings before reading any weight, and `logits`/`generate` check ids (integers in
 [0, vocab) before any cast), shapes, sampling settings and, offloaded, max_batch / max_seq_len before any
 compilation; every bad input raises one `errors.InputError` (a ValueError) naming each problem. `runner.config`
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 from pdscope_jax import models
 from pdscope_jax.config import ModelConfig
 from pdscope_jax.errors import collect, raise_problems
-from pdscope_jax.generation.generator import GenerationResult, Generator, check_request, seed_problems
+from pdscope_jax.generation.generator import GenerationResult, Generator, check_request, host_steps, seed_problems
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.presets import UnknownModelError, known_names, preset
 from pdscope_jax.text.tokenizer import Tokenizer
@@ -64,14 +65,24 @@ class Runner:
         ids = check_request(input_ids, self.tokenizer, self.config.vocab_size, what="logits", **self._limits)
         return self._generator.logits(ids)
 
+    checkpoint: Path | None = None  # the checkpoint directory (tokenizer, chat template), None for random weights
+
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-                 seed: int = 0) -> GenerationResult:
+                 seed: int = 0, **sampling) -> GenerationResult:
         ids = check_request(input_ids, self.tokenizer, self.config.vocab_size, max_new_tokens, temperature, top_k,
-                            seed, **self._limits)
-        result = self._generator.generate(ids, max_new_tokens, temperature, top_k, seed)
+                            seed, **self._limits, **sampling)
+        result = self._generator.generate(ids, max_new_tokens, temperature, top_k, seed, **sampling)
         if self.tokenizer is not None:
             result.text = [self.tokenizer.decode(row) for row in result.tokens]
         return result
+
+    def steps(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+              seed: int = 0, **sampling):
+        """`generate` one step at a time: checks now, then yields each step's host `generation.sampling.Sampled`
+        (token [B], logprobs); close it to stop early. EOS does not stop it: the caller decides."""
+        ids = check_request(input_ids, self.tokenizer, self.config.vocab_size, max_new_tokens, temperature, top_k,
+                            seed, **self._limits, **sampling)
+        return host_steps(self._generator.steps(ids, max_new_tokens, temperature, top_k, seed, **sampling))
 
 
 def hf_cache_dirs() -> list[Path]:
@@ -154,7 +165,9 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     if rc is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         model = models.from_flat(cfg, jdtype, loader(list(shapes), lambda path: device))
-        return Runner(model, tokenizer)
+        runner = Runner(model, tokenizer)
+        runner.checkpoint = checkpoint
+        return runner
     from pdscope_jax.engine.runner import OffloadRunner
 
     predictor = None
@@ -166,7 +179,9 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
         predictor, _manifest = load_predictors(predictors, cfg)
         predictor.to_device(select_devices().accel)  # it reads the hidden states where the model computes them
     engine = OffloadRunner(models.abstract_model(cfg, jdtype), rc, loader, predictor=predictor)
-    return OffloadedRunner(engine, tokenizer)
+    runner = OffloadedRunner(engine, tokenizer)
+    runner.checkpoint = checkpoint
+    return runner
 
 
 def check_load(dtype, seed, policy, predictors, runtime: dict):
@@ -212,13 +227,20 @@ class OffloadedRunner(Runner):
         self._limits = {"max_batch": engine.runtime.max_batch, "max_seq_len": engine.runtime.max_seq_len}
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-                 seed: int = 0) -> GenerationResult:
+                 seed: int = 0, **sampling) -> GenerationResult:
         # check before warm-up, which compiles for tens of seconds
         batch, prompt_len = check_request(input_ids, self.tokenizer, self.config.vocab_size, max_new_tokens,
-                                          temperature, top_k, seed, **self._limits).shape
+                                          temperature, top_k, seed, **self._limits, **sampling).shape
         if (batch, prompt_len, max_new_tokens) not in self.engine.warmed_shapes:
             self.engine.warmup(batch, prompt_len, max_new_tokens)
-        return super().generate(input_ids, max_new_tokens, temperature, top_k, seed)
+        return super().generate(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
+
+    def steps(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+              seed: int = 0, **sampling):
+        """`Runner.steps` over the engine (no warm-up: a step's first run compiles what it needs)."""
+        ids = check_request(input_ids, self.tokenizer, self.config.vocab_size, max_new_tokens, temperature, top_k,
+                            seed, **self._limits, **sampling)
+        return self.engine.steps(ids, max_new_tokens, temperature, top_k, seed, **sampling)
 
     @property
     def stats(self) -> dict:

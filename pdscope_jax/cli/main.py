@@ -7,6 +7,8 @@
     pdscope-jax train-predictors ...                               PhasePer predictors from traces
     pdscope-jax profile ...                                        cost table for AdaptSched
     pdscope-jax download NAME                                      fetch a checkpoint from the Hugging Face hub
+    pdscope-jax serve MODEL [--port 8000 --api-key KEY] ...        OpenAI-compatible HTTP server
+    pdscope-jax chat MODEL                                         terminal chat, answers streamed
 
 Contract: `main(argv) -> int` hands the arguments after the command's name to that module's function and
 returns its exit status (0 when it returns something other than an int). A user error (`errors.InputError` and
@@ -38,6 +40,8 @@ COMMANDS = {  # name: (module, function, help)
     "train-predictors": ("pdscope_jax.cli.train_predictors", "train_predictors_main", "train PhasePer on collected traces"),
     "profile": ("pdscope_jax.cli.profile", "profile_main", "measure the cost table of a model on this machine"),
     "download": ("pdscope_jax.cli.download", "main", "fetch a model's checkpoint from the Hugging Face hub"),
+    "serve": ("pdscope_jax.cli.serve", "main", "an OpenAI-compatible HTTP server (the [serve] extra)"),
+    "chat": ("pdscope_jax.cli.chat", "main", "chat with a model in the terminal, answers streamed"),
 }
 NO_JAX = {"download"}  # commands that compile nothing: they start without the compilation cache (or JAX)
 NO_COMPILE_CACHE = "--no-compile-cache"

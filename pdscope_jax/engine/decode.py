@@ -5,9 +5,11 @@ Contract: `choose(engine, batch, steps)` -> the executor class for a generate's 
 `async_io` and `batched_gpu` are on and the pool can serve a layer's distinct experts (`device_decode.fits`);
 else `HostDecode`. The choice depends on nothing that changes between steps, so it holds for the whole decode
 (the device executor keeps the pool's table on the accelerator from its first step to its last).
-Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), root key,
-temperature, top_k); `step(n)` runs decode step n (sampling with key fold_in(root, n)); `finish()` -> the new
-tokens' host copies [B] each, in order, and adds what it counted to the decode statistics.
+Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
+`generation.sampling.SamplingState` on the accelerator, donated step by step)); `step(n)` runs decode step n
+(sampling at step n); `tokens` holds the host copies (`Sampled`) of the steps fetched so far, in order (the
+device executor's lag two steps behind); `finish()` -> all of them, and adds what it counted to the decode
+statistics.
 - `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
 - `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), uploads the pool's table, and
@@ -34,26 +36,25 @@ def choose(engine, batch: int, steps: int):
 
 
 class HostDecode:
-    def __init__(self, engine, token, cache: list, t: int, root, temperature: float, top_k: int | None):
+    def __init__(self, engine, token, cache: list, t: int, sampling):
         self.engine, self.token, self.cache, self.t = engine, token, cache, t
-        self.root, self.temperature, self.top_k = root, temperature, top_k
-        self.tokens: list[np.ndarray] = []
+        self.sampling = sampling
+        self.tokens: list = []
 
     def step(self, n: int) -> None:
         e, b, accel = self.engine, self.token.shape[0], self.engine.devices.accel
         positions = jax.device_put(np.full((b, 1), self.t + n - 1, np.int32), accel)
         x, self.cache = e._loop.step(self.token[:, None], positions, self.cache, "decode", np.ones(b, bool))
-        self.token = e._programs["next_token"](e._graph, e._state, x, 0,
-                                               jax.device_put(jax.random.fold_in(self.root, n), accel),
-                                               self.temperature, self.top_k)
-        self.tokens.append(np.array(self.token))  # a host copy, so nothing on the accelerator grows with the output
+        picked, self.sampling = e._programs["next_token"](e._graph, e._state, x, 0, self.sampling, n)
+        self.token = picked.token
+        self.tokens.append(jax.device_get(picked))  # a host copy, so nothing on the accelerator grows with the output
 
-    def finish(self) -> list[np.ndarray]:
+    def finish(self) -> list:
         return self.tokens
 
 
 class DeviceDecode:
-    def __init__(self, engine, token, cache: list, t: int, root, temperature: float, top_k: int | None):
+    def __init__(self, engine, token, cache: list, t: int, sampling):
         e = self.engine = engine
         e._transfers.commit_all()  # nothing staged stays behind the table's upload
         e._transfers.streamed.clear()
@@ -70,25 +71,27 @@ class DeviceDecode:
         self.token, self.caches = token, tuple(cache)
         self.positions = jax.device_put(np.full((b, 1), t, np.int32), accel)
         self.step_no = jax.device_put(np.int32(1), accel)  # the step counter lives on the accelerator
-        self.key = jax.device_put(root, accel)
-        self.temperature, self.top_k = temperature, top_k
+        self.sampling = sampling
         self.in_flight, self.tokens = [], []
         self.start = time.perf_counter()
 
     def step(self, n: int) -> None:
         e, pool = self.engine, self.engine.pool
-        (self.token, self.positions, self.step_no, self.caches, pool.gate_up, pool.down,
-         self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.temperature, self.top_k,
-                                      self.states, e._state, self.experts, self.token, self.positions, self.caches,
-                                      self.key, self.step_no, pool.gate_up, pool.down, self.table)
-        self.token.copy_to_host_async()
-        self.in_flight.append(self.token)
+        (picked, self.sampling, self.positions, self.step_no, self.caches, pool.gate_up, pool.down,
+         self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.states, e._state, self.experts,
+                                      self.token, self.positions, self.caches, self.sampling, self.step_no,
+                                      pool.gate_up, pool.down, self.table)
+        self.token = picked.token
+        for leaf in jax.tree.leaves(picked):
+            leaf.copy_to_host_async()
+        self.in_flight.append(picked)
         if len(self.in_flight) > 2:
-            self.tokens.append(np.array(self.in_flight.pop(0)))
+            self.tokens.append(jax.device_get(self.in_flight.pop(0)))
 
-    def finish(self) -> list[np.ndarray]:
+    def finish(self) -> list:
         e, tokens = self.engine, self.tokens
-        tokens += [np.array(tk) for tk in self.in_flight]
+        tokens += [jax.device_get(picked) for picked in self.in_flight]
+        self.in_flight = []
         seconds = time.perf_counter() - self.start
         moe = e._moe_layers
         counts = device_decode.download(self.table, e.pool, moe)

@@ -14,12 +14,12 @@ Contract:
 - Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit
   refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
   (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept.
-- `decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token,
-  positions, caches, root, step, pool_gu, pool_dn, table) -> (token [B], positions + 1, step + 1, caches,
-  pool_gu, pool_dn, table)`: one model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's
+- `decode_step(graphs, model_graph, moe_layers, states, model_state, experts, token, positions, caches,
+  sampling, step, pool_gu, pool_dn, table) -> (Sampled, sampling', positions + 1, step + 1, caches, pool_gu,
+  pool_dn, table)`: one model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's
   experts in pinned host memory, whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert
-  arrays. Sampling matches `programs.next_token` with key fold_in(root, step). `build_decode_step()` jits it
-  (graphs, model graph, MoE layers and sampling static; caches, pool and table donated).
+  arrays. Sampling is `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()`
+  jits it (graphs, model graph and MoE layers static; caches, sampling state, pool and table donated).
 - `fits(pool, picks)`: the pool has more slots than a layer's `picks` distinct experts, so a miss always finds a
   victim that is not one of the layer's hits.
 Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pdscope_jax.generation.generator import sample
+from pdscope_jax.generation.sampling import sample
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.engine.programs import dense_layer, moe_route
 from pdscope_jax.store.expert_store import pull_traced
@@ -139,8 +139,8 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
 
 
-def decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, model_state, experts, token, positions,
-                caches, root, step, pool_gu, pool_dn, table):
+def decode_step(graphs, model_graph, moe_layers, states, model_state, experts, token, positions, caches, sampling,
+                step, pool_gu, pool_dn, table):
     model = nnx.merge(model_graph.graphdef, model_state)
     x = model.embed(token[:, None])  # [B, 1, D]
     rows = token.shape[0]
@@ -154,11 +154,11 @@ def decode_step(graphs, model_graph, moe_layers, temperature, top_k, states, mod
         y, pool_gu, pool_dn, table = _routed_experts(m, h, weights, ids, experts[m], pool_gu, pool_dn, table)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
-    token = sample(logits, jax.random.fold_in(root, step), temperature, top_k)
-    return token, positions + 1, step + 1, tuple(caches), pool_gu, pool_dn, table
+    picked, sampling = sample(logits, sampling, step)
+    return picked, sampling, positions + 1, step + 1, tuple(caches), pool_gu, pool_dn, table
 
 
 def build_decode_step():
-    """`decode_step` jitted: graphs, model graph, MoE layer indices and sampling static; caches, pool and table
-    donated."""
-    return jax.jit(decode_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(10, 13, 14, 15))
+    """`decode_step` jitted: graphs, model graph and MoE layer indices static; caches, sampling state, pool and
+    table donated."""
+    return jax.jit(decode_step, static_argnums=(0, 1, 2), donate_argnums=(8, 9, 11, 12, 13))

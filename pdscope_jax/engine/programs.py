@@ -6,7 +6,7 @@ arguments static, so each traces once per shape: `embed`, `dense_layer` (a decod
 `moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program),
 `gpu_experts` (`models.layers.combine_experts` over the slot pool), `take_rows` (the rows of the MoE input
 the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of
-positions) and `next_token` (sampling at one position). KV caches are donated. `cache_size(jitted)` counts a
+positions) and `next_token` (sampling at one position, settings traced). KV caches are donated. `cache_size(jitted)` counts a
 jitted function's compiled programs (None where jax hides it). The engine (`engine.loop`, `engine.execute`)
 decides what runs when; nothing here touches the host.
 """
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pdscope_jax.generation.generator import sample
+from pdscope_jax.generation.sampling import sample
 from pdscope_jax.models.layers import combine_experts
 
 
@@ -85,10 +85,10 @@ def logit_rows(graph, state, x, start, size):
     return nnx.merge(graph.graphdef, state).logits(rows)
 
 
-def next_token(graph, state, x, index, key, temperature, top_k):
-    """Sample from the logits at position `index` of x [B, T, D] -> int32 [B]."""
+def next_token(graph, state, x, index, sampling, step):
+    """Sample from the logits at position `index` of x [B, T, D] -> (`sampling.Sampled`, sampling state')."""
     row = jax.lax.dynamic_slice_in_dim(x, index, 1, axis=1)  # [B, 1, D]
-    return sample(nnx.merge(graph.graphdef, state).logits(row)[:, 0], key, temperature, top_k)
+    return sample(nnx.merge(graph.graphdef, state).logits(row)[:, 0], sampling, step)
 
 
 def build_programs() -> dict[str, Any]:
@@ -102,7 +102,7 @@ def build_programs() -> dict[str, Any]:
         "take_rows": jax.jit(take_rows),
         "moe_combine": jax.jit(moe_combine),
         "logits": jax.jit(logit_rows, static_argnums=(0, 4)),
-        "next_token": jax.jit(next_token, static_argnums=(0, 5, 6)),
+        "next_token": jax.jit(next_token, static_argnums=0, donate_argnums=4),
     }
 
 

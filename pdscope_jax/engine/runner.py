@@ -9,8 +9,8 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`
   weights, the KV cache and ONE slot pool (`store.slot_pool`) that is never reallocated; every routed expert
   lives once in pinned host memory, which also gives the CPU experts zero-copy views (`engine.cpu_experts`).
 - `logits(input_ids [B,T]) -> np.float32 [B,T,V]` and `generate(input_ids, max_new_tokens, temperature=0,
-  top_k=None, seed=0) -> GenerationResult` give the plain model's numbers (same sampling, keys
-  fold_in(key(seed), step)). Prefill runs a whole prompt at batch 1, chunks of `prefill_chunk` tokens otherwise,
+  top_k=None, seed=0, **sampling) -> GenerationResult` give the plain model's numbers (the same sampler,
+  `generation.sampling`); `steps(...)` yields the host copies of each step's `Sampled`, one step per `next`. Prefill runs a whole prompt at batch 1, chunks of `prefill_chunk` tokens otherwise,
   each step through `engine.loop.HostLoop`; decode steps run the executor `engine.decode.choose` picks.
 - `stats`: per phase (`engine.stats.PhaseStats`), compiled programs, the budget, host bytes, the allocator's
   peak where reported, the CPU cost calibration. `activation_counts[phase][layer]`: tokens routed to each expert
@@ -46,7 +46,8 @@ from pdscope_jax.engine.stats import PhaseStats
 from pdscope_jax.engine.timeline import Timeline
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.engine.warmup import precompile_combine, precompile_slot_writes
-from pdscope_jax.generation.generator import CACHE_BUCKET, GenerationResult, check_request
+from pdscope_jax.generation.generator import CACHE_BUCKET, GenerationResult, Steps, check_request, sampling_params
+from pdscope_jax.generation.sampling import SamplingState
 from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
 from pdscope_jax.sched import (CostTable, ObservingPlanner, activation_counts, load_cost_table, make_planner,
                                planner_class)
@@ -211,36 +212,50 @@ class OffloadRunner:
         return out
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-                 seed: int = 0) -> GenerationResult:
-        ids = self._check(input_ids, max_new_tokens, temperature, top_k, seed)
-        b, t = ids.shape
-        temperature = float(temperature)
-        root = jax.random.key(seed)
-        next_token = self._programs["next_token"]
-        accel = self.devices.accel
-
+                 seed: int = 0, **sampling) -> GenerationResult:
+        steps = self.steps(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
         start = time.perf_counter()
+        tokens = [next(steps).token]  # a host copy: waits
+        prefill_seconds = time.perf_counter() - start
+        self.phase_stats["prefill"].generate_seconds += prefill_seconds
+        start = time.perf_counter()
+        tokens += [picked.token for picked in steps]
+        decode_seconds = time.perf_counter() - start
+        self.phase_stats["decode"].generate_seconds += decode_seconds
+        return GenerationResult.timed(np.stack(tokens, axis=1), steps.prompt_len, prefill_seconds, decode_seconds)
+
+    def steps(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+              seed: int = 0, **sampling) -> Steps:
+        """The call checked now, then an iterator of its steps' host `Sampled` copies (prefill's first); closing
+        it early still settles the decode statistics and the pool's table."""
+        ids = self._check(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
+        params, _ = sampling_params(temperature, top_k, seed, **sampling)
+        return Steps(self._steps(ids, max_new_tokens, params), ids.shape[1])
+
+    def _steps(self, ids: np.ndarray, max_new_tokens: int, params):
+        b, t = ids.shape
         cache, chunks = self._start(ids, max_new_tokens)
+        state = SamplingState.create(params, ids, self.config.vocab_size, self.devices.accel)
         # the first new token: sampled in the chunk that holds the prompt's last token, t - 1 (T >= 1 is checked)
         for c0, x, cache in self._prefill(chunks, cache, t):
             if c0 <= t - 1 < c0 + x.shape[1]:
-                token = next_token(self._graph, self._state, x, t - 1 - c0,
-                                   jax.device_put(jax.random.fold_in(root, 0), accel), temperature, top_k)
-        tokens = [np.array(token)]  # a host copy (np.asarray could alias the buffer on CPU); waits
-        prefill_seconds = time.perf_counter() - start
-        self.phase_stats["prefill"].generate_seconds += prefill_seconds
-
-        start = time.perf_counter()
+                first, state = self._programs["next_token"](self._graph, self._state, x, t - 1 - c0, state, 0)
+        token, first = first.token, jax.device_get(first)  # only the token stays on the accelerator
+        yield first
         executor = decode.choose(self, b, max_new_tokens - 1)  # host-planned layers, or one program per step
-        decoder = executor(self, token, cache, t, root, temperature, top_k)
-        for step in range(1, max_new_tokens):
-            decoder.step(step)
-            if self.track_memory:
-                self.memory_trace.append(self.device_memory())
-        tokens += decoder.finish()
-        decode_seconds = time.perf_counter() - start
-        self.phase_stats["decode"].generate_seconds += decode_seconds
-        return GenerationResult.timed(np.stack(tokens, axis=1), t, prefill_seconds, decode_seconds)
+        decoder = executor(self, token, cache, t, state)
+        done = 0
+        try:
+            for step in range(1, max_new_tokens):
+                decoder.step(step)
+                if self.track_memory:
+                    self.memory_trace.append(self.device_memory())
+                for picked in decoder.tokens[done:]:  # the device executor's arrive two steps late
+                    done += 1
+                    yield picked
+        finally:
+            tokens = decoder.finish()
+        yield from tokens[done:]
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
         """Compile the programs of this shape: one generation on dummy tokens, then what routing decides
@@ -273,12 +288,12 @@ class OffloadRunner:
 
     # ---- steps -----------------------------------------------------------------------------------------
     def _check(self, input_ids, max_new_tokens=None, temperature=0.0, top_k=None, seed=0,
-               what: str = "generate") -> np.ndarray:
+               what: str = "generate", **sampling) -> np.ndarray:
         """int32 ids [B, T] after checking every argument of the call (`generation.generator.check_request`):
         ids in [0, vocab) before the cast, B >= 1, T >= 1, the KV cache's max_batch / max_seq_len, sampling."""
         rc = self.runtime
         return check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed,
-                             max_batch=rc.max_batch, max_seq_len=rc.max_seq_len, what=what)
+                             max_batch=rc.max_batch, max_seq_len=rc.max_seq_len, what=what, **sampling)
 
     def _start(self, ids: np.ndarray, max_new_tokens: int):
         """A fresh KV cache and the padded prompt's chunks [(c0, ids [B, C])]."""

@@ -1,1 +1,1 @@
-"""Whole-model generation: prefill and decode loops, sampling, timings."""
+"""Whole-model generation (generator), the one sampler (sampling), chat templates and generation defaults (chat)."""

@@ -3,12 +3,15 @@
 Contract: `Generator(model)` splits the NNX model once into (graphdef, state) and runs plain `jax.jit`
 functions on them:
 - `logits(input_ids [B,T]) -> np.float32 [B,T,V]`, a causal forward without cache;
-- `generate(input_ids [B,T], max_new_tokens, temperature, top_k, seed) -> GenerationResult`: one prefill that
-  fills a preallocated cache and picks the first new token, then one jitted decode step per further token with
-  the cache donated. temperature 0 is greedy (argmax); otherwise tokens are sampled from softmax(logits / T),
-  restricted to the top_k most likely when top_k is set, with keys fold_in(key(seed), step). Every step runs
-  for all max_new_tokens (eos does not stop it). Programs are compiled before the clock starts, and timings
-  wait on the device (block_until_ready), so they measure execution only.
+- `generate(input_ids [B,T], max_new_tokens, temperature, top_k, seed, **sampling) -> GenerationResult`: one
+  prefill that fills a preallocated cache and picks the first new token, then one jitted decode step per further
+  token with the cache donated. Sampling is `sampling.sample` (settings as arrays: temperature 0 is greedy; a new
+  setting compiles nothing; `sampling` takes the other `SamplingParams` fields: top_p, min_p, penalties). Every
+  step runs for all max_new_tokens (eos does not stop it). Programs are compiled before the clock starts, and
+  timings wait on the device (block_until_ready), so they measure execution only.
+- `steps(...)` (same arguments) -> `Steps`, an iterator that runs one step per `next` and gives its
+  `sampling.Sampled` on the device: the step-wise form streaming and stopping at EOS use; `host_steps(steps)`
+  gives their host copies.
 A float32 model runs its matmuls at full float32 precision also on GPUs (whose default is TF32), so that
 float32 results match the CPU's and the reference's.
 Inputs must be rectangular int32 [B, T] (see `tokenizer.token_batch`). `check_request` checks one call's
@@ -20,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 import time
+from typing import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.errors import collect, raise_problems
+from pdscope_jax.generation.sampling import SamplingParams, SamplingState, sample
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.text.tokenizer import token_batch
 
@@ -60,36 +64,42 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def sampling_problems(max_new_tokens, temperature, top_k, vocab_size: int, seed=0) -> list[str]:
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_params(temperature=0.0, top_k=None, seed=0, **sampling) -> tuple[SamplingParams | None, list[str]]:
+    """(SamplingParams, []) of a call's sampling keyword arguments, or (None, problems) when a name is unknown."""
+    unknown = sorted(set(sampling) - set(SAMPLING_FIELDS))
+    if unknown:
+        return None, [f"unknown sampling settings {unknown}; known: {', '.join(SAMPLING_FIELDS)}"]
+    return SamplingParams(temperature=temperature, top_k=top_k, seed=seed, **sampling), []
+
+
+def sampling_problems(max_new_tokens, temperature, top_k, vocab_size: int, seed=0, **sampling) -> list[str]:
     """What is wrong with these generation settings (empty when nothing), each with its valid range."""
     problems = []
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         problems.append(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
-            or not math.isfinite(temperature) or temperature < 0):
-        problems.append(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
-    if top_k is not None and (not _is_int(top_k) or not 1 <= top_k <= vocab_size):
-        problems.append(f"top_k must be in [1, {vocab_size}] (the vocabulary) or None, got {top_k!r}")
-    problems += seed_problems(seed)
-    return problems
+    params, unknown = sampling_params(temperature, top_k, seed, **sampling)
+    return problems + unknown + (params.problems(vocab_size) if params is not None else [])
 
 
 def seed_problems(seed) -> list[str]:
     """What is wrong with a random seed (empty when nothing): jax keys keep 32 bits, larger seeds would collide."""
-    if not _is_int(seed) or not 0 <= seed < 2**32:
-        return [f"seed must be an integer in [0, 2**32) (jax keys keep 32 bits), got {seed!r}"]
-    return []
+    return [p for p in SamplingParams(seed=seed).problems(1) if p.startswith("seed")]
 
 
 def check_request(inputs, tokenizer, vocab_size: int, max_new_tokens=None, temperature=0.0, top_k=None, seed=0,
-                  max_batch: int | None = None, max_seq_len: int | None = None, what: str = "generate"):
+                  max_batch: int | None = None, max_seq_len: int | None = None, what: str = "generate",
+                  **sampling):
     """int32 ids [B, T] of one `logits` call (`what="logits"`: ids only) or `generate` call, after checking
-    every argument: the ids (`token_batch`), for generate the sampling settings (max_new_tokens None included),
-    and B <= max_batch, T + max_new_tokens <= max_seq_len where given. One InputError names every problem."""
+    every argument: the ids (`token_batch`), for generate the sampling settings (max_new_tokens None included;
+    `sampling`: the other `SamplingParams` fields), and B <= max_batch, T + max_new_tokens <= max_seq_len where
+    given. One InputError names every problem."""
     problems: list[str] = []
     ids = collect(problems, token_batch, inputs, tokenizer, vocab_size)
     if what != "logits":
-        problems += sampling_problems(max_new_tokens, temperature, top_k, vocab_size, seed)
+        problems += sampling_problems(max_new_tokens, temperature, top_k, vocab_size, seed, **sampling)
     if ids is not None:
         b, t = ids.shape
         new = max_new_tokens if _is_int(max_new_tokens) else 0
@@ -103,15 +113,10 @@ def check_request(inputs, tokenizer, vocab_size: int, max_new_tokens=None, tempe
     return ids
 
 
-def sample(logits: jax.Array, key: jax.Array, temperature: float, top_k: int | None) -> jax.Array:
-    """logits [B, V] float32 -> int32 [B]; temperature and top_k are static."""
-    if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+def host_steps(steps):
+    """Host copies (numpy) of the `Sampled` a step iterator yields, one step at a time."""
+    for picked in steps:
+        yield jax.device_get(picked)
 
 
 def _forward(graphdef, state, input_ids, positions):
@@ -119,23 +124,25 @@ def _forward(graphdef, state, input_ids, positions):
     return model(input_ids, positions)[0]
 
 
-def _prefill(graphdef, state, input_ids, positions, cache, key, temperature, top_k):
+def _prefill(graphdef, state, input_ids, positions, cache, sampling):
     model = nnx.merge(graphdef, state)
     x, cache = model.hidden(input_ids, positions, cache)
     logits = model.logits(x[:, -1:])[:, 0]  # [B, V]: only the last position picks the next token
-    return sample(logits, key, temperature, top_k), cache
+    picked, sampling = sample(logits, sampling, 0)
+    return picked, sampling, cache
 
 
-def _decode(graphdef, state, token, position, cache, key, temperature, top_k):
+def _decode(graphdef, state, token, position, cache, sampling, step):
     model = nnx.merge(graphdef, state)
     logits, cache = model(token[:, None], position[:, None], cache)
-    return sample(logits[:, 0], key, temperature, top_k), cache
+    picked, sampling = sample(logits[:, 0], sampling, step)
+    return picked, sampling, cache
 
 
 # Module-level so that models of one architecture (equal graphdefs) share compiled programs.
 forward_jit = jax.jit(_forward, static_argnums=0)
-prefill_jit = jax.jit(_prefill, static_argnums=(0, 6, 7), donate_argnums=4)
-decode_jit = jax.jit(_decode, static_argnums=(0, 6, 7), donate_argnums=4)
+prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(4, 5))
+decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=(4, 5))
 _compiled: dict[tuple, jax.stages.Compiled] = {}
 
 
@@ -156,49 +163,77 @@ class Generator:
             out = forward_jit(self.graphdef, self.state, jnp.asarray(input_ids, jnp.int32), positions)
         return np.asarray(out, dtype=np.float32)
 
-    def _program(self, name: str, jitted, args: tuple, temperature: float, top_k: int | None):
-        """AOT-compile once per shape so that timings exclude compilation."""
+    def _program(self, name: str, jitted, args: tuple):
+        """AOT-compile once per shape so that timings exclude compilation (sampling settings are arrays: a new
+        setting compiles nothing)."""
         # shardings too: the same shapes on another device need their own executable
         shapes = tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree.leaves(args[1:]))
-        key = (name, args[0], shapes, temperature, top_k)
+        key = (name, args[0], shapes)
         if key not in _compiled:
             with self._precision():
-                _compiled[key] = jitted.lower(*args, temperature, top_k).compile()
+                _compiled[key] = jitted.lower(*args).compile()
         return _compiled[key]
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
-                 top_k: int | None = None, seed: int = 0) -> GenerationResult:
-        input_ids = check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed)
-        temperature = float(temperature)
+                 top_k: int | None = None, seed: int = 0, **sampling) -> GenerationResult:
+        steps = self.steps(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
+        start = time.perf_counter()
+        tokens = [next(steps).token]
+        tokens[0].block_until_ready()
+        prefill_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens += [picked.token for picked in steps]
+        tokens[-1].block_until_ready()
+        decode_seconds = time.perf_counter() - start
+        return GenerationResult.timed(np.stack([np.asarray(x) for x in tokens], axis=1), steps.prompt_len,
+                                      prefill_seconds, decode_seconds)
+
+    def steps(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
+              seed: int = 0, **sampling) -> "Steps":
+        """Check the call, compile its programs, and return the iterator of its steps: each `next` runs one step
+        (prefill first) and gives its `sampling.Sampled` on the device, without waiting for it. Stopping early
+        (at EOS, a stop string, a client gone) leaves nothing behind."""
+        input_ids = check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed,
+                                  **sampling)
+        params, _ = sampling_params(temperature, top_k, seed, **sampling)
         b, t = input_ids.shape
         max_len = -(-(t + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
-        root = jax.random.key(seed)
         ids = jnp.asarray(input_ids, jnp.int32)
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         cache = self._init_cache(b, max_len, self.cache_dtype)
+        state = SamplingState.create(params, input_ids, self.config.vocab_size, ids.sharding)
 
-        prefill_args = (self.graphdef, self.state, ids, positions, cache, jax.random.fold_in(root, 0))
-        prefill = self._program("prefill", prefill_jit, prefill_args, temperature, top_k)
+        prefill_args = (self.graphdef, self.state, ids, positions, cache, state)
+        prefill = self._program("prefill", prefill_jit, prefill_args)
         decode = None
         if max_new_tokens > 1:
             step_args = (self.graphdef, self.state, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), cache,
-                         root)
-            decode = self._program("decode", decode_jit, step_args, temperature, top_k)
-        jax.block_until_ready(cache)
+                         state, jnp.int32(1))
+            decode = self._program("decode", decode_jit, step_args)
+        jax.block_until_ready((cache, state))
+        return Steps(self._run(prefill, decode, prefill_args[1:], t, max_new_tokens), t)
 
-        start = time.perf_counter()
-        token, cache = prefill(*prefill_args[1:])
-        token.block_until_ready()
-        prefill_seconds = time.perf_counter() - start
-
-        tokens = [token]
-        start = time.perf_counter()
+    def _run(self, prefill, decode, prefill_args, t: int, max_new_tokens: int):
+        picked, sampling, cache = prefill(*prefill_args)
+        yield picked
+        b = picked.token.shape[0]
         for step in range(1, max_new_tokens):
             position = jnp.full((b,), t + step - 1, jnp.int32)
-            token, cache = decode(self.state, token, position, cache, jax.random.fold_in(root, step))
-            tokens.append(token)
-        token.block_until_ready()
-        decode_seconds = time.perf_counter() - start
+            picked, sampling, cache = decode(self.state, picked.token, position, cache, sampling, jnp.int32(step))
+            yield picked
 
-        return GenerationResult.timed(np.stack([np.asarray(x) for x in tokens], axis=1), t, prefill_seconds,
-                                      decode_seconds)
+
+@dataclasses.dataclass
+class Steps:
+    """An iterator of one generation's `Sampled` steps on the device; `prompt_len` is T."""
+    it: Iterator
+    prompt_len: int
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+    def close(self) -> None:
+        self.it.close()

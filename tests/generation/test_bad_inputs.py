@@ -123,6 +123,23 @@ CASES = [
     ("--new-tokens 0", "CLI run", _cli("run", "--new-tokens", "0"), "--new-tokens must be >= 1"),
     ("--expert-pool-fraction 2", "CLI run", _cli("run", "--expert-pool-fraction", "2"), r"must lie in \(0, 1\]"),
     ("--dtype int8", "CLI run", _cli("run", "--dtype", "int8"), "--dtype 'int8' is not supported"),
+    # ---- sampling settings beyond temperature/top_k, serve and chat (helper "serve") ----
+    ("top_p 0", "Runner.generate", _gen([[1, 2]], temperature=1.0, top_p=0.0), r"top_p must be a number in \(0, 1\]"),
+    ("top_p 1.5", "Runner.generate", _gen([[1, 2]], top_p=1.5), "top_p must be"),
+    ("min_p -0.1", "Runner.generate", _gen([[1, 2]], min_p=-0.1), r"min_p must be a number in \[0, 1\]"),
+    ("presence_penalty 3", "Runner.generate", _gen([[1, 2]], presence_penalty=3), r"presence_penalty must be .*\[-2, 2\]"),
+    ("frequency_penalty NaN", "Runner.generate", _gen([[1, 2]], frequency_penalty=math.nan), "frequency_penalty must be"),
+    ("repetition_penalty 0", "Runner.generate", _gen([[1, 2]], repetition_penalty=0), "repetition_penalty must be"),
+    ("repetition_penalty '1.1' (a string)", "Runner.generate", _gen([[1, 2]], repetition_penalty="1.1"),
+     "repetition_penalty must be"),
+    ("unknown sampling setting top_q", "Runner.generate", _gen([[1, 2]], top_q=0.5), r"unknown sampling settings \['top_q'\]"),
+    ("repetition_penalty -1", "offloaded generate", _off([[1, 2]], repetition_penalty=-1), "repetition_penalty must be"),
+    ("min_p 2", "Runner.steps", lambda r: r["plain"].steps([[1, 2]], 2, min_p=2.0), "min_p must be"),
+    ("--max-queue 0", "CLI serve", _cli("serve", MODEL, "--max-queue", "0"), "--max-queue must be >= 1"),
+    ("--policy nosuch", "CLI serve", _cli("serve", MODEL, "--policy", "nosuch"), "unknown policy 'nosuch'"),
+    ("--top-p 0", "CLI chat", _cli("chat", "reference-moe", "--top-p", "0"), "top_p must be"),
+    ("--temperature -1 --max-tokens 0", "CLI chat",
+     _cli("chat", "reference-moe", "--temperature", "-1", "--max-tokens", "0"), "temperature must be.*max-tokens"),
 ]
 
 

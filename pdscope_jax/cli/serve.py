@@ -1,0 +1,87 @@
+"""`pdscope-jax serve MODEL`: an OpenAI-compatible HTTP server (needs the `[serve]` extra).
+
+Contract: `main(argv)` checks the load settings (dtype, seed, policy, sizes) before anything loads, then
+listens on --host (127.0.0.1 by default: loopback only) and --port at once, answering 503 until the model is
+loaded, and serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics (`serve.app`).
+--api-key (or PDSCOPE_API_KEY) makes /v1 need `Authorization: Bearer KEY`; --max-prompt-tokens, --max-tokens
+and --max-queue bound what one request may ask and how many wait; --chat-template FILE overrides the
+checkpoint's template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pdscope_jax.sched import POLICIES
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """MODEL and how to load it (shared with `chat`)."""
+    parser.add_argument("model", nargs="?", default="reference-moe",
+                        help="preset name, embedded model, checkpoint directory or HF-cache name")
+    parser.add_argument("--weights", help="'random' or a checkpoint directory (default: the model's own)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0, help="seed of random weights")
+    parser.add_argument("--policy", help=f"offloading policy: {', '.join(POLICIES)} (default: the whole model)")
+    parser.add_argument("--gpu-memory", default="24GB")
+    parser.add_argument("--expert-pool")
+    parser.add_argument("--max-seq-len", type=int, help="KV cache length with --policy (prompt + new tokens)")
+    parser.add_argument("--predictors", help="PhasePer checkpoint directory (with --policy)")
+    parser.add_argument("--chat-template", help="a jinja2 chat template file (default: the checkpoint's)")
+
+
+def loader(args):
+    """(a function that loads the runner, the load settings) after checking every setting at once."""
+    import pdscope_jax
+    from pdscope_jax.api import check_load
+
+    runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
+    if args.policy is not None and args.max_seq_len is not None:
+        runtime["max_seq_len"] = args.max_seq_len
+    check_load(args.dtype, args.seed, args.policy, args.predictors, runtime)
+    return lambda: pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
+                                    policy=args.policy, predictors=args.predictors, **runtime)
+
+
+def chat_template(args):
+    from pdscope_jax.generation.chat import ChatTemplate
+
+    if args.chat_template is None:
+        return None
+    with open(args.chat_template) as f:
+        return ChatTemplate(f.read())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdscope-jax serve", description=__doc__.splitlines()[0])
+    add_model_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("PDSCOPE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 (default: $PDSCOPE_API_KEY)")
+    parser.add_argument("--served-model-name", help="the name /v1/models reports (default: MODEL)")
+    parser.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 413 (default: the context)")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="the most new tokens one request may ask")
+    parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond these get 429")
+    args = parser.parse_args(argv)
+
+    from pdscope_jax.errors import InputError
+
+    problems = [f"--{name.replace('_', '-')} must be >= 1, got {value}"
+                for name, value in (("max_tokens", args.max_tokens), ("max_queue", args.max_queue),
+                                    ("max_prompt_tokens", args.max_prompt_tokens)) if value is not None and value < 1]
+    if problems:
+        raise InputError("; ".join(problems))
+    load = loader(args)
+    template = chat_template(args)
+    try:
+        from pdscope_jax.serve.server import serve
+        from pdscope_jax.serve.service import Limits, Service
+    except ImportError as err:
+        raise InputError(f"serving needs the [serve] extra ({err}): pip install 'pdscope_jax[serve]'") from None
+
+    service = Service(args.served_model_name or args.model,
+                      Limits(args.max_prompt_tokens, args.max_tokens, args.max_queue), args.api_key, template)
+    serve(service, load, args.host, args.port)
+    return 0
