@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from pdscope_jax.phaseper.checkpoint import load_predictors, save_predictors
+from pdscope_jax.phaseper.collect import STATS_FILE, read_stats
 from pdscope_jax.phaseper.groups import detect_groups, groups_from_traces, plot_groups
 from pdscope_jax.phaseper.predictor import PredictorHParams
 from pdscope_jax.phaseper.traces import PHASES, TraceError, load_traces
@@ -94,9 +95,8 @@ def _smoke_traces(model_name: str, out: Path, seed: int) -> Path:
 def _similarity(traces) -> tuple[np.ndarray, np.ndarray, str]:
     """(similarity [M], routing-weight spread [M], where the similarity came from)."""
     _, similarity, spread = groups_from_traces(traces, "prefill")
-    stats_path = traces.dir / "layer_stats.json"
-    if stats_path.exists():
-        stats = json.loads(stats_path.read_text())
+    if (traces.dir / STATS_FILE).exists():
+        stats = read_stats(traces.dir)
         prefill = stats["phases"]["prefill"]
         if prefill["tokens"] > 0 and len(prefill["similarity"]) == len(traces.layers):
             return np.asarray(prefill["similarity"], np.float32), spread, \
