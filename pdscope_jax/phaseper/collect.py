@@ -150,6 +150,7 @@ class CollectStats:
 
 def write_stats(stats: CollectStats, directory: str | Path) -> Path:
     path = Path(directory) / STATS_FILE
+    integrity.remove_stale(path)  # temporaries of a killed earlier save
     integrity.atomic_write_json(path, integrity.seal(stats.to_json()))
     return path
 

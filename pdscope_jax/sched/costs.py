@@ -293,6 +293,7 @@ class CostTable:
 
     def save(self, path: str | Path) -> None:
         """Write the sealed JSON atomically: the file at `path` is the old table or the new one, never a mix."""
+        integrity.remove_stale(Path(path))  # temporaries of a killed earlier save
         integrity.atomic_write_json(path, integrity.seal(self.to_dict()), indent=1)
 
     @classmethod

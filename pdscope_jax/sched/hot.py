@@ -77,5 +77,6 @@ def write_layer_stats(path: str | Path, layers: Sequence[int],
     for phase, by_layer in counts_by_phase.items():
         counts = [np.asarray(by_layer[layer], np.float64).tolist() for layer in layers]
         phases[phase] = {"expert_counts": counts}
+    integrity.remove_stale(path)  # temporaries of a killed earlier save
     integrity.atomic_write_json(path, integrity.seal({"layers": list(layers), "phases": phases}))
     return path
