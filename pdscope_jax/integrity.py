@@ -205,10 +205,8 @@ def _check_entry(path: Path, entry: Any, size: int, digest: Callable[[], str], e
     if size != entry["bytes"]:
         raise error(f"{path} has {size} bytes, its manifest says {entry['bytes']} (truncated or overwritten): "
                     f"{remedy}")
-    got = digest()
-    if got != entry["sha256"]:
-        raise error(f"{path} is corrupt: its sha256 {got[:16]}... differs from the manifest's "
-                    f"{entry['sha256'][:16]}...: {remedy}")
+    if digest() != entry["sha256"]:
+        raise error(f"{path} is corrupt: its content does not match the sha256 its manifest lists: {remedy}")
 
 
 def verify_file(path: Path, entry: Any, error: type[Exception], remedy: str) -> None:
