@@ -105,19 +105,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> tuple[str, int]:
 
 
 def atomic_write_json(path: str | Path, doc: Any, indent: int | None = None) -> tuple[str, int]:
-    """`doc` as JSON (no NaN or infinity), encoded straight into the temporary file in 1 MiB pieces."""
-
-    def fill(fh) -> None:
-        pieces, size = [], 0
-        for piece in json.JSONEncoder(indent=indent, allow_nan=False).iterencode(doc):
-            pieces.append(piece)
-            size += len(piece)
-            if size >= _CHUNK:
-                fh.write("".join(pieces).encode())
-                pieces, size = [], 0
-        fh.write("".join(pieces).encode())
-
-    return atomic_write(path, fill)
+    """`doc` as JSON (no NaN or infinity; `indent=None` uses the fast C encoder), written atomically."""
+    return atomic_write_bytes(path, json.dumps(doc, indent=indent, allow_nan=False).encode())
 
 
 # ---- folders --------------------------------------------------------------------------------------------------

@@ -151,7 +151,8 @@ class TraceWriter:
             "complete": self._closed,
             "shards": self._shards,
         }
-        integrity.atomic_write_json(self.dir / "manifest.json", integrity.seal(manifest), indent=1)
+        # compact: rewritten after every shard, so its encoding time adds up over a collection
+        integrity.atomic_write_json(self.dir / "manifest.json", integrity.seal(manifest))
 
     def close(self) -> None:
         """Write every buffered chunk and mark the manifest complete."""

@@ -1,9 +1,11 @@
 """A process SIGKILLed in the middle of a save leaves the previous version loadable (cost tables, predictor
 checkpoints); the next save clears what the killed one left behind.
 
-A child process saves version 0, 1, 2, ... in a loop, printing each number once its save returned; the test
-times two saves, kills the child a chosen fraction into the next one, and loads what is there: it must be the
-last announced version or the one being saved (its swap may have finished before the print), never an error.
+A child process saves version 0, 1, 2, ... in a loop, printing each number once its save returned. The kill
+strikes either a chosen fraction of one save's time into the next save (measured from two saves), or exactly
+where a hook in the child announces it stands (half-way through writing the temporary file, or just before the
+rename / folder swap; the hook then blocks until the kill). What loads afterwards must be the last announced
+version or the one being saved (its rename may have finished before the print), never an error.
 """
 
 from __future__ import annotations
@@ -25,10 +27,42 @@ from pdscope_jax.sched.costs import CostTable
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = preset("tiny-deepseek-v2-lite")
-BUCKETS = 30_000  # a cost table of a few MB: a save takes long enough to be struck in its middle
+HP = PredictorHParams(CFG.hidden_size, CFG.num_experts_per_tok, CFG.num_experts, proj_dim=64, hidden=256)
+BUCKETS = 30_000  # a cost table of a few MB
 
-COST_CHILD = f"""
-import sys
+# Hooks: after the first complete save, announce "hook" at one place of the next save and block there.
+HOOKS = """
+import os, sys
+from pdscope_jax import integrity
+HOOK, SAVED = sys.argv[2], []
+
+
+def stop_here():
+    if SAVED:
+        print("hook", flush=True)
+        sys.stdin.read()  # blocks until the parent kills this process
+
+
+if HOOK == "mid-write":
+    real_write = integrity._HashingWriter.write
+
+    def write(self, data):
+        data = bytes(data)
+        n = real_write(self, data[: len(data) // 2])
+        self.fh.flush()
+        stop_here()  # half of this piece is in the temporary file
+        return n + real_write(self, data[len(data) // 2:])
+
+    integrity._HashingWriter.write = write
+elif HOOK == "before-rename":
+    real_replace = os.replace
+    os.replace = lambda a, b: (stop_here(), real_replace(a, b))[1]
+elif HOOK == "before-swap":
+    real_swap = integrity.swap_into_place
+    integrity.swap_into_place = lambda a, b: (stop_here(), real_swap(a, b))[1]
+"""
+
+COST_CHILD = HOOKS + f"""
 from pdscope_jax.sched.costs import CostTable
 n = {BUCKETS}
 values = tuple(1e-6 * (b + 1) for b in range(n))
@@ -36,12 +70,12 @@ i = 0
 while True:
     CostTable(tuple(range(1, n + 1)), values, values, t_io=i + 1.0, alpha=0.0, attn_prefill_seconds=values,
               attn_decode_seconds=values, model=f"v{{i}}").save(sys.argv[1])
+    SAVED.append(i)
     print(i, flush=True)
     i += 1
 """
 
-PREDICTOR_CHILD = """
-import sys
+PREDICTOR_CHILD = HOOKS + """
 from pdscope_jax.phaseper.checkpoint import save_predictors
 from pdscope_jax.phaseper.predictor import PredictorHParams, PredictorSet
 from pdscope_jax.presets import preset
@@ -50,23 +84,27 @@ hp = PredictorHParams(cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts,
 i = 0
 while True:
     save_predictors(PredictorSet(hp, cfg.moe_layers, (1, 2), seed=i), cfg, sys.argv[1], corpus=f"v{i}")
+    SAVED.append(i)
     print(i, flush=True)
     i += 1
 """
-HP = PredictorHParams(CFG.hidden_size, CFG.num_experts_per_tok, CFG.num_experts, proj_dim=64, hidden=256)
 
 
-def kill_during_a_save(code: str, target: Path, fraction: float) -> list[int]:
-    """Run `code` (saving into `target` in a loop), SIGKILL it `fraction` of one save's time into a save;
-    returns the versions it announced as saved."""
+def kill_during_a_save(code: str, target: Path, moment: float | str) -> list[int]:
+    """Run `code` (saving into `target` in a loop) and SIGKILL it at `moment` (a fraction of one save's time
+    into a save, or a hook's name); returns the versions it announced as saved."""
+    hook = moment if isinstance(moment, str) else "none"
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
-    child = subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, text=True, env=env)
+    child = subprocess.Popen([sys.executable, "-c", code, str(target), hook], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, env=env)
     try:
         done = [int(child.stdout.readline())]
-        started = time.monotonic()
-        done.append(int(child.stdout.readline()))
-        one_save = time.monotonic() - started
-        time.sleep(fraction * one_save)  # the moment of the kill inside the next save, not a wait for work
+        if hook == "none":
+            started = time.monotonic()
+            done.append(int(child.stdout.readline()))
+            time.sleep(moment * (time.monotonic() - started))  # the moment of the kill inside the next save
+        else:
+            assert child.stdout.readline().strip() == "hook"
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
         done += [int(line) for line in child.stdout.read().split()]
@@ -74,41 +112,37 @@ def kill_during_a_save(code: str, target: Path, fraction: float) -> list[int]:
         if child.poll() is None:
             child.kill()
             child.wait()
+        child.stdin.close()
         child.stdout.close()
     assert child.returncode == -signal.SIGKILL
     return done
-
-
-LEFT: list[int] = []  # temporaries found after each kill of a cost-table save
 
 
 def hidden_siblings(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
 
 
-@pytest.mark.parametrize("fraction", [0.05, 0.3, 0.55, 0.8, 0.95])
-def test_cost_table_survives_a_kill(tmp_path, fraction):
+@pytest.mark.parametrize("moment", [0.1, 0.5, 0.9, "mid-write", "before-rename"])
+def test_cost_table_survives_a_kill(tmp_path, moment):
     path = tmp_path / "costs.json"
-    done = kill_during_a_save(COST_CHILD, path, fraction)
+    done = kill_during_a_save(COST_CHILD, path, moment)
+    if isinstance(moment, str):  # the kill struck with the temporary file written (half or whole)
+        assert [name.split("-")[0] for name in hidden_siblings(tmp_path)] == [".costs.json.tmp"]
     table = CostTable.load(path)  # never a half-written file
     version = int(table.t_io) - 1
     assert version in (done[-1], done[-1] + 1) and table.model == f"v{version}"
+    if isinstance(moment, str):
+        assert version == done[-1]  # the interrupted save never reached its rename
     assert len(table.token_buckets) == BUCKETS
-    LEFT.append(len(hidden_siblings(tmp_path)))
-    CostTable.load(path).save(path)  # the next save removes the temporary the kill left
+    table.save(path)  # the next save removes the temporary the kill left
     assert hidden_siblings(tmp_path) == []
 
 
-def test_the_kills_struck_inside_saves():
-    """At least one kill left a temporary file: the moments chosen do fall inside a save."""
-    if not LEFT:
-        pytest.skip("runs after the cost-table kills only")
-    assert any(LEFT), LEFT
-
-
-@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.85])
-def test_predictor_checkpoint_survives_a_kill(tmp_path, fraction):
-    done = kill_during_a_save(PREDICTOR_CHILD, tmp_path, fraction)
+@pytest.mark.parametrize("moment", [0.3, 0.8, "before-swap"])
+def test_predictor_checkpoint_survives_a_kill(tmp_path, moment):
+    done = kill_during_a_save(PREDICTOR_CHILD, tmp_path, moment)
+    if moment == "before-swap":  # the new version was complete in its temporary folder
+        assert [name.split(".tmp-")[0] for name in hidden_siblings(tmp_path)] == [f".{CFG.name}"]
     restored, manifest = load_predictors(tmp_path, CFG)
     version = int(manifest["corpus"][1:])
     assert version in (done[-1], done[-1] + 1)
