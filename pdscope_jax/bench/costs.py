@@ -19,7 +19,8 @@ Every time is the median of `args.repeats` runs after one untimed run (compilati
 `costs_dir()/<model>-<device>.json` (`sched.costs.table_name`; <device> is the accelerator's kind, or
 "cpu-standin" when a CPU device stands in for it); `meta` names both devices, says whether the accelerator is a
 stand-in, and records `command`, date, dtype and jax version. A rich progress bar shows the measurements on
-stderr; the last stdout line is a JSON summary (path, t_io, alpha). SystemExit when no token bucket is left.
+stderr; the last stdout line is a JSON summary (path, t_io, alpha). `errors.InputError` when no token bucket is
+left (`cli.profile.check_args` finds that, and every other bad option, before anything is built).
 """
 
 from __future__ import annotations
@@ -48,7 +49,10 @@ def measure_cost_table(args, command: str) -> dict:
     label = "cpu-standin" if stand_in else getattr(devices.accel, "device_kind", devices.accel.platform)
     buckets = sorted(b for b in set(args.buckets) if args.max_tokens is None or b <= args.max_tokens)
     if not buckets or buckets[0] < 1:
-        raise SystemExit(f"no usable token buckets in {args.buckets} (max tokens {args.max_tokens})")
+        from pdscope_jax.errors import InputError
+
+        raise InputError(f"no usable token buckets in {args.buckets} (max tokens {args.max_tokens}): give positive "
+                         "--buckets, at least one of them <= --max-tokens")
     counts = [1 << i for i in range(cfg.num_experts.bit_length()) if 1 << i <= cfg.num_experts]
     if counts[-1] != cfg.num_experts:
         counts.append(cfg.num_experts)

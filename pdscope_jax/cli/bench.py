@@ -4,8 +4,10 @@ Contract: `main(argv) -> dict` parses the options, pins the process to `--cpu-th
 (XLA:CPU's thread flags do not bind; affinity set before JAX starts does), records the command line and returns
 the report of `bench.compare.compare`. `parse_args(argv)` is the parsing alone: `--policies` takes the registry's
 policy names (`sched.POLICIES`), each also as `NAME:host` (decode planned by the host layer by layer), and
-`sched.PLAIN` (the whole model without offloading); the default is `sched.COMPARED` then `PLAIN`; an unknown
-name exits (status 2) before anything is built. `--ablation` runs the ablation sequence (`bench.runs.ABLATION`:
+`sched.PLAIN` (the whole model without offloading); the default is `sched.COMPARED` then `PLAIN`.
+`check_args(args)` checks every option before JAX starts a backend or anything is built (model known, policies
+known, lengths and counts positive, sizes readable, cost and hot tables readable, output folder writable) and
+raises one `errors.InputError` naming every problem. `--ablation` runs the ablation sequence (`bench.runs.ABLATION`:
 greedy, +h hot table, +i asynchronous I/O, +p+a AdaptSched with next-layer scores, +g+c one batched GPU program
 per layer and decode as one program per step) instead. Example on the GPU node:
     python -m pdscope_jax bench --model deepseek-v2-lite --policies ondemand greedy fate pdscope \\
@@ -30,8 +32,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                             "a GPU memory budget.\n\npolicies:\n" + _policy_lines())
     p.add_argument("--model", default="deepseek-v2-lite",
                    help="preset name (random weights) or checkpoint directory (its weights)")
-    p.add_argument("--policies", nargs="+", default=[*COMPARED, PLAIN],
-                   choices=[*POLICIES, *(f"{name}{HOST_DECODE}" for name in POLICIES), PLAIN], metavar="POLICY",
+    p.add_argument("--policies", nargs="+", default=[*COMPARED, PLAIN], metavar="POLICY",
                    help=f"policy names (below), each also as NAME{HOST_DECODE} (decode planned by the host layer "
                         f"by layer, never as one accelerator program per step), and '{PLAIN}' for the whole model "
                         "without offloading")
@@ -73,8 +74,57 @@ def _policy_lines() -> str:
     return "\n".join(f"  {name}: {policy.description}" for name, policy in POLICIES.items())
 
 
+def check_args(args) -> None:
+    """Every problem of the options at once (one InputError); reads configs and tables, never weights."""
+    from pdscope_jax.cli import checks
+    from pdscope_jax.errors import raise_problems
+
+    problems: list[str] = []
+    resolved = checks.check_model(problems, "--model", args.model)
+    if resolved is not None and resolved[1] is not None and args.workload != "uniform":
+        problems.append(f"--workload {args.workload} rewrites random weights, but --model {args.model} is a "
+                        "checkpoint that routes as trained: drop --workload or use a preset name")
+    if not args.ablation:
+        known = [*POLICIES, *(f"{name}{HOST_DECODE}" for name in POLICIES), PLAIN]
+        bad = [name for name in args.policies if name not in known]
+        if bad:
+            problems.append(f"--policies: unknown {', '.join(map(repr, bad))}; known: {', '.join(POLICIES)}, each "
+                            f"also as NAME{HOST_DECODE}, and {PLAIN}")
+    checks.check_ints(problems, "--prompt-lens", args.prompt_lens)
+    checks.check_ints(problems, "--batch", args.batch)
+    for flag, value, low in (("--new-tokens", args.new_tokens, 1), ("--prefill-chunk", args.prefill_chunk, 1),
+                             ("--hot-per-layer", args.hot_per_layer, 1), ("--repeats", args.repeats, 1),
+                             ("--warmup", args.warmup, 0), ("--track-memory", args.track_memory, 0),
+                             ("--cprofile", args.cprofile, 0)):
+        checks.check_int(problems, flag, value, low)
+    cores = len(os.sched_getaffinity(0))
+    checks.check_int(problems, "--cpu-threads", args.cpu_threads, 1, cores)
+    checks.check_int(problems, "--xla-cpu-cores", args.xla_cpu_cores, 1, cores)
+    checks.check_seed(problems, "--seed", args.seed)
+    checks.check_size(problems, "--gpu-memory", args.gpu_memory)
+    checks.check_size(problems, "--expert-pool", args.expert_pool)
+    if args.cost_table is not None:
+        from pdscope_jax.sched.costs import CostTableError, load_cost_table
+
+        try:
+            load_cost_table(args.cost_table)
+        except CostTableError as err:
+            problems.append(f"--cost-table: {err}")
+    if args.hot_table not in (None, "auto"):
+        from pdscope_jax.phaseper.traces import TraceError
+        from pdscope_jax.sched.hot import HotTableError, activation_counts
+
+        try:
+            activation_counts(args.hot_table)
+        except (HotTableError, TraceError) as err:
+            problems.append(f"--hot-table: {err}")
+    checks.check_writable_dir(problems, "--out", args.out)
+    raise_problems(problems, "bad arguments")
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    check_args(args)
     if args.cpu_threads:
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpu_threads])
     from pdscope_jax.bench.compare import compare

@@ -6,7 +6,9 @@ split of `pdscope_jax.text.corpus` (encoded with the checkpoint's tokenizer, or 
 vocabulary for a model without one), runs `phaseper.collect.collect_traces` (prefill, then `--decode-steps`
 greedy decode steps, `--batch` prompts per forward) into a new trace directory `--out` (at most
 `--max-prefill-tokens` / `--max-decode-tokens` kept per layer), writes `layer_stats.json` there, prints
-"batch i/n" per batch and one JSON summary line last. SystemExit when the split is empty on this machine.
+"batch i/n" per batch and one JSON summary line last. `check_args(args)` checks every option before the model
+loads (model known, --weights 'random' or a folder, counts positive, --batch <= --prompts, --out new and
+writable) and raises one `errors.InputError` naming every problem; so does an empty split on this machine.
 """
 
 from __future__ import annotations
@@ -48,8 +50,33 @@ def _encoder(runner, vocab_size: int):
             "utf-8 bytes")
 
 
+def check_args(args) -> None:
+    """Every problem of the options at once (one InputError); reads the model's config only."""
+    from pdscope_jax.cli import checks
+    from pdscope_jax.errors import raise_problems
+
+    problems: list[str] = []
+    checks.check_model(problems, "--model", args.model)
+    if args.weights not in (None, "random"):
+        checks.check_dir(problems, "--weights", args.weights)
+    for flag, value, low in (("--prompts", args.prompts, 1), ("--prompt-len", args.prompt_len, 1),
+                             ("--decode-steps", args.decode_steps, 0), ("--batch", args.batch, 1),
+                             ("--max-prefill-tokens", args.max_prefill_tokens, 1),
+                             ("--max-decode-tokens", args.max_decode_tokens, 0)):
+        checks.check_int(problems, flag, value, low)
+    if isinstance(args.batch, int) and isinstance(args.prompts, int) and 1 <= args.prompts < args.batch:
+        problems.append(f"--batch {args.batch} exceeds --prompts {args.prompts}: no full batch would run; lower "
+                        "--batch or raise --prompts")
+    checks.check_seed(problems, "--seed", args.seed)
+    if (Path(args.out) / "manifest.json").exists():
+        problems.append(f"--out {args.out} already holds traces (manifest.json): name a new folder")
+    checks.check_writable_dir(problems, "--out", args.out)
+    raise_problems(problems, "bad arguments")
+
+
 def collect_traces_main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    check_args(args)
     import numpy as np
 
     import pdscope_jax
@@ -63,7 +90,10 @@ def collect_traces_main(argv: list[str] | None = None) -> int:
     data = corpus.load_corpus(seed=args.seed)
     docs = {"train": data.train, "heldout": data.heldout, "ood": data.ood}[args.split]
     if not docs:
-        raise SystemExit(f"the {args.split!r} split is empty on this machine (out-of-domain source: {data.ood_source})")
+        from pdscope_jax.errors import InputError
+
+        raise InputError(f"--split {args.split}: the split is empty on this machine (out-of-domain source: "
+                         f"{data.ood_source}); pick another --split")
     eos = cfg.eos_token_id if cfg.eos_token_id is not None and cfg.eos_token_id < cfg.vocab_size else 0
     stream = corpus.token_stream(encode, docs, eos)
     prompts = corpus.sample_windows(stream, args.prompt_len, args.prompts, np.random.default_rng(args.seed))

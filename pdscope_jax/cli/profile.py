@@ -1,7 +1,10 @@
 """`pdscope-jax profile`: the command line of the cost-table measurement (`bench.costs.measure_cost_table`).
 
 Contract: `profile_main(argv) -> dict` parses MODEL and the measurement options, records the command line as
-`pdscope-jax profile ARGS`, and returns the saved table as a dict. `parse_args(argv)` is the parsing alone.
+`pdscope-jax profile ARGS`, and returns the saved table as a dict. `parse_args(argv)` is the parsing alone;
+`check_args(args)` checks every option before anything is built or measured (model known, buckets, counts
+and repeats positive, at least one bucket under --max-tokens, the output writable) and raises one
+`errors.InputError` naming every problem.
 """
 
 from __future__ import annotations
@@ -33,9 +36,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args) -> None:
+    """Every problem of the options at once (one InputError); reads the model's config only."""
+    from pdscope_jax.cli import checks
+    from pdscope_jax.errors import raise_problems
+    from pdscope_jax.sched.costs import costs_dir
+
+    problems: list[str] = []
+    checks.check_model(problems, "MODEL", args.model)
+    checks.check_ints(problems, "--buckets", args.buckets)
+    checks.check_int(problems, "--max-tokens", args.max_tokens)
+    if args.max_tokens is not None and args.buckets and all(isinstance(b, int) and b > args.max_tokens
+                                                            for b in args.buckets):
+        problems.append(f"--max-tokens {args.max_tokens} drops every bucket of --buckets {args.buckets}: raise it "
+                        "or add smaller buckets")
+    for flag, value in (("--repeats", args.repeats), ("--decode-context", args.decode_context),
+                        ("--decode-max-batch", args.decode_max_batch), ("--cpu-min-rows", args.cpu_min_rows)):
+        checks.check_int(problems, flag, value)
+    checks.check_seed(problems, "--seed", args.seed)
+    if args.out is not None:
+        checks.check_writable_file(problems, "--out", args.out)
+    else:
+        checks.check_writable_dir(problems, "the cost-table folder (--out unset; $PDSCOPE_JAX_COSTS)", costs_dir())
+    raise_problems(problems, "bad arguments")
+
+
 def profile_main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    check_args(args)
     from pdscope_jax.bench.costs import measure_cost_table
 
     return measure_cost_table(args, shlex.join(["pdscope-jax", "profile", *argv]))

@@ -19,6 +19,9 @@ Contract
   (`tiny-deepseek-v2-lite` unless `--model` names another), random-token prompts collected into
   `<--out>/smoke-traces` with `phaseper.collect.collect_traces`, a short training, the save, and a reload
   with `load_predictors` whose predictions must equal the trained set's (else it raises).
+- `check_args(args)` checks every option before anything is collected or trained (--model and --traces given
+  unless --smoke, model known, traces readable and of that model, numbers in range, outputs writable) and
+  raises one `errors.InputError` naming every problem.
 - It prints one JSON line summarising the run (checkpoint path, groups, per-phase recall@k and Table-5 on
   the validation split, seconds).
 """
@@ -35,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from pdscope_jax.phaseper.checkpoint import load_predictors, save_predictors
+from pdscope_jax.phaseper.collect import STATS_FILE, read_stats
 from pdscope_jax.phaseper.groups import detect_groups, groups_from_traces, plot_groups
 from pdscope_jax.phaseper.predictor import PredictorHParams
 from pdscope_jax.phaseper.traces import PHASES, TraceError, load_traces
@@ -94,9 +98,8 @@ def _smoke_traces(model_name: str, out: Path, seed: int) -> Path:
 def _similarity(traces) -> tuple[np.ndarray, np.ndarray, str]:
     """(similarity [M], routing-weight spread [M], where the similarity came from)."""
     _, similarity, spread = groups_from_traces(traces, "prefill")
-    stats_path = traces.dir / "layer_stats.json"
-    if stats_path.exists():
-        stats = json.loads(stats_path.read_text())
+    if (traces.dir / STATS_FILE).exists():
+        stats = read_stats(traces.dir)
         prefill = stats["phases"]["prefill"]
         if prefill["tokens"] > 0 and len(prefill["similarity"]) == len(traces.layers):
             return np.asarray(prefill["similarity"], np.float32), spread, \
@@ -104,28 +107,60 @@ def _similarity(traces) -> tuple[np.ndarray, np.ndarray, str]:
     return similarity, spread, "traced prefill MoE inputs (first 4096 tokens per layer)"
 
 
+def check_args(args) -> None:
+    """Every problem of the options at once (one InputError); reads the model's config and the traces' manifest."""
+    from pdscope_jax.cli import checks
+    from pdscope_jax.errors import raise_problems
+
+    problems: list[str] = []
+    model_name = args.model or (SMOKE_MODEL if args.smoke else None)
+    resolved = None
+    if model_name is None:
+        problems.append("--model is required (the model the traces were collected from)")
+    else:
+        resolved = checks.check_model(problems, "--model", model_name)
+    if not args.smoke and args.traces is None:
+        problems.append("--traces is required (a folder from `pdscope-jax collect-traces`), or pass --smoke")
+    elif not args.smoke and checks.check_dir(problems, "--traces", args.traces, "manifest.json",
+                                             "pdscope-jax collect-traces --out DIR"):
+        try:
+            traces = load_traces(args.traces)
+            if resolved is not None and traces.fingerprint != resolved[0].fingerprint():
+                problems.append(f"--traces {args.traces} were collected from model fingerprint {traces.fingerprint}, "
+                                f"but {model_name} has fingerprint {resolved[0].fingerprint()}: pass the model they "
+                                "came from, or collect traces of this one")
+        except TraceError as err:
+            problems.append(f"--traces: {err}")
+    for flag, value in (("--epochs", args.epochs), ("--batch-size", args.batch_size), ("--patience", args.patience),
+                        ("--proj-dim", args.proj_dim), ("--hidden", args.hidden)):
+        checks.check_int(problems, flag, value)
+    checks.check_number(problems, "--lr", args.lr, 0, low_open=True)
+    checks.check_number(problems, "--val-fraction", args.val_fraction, 0, 1, low_open=True, high_open=True)
+    for flag, value in (("--weight-decay", args.weight_decay), ("--lam", args.lam), ("--gamma", args.gamma)):
+        checks.check_number(problems, flag, value, 0)
+    checks.check_seed(problems, "--seed", args.seed)
+    checks.check_writable_dir(problems, "--out", args.out)
+    if args.groups_png is not None:
+        checks.check_writable_file(problems, "--groups-png", args.groups_png)
+    raise_problems(problems, "bad arguments")
+
+
 def train_predictors_main(argv: list[str] | None = None) -> int:
     from pdscope_jax.api import resolve
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
+    check_args(args)
     t0 = time.perf_counter()
-    model_name = args.model or (SMOKE_MODEL if args.smoke else None)
-    if model_name is None:
-        raise SystemExit("--model is required (the model the traces were collected from)")
+    model_name = args.model or SMOKE_MODEL
     cfg, _ = resolve(model_name)
     if args.smoke:
         trace_dir = _smoke_traces(model_name, args.out, args.seed)
         args.epochs, args.batch_size = min(args.epochs, 3), min(args.batch_size, 32)
         args.proj_dim, args.hidden = min(args.proj_dim, 16), min(args.hidden, 32)
-    elif args.traces is None:
-        raise SystemExit("--traces is required (or --smoke)")
     else:
         trace_dir = args.traces
     traces = load_traces(trace_dir)
-    if traces.fingerprint != cfg.fingerprint():
-        raise TraceError(f"traces {trace_dir} were collected from model fingerprint {traces.fingerprint}, but "
-                         f"{model_name} has fingerprint {cfg.fingerprint()}")
 
     similarity, spread, similarity_source = _similarity(traces)
     groups = detect_groups(similarity)

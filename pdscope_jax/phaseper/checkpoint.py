@@ -4,24 +4,23 @@ Contract
 - `save_predictors(pset, model_cfg, root, corpus=..., metrics=...) -> Path` writes
   `<root>/<model name>/` holding `state/` (Orbax StandardCheckpointer, every (phase, layer) parameter
   tree) and `manifest.json` (format version, model name and `ModelConfig.fingerprint()`, corpus
-  description, metrics, layer groups, MoE layers, architecture hyper-parameters, parameter bytes).
-  Everything is written into a hidden temporary sibling `.<name>.tmp-<id>` and renamed into place only at
-  the end, manifest last, so an interrupted save never looks like a checkpoint. An older checkpoint of the
-  same name is replaced.
+  description, metrics, layer groups, MoE layers, architecture hyper-parameters, parameter bytes, and
+  "files": the size and sha256 of every file under `state/`; the manifest is sealed with its own checksum,
+  `integrity.seal`). Everything is written into a hidden temporary sibling and swapped into place only at
+  the end (`integrity.swap_into_place`), so a process killed at any moment leaves the previous checkpoint
+  loadable; temporaries of dead processes are removed by the next save.
 - `load_predictors(path, model_cfg) -> (PredictorSet, manifest)`: `path` is a checkpoint directory or the
-  root holding `<model name>/`. A temporary directory, a directory without `manifest.json`, or a manifest
-  not marked complete raises `PredictorCheckpointError` saying the save was interrupted. A fingerprint
-  different from `model_cfg.fingerprint()` raises an error naming both fingerprints (and model names).
+  root holding `<model name>/`. Before Orbax reads anything, the manifest's seal and every listed file's
+  size and sha256 are checked; a temporary directory, a missing manifest or file, a corrupt byte anywhere,
+  or a fingerprint different from `model_cfg.fingerprint()` (the message names both) raises
+  `PredictorCheckpointError` naming the file, what is wrong and the fix (train again). Format 1 manifests
+  (before checksums) still load, unchecked.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 
 import jax
@@ -29,11 +28,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from pdscope_jax import integrity
 from pdscope_jax.config import ModelConfig
 from pdscope_jax.phaseper.predictor import PredictorHParams, PredictorSet
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_LEGACY_VERSION = 1  # no checksums: loads unchecked
 _TMP_MARK = ".tmp-"
+REMEDY = "train the predictors again (`pdscope-jax train-predictors`) or restore the checkpoint from a copy"
 
 
 class PredictorCheckpointError(RuntimeError):
@@ -61,16 +63,17 @@ def _tree_key(phase: str, layer: int) -> tuple[str, str]:
 
 
 def _write_manifest(directory: Path, manifest: dict) -> None:
-    (directory / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    integrity.atomic_write_json(directory / "manifest.json", integrity.seal(manifest), indent=1)
 
 
 def save_predictors(pset: PredictorSet, model_cfg: ModelConfig, root: str | Path = "predictors", *,
                     corpus: str = "", metrics: dict | None = None) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    name = checkpoint_name(model_cfg)
-    target = root / name
-    tmp = root / f".{name}{_TMP_MARK}{uuid.uuid4().hex[:8]}"
+    target = root / checkpoint_name(model_cfg)
+    integrity.recover(target)
+    integrity.remove_stale(target)
+    tmp = integrity.temp_sibling(target)
     tree: dict[str, dict] = {}
     for phase, layer in pset.keys():
         p, l = _tree_key(phase, layer)
@@ -90,15 +93,10 @@ def save_predictors(pset: PredictorSet, model_cfg: ModelConfig, root: str | Path
         "hparams": pset.hp.to_dict(),
         "param_bytes": pset.sizes(),
         "metrics": _json_safe(metrics or {}),
+        "files": integrity.file_digests(tmp / "state"),
     }
     _write_manifest(tmp, manifest)
-    old = None
-    if target.exists():
-        old = root / f".{name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(target, old)
-    os.rename(tmp, target)
-    if old is not None:
-        shutil.rmtree(old)
+    integrity.swap_into_place(tmp, target)
     return target
 
 
@@ -118,36 +116,54 @@ def _resolve(path: Path, model_cfg: ModelConfig) -> Path:
     raise PredictorCheckpointError(f"no predictor checkpoint at {path} (nor {candidate})")
 
 
-def load_predictors(path: str | Path, model_cfg: ModelConfig) -> tuple[PredictorSet, dict]:
-    directory = _resolve(Path(path), model_cfg)
-    try:
-        manifest = json.loads((directory / "manifest.json").read_text())
-    except FileNotFoundError:
+def _read_manifest(directory: Path) -> dict:
+    """The checked manifest of a checkpoint directory (seal, format, every state file's checksum)."""
+    path = directory / "manifest.json"
+    if not path.exists():
         raise PredictorCheckpointError(
-            f"{directory} has no manifest.json: the checkpoint is incomplete (its save was interrupted)"
-        ) from None
+            f"{directory} has no manifest.json: the checkpoint is incomplete (its save was interrupted); {REMEDY}")
+    manifest = integrity.read_json(path, PredictorCheckpointError, REMEDY)
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    integrity.check_seal(manifest, PredictorCheckpointError, path, REMEDY, required=version != _LEGACY_VERSION)
     if not manifest.get("complete"):
-        raise PredictorCheckpointError(f"{directory}: manifest is not marked complete (interrupted save)")
-    if manifest.get("format_version") != FORMAT_VERSION:
+        raise PredictorCheckpointError(f"{directory}: manifest is not marked complete (interrupted save); {REMEDY}")
+    if version not in (FORMAT_VERSION, _LEGACY_VERSION):
         raise PredictorCheckpointError(
-            f"{directory}: checkpoint format {manifest.get('format_version')} != supported {FORMAT_VERSION}"
-        )
+            f"{directory}: checkpoint format {version} != supported {FORMAT_VERSION}; {REMEDY}")
+    if version == FORMAT_VERSION:
+        integrity.verify_files(directory / "state", manifest.get("files"), PredictorCheckpointError, REMEDY)
+    return manifest
+
+
+def load_predictors(path: str | Path, model_cfg: ModelConfig) -> tuple[PredictorSet, dict]:
+    path = Path(path)
+    for candidate in (path, path / checkpoint_name(model_cfg)):
+        integrity.recover(candidate)  # a swap killed between its two renames
+    directory = _resolve(path, model_cfg)
+    manifest = _read_manifest(directory)
     want = model_cfg.fingerprint()
-    if manifest["fingerprint"] != want:
+    if manifest.get("fingerprint") != want:
         raise PredictorCheckpointError(
-            f"predictor checkpoint {directory} was trained for model fingerprint {manifest['fingerprint']} "
+            f"predictor checkpoint {directory} was trained for model fingerprint {manifest.get('fingerprint')} "
             f"({manifest.get('model_name') or 'unnamed'}), but the given ModelConfig has fingerprint {want} "
-            f"({model_cfg.name or 'unnamed'})"
+            f"({model_cfg.name or 'unnamed'}): pass that model's checkpoint, or train predictors for this one"
         )
-    groups = (manifest["groups"]["input_end"], manifest["groups"]["middle_end"])
-    pset = PredictorSet(PredictorHParams(**manifest["hparams"]), manifest["moe_layers"], groups)
+    try:
+        groups = (manifest["groups"]["input_end"], manifest["groups"]["middle_end"])
+        pset = PredictorSet(PredictorHParams(**manifest["hparams"]), manifest["moe_layers"], groups)
+    except (KeyError, TypeError, ValueError) as err:
+        raise PredictorCheckpointError(f"{directory}/manifest.json lacks or garbles {err}: {REMEDY}") from None
     abstract: dict[str, dict] = {}
     for phase, layer in pset.keys():
         p, l = _tree_key(phase, layer)
         abstract.setdefault(p, {})[l] = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(pset.state(phase, layer))
         )
-    restored = ocp.StandardCheckpointer().restore((directory / "state").absolute(), abstract)
+    try:
+        restored = ocp.StandardCheckpointer().restore((directory / "state").absolute(), abstract)
+    except Exception as err:  # noqa: BLE001 (checked files that Orbax still refuses: a legacy or edited checkpoint)
+        raise PredictorCheckpointError(f"{directory}/state cannot be restored ({type(err).__name__}: "
+                                       f"{str(err)[:300]}): {REMEDY}") from err
     for phase, layer in pset.keys():
         p, l = _tree_key(phase, layer)
         state = pset.state(phase, layer)

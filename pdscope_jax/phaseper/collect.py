@@ -17,7 +17,8 @@ Contract
   buffers. Returns `CollectStats`, per phase and over every token (not only those the writer keeps):
   per-expert token counts [M, E], each layer's mean hidden state (mean of `a`) [M, D], and the inter-layer
   similarity profile [M] (entry l: mean over tokens of cosine(a_l, a_{l-1}); entry 0 copies entry 1, the
-  definition of `phaseper.groups.layer_similarity`). `write_stats` saves them as `layer_stats.json`.
+  definition of `phaseper.groups.layer_similarity`). `write_stats` saves them as `layer_stats.json` (atomically,
+  sealed with a checksum: `integrity`); `read_stats(directory)` reads it back, checked.
 
 Letters: B batch, T tokens per sequence, N flattened tokens, D hidden, K top-k, E routed experts,
 M MoE layers, P prompts.
@@ -26,7 +27,6 @@ M MoE layers, P prompts.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -36,7 +36,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pdscope_jax.phaseper.traces import PHASES, TraceWriter
+from pdscope_jax import integrity
+from pdscope_jax.phaseper.traces import PHASES, TraceError, TraceWriter
+
+STATS_FILE = "layer_stats.json"
+STATS_REMEDY = "collect the traces again (`pdscope-jax collect-traces`), which writes it"
 
 
 class Walk(NamedTuple):
@@ -145,9 +149,19 @@ class CollectStats:
 
 
 def write_stats(stats: CollectStats, directory: str | Path) -> Path:
-    path = Path(directory) / "layer_stats.json"
-    path.write_text(json.dumps(stats.to_json()))
+    path = Path(directory) / STATS_FILE
+    integrity.remove_stale(path)  # temporaries of a killed earlier save
+    integrity.atomic_write_json(path, integrity.seal(stats.to_json()))
     return path
+
+
+def read_stats(directory: str | Path) -> dict:
+    """The `CollectStats.to_json` dict in `<directory>/layer_stats.json`; a missing, unreadable or corrupt file
+    (seal mismatch) raises `TraceError` naming it. Files without a seal (older versions) are accepted."""
+    path = Path(directory) / STATS_FILE
+    stats = integrity.read_json(path, TraceError, STATS_REMEDY)
+    integrity.check_seal(stats, TraceError, path, STATS_REMEDY, required=False)
+    return stats
 
 
 def collect_traces(model, prompts: np.ndarray, writer: TraceWriter, decode_steps: int,

@@ -10,13 +10,16 @@ Contract
   writing a shard, so the writer holds at most about 2 * layers * (flush_tokens + step) * (2D + 8K) bytes.
   `max_tokens[phase]` caps what is kept per layer; the part of a step past the cap is dropped, identically
   at every layer, so alignment survives the cap.
-- Every file is written to a temporary name and renamed into place; `manifest.json` is rewritten (also
-  atomically) after each shard, so a crash leaves a directory whose manifest lists only complete shards.
+- Every file is written to a temporary name and renamed into place (`integrity.atomic_write`); `manifest.json`
+  is rewritten (also atomically, sealed with its own checksum) after each shard and lists each shard file's
+  size and sha256, so a crash leaves a directory whose manifest lists only complete shards.
 - Per step and per layer the writer records the step's kept token count and its per-expert token counts
   `counts [E]` (used by the Table-5 metric).
 - `load_traces(dir) -> Traces`: `Traces.pairs(phase, l)` gives `LayerPairs(a_l, w_l, e_l, e_next, steps)`
   for consecutive MoE layers l -> l+1, truncated to the tokens both layers hold. Layers are read on demand
-  and only a few stay cached, so reading is bounded by a few layers' worth of one phase.
+  and only a few stay cached, so reading is bounded by a few layers' worth of one phase. The manifest's seal
+  is checked on opening and each shard file's size and sha256 as it is read; a missing or corrupt file raises
+  `TraceError` naming it (format 1 directories, before checksums, are read unchecked).
 
 Layout: `<dir>/manifest.json`, `<dir>/<phase>/layer<l>/{a,w,e,steps,counts}.<shard>.npy`.
 """
@@ -24,39 +27,24 @@ Layout: `<dir>/manifest.json`, `<dir>/<phase>/layer<l>/{a,w,e,steps,counts}.<sha
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
+import io
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
 
+from pdscope_jax import integrity
+
 PHASES = ("prefill", "decode")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_LEGACY_VERSION = 1  # no checksums: read unchecked
+REMEDY = "collect the traces again into a new directory (`pdscope-jax collect-traces --out NEW_DIR`)"
 _FIELDS = ("a", "w", "e", "steps", "counts")
 _DEFAULT_MAX_TOKENS = {"prefill": 65536, "decode": 16384}
 
 
 class TraceError(ValueError):
     """A trace directory or an `add` call that does not match the declared format."""
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
-def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        np.save(fh, array)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 class TraceWriter:
@@ -140,12 +128,14 @@ class TraceWriter:
         sub = self.dir / phase / f"layer{layer}"
         sub.mkdir(parents=True, exist_ok=True)
         index = len(shards)
-        tokens = 0
+        tokens, files = 0, {}
         for field in _FIELDS:
             array = np.concatenate(buf[field])
             tokens = array.shape[0] if field == "a" else tokens
-            _atomic_save_npy(sub / f"{field}.{index:06d}.npy", array)
-        shards.append({"index": index, "tokens": int(tokens), "steps": len(buf["steps"])})
+            digest, size = integrity.atomic_write(sub / f"{field}.{index:06d}.npy",
+                                                  lambda fh, a=array: np.save(fh, a, allow_pickle=False))
+            files[field] = {"bytes": size, "sha256": digest}
+        shards.append({"index": index, "tokens": int(tokens), "steps": len(buf["steps"]), "files": files})
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -161,7 +151,8 @@ class TraceWriter:
             "complete": self._closed,
             "shards": self._shards,
         }
-        _atomic_write_bytes(self.dir / "manifest.json", json.dumps(manifest, indent=1).encode())
+        # compact: rewritten after every shard, so its encoding time adds up over a collection
+        integrity.atomic_write_json(self.dir / "manifest.json", integrity.seal(manifest))
 
     def close(self) -> None:
         """Write every buffered chunk and mark the manifest complete."""
@@ -249,7 +240,7 @@ class Traces:
         }
         fields = {}
         for field in _FIELDS:
-            parts = [np.load(sub / f"{field}.{s['index']:06d}.npy") for s in shards]
+            parts = [self._read(sub / f"{field}.{s['index']:06d}.npy", s, field) for s in shards]
             fields[field] = np.concatenate(parts) if parts else empty[field]
         if max_tokens is not None:
             return {f: v[:max_tokens] for f, v in fields.items() if f in ("a", "w", "e")}
@@ -257,6 +248,22 @@ class Traces:
         while len(self._cache) > self._cache_layers:
             self._cache.pop(next(iter(self._cache)))
         return fields
+
+    def _read(self, path: Path, shard: dict, field: str) -> np.ndarray:
+        """One shard file, checked against the manifest's size and sha256 (format 2) before numpy parses it."""
+        checked = self.manifest.get("format_version") == FORMAT_VERSION
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise TraceError(f"{path} is missing (the manifest lists it): {REMEDY}") from None
+        if checked:
+            files = shard.get("files")
+            integrity.verify_bytes(path, data, files.get(field) if isinstance(files, dict) else None, TraceError,
+                                   REMEDY)
+        try:
+            return np.load(io.BytesIO(data), allow_pickle=False)
+        except (ValueError, OSError, EOFError) as err:
+            raise TraceError(f"{path} is not a readable .npy file ({err}): {REMEDY}") from None
 
     def pairs(self, phase: str, layer: int) -> LayerPairs:
         pos = self.layers.index(layer) if layer in self.layers else -1
@@ -281,12 +288,18 @@ def _truncate_steps(steps: np.ndarray, n: int) -> np.ndarray:
 def load_traces(directory: str | Path, cache_layers: int = 4) -> Traces:
     """Open a trace directory. Only shards the manifest lists are ever read; others on disk are ignored."""
     directory = Path(directory)
-    try:
-        manifest = json.loads((directory / "manifest.json").read_text())
-    except FileNotFoundError:
-        raise TraceError(f"{directory} holds no manifest.json: not a trace directory") from None
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise TraceError(f"{directory}: trace format {manifest.get('format_version')} != {FORMAT_VERSION}")
+    path = directory / "manifest.json"
+    if not path.exists():
+        raise TraceError(f"{directory} holds no manifest.json: not a trace directory (make one with "
+                         "`pdscope-jax collect-traces`)")
+    manifest = integrity.read_json(path, TraceError, REMEDY)
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    integrity.check_seal(manifest, TraceError, path, REMEDY, required=version != _LEGACY_VERSION)
+    if version not in (FORMAT_VERSION, _LEGACY_VERSION):
+        raise TraceError(f"{directory}: trace format {version} != {FORMAT_VERSION}: {REMEDY}")
+    missing = [k for k in ("fingerprint", "layers", "dim", "k", "num_experts", "shards") if k not in manifest]
+    if missing:
+        raise TraceError(f"{path} lacks {', '.join(missing)}: {REMEDY}")
     return Traces(directory, manifest, cache_layers)
 
 

@@ -20,6 +20,9 @@ Cost model (all times in seconds):
 Zero tokens (or an empty set, or n = 0 transfers) cost nothing.
 
 JSON layout: `CostTable.to_dict`. A malformed file raises `CostTableError` naming every problem at once.
+`save` writes atomically (a temporary sibling renamed into place: a killed process leaves the old table) and
+seals the JSON with a "checksum" key (`integrity.seal`); `from_dict` / `load` check a present checksum and refuse
+a table whose content does not match it (tables without one, written by hand or by older versions, are read).
 
 Where tables live: `costs_dir()` ($PDSCOPE_JAX_COSTS, else ~/.cache/pdscope_jax/costs) holds
 `<model>-<device>.json` (`table_name`); `find_cost_table(ref)` / `load_cost_table(ref)` accept a path or such a
@@ -36,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from pdscope_jax import integrity
+
 VERSION = 1
 PHASES = ("prefill", "decode")
 SOURCES = ("measured", "analytic")
@@ -44,6 +49,9 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 class CostTableError(ValueError):
     """A cost table (or its JSON file) that cannot be used; the message lists every problem found."""
+
+
+REMEDY = "measure it again with `pdscope-jax profile MODEL --out PATH`"
 
 
 _BELOW = 1e-9   # token counts in (0, first bucket) cost the first bucket: a knot just above zero
@@ -250,7 +258,9 @@ class CostTable:
             raise CostTableError(f"a cost table is a JSON object, got {type(d).__name__}")
         required = ("version", "token_buckets", "cpu_expert_seconds", "gpu_expert_seconds", "t_io", "alpha",
                     "attn_seconds")
-        optional = ("source", "model", "gpu_launch_seconds", "transfer_counts", "transfer_seconds", "meta")
+        optional = ("source", "model", "gpu_launch_seconds", "transfer_counts", "transfer_seconds", "meta",
+                    integrity.CHECKSUM_KEY)
+        integrity.check_seal(d, CostTableError, "cost table", REMEDY, required=False)
         problems = [f"missing key {k!r}" for k in required if k not in d]
         problems += [f"unknown key {k!r}" for k in d if k not in required + optional]
         if "version" in d and d["version"] != VERSION:
@@ -278,16 +288,19 @@ class CostTable:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise CostTableError(f"cost table is not valid JSON: {e}") from e
+            raise CostTableError(f"cost table is not valid JSON ({e}): it is corrupt or truncated: {REMEDY}") from e
         return cls.from_dict(d)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json())
+        """Write the sealed JSON atomically: the file at `path` is the old table or the new one, never a mix."""
+        integrity.remove_stale(Path(path))  # temporaries of a killed earlier save
+        integrity.atomic_write_json(path, integrity.seal(self.to_dict()), indent=1)
 
     @classmethod
     def load(cls, path: str | Path) -> "CostTable":
+        d = integrity.read_json(Path(path), CostTableError, REMEDY)  # its messages name the path
         try:
-            return cls.from_json(Path(path).read_text())
+            return cls.from_dict(d)
         except CostTableError as e:
             raise CostTableError(f"{path}: {e}") from None
 

@@ -8,19 +8,23 @@ and adds the requested phases. `write_layer_stats(path, layers, counts_by_phase)
 layer_stats.json layout (only the keys this module reads), so counts the engine recorded
 (`OffloadRunner.activation_counts`) can serve as a hot table too. The planners turn counts into the table with
 `plan.HotExperts(per_layer, counts)`; the engine preloads it. A file that holds none of the requested phases, or
-no counts at all, raises `HotTableError` saying what it found.
+no counts at all, raises `HotTableError` saying what it found. Files are written atomically and sealed with a
+checksum (`integrity`); a sealed file whose content does not match raises `HotTableError` (files without a seal,
+from older versions or written by hand, are read as they are).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from pdscope_jax.config import read_json
+from pdscope_jax import integrity
 from pdscope_jax.sched.costs import PHASES
+
+REMEDY = ("make it again: `pdscope-jax collect-traces` writes layer_stats.json, `pdscope-jax bench --hot-table auto` "
+          "records a hot table")
 
 
 class HotTableError(ValueError):
@@ -36,8 +40,10 @@ def activation_counts(path: str | Path, phases: Sequence[str] = PHASES) -> dict[
         return _from_traces(path, phases)
     if path.is_dir():
         path = path / "layer_stats.json"
-    stats = read_json(path, HotTableError, missing="{path}: no such file (want layer_stats.json or a trace directory)",
-                      invalid="{path}: not JSON ({err})")
+    if not path.exists():
+        raise HotTableError(f"{path}: no such file (want layer_stats.json or a trace directory)")
+    stats = integrity.read_json(path, HotTableError, REMEDY)
+    integrity.check_seal(stats, HotTableError, path, REMEDY, required=False)
     if not isinstance(stats, dict) or "layers" not in stats or "phases" not in stats:
         raise HotTableError(f"{path}: not a layer_stats.json (needs the keys 'layers' and 'phases')")
     layers = [int(layer) for layer in stats["layers"]]
@@ -71,5 +77,6 @@ def write_layer_stats(path: str | Path, layers: Sequence[int],
     for phase, by_layer in counts_by_phase.items():
         counts = [np.asarray(by_layer[layer], np.float64).tolist() for layer in layers]
         phases[phase] = {"expert_counts": counts}
-    path.write_text(json.dumps({"layers": list(layers), "phases": phases}))
+    integrity.remove_stale(path)  # temporaries of a killed earlier save
+    integrity.atomic_write_json(path, integrity.seal({"layers": list(layers), "phases": phases}))
     return path

@@ -3,7 +3,7 @@
 Contract:
 - `open_checkpoint(path) -> Checkpoint` takes a directory (or the `model.safetensors` /
   `model.safetensors.index.json` inside it) and reads only the files' headers. File-level problems (a shard the
-  index lists but that is absent, a corrupt header, a file shorter than its header's data offsets) are recorded
+  index lists but that is absent, a corrupt header or a truncated file: `weights.safetensors_check`) are recorded
   in `Checkpoint.problems`, so that `load_state` reports them together with everything else. Only a path that
   holds no checkpoint at all, or an unreadable index, raises at once.
 - `Checkpoint.read(source, shape, dtype) -> np.ndarray` reads the tensors of one `Source` (see
@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,6 +37,8 @@ import ml_dtypes
 import numpy as np
 from rich.progress import Progress
 
+from pdscope_jax.weights.safetensors_check import REDOWNLOAD as _REDOWNLOAD
+from pdscope_jax.weights.safetensors_check import TensorInfo, read_header
 from pdscope_jax.weights.spec import Source
 
 SINGLE_FILE = "model.safetensors"
@@ -50,16 +51,10 @@ LOADABLE_DTYPES = {
     "F16": np.dtype(np.float16),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
-# Item sizes of every safetensors dtype, to check headers' data offsets even for tensors we cannot load.
-ITEM_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
-}
 _CHUNK_BYTES = 32 << 20  # a read buffer; bounds the extra memory of transposing or converting a tensor
 _TRANSPOSE_ROWS = 64  # transposing a few rows at a time keeps the strided writes in cache
 _MAX_LINES = 100  # message lines shown; `CheckpointError.problems` keeps them all
 PROGRESS_BYTES = 256 << 20  # loading at least this many bytes shows a progress bar
-_REDOWNLOAD = "download or convert the checkpoint again"
 
 
 class CheckpointError(ValueError):
@@ -74,19 +69,6 @@ class CheckpointError(ValueError):
         if more:
             lines.append(f"  ... and {more} more (all in CheckpointError.problems)")
         super().__init__("\n".join(lines))
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    file: Path
-    dtype: str  # safetensors dtype name, e.g. "BF16"
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in `file`
-    end: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -180,10 +162,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                 problems.append(f"shard {file.name} is listed in {INDEX_FILE} ({len(listed)} tensors) but absent "
                                 f"from {directory}: download it again")
                 continue
-            header, problem = _read_header(file)
-            if problem:
+            header, file_problems = read_header(file)
+            if file_problems:
                 broken.add(file)
-                problems.append(problem)
+                problems.extend(file_problems)
             if header is None:
                 unaccounted.update(listed)
                 continue
@@ -196,10 +178,10 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
                                     f"remove the stale shard or {_REDOWNLOAD}")
                 tensors[key] = info
     elif single_path.exists():
-        header, problem = _read_header(single_path)
-        if problem:
+        header, file_problems = read_header(single_path)
+        if file_problems:
             broken.add(single_path)
-            problems.append(problem)
+            problems.extend(file_problems)
         if header is None:
             contents_unknown = True
         else:
@@ -291,48 +273,6 @@ def _read_index(index_path: Path) -> dict[str, str]:
         raise CheckpointError([f"{index_path.name} is not a valid index ({type(err).__name__}: {err}): "
                                f"{_REDOWNLOAD}"], str(index_path.parent)) from None
     return weight_map
-
-
-def _read_header(file: Path) -> tuple[dict[str, TensorInfo] | None, str | None]:
-    """(tensors, None) for a sound file; (tensors, problem) when truncated; (None, problem) when corrupt."""
-    size = file.stat().st_size
-
-    def corrupt(reason: str) -> tuple[None, str]:
-        return None, f"{file.name} has a corrupt safetensors header ({reason}): {_REDOWNLOAD}"
-
-    with open(file, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) < 8:
-            return corrupt(f"the file has only {size} bytes")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > size - 8:
-            return corrupt(f"header length {length} exceeds the file size {size}")
-        raw = f.read(length)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not a JSON object")
-    except (ValueError, UnicodeDecodeError) as err:
-        return corrupt(f"invalid JSON: {err}")
-    header.pop("__metadata__", None)
-    base = 8 + length
-    tensors: dict[str, TensorInfo] = {}
-    for key, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(n) for n in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            return corrupt(f"entry '{key}' lacks dtype, shape or data_offsets")
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-            return corrupt(f"entry '{key}' has data_offsets {[begin, end]}")
-        if dtype in ITEM_SIZES and end - begin != math.prod(shape) * ITEM_SIZES[dtype]:
-            return corrupt(f"entry '{key}' spans {end - begin} bytes but {dtype}{list(shape)} needs "
-                           f"{math.prod(shape) * ITEM_SIZES[dtype]}")
-        tensors[key] = TensorInfo(file, dtype, shape, base + begin, base + end)
-    data_end = max((info.end for info in tensors.values()), default=base)
-    if data_end > size:
-        return tensors, (f"{file.name} is truncated: its header places data up to byte {data_end} but the file "
-                         f"has {size} bytes: {_REDOWNLOAD}")
-    return tensors, None
 
 
 # ---- validation helpers ----------------------------------------------------------------------------------------

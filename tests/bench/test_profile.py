@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from pdscope_jax.errors import InputError
 from pdscope_jax.presets import preset
 from pdscope_jax.cli.profile import profile_main
 from pdscope_jax.sched import CostTable, load_cost_table
@@ -33,6 +34,8 @@ def test_profile_tiny_preset_saves_a_loadable_table(tmp_path, monkeypatch, capsy
     assert table.attn_decode_seconds[-1] == pytest.approx(table.attn_decode_seconds[3] * 64 / 8)
 
 
-def test_profile_rejects_empty_buckets(tmp_path):
-    with pytest.raises(SystemExit, match="no usable token buckets"):
-        profile_main(["tiny-qwen3-30b-a3b", "--max-tokens", "0", "--out", str(tmp_path / "x.json")])
+def test_profile_rejects_empty_buckets_and_names_every_problem(tmp_path):
+    with pytest.raises(InputError, match="--max-tokens must be an integer >= 1, got 0") as err:
+        profile_main(["tiny-qwen3-30b-a3b", "--max-tokens", "0", "--repeats", "0", "--out", str(tmp_path / "x.json")])
+    assert "--max-tokens 0 drops every bucket" in str(err.value) and "--repeats must be" in str(err.value)
+    assert not (tmp_path / "x.json").exists()

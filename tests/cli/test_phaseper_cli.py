@@ -7,7 +7,8 @@ import pytest
 from pdscope_jax.api import resolve
 from pdscope_jax.phaseper.checkpoint import load_predictors
 from pdscope_jax.cli.train_predictors import SMOKE_MODEL, train_predictors_main
-from pdscope_jax.phaseper.traces import TraceError, load_traces, write_synthetic_traces
+from pdscope_jax.errors import InputError
+from pdscope_jax.phaseper.traces import load_traces, write_synthetic_traces
 
 
 def test_smoke_collects_trains_saves_and_reloads(tmp_path, capsys):
@@ -36,11 +37,11 @@ def test_smoke_collects_trains_saves_and_reloads(tmp_path, capsys):
 
 def test_traces_of_another_model_are_refused(tmp_path):
     traces = write_synthetic_traces(tmp_path / "t", fingerprint="not-this-model")
-    with pytest.raises(TraceError, match="not-this-model"):
+    with pytest.raises(InputError, match="not-this-model"):
         train_predictors_main(["--traces", str(traces), "--model", SMOKE_MODEL, "--out", str(tmp_path / "p")])
     assert not (tmp_path / "p").exists() or not any((tmp_path / "p").iterdir())
 
 
 def test_missing_traces_is_a_usage_error(tmp_path):
-    with pytest.raises(SystemExit, match="--traces"):
+    with pytest.raises(InputError, match="--traces is required"):
         train_predictors_main(["--model", SMOKE_MODEL, "--out", str(tmp_path)])

@@ -1,5 +1,6 @@
 """Bad inputs at every public entry: each is refused with the project's own error (`errors.InputError`, or exit
-status 2 and no traceback from the CLI) before any weight loads or program compiles.
+status 2 and no traceback from the CLI) before any weight loads or program compiles; broken files (corrupt
+predictor checkpoints, safetensors headers, cost tables, traces) with their loader's own error type.
 
 `CASES` is the one list: the tests run it, and `python3 -m tests.generation.test_bad_inputs` writes it with
 each outcome to docs/BAD_INPUTS.md (`test_bad_inputs_table_is_current` fails when that file has drifted).
@@ -10,10 +11,15 @@ raises InputError, never anything else.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
+import json
 import math
 import re
+import shutil
+import struct
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +30,8 @@ from hypothesis import strategies as st
 import pdscope_jax
 from pdscope_jax.cli import main as cli
 from pdscope_jax.errors import InputError
+from pdscope_jax.phaseper.checkpoint import PredictorCheckpointError
+from pdscope_jax.weights.checkpoint import CheckpointError
 
 MODEL = "tiny-deepseek-v2-lite"  # vocabulary 256
 TABLE = Path(__file__).parents[2] / "docs" / "BAD_INPUTS.md"
@@ -42,8 +50,85 @@ def _off(ids, **kw):
     return lambda r: r["offloaded"].generate(ids, **{"max_new_tokens": 2, **kw})
 
 
-def _cli(*argv):
-    return lambda r: ("cli", list(argv))
+def _cli(*argv, costs_dir: str | None = None):
+    """A CLI call; `costs_dir` (formatted like argv) stands in for $PDSCOPE_JAX_COSTS during it."""
+    env = {} if costs_dir is None else {"PDSCOPE_JAX_COSTS": costs_dir}
+    return lambda r: ("cli", [str(a).format(**files()) for a in argv], {k: v.format(**files()) for k, v in env.items()})
+
+
+# the project's error types a case may end in (the CLI turns each into exit 2)
+ERRORS = (InputError, PredictorCheckpointError, CheckpointError)
+REFERENCE_CHECKPOINT = Path(__file__).parents[1] / "data" / "deepseek_v2"
+
+
+def _corrupt_safetensors(folder: Path, edit) -> str:
+    """A copy of a tiny HF checkpoint whose model.safetensors header `edit(header) -> (header, data, length)`
+    rewrote; returns the folder."""
+    shutil.copytree(REFERENCE_CHECKPOINT, folder)
+    raw = (folder / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header, data, length = edit(json.loads(raw[8:8 + n]), raw[8 + n:])
+    blob = header if isinstance(header, bytes) else json.dumps(header).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(blob) if length is None else length) + blob + data)
+    return str(folder)
+
+
+def _entry(header: dict, key: str, **change) -> dict:
+    header[key] = {**header[key], **change}
+    return header
+
+
+@functools.cache
+def files() -> dict[str, str]:
+    """Broken and valid files the cases below name, made once in a temporary folder (`<tmp>` in the table)."""
+    from pdscope_jax.phaseper.checkpoint import save_predictors
+    from pdscope_jax.phaseper.predictor import PredictorHParams, PredictorSet
+    from pdscope_jax.phaseper.traces import write_synthetic_traces
+    from pdscope_jax.presets import preset
+    from pdscope_jax.sched.costs import CostTable
+
+    root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+    cfg = preset(MODEL)
+    hp = PredictorHParams(cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts, proj_dim=8, hidden=16)
+    out = {"tmp": str(root)}
+    for name, damage in (("flipped", "flip"), ("unlisted", "delete")):
+        path = save_predictors(PredictorSet(hp, cfg.moe_layers, (1, 2), seed=0), cfg, root / name)
+        target = path / "state" / "_METADATA"
+        if damage == "flip":
+            raw = bytearray(target.read_bytes())
+            raw[len(raw) // 2] ^= 0x20
+            target.write_bytes(bytes(raw))
+        else:
+            target.unlink()
+        out[f"predictors_{name}"] = str(path)
+    traces = write_synthetic_traces(root / "traces")
+    out["traces"] = str(traces)
+    shutil.copytree(traces, root / "traces_edited")
+    manifest = root / "traces_edited" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"dim": 32', '"dim": 33'))
+    out["traces_edited"] = str(root / "traces_edited")
+    table = root / "costs.json"
+    CostTable.analytic(expert_bytes=1e6, flops_per_token=1e6, pcie_GBps=25, cpu_GFLOPs=100, gpu_TFLOPs=100,
+                       model=MODEL).save(table)
+    table.write_text(table.read_text().replace('"alpha": 2e-05', '"alpha": 3e-05'))
+    out["costs_edited"] = str(table)
+    expert = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    out["st_huge_length"] = _corrupt_safetensors(root / "st_huge_length", lambda h, d: (h, d, 2**60))
+    out["st_not_json"] = _corrupt_safetensors(root / "st_not_json", lambda h, d: (b"{'dtype': F32", d, None))
+    out["st_overlap"] = _corrupt_safetensors(root / "st_overlap", lambda h, d: (
+        _entry(h, expert, data_offsets=[0, h[expert]["data_offsets"][1] - h[expert]["data_offsets"][0]]), d, None))
+    out["st_dtype"] = _corrupt_safetensors(root / "st_dtype", lambda h, d: (_entry(h, expert, dtype="F7"), d, None))
+    out["st_span"] = _corrupt_safetensors(root / "st_span", lambda h, d: (
+        _entry(h, expert, dtype="F16"), d, None))
+    out["st_truncated"] = _corrupt_safetensors(root / "st_truncated", lambda h, d: (h, d[:len(d) // 2], None))
+    out["st_missing"] = _corrupt_safetensors(root / "st_missing", lambda h, d: (
+        {k: v for k, v in h.items() if k != expert}, d, None))
+    return out
+
+
+def _files(fn):
+    """A case whose call needs the files: `fn(files())`."""
+    return lambda r: fn(files())
 
 
 # (input, where, call, the phrase its message must hold)
@@ -140,6 +225,75 @@ CASES = [
     ("--top-p 0", "CLI chat", _cli("chat", "reference-moe", "--top-p", "0"), "top_p must be"),
     ("--temperature -1 --max-tokens 0", "CLI chat",
      _cli("chat", "reference-moe", "--temperature", "-1", "--max-tokens", "0"), "temperature must be.*max-tokens"),
+    ("--model nosuch", "CLI bench", _cli("bench", "--model", "nosuch"), "--model: unknown model 'nosuch'"),
+    ("--policies ondemand nosuch", "CLI bench", _cli("bench", "--model", MODEL, "--policies", "ondemand", "nosuch"),
+     "--policies: unknown 'nosuch'"),
+    ("--prompt-lens 0 --new-tokens 0 --gpu-memory '24 gigs' at once", "CLI bench",
+     _cli("bench", "--model", MODEL, "--prompt-lens", "0", "--new-tokens", "0", "--gpu-memory", "24 gigs"),
+     "3 problems"),
+    ("--warmup -1 --repeats 0 --batch 0", "CLI bench",
+     _cli("bench", "--model", MODEL, "--warmup", "-1", "--repeats", "0", "--batch", "0"), "3 problems"),
+    ("--workload skewed with a checkpoint", "CLI bench",
+     _cli("bench", "--model", str(REFERENCE_CHECKPOINT), "--workload", "skewed"), "rewrites random weights"),
+    ("--cost-table that does not exist", "CLI bench",
+     _cli("bench", "--model", MODEL, "--cost-table", "nosuch", costs_dir="{tmp}/costs"),
+     "--cost-table: no cost table 'nosuch'"),
+    ("--cost-table edited after its save", "CLI bench",
+     _cli("bench", "--model", MODEL, "--cost-table", "{costs_edited}"), "content does not match its checksum"),
+    ("--hot-table that does not exist", "CLI bench",
+     _cli("bench", "--model", MODEL, "--hot-table", "{tmp}/nosuch.json"), "--hot-table: .* no such file"),
+    ("--out naming a file", "CLI bench", _cli("bench", "--model", MODEL, "--out", "{costs_edited}"),
+     "is a file, not a folder"),
+    ("MODEL nosuch", "CLI profile", _cli("profile", "nosuch"), "MODEL: unknown model 'nosuch'"),
+    ("--max-tokens 0", "CLI profile", _cli("profile", MODEL, "--max-tokens", "0"), "drops every bucket"),
+    ("--buckets 0 -4 --repeats 0", "CLI profile", _cli("profile", MODEL, "--buckets", "0", "-4", "--repeats", "0"),
+     "--buckets takes integers >= 1; bad: \\[0, -4\\]"),
+    ("--out naming a folder", "CLI profile", _cli("profile", MODEL, "--out", "{tmp}"), "is a folder: name a file"),
+    ("--batch 8 > --prompts 4", "CLI collect-traces",
+     _cli("collect-traces", "--model", MODEL, "--out", "{tmp}/new", "--prompts", "4", "--batch", "8"),
+     "--batch 8 exceeds --prompts 4"),
+    ("--prompt-len 0 --decode-steps -1 --seed -1", "CLI collect-traces",
+     _cli("collect-traces", "--model", MODEL, "--out", "{tmp}/new", "--prompt-len", "0", "--decode-steps", "-1",
+          "--seed", "-1"), "3 problems"),
+    ("--out already holding traces", "CLI collect-traces",
+     _cli("collect-traces", "--model", MODEL, "--out", "{traces}"), "already holds traces"),
+    ("--weights folder that does not exist", "CLI collect-traces",
+     _cli("collect-traces", "--model", MODEL, "--out", "{tmp}/new", "--weights", "{tmp}/nosuch"),
+     "--weights .* is not a folder"),
+    ("no --model, no --traces", "CLI train-predictors", _cli("train-predictors"), "--model is required"),
+    ("--traces of another model", "CLI train-predictors",
+     _cli("train-predictors", "--model", MODEL, "--traces", "{traces}", "--out", "{tmp}/p"),
+     "collected from model fingerprint synthetic"),
+    ("--traces folder without manifest.json", "CLI train-predictors",
+     _cli("train-predictors", "--model", MODEL, "--traces", "{tmp}", "--out", "{tmp}/p"), "holds no manifest.json"),
+    ("--traces whose manifest was edited", "CLI train-predictors",
+     _cli("train-predictors", "--model", MODEL, "--traces", "{traces_edited}", "--out", "{tmp}/p"),
+     "content does not match its checksum"),
+    ("--lr 0 --val-fraction 1.5 --epochs 0", "CLI train-predictors",
+     _cli("train-predictors", "--smoke", "--lr", "0", "--val-fraction", "1.5", "--epochs", "0", "--out", "{tmp}/p"),
+     "3 problems"),
+    ("predictor checkpoint with one flipped bit", "load",
+     _files(lambda f: pdscope_jax.load(MODEL, dtype="float32", policy="pdscope", predictors=f["predictors_flipped"])),
+     "_METADATA is corrupt"),
+    ("predictor checkpoint missing a file", "load",
+     _files(lambda f: pdscope_jax.load(MODEL, dtype="float32", policy="pdscope", predictors=f["predictors_unlisted"])),
+     "_METADATA is missing"),
+    ("--predictors with one flipped bit", "CLI generate",
+     _cli("generate", MODEL, "--policy", "pdscope", "--predictors", "{predictors_flipped}"), "_METADATA is corrupt"),
+    ("safetensors header length 2**60", "load", _files(lambda f: pdscope_jax.load(f["st_huge_length"])),
+     "header length 1152921504606846976 exceeds the file size"),
+    ("safetensors header not JSON", "load", _files(lambda f: pdscope_jax.load(f["st_not_json"])),
+     "header is not UTF-8 JSON"),
+    ("safetensors data offsets overlapping", "load", _files(lambda f: pdscope_jax.load(f["st_overlap"])),
+     "overlap"),
+    ("safetensors dtype 'F7'", "load", _files(lambda f: pdscope_jax.load(f["st_dtype"])), "unknown dtype 'F7'"),
+    ("safetensors dtype F16 over an F32 byte span", "load", _files(lambda f: pdscope_jax.load(f["st_span"])),
+     "spans .* bytes but F16"),
+    ("safetensors file cut in half", "load", _files(lambda f: pdscope_jax.load(f["st_truncated"])), "is truncated"),
+    ("safetensors tensor missing", "load", _files(lambda f: pdscope_jax.load(f["st_missing"])),
+     "missing tensor 'model.layers.1.mlp.experts.0.gate_proj.weight'"),
+    ("safetensors file cut in half", "CLI generate", _cli("generate", "{st_truncated}", "--ids", "1,2"),
+     "is truncated"),
 ]
 
 
@@ -149,6 +303,22 @@ def runners() -> dict:
                                           max_seq_len=64)}
 
 
+@contextlib.contextmanager
+def _environment(env: dict):
+    import os
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def outcome(call, r, capsys=None) -> str:
     """What a case does: 'InputError: message' / 'exit 2: stderr' (CLI), one line; raises anything else."""
     result = call(r)
@@ -156,7 +326,7 @@ def outcome(call, r, capsys=None) -> str:
         if capsys is not None:
             capsys.readouterr()
         err = io.StringIO()
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), _environment(result[2]):
             code = cli.main(result[1])
         text = err.getvalue() + (capsys.readouterr().err if capsys is not None else "")
         assert "Traceback" not in text, text
@@ -166,9 +336,18 @@ def outcome(call, r, capsys=None) -> str:
 
 def run_case(call, r, capsys=None) -> str:
     try:
-        return outcome(call, r, capsys)
-    except InputError as e:
-        return f"{type(e).__name__}: {e}"
+        result = outcome(call, r, capsys)
+    except ERRORS as e:
+        result = f"{type(e).__name__}: {e}"
+    return normalise(result)
+
+
+def normalise(text: str) -> str:
+    """The table's text without what differs between machines and runs: temporary, checkout and HF-cache paths."""
+    from pdscope_jax.api import hf_cache_dirs
+
+    text = text.replace(files()["tmp"], "<tmp>").replace(str(Path(__file__).resolve().parents[2]), "<repo>")
+    return text.replace(", ".join(str(d) for d in hf_cache_dirs()), "<hf-cache>")
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +360,8 @@ def test_bad_input_is_a_clear_error_before_any_work(what, where, call, phrase, r
     # the offloaded runner must refuse before its warm-up compiles anything
     monkeypatch.setattr(r["offloaded"].engine, "warmup", lambda *a: pytest.fail("warm-up ran before the check"))
     result = run_case(call, r, capsys)
-    assert result.startswith("exit 2: " if where.startswith("CLI") else "InputError: "), result
+    want = ("exit 2: ",) if where.startswith("CLI") else tuple(f"{e.__name__}: " for e in ERRORS)
+    assert result.startswith(want), result
     assert re.search(phrase, result), result
 
 
@@ -195,8 +375,9 @@ def render(rows) -> str:
              "Written by `python3 -m tests.generation.test_bad_inputs` from the list its tests run (`CASES`); "
              f"model {MODEL} (random weights, float32, vocabulary 256; offloaded: policy ondemand, max_batch 1, "
              "max_seq_len 64). Every outcome is the project's own error (`pdscope_jax.errors.InputError` or a "
-             "subclass), raised before weights load or programs compile; the CLI prints it without a traceback "
-             "and exits 2.", "",
+             "subclass; broken files: their loader's error, `PredictorCheckpointError` or `CheckpointError`), "
+             "raised before weights load or programs compile; the CLI prints it without a traceback and exits 2. "
+             "`<tmp>` is the temporary folder holding the broken files the cases make.", "",
              f"{len(rows)} inputs.", "", "| # | input | where | outcome |", "|---|---|---|---|"]
     for i, (what, where, result) in enumerate(rows, 1):
         cell = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731

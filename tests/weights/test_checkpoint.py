@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 from safetensors.numpy import load_file, save_file
 
-from pdscope_jax.weights import checkpoint
+from pdscope_jax.weights import checkpoint, safetensors_check
 from pdscope_jax.weights.checkpoint import Checkpoint, CheckpointError, load_state, open_checkpoint, validate
 from pdscope_jax.weights.spec import Source
 
@@ -212,7 +212,7 @@ def test_concatenated_tensors_of_wrong_shape(tmp_path):
 @pytest.mark.parametrize("dtype", ["I32", "F8_E4M3"])
 def test_wrong_or_unsupported_dtype(tmp_path, dtype):
     tensors = {k: (("F32", list(v.shape), v.tobytes())) for k, v in hf_tensors().items()}
-    itemsize = checkpoint.ITEM_SIZES[dtype]
+    itemsize = safetensors_check.ITEM_SIZES[dtype]
     tensors["model.norm.weight"] = (dtype, [D], bytes(D * itemsize))
     write_raw(tmp_path / "model.safetensors", tensors)
     assert problems_of(tmp_path) == [
@@ -245,7 +245,7 @@ def test_corrupt_header(tmp_path):
     (tmp_path / "b.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob)
     problems = problems_of(tmp_path)
     assert len(problems) == 1
-    assert problems[0].startswith("b.safetensors has a corrupt safetensors header (invalid JSON: ")
+    assert problems[0].startswith("b.safetensors has a corrupt safetensors header (the header is not UTF-8 JSON: ")
     assert problems[0].endswith(f"): {REDOWNLOAD}")
 
 
@@ -265,7 +265,8 @@ def test_truncated_shard(tmp_path):
         f.truncate(size - 100)
     assert problems_of(tmp_path) == [
         f"model.safetensors is truncated: its header places data up to byte {size} but the file has {size - 100} "
-        f"bytes: {REDOWNLOAD}"]
+        "bytes (tensors 'model.layers.0.mlp.experts.3.up_proj.weight', 'model.norm.weight' lie past the end): "
+        f"{REDOWNLOAD}"]
 
 
 def test_every_problem_in_one_error_before_any_read(tmp_path, monkeypatch):
