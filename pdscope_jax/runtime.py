@@ -105,6 +105,7 @@ class RuntimeConfig:
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # token counts of compiled decode programs
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     cpu_min_rows: int = 8  # CPU expert programs pad rows to at least this (XLA:CPU bf16 is slow at one row)
+    cpu_kernel: bool = True  # the CPU expert kernel (kernels.cpu_ffn) for few-row steps, where built and supported
     cost_table: str | None = None  # name or path of a `pdscope-jax profile` table (sched.costs.find_cost_table)
     hot_table: str | None = None  # layer_stats.json or a trace directory: activation counts for hot experts
     async_io: bool = True  # stage transfers ahead of compute (False: wait for each right where it is issued)

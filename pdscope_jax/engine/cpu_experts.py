@@ -3,8 +3,12 @@
 Contract: `CpuExperts.dispatch(layer, h, groups)` takes the layer's MoE input h [N, D] already on the CPU
 backend and, per expert placed on the CPU, the rows (token indices) routed to it and their routing weights;
 it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]). It only
-dispatches, so the caller gets the result back at once and can keep the accelerator busy meanwhile. Two paths; the first
-program of a layer makes the f32 accumulator itself, later ones add to it (donated):
+dispatches, so the caller gets the result back at once and can keep the accelerator busy meanwhile. Three paths;
+the first program of a layer makes the f32 accumulator itself, later ones add to it (donated):
+- the CPU expert kernel (`kernels.cpu_ffn`; N <= `KERNEL_MAX_ROWS`, bf16 weights, where it is built and the CPU
+  runs it, unless `kernel=False`): ONE program for all of the layer's CPU experts, reading each expert's weights
+  where the store keeps them; the expert count is padded to a power of two with weight-0 experts, which the
+  kernel skips without reading them, so few programs serve any count;
 - few rows (N <= `DENSE_MAX_ROWS`, decode): every row through every expert, weighted by a dense [k, N]
   coefficient matrix (zero where a token is not routed to the expert), up to `DENSE_EXPERTS` experts per
   program; no gather or scatter, one program per layer for up to that many experts. Rows are padded inside the
@@ -25,12 +29,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdscope_jax.kernels import cpu_ffn
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.store.expert_store import ExpertStore
 
 F32 = jnp.float32
 DENSE_MAX_ROWS = 16  # at most this many rows: the dense path (an expert at 16 rows costs about what 8 do)
 DENSE_EXPERTS = 8  # experts per dense program
+KERNEL_MAX_ROWS = 8  # at most this many rows: the kernel (it leads XLA:CPU at few rows, trails it at many)
+
+
+def _kernel(h, coef, gate_ups, downs):
+    """sum_j coef[j][:, None] * expert_ffn(h, gate_ups[j], downs[j]) in float32, by the CPU expert kernel."""
+    return cpu_ffn.moe_ffn_cpu(h, coef, gate_ups, downs, impl="kernel")
 
 
 def _gathered(acc, h, rows, weights, gate_up, down):
@@ -82,13 +93,20 @@ def compact_rows(groups: list[tuple[int, np.ndarray, np.ndarray]], n: int, min_r
     return take, [(expert, np.searchsorted(needed, rows), weights) for expert, rows, weights in groups]
 
 
+def kernel_bucket(k: int) -> int:
+    """Experts in the kernel's program for k experts: the next power of two."""
+    return 1 << max(k - 1, 0).bit_length()
+
+
 class CpuExperts:
-    def __init__(self, store: ExpertStore, min_rows: int = 8):
+    def __init__(self, store: ExpertStore, min_rows: int = 8, kernel: bool = True):
         self.store = store
         self.cpu = store.devices.cpu
         self.min_rows = min_rows
+        self.kernel = kernel and cpu_ffn.available()  # shapes and dtype are checked per call
         self._gathered = jax.jit(_gathered, donate_argnums=0)
         self._dense = jax.jit(_dense, donate_argnums=0, static_argnums=5)
+        self._kernel = jax.jit(_kernel)
         self._shapes: set[tuple[str, int, int, bool]] = set()  # (path, N, experts or rows, first) compiled
         self.expert_runs = 0
 
@@ -105,7 +123,11 @@ class CpuExperts:
         runs = self.expert_runs
         for size in [n] if n <= DENSE_MAX_ROWS else compact_sizes(n, self.min_rows):
             h = jax.device_put(np.zeros((size, d), dtype), self.cpu)
-            if size <= DENSE_MAX_ROWS:
+            if self._uses_kernel(layer, h):
+                top = kernel_bucket(len(self.store.layer_experts(layer)[0]))
+                calls = [[(0, np.zeros(0, np.int64), np.zeros(0, np.float32))] * k
+                         for k in sorted({kernel_bucket(k) for k in range(1, top + 1)})]
+            elif size <= DENSE_MAX_ROWS:
                 group = (0, np.zeros(0, np.int64), np.zeros(0, np.float32))
                 calls = [[group] * (DENSE_EXPERTS * later + k) for later in (0, 1) for k in range(1, DENSE_EXPERTS + 1)]
             else:
@@ -120,7 +142,9 @@ class CpuExperts:
         """h [N, D] on the CPU backend; groups: (expert, rows [r] int, weights [r] float) -> y [N, D] f32."""
         n = h.shape[0]
         acc = None  # the first program makes it: no separate program, no host buffer (one program per decode layer)
-        if n <= DENSE_MAX_ROWS:
+        if groups and self._uses_kernel(layer, h):
+            acc = self._kernel_layer(layer, h, groups)
+        elif n <= DENSE_MAX_ROWS:
             for lo in range(0, len(groups), DENSE_EXPERTS):
                 acc = self._dense_chunk(layer, acc, h, groups[lo:lo + DENSE_EXPERTS])
         else:
@@ -128,6 +152,20 @@ class CpuExperts:
                 acc = self._gathered_expert(layer, acc, h, expert, rows, weights)
         self.expert_runs += len(groups)
         return acc
+
+    def _uses_kernel(self, layer: int, h: jax.Array) -> bool:
+        return (self.kernel and h.shape[0] <= KERNEL_MAX_ROWS
+                and cpu_ffn.kernel_supports(h, self.store.cpu_weights(layer, 0)[0]))
+
+    def _kernel_layer(self, layer: int, h, groups) -> jax.Array:
+        n, k = h.shape[0], kernel_bucket(len(groups))
+        coef = np.zeros((k, n), np.float32)  # rows k' >= len(groups) stay 0: padding the kernel skips unread
+        for j, (_, rows, weights) in enumerate(groups):
+            np.add.at(coef[j], rows, weights)
+        weights = [self.store.cpu_weights(layer, expert) for expert, _, _ in groups]
+        weights += [weights[0]] * (k - len(groups))
+        self._shapes.add(("kernel", n, k, True))
+        return self._kernel(h, coef, [w[0] for w in weights], [w[1] for w in weights])
 
     def _dense_chunk(self, layer: int, acc, h, groups) -> jax.Array:
         n = h.shape[0]

@@ -87,7 +87,7 @@ class OffloadRunner:
                                                                     placed.init_cache)
         self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
                              cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
-        self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows)
+        self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows, kernel=rc.cpu_kernel)
         self._programs = build_programs()
         self._decode_step = device_decode.build_decode_step()
         self._calibration = CpuCalibration(self.costs)

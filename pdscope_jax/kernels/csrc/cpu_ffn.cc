@@ -45,6 +45,7 @@ using bf16 = uint16_t;
 constexpr int kBlock = 32;       // intermediate columns per unit (one 64-byte line of a weight row)
 constexpr int kGuRows = 4;       // rows held in registers by the gate/up kernel (4 accumulators each)
 constexpr int kDownRows = 8;     // rows held in registers by the down kernel (2 accumulators each)
+constexpr int kChunkPairs = 16;  // weight row pairs per chunk of the many-row gate/up (4 KB interleaved)
 
 int env_int(const char* name, int fallback) {
   const char* value = std::getenv(name);
@@ -104,7 +105,9 @@ struct Call {
 
 struct Scratch {
   std::vector<bf16> act;       // [rows, kBlock]
-  std::vector<float> gu;       // [2, kGuRows, kBlock]
+  std::vector<float> gu;       // [2, max(rows, kGuRows), kBlock]: gate then up
+  std::vector<float> acc;      // [rows, 4, 16]: the chunked gate/up's accumulators between chunks
+  std::vector<uint16_t> pairs; // one chunk's interleaved weight pairs (64-byte aligned inside)
 };
 
 thread_local Scratch tls_scratch;
@@ -206,6 +209,80 @@ void gate_up_avx(const Call& c, const bf16* w, int b, const int* rows, float* g,
   }
 }
 
+// Many rows: each chunk of 2 * kChunkPairs weight rows is loaded from memory once, interleaved into a
+// contiguous buffer, and every block of R rows runs over that buffer, its accumulators parked in `acc`
+// between chunks. (Re-walking the unit's rows per row block, 2F elements apart, missed the TLB on every row.)
+template <int R>
+void gate_up_chunk_rows(const Call& c, const __m512i* wbuf, int dd0, const int* rows, float* acc) {
+  __m512 a[R][4];
+  const bf16* xr[R];
+  for (int r = 0; r < R; ++r) {
+    xr[r] = c.h + size_t(rows[r]) * c.d + dd0;
+    for (int q = 0; q < 4; ++q) a[r][q] = _mm512_loadu_ps(acc + (r * 4 + q) * 16);
+  }
+  for (int p = 0; p < kChunkPairs; ++p) {
+    const __m512bh w0 = as_bh(_mm512_load_si512(wbuf + 4 * p)), w1 = as_bh(_mm512_load_si512(wbuf + 4 * p + 1));
+    const __m512bh w2 = as_bh(_mm512_load_si512(wbuf + 4 * p + 2)), w3 = as_bh(_mm512_load_si512(wbuf + 4 * p + 3));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x = as_bh(pair_of(xr[r] + 2 * p));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], w0, x);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], w1, x);
+      a[r][2] = _mm512_dpbf16_ps(a[r][2], w2, x);
+      a[r][3] = _mm512_dpbf16_ps(a[r][3], w3, x);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc + (r * 4 + q) * 16, a[r][q]);
+}
+
+template <int R>
+void gate_up_chunk_rows_upto(const Call& c, const __m512i* wbuf, int dd0, const int* rows, int m, float* acc) {
+  if constexpr (R > 1) {
+    if (m < R) return gate_up_chunk_rows_upto<R - 1>(c, wbuf, dd0, rows, m, acc);
+  }
+  gate_up_chunk_rows<R>(c, wbuf, dd0, rows, acc);
+}
+
+// g, u [m, kBlock]: the unit's gate and up columns for all m rows (any m >= 1).
+void gate_up_many(const Call& c, const bf16* w, int b, const int* rows, int m, Scratch& s, float* g, float* u) {
+  const size_t ld = 2 * size_t(c.f);
+  const bf16* wg = w + size_t(b) * kBlock;
+  s.acc.assign(size_t(m) * 64, 0.0f);
+  s.pairs.resize(kChunkPairs * 4 * 32 + 32);
+  __m512i* wbuf = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(s.pairs.data()) + 63) & ~uintptr_t(63));
+  for (int dd0 = 0; dd0 < c.d; dd0 += 2 * kChunkPairs) {
+    for (int p = 0; p < kChunkPairs; ++p) {
+      const bf16* p0 = wg + size_t(dd0 + 2 * p) * ld;
+      const bf16* p1 = p0 + ld;
+      if (kGuPrefetch > 0) {
+        const bf16* q = p0 + kGuPrefetch * 2 * ld;
+        _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(q + ld), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(q + c.f), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(q + ld + c.f), _MM_HINT_T0);
+      }
+      const __m512i g0 = _mm512_loadu_si512(p0), g1 = _mm512_loadu_si512(p1);
+      const __m512i u0 = _mm512_loadu_si512(p0 + c.f), u1 = _mm512_loadu_si512(p1 + c.f);
+      _mm512_store_si512(wbuf + 4 * p, _mm512_unpacklo_epi16(g0, g1));
+      _mm512_store_si512(wbuf + 4 * p + 1, _mm512_unpackhi_epi16(g0, g1));
+      _mm512_store_si512(wbuf + 4 * p + 2, _mm512_unpacklo_epi16(u0, u1));
+      _mm512_store_si512(wbuf + 4 * p + 3, _mm512_unpackhi_epi16(u0, u1));
+    }
+    for (int r0 = 0; r0 < m; r0 += kGuRows)
+      gate_up_chunk_rows_upto<kGuRows>(c, wbuf, dd0, rows + r0, std::min(kGuRows, m - r0), s.acc.data() + r0 * 64);
+  }
+  for (int r = 0; r < m; ++r) {
+    const float* a = s.acc.data() + r * 64;
+    __m512 first, second;
+    unpermute(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &first, &second);
+    _mm512_storeu_ps(g + r * kBlock, first);
+    _mm512_storeu_ps(g + r * kBlock + 16, second);
+    unpermute(_mm512_loadu_ps(a + 32), _mm512_loadu_ps(a + 48), &first, &second);
+    _mm512_storeu_ps(u + r * kBlock, first);
+    _mm512_storeu_ps(u + r * kBlock + 16, second);
+  }
+}
+
 template <int R>
 void down_avx(const Call& c, const bf16* w, int b, const int* rows, const bf16* act, float* partial,
               bool prefetch) {
@@ -292,14 +369,15 @@ void unit_avx(const Call& c, int j, int b, const int* rows, int m, Scratch& s, f
   bf16* act = s.act.data();
   const float* coef = c.coef + size_t(j) * c.n;
   int64_t t = ph ? now_ns() : 0;
-  for (int r0 = 0; r0 < m; r0 += kGuRows) {
-    const int rb = std::min(kGuRows, m - r0);
-    gate_up_avx_upto<kGuRows>(c, gu, b, rows + r0, rb, g, u, r0 == 0);
-    if (ph) { const int64_t t1 = now_ns(); ph->gate_up += t1 - t; t = t1; }
-    for (int r = 0; r < rb; ++r)
-      activation_avx(g + r * kBlock, u + r * kBlock, coef[rows[r0 + r]], act + (r0 + r) * kBlock);
-    if (ph) { const int64_t t1 = now_ns(); ph->act += t1 - t; t = t1; }
+  if (m <= kGuRows) {  // one pass over the weights either way: skip the chunk buffer
+    gate_up_avx_upto<kGuRows>(c, gu, b, rows, m, g, u, true);
+  } else {
+    u = g + size_t(m) * kBlock;
+    gate_up_many(c, gu, b, rows, m, s, g, u);
   }
+  if (ph) { const int64_t t1 = now_ns(); ph->gate_up += t1 - t; t = t1; }
+  for (int r = 0; r < m; ++r) activation_avx(g + r * kBlock, u + r * kBlock, coef[rows[r]], act + r * kBlock);
+  if (ph) { const int64_t t1 = now_ns(); ph->act += t1 - t; t = t1; }
   for (int r0 = 0; r0 < m; r0 += kDownRows) {
     const int rb = std::min(kDownRows, m - r0);
     down_avx_upto<kDownRows>(c, c.down[j], b, rows + r0, rb, act + r0 * kBlock, partial, r0 == 0);
@@ -477,7 +555,7 @@ void compute_group(void* ctx, int g) {
   if (lo == hi) return;
   Scratch& s = tls_scratch;
   s.act.resize(size_t(c.n) * kBlock);
-  s.gu.resize(2 * kGuRows * kBlock);
+  s.gu.resize(2 * size_t(std::max(c.n, kGuRows)) * kBlock);
   Phases* ph = c.profile ? &c.group_ns[g] : nullptr;
   const int64_t start = ph ? now_ns() : 0;
   float* partial = c.partials[g];
