@@ -42,6 +42,7 @@ def compare(args, command: str) -> dict:
 
     from pdscope_jax import models
     from pdscope_jax.api import resolve
+    from pdscope_jax.kernels import cpu_ffn
     from pdscope_jax.runtime import RuntimeConfig, select_devices
     from pdscope_jax.workloads import routing as workloads
 
@@ -55,7 +56,8 @@ def compare(args, command: str) -> dict:
     offload_runs = [r for r in runs if r["policy"] != PLAIN]
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy="ondemand",
                        cpu_threads=args.cpu_threads, prefill_chunk=args.prefill_chunk, max_batch=max(args.batch),
-                       max_seq_len=max(args.prompt_lens) + max_new, cost_table=args.cost_table)
+                       max_seq_len=max(args.prompt_lens) + max_new, cost_table=args.cost_table,
+                       cpu_kernel=not args.no_cpu_kernel)
     shapes = models.abstract_state(cfg, dtype)
     workload = workloads.design(cfg, args.workload, seed=args.seed) if checkpoint is None else None
     loader = bench_runs.weights_loader(cfg, checkpoint, shapes, args.seed, workload)
@@ -86,6 +88,9 @@ def compare(args, command: str) -> dict:
         "runtime": {k: v for k, v in vars(rc).items() if k not in ("policy", "policy_options")},
         "host_alloc": runner.store.host_alloc if runner else args.host_alloc, "cpu_view": args.cpu_view,
         "xla_cpu_cores": args.xla_cpu_cores, "hot_table": hot_table,
+        # whether the engine may run CPU experts through the kernel (it does at few rows with bf16 weights)
+        "cpu_kernel": {"enabled": bool(runner is not None and runner.cpu_experts.kernel), "isa": cpu_ffn.isa(),
+                       "threads": cpu_ffn.threads()},
     }
     stem = f"bench_{cfg.name}_{stamp}"
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"

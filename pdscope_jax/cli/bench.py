@@ -60,6 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(runtime.start_backends)")
     p.add_argument("--cpu-view", default="alias", choices=["alias", "copy"],
                    help="CPU experts read pinned memory in place (alias) or from a second host copy")
+    p.add_argument("--no-cpu-kernel", action="store_true",
+                   help="CPU experts through XLA:CPU only (default: the CPU expert kernel at few rows, where built)")
     p.add_argument("--host-alloc", default="auto", choices=["auto", "jax", "torch"],
                    help="pin expert memory through jax (pinned_host) or torch (+dlpack; GPU only); auto: torch on a "
                         "GPU where torch has CUDA (store.expert_store)")

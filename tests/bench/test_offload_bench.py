@@ -10,6 +10,7 @@ import pytest
 
 from pdscope_jax.cli.bench import main as bench_main
 from pdscope_jax.errors import InputError
+from pdscope_jax.kernels import cpu_ffn
 from pdscope_jax.presets import preset
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -34,6 +35,7 @@ def test_bench_writes_json_png_and_flat_memory(tmp_path):
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert saved["weights"] == "random" and saved["command"].endswith(" ".join(argv))
     assert saved["jax"] and saved["device"].startswith("cpu:1")
+    assert saved["cpu_kernel"]["enabled"] is (cpu_ffn.available())  # on by default where it can run
     assert [(r["policy"], r["prompt_len"]) for r in saved["results"]] == [("static", 16), ("pdscope", 16)]
     assert [e["policy"] for e in saved["errors"]] == ["gpu"]  # 6 slots cannot hold every expert
     for r in saved["results"]:
@@ -64,12 +66,13 @@ def test_bench_reports_a_failing_point_and_profiles_the_host(tmp_path, monkeypat
     report = bench_main(["--model", "tiny-deepseek-v2-lite", "--policies", "ondemand:host", "--prompt-lens", "8", "12",
                          "16", "--new-tokens", "3", "--repeats", "1", "--gpu-memory", "1GB",
                          "--expert-pool", str(6 * slot), "--dtype", "float32", "--cprofile", "2",
-                         "--out", str(tmp_path)])
+                         "--no-cpu-kernel", "--out", str(tmp_path)])
     assert [r["prompt_len"] for r in report["results"]] == [8, 16]
     assert [(e["prompt_len"], e["error"]) for e in report["errors"]] == [(12, "RuntimeError: injected failure at "
                                                                               "12 tokens")]
     saved = json.loads(next(tmp_path.glob("bench_*.json")).read_text())
     assert saved["complete"] and len(saved["results"]) == 2
+    assert saved["cpu_kernel"]["enabled"] is False  # --no-cpu-kernel: XLA:CPU only
     assert saved["results"][0]["device_decode"] is False  # the host plans each decode layer
     profile = saved["cprofile"]["ondemand:host"]
     assert profile["new_tokens"] == 2 and profile["by_cumulative_time"][0]["cumulative_s"] > 0
