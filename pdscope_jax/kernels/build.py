@@ -3,7 +3,7 @@
 Contract: `shared_library(source)` -> the path of a shared library built from `source` (a .cc file) against
 the XLA FFI headers of the installed jax (`jax.ffi.include_dir()`), or None when it cannot be built. The
 library lands in a cache folder (`PDSCOPE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pdscope_jax/kernels` or
-`~/.cache/pdscope_jax/kernels`, else the temp folder), named by a hash of the source, the headers, the
+`~/.cache/pdscope_jax/kernels`, else the temp folder), named by a hash of the source, its folder's headers, jax's FFI headers, the
 compiler's version and the flags: a later process reuses it, an edit or a jax upgrade rebuilds it. The build
 writes to a temporary name and renames it into place, so concurrent first uses are safe. The compiler is
 `$CXX`, else the first of g++, c++, clang++ on PATH. Failure (no compiler, compile error, unwritable cache)
@@ -75,7 +75,8 @@ def shared_library(source: Path) -> Path | None:
     include = Path(jax.ffi.include_dir())
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(source.read_bytes() + _headers_digest(include) + version.encode()
+        own_headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+        key = hashlib.sha256(source.read_bytes() + own_headers + _headers_digest(include) + version.encode()
                              + " ".join(FLAGS).encode()).hexdigest()[:16]
         target = cache_dir() / f"{source.stem}-{key}.so"
         if target.exists():
