@@ -2,7 +2,9 @@
 
 Contract: `CpuExperts.dispatch(layer, h, groups)` takes the layer's MoE input h [N, D] already on the CPU
 backend and, per expert placed on the CPU, the rows (token indices) routed to it and their routing weights;
-it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]). It only
+it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]) (the XLA
+paths round h and each expert's output to the weights' dtype, as the plain model does; the kernel rounds only
+the activation, so in bf16 it matches the plain model within rounding, not bit for bit). It only
 dispatches, so the caller gets the result back at once and can keep the accelerator busy meanwhile. Three paths;
 the first program of a layer makes the f32 accumulator itself, later ones add to it (donated):
 - the CPU expert kernel (`kernels.cpu_ffn`; N <= `KERNEL_MAX_ROWS`, bf16 weights, where it is built and the CPU
