@@ -2,7 +2,9 @@
 
 Contract: `CpuExperts.dispatch(layer, h, groups)` takes the layer's MoE input h [N, D] already on the CPU
 backend and, per expert placed on the CPU, the rows (token indices) routed to it and their routing weights;
-it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]). It only
+it returns y [N, D] float32 on the CPU backend, sum over those experts of weight * expert_ffn(h[rows]) (the XLA
+paths round h and each expert's output to the weights' dtype, as the plain model does; the kernel rounds only
+the activation, so in bf16 it matches the plain model within rounding, not bit for bit). It only
 dispatches, so the caller gets the result back at once and can keep the accelerator busy meanwhile. Three paths;
 the first program of a layer makes the f32 accumulator itself, later ones add to it (donated):
 - the CPU expert kernel (`kernels.cpu_ffn`; N <= `KERNEL_MAX_ROWS`, bf16 weights, where it is built and the CPU
@@ -47,7 +49,7 @@ def _kernel(h, coef, gate_ups, downs):
 def _gathered(acc, h, rows, weights, gate_up, down):
     """acc [N,D] f32 (None: zeros) + weights[:,None] * expert_ffn(h[rows]); h [N,D], rows [R] int32, weights [R].
     Optimization barriers keep the gather and the scatter out of the matmuls' fusions (which slow the matmuls)."""
-    x = jax.lax.optimization_barrier(h[rows])  # [R, D]
+    x = jax.lax.optimization_barrier(h[rows].astype(gate_up.dtype))  # [R, D] in the model's dtype (see _dense)
     y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))  # [R, D]
     acc = jnp.zeros(h.shape, F32) if acc is None else acc
     return acc.at[rows].add(y.astype(F32) * weights[:, None])
@@ -56,7 +58,9 @@ def _gathered(acc, h, rows, weights, gate_up, down):
 def _dense(acc, h, coef, gate_ups, downs, min_rows):
     """acc [N,D] f32 (None: zeros) + sum_j coef[j][:,None] * expert_ffn(h, gate_ups[j], downs[j]); coef [k, N]."""
     n = h.shape[0]
-    x = jax.lax.optimization_barrier(jnp.pad(h, ((0, max(min_rows - n, 0)), (0, 0))))  # [max(N, min_rows), D]
+    # h in the model's (weights') dtype: h may come as float32 (packed with the routing) and expert_ffn rounds
+    # its output to x's dtype, so each expert's output is rounded where the plain model rounds it
+    x = jax.lax.optimization_barrier(jnp.pad(h.astype(gate_ups[0].dtype), ((0, max(min_rows - n, 0)), (0, 0))))
     for j, (gate_up, down) in enumerate(zip(gate_ups, downs)):
         y = jax.lax.optimization_barrier(expert_ffn(x, gate_up, down))[:n].astype(F32) * coef[j][:, None]  # [N, D]
         acc = y if acc is None else acc + y

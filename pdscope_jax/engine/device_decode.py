@@ -23,7 +23,9 @@ Contract:
 - `fits(pool, picks)`: the pool has more slots than a layer's `picks` distinct experts, so a miss always finds a
   victim that is not one of the layer's hits.
 Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32
-sums).
+sums); each row's routed sum is the plain model's (`models.experts.combine_experts`): every expert's output in
+the model's dtype, weighted and summed in float32 (in k order where the plain model gathers, at most
+GATHER_MAX_ASSIGNMENTS assignments), rounded once.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
+from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, weighted_sum
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.engine.programs import dense_layer, moe_route
 from pdscope_jax.store.expert_store import pull_traced
@@ -117,8 +120,12 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: a batch dimension on both sides, so the
-    outputs = jax.vmap(expert_ffn)(rows, gate_ups, downs).astype(F32)  # weights are not transposed
-    y = jnp.sum(jnp.where(valid[:, None, None], coeff[:, :, None] * outputs, 0.0), axis=0)
+    outputs = jax.vmap(expert_ffn)(rows, gate_ups, downs)  # [U, N, D] in the model's dtype; weights not transposed
+    if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
+        pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
+        y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, jnp.any(chose, axis=0))
+    else:  # the plain model's sorted path adds each row's experts in ascending order, as this sum does
+        y = jnp.sum(jnp.where(valid[:, None, None], coeff[:, :, None] * outputs.astype(F32), 0.0), axis=0)
 
     hit = valid & ~miss
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped

@@ -4,7 +4,7 @@ Contract: `build_programs() -> {name: jitted function}` with graphdefs (`static_
 arguments static, so each traces once per shape: `embed`, `dense_layer` (a decoder layer without routed experts),
 `moe_route` (attention, MoE input, router and shared experts, with the routing packed for one host fetch),
 `moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program),
-`gpu_experts` (`models.layers.combine_experts` over the slot pool), `take_rows` (the rows of the MoE input
+`gpu_experts` (`models.layers.combine_experts` over the slot pool, float32 sum), `take_rows` (the rows of the MoE input
 the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of
 positions) and `next_token` (sampling at one position, settings traced). KV caches are donated. `cache_size(jitted)` counts a
 jitted function's compiled programs (None where jax hides it). The engine (`engine.loop`, `engine.execute`)
@@ -67,16 +67,22 @@ def take_rows(h, rows):
     return h[rows]
 
 
+def gpu_experts(h, weights, ids, gate_up, down, slot_of):
+    """`combine_experts` over the slot pool, its sum left in float32 (rounded once, in `moe_combine`)."""
+    return combine_experts(h, weights, ids, gate_up, down, slot_of, out_dtype=jnp.float32)
+
+
 def moe_combine(x, shared, y_gpu, y_cpu, cpu_rows=None):
-    """x [B,T,D] + routed + shared [N,D]. Routed: GPU part [Nb,D] plus CPU part f32, either may be None; the CPU
-    part is [Nb,D], or [R,D] added at rows `cpu_rows` [R] (`cpu_experts.compact_rows`: a repeated row adds
-    zeros)."""
+    """x [B,T,D] + routed + shared [N,D]. Routed: GPU part [Nb,D] f32 plus CPU part f32, either may be None; the
+    CPU part is [Nb,D], or [R,D] added at rows `cpu_rows` [R] (`cpu_experts.compact_rows`: a repeated row adds
+    zeros). The parts are added in float32 and rounded once to the model's dtype, as the plain model rounds its
+    float32 sum over the experts (`models.experts.combine_experts`)."""
     n = shared.shape[0]
-    routed = jnp.zeros_like(shared) if y_gpu is None else y_gpu[:n]
+    routed = jnp.zeros(shared.shape, jnp.float32) if y_gpu is None else y_gpu[:n].astype(jnp.float32)
     if y_cpu is not None:
-        part = y_cpu.astype(routed.dtype)
+        part = y_cpu.astype(jnp.float32)
         routed = routed + part[:n] if cpu_rows is None else routed.at[cpu_rows].add(part)
-    return x + (routed + shared).reshape(x.shape)
+    return x + (routed.astype(shared.dtype) + shared).reshape(x.shape)
 
 
 def logit_rows(graph, state, x, start, size):
@@ -98,7 +104,7 @@ def build_programs() -> dict[str, Any]:
         "dense_layer": jax.jit(dense_layer, static_argnums=0, donate_argnums=4),
         "moe_route": jax.jit(moe_route, static_argnums=(0, 5, 6), donate_argnums=4),
         "moe_route_scored": jax.jit(moe_route_scored, static_argnums=(0, 5, 6, 7), donate_argnums=4),
-        "gpu_experts": jax.jit(combine_experts),
+        "gpu_experts": jax.jit(gpu_experts),
         "take_rows": jax.jit(take_rows),
         "moe_combine": jax.jit(moe_combine),
         "logits": jax.jit(logit_rows, static_argnums=(0, 4)),

@@ -26,14 +26,14 @@ def precompile_combine(programs: dict, step_shapes, devices: Devices, dtype, hid
         return jax.device_put(np.zeros(shape, kind), accel)
 
     for b, t, rows in sorted(step_shapes):
-        x, shared, y_gpu = zeros((b, t, hidden)), zeros((b * t, hidden)), zeros((rows, hidden))
+        x, shared, y_gpu = zeros((b, t, hidden)), zeros((b * t, hidden)), zeros((rows, hidden), np.float32)
         if rows <= DENSE_MAX_ROWS:
             cpu_parts = [(zeros((rows, hidden), np.float32), None)]
         else:
             cpu_parts = [(zeros((size, hidden), np.float32), zeros(size, np.int32))
                          for size in compact_sizes(rows, min_rows)]
             for _, take in cpu_parts:
-                programs["take_rows"](y_gpu, take)
+                programs["take_rows"](zeros((rows, hidden)), take)  # h's dtype
         programs["moe_combine"](x, shared, y_gpu, None, None)
         programs["moe_combine"](x, shared, None, None, None)
         for y_cpu, take in cpu_parts:

@@ -8,7 +8,11 @@ Contract:
   over the top-k experts that `slot_of` maps to a slot (>= 0) and ignores the rest. The plain model passes
   `slot_of = arange(E)`, the offload engine its slot maps. Three exact paths, chosen statically by shape (few
   assignments: gather; many: sort + `jax.lax.ragged_dot`; very many per slot, or a pool of more slots than
-  experts: tiles of one slot's rows); all agree within float32 tolerance.
+  experts: tiles of one slot's rows); all agree within float32 tolerance. Each expert's output is rounded to
+  x's dtype before it is weighted (as `expert_ffn` returns it); the weighted sum is float32 and rounded once, to
+  `out_dtype` (default x's dtype; the offload engine asks for float32 and rounds once after adding the CPU part).
+- `weighted_sum(y [N,K,D], weights [N,K], valid [N,K]) -> [N,D] float32`: the sum over k of the few-assignment
+  path, in k order; the device decode program sums with it too, so both reduce in the same order and dtypes.
 - `grouped_tiles` sizes the tiled path; the offload budget (`store.budget`) counts its activations with it.
 Pure jax functions of their arguments: no parameters, no state.
 """
@@ -54,13 +58,20 @@ def expert_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     return jnp.dot(act, down, preferred_element_type=F32).astype(x.dtype)
 
 
+def weighted_sum(y: jax.Array, weights: jax.Array, valid: jax.Array) -> jax.Array:
+    """sum_k valid[n,k] * weights[n,k] * y[n,k] in float32, in k order: y [N, K, D] (each expert's output in
+    the model's dtype), weights [N, K] float32, valid [N, K] bool -> [N, D] float32."""
+    return jnp.where(valid[..., None], y.astype(F32) * weights[..., None], 0.0).sum(axis=1)
+
+
 def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array, down: jax.Array,
-                    slot_of: jax.Array) -> jax.Array:
+                    slot_of: jax.Array, out_dtype=None) -> jax.Array:
     """sum_k weights[n,k] * expert_ffn(x[n]) over experts with slot_of[id] >= 0.
 
     x [N, D], weights [N, K] float32, ids [N, K] int32, gate_up [S, D, 2F], down [S, F, D], slot_of [E] int32
-    -> [N, D] in x's dtype.
+    -> [N, D] in `out_dtype` (None: x's dtype), the float32 sum rounded once.
     """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     n, k = ids.shape
     slots = slot_of[ids]  # [N, K]
     valid = slots >= 0
@@ -68,8 +79,7 @@ def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     if n * k <= GATHER_MAX_ASSIGNMENTS:
         per_token = jax.vmap(lambda xn, gu, dn: expert_ffn(xn[None], gu, dn)[0], in_axes=(None, 0, 0))
         y = jax.vmap(per_token)(x, gate_up[slots], down[slots])  # [N, K, D]
-        y = jnp.where(valid[..., None], y.astype(F32) * weights[..., None], 0.0)
-        return y.sum(axis=1).astype(x.dtype)
+        return weighted_sum(y, weights, valid).astype(out_dtype)
     num_slots, num_experts = gate_up.shape[0], slot_of.shape[0]
     big_experts = gate_up.shape[1] * gate_up.shape[2] >= TILED_MIN_EXPERT_ELEMENTS
     if big_experts and (num_slots > num_experts or n * k >= TILED_MIN_ROWS_PER_SLOT * num_slots):
@@ -77,8 +87,8 @@ def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
         expert_bytes = (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * gate_up.dtype.itemsize
         tile, _, batched = grouped_tiles(n * k, used, expert_bytes)
         return _combine_tiled(x, weights, slots, valid, gate_up, down, tile if batched else TILE_ROWS, used,
-                              batched=batched)
-    return _combine_ragged(x, weights, slots, valid, gate_up, down)
+                              batched=batched).astype(out_dtype)
+    return _combine_ragged(x, weights, slots, valid, gate_up, down).astype(out_dtype)
 
 
 def grouped_tiles(assignments: int, used_slots: int, expert_bytes: int) -> tuple[int, int, bool]:
@@ -107,9 +117,10 @@ def _combine_ragged(x, weights, slots, valid, gate_up, down):
     xs = x[token_of].astype(gate_up.dtype)  # [N*K, D] grouped by slot
     h = jax.lax.ragged_dot(xs, gate_up, group_sizes, preferred_element_type=F32)  # [N*K, 2F]
     act = _swiglu(h).astype(down.dtype)
-    y = jax.lax.ragged_dot(act, down, group_sizes, preferred_element_type=F32)  # [N*K, D]
+    # each expert's output in x's dtype, as expert_ffn returns it, so every path rounds at the same places
+    y = jax.lax.ragged_dot(act, down, group_sizes, preferred_element_type=F32).astype(x.dtype).astype(F32)
     y = jnp.where(valid.reshape(-1)[order, None], y * weights.reshape(-1)[order, None], 0.0)
-    return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(y).astype(x.dtype)
+    return jnp.zeros((n, x.shape[1]), F32).at[token_of].add(y)  # [N, D] float32
 
 
 def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots, batched):
@@ -145,4 +156,4 @@ def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots
 
         y = jax.lax.map(one_tile, (xt, tile_slot, starts < padded_end[-1]))
     y = y.reshape(num_tiles * tile, -1).astype(F32) * w_rows[:, None]
-    return jnp.zeros((n, x.shape[1]), F32).at[rows].add(y).astype(x.dtype)
+    return jnp.zeros((n, x.shape[1]), F32).at[rows].add(y)  # [N, D] float32
