@@ -35,8 +35,10 @@ from pdscope_jax.kernels.build import SOURCES, shared_library
 from pdscope_jax.models.layers import expert_ffn
 
 SOURCE = SOURCES / "cpu_ffn.cc"
-LIST_TARGET = "pdscope_cpu_ffn_list"
-STACKED_TARGET = "pdscope_cpu_ffn_stacked"
+SYMBOLS = {"list": "pdscope_cpu_ffn_list", "stacked": "pdscope_cpu_ffn_stacked"}  # the library's handlers
+# FFI target names are process-wide: named after this package, so a second copy of it in one process (an earlier
+# tree imported beside this one to compare them) registers its own library's handlers under its own names.
+TARGETS = {kind: f"{__name__}.{kind}" for kind in SYMBOLS}
 BLOCK = 32  # the kernel needs D and F to be multiples of this
 ISAS = {"portable": 0, "avx512_bf16": 2}
 
@@ -71,8 +73,8 @@ def _load() -> ctypes.CDLL | None:
     lib.pdscope_cpu_ffn_profile.argtypes = [ctypes.c_int]
     lib.pdscope_cpu_ffn_profile_read.restype = ctypes.c_int
     lib.pdscope_cpu_ffn_profile_read.argtypes = [ctypes.POINTER(ctypes.c_double), ctypes.c_int]
-    for target in (LIST_TARGET, STACKED_TARGET):
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    for kind, symbol in SYMBOLS.items():
+        jax.ffi.register_ffi_target(TARGETS[kind], jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
 
 
@@ -202,5 +204,5 @@ def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: jax.Array | Sequence[jax
     h = h.astype(jnp.bfloat16)
     coef = coef.astype(jnp.float32)
     if ids is None:
-        return jax.ffi.ffi_call(LIST_TARGET, out_type)(h, coef, *gate_up, *down)
-    return jax.ffi.ffi_call(STACKED_TARGET, out_type)(h, coef, jnp.asarray(ids, jnp.int32), gate_up, down)
+        return jax.ffi.ffi_call(TARGETS["list"], out_type)(h, coef, *gate_up, *down)
+    return jax.ffi.ffi_call(TARGETS["stacked"], out_type)(h, coef, jnp.asarray(ids, jnp.int32), gate_up, down)

@@ -100,11 +100,11 @@ def test_hot_table_from_a_trace_directory(tmp_path):
 
 
 def _only_phase(tmp_path, path, phase):
+    """A layer_stats file holding one phase, written the way the project writes one (sealed)."""
     stats = json.loads(path.read_text())
-    stats["phases"] = {phase: stats["phases"][phase]}
-    out = tmp_path / "one_phase.json"
-    out.write_text(json.dumps(stats))
-    return out
+    layers = stats["layers"]
+    counts = {phase: dict(zip(layers, stats["phases"][phase]["expert_counts"]))}
+    return write_layer_stats(tmp_path / "one_phase.json", layers, counts)
 
 
 def test_cost_table_by_name_or_path(ref, tmp_path, monkeypatch):
