@@ -10,7 +10,8 @@ Contract:
   order; a job cancelled while queued never runs. Generation stops at an EOS id (not sent as text), at a stop
   string (`text.TextStream`), at max_tokens, or when cancelled: the step iterator is closed, so the model is
   free for the next job at once.
-A continuous-batching scheduler replaces `Worker` behind the same `submit` / events interface.
+`active` is 0 or 1 (the job running). `serve.batching.BatchingWorker` (continuous batching of the whole model)
+has the same `submit` / events interface; offloaded models keep this one.
 """
 
 from __future__ import annotations
@@ -69,6 +70,10 @@ class Worker:
     def queued(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def active(self) -> int:
+        return int(self.running is not None)
+
     def submit(self, job: Job) -> None:
         try:
             self._queue.put_nowait(job)
@@ -99,7 +104,7 @@ class Worker:
 
     def _run(self, job: Job) -> Event:
         tokenizer = self.runner.tokenizer
-        stream = TextStream(tokenizer.decode if tokenizer else _ids_text, job.stop)
+        stream = TextStream(tokenizer.decode if tokenizer else ids_text, job.stop)
         p = job.sampling
         steps = self.runner.steps([job.prompt_ids], job.max_tokens, p.temperature, p.top_k, p.seed,
                                   **{k: v for k, v in dataclasses.asdict(p).items()
@@ -135,5 +140,5 @@ class Worker:
         return Event("done", finish_reason=finish)
 
 
-def _ids_text(ids: list[Any]) -> str:
+def ids_text(ids: list[Any]) -> str:
     return "".join(f" {i}" for i in ids)
