@@ -8,19 +8,19 @@ that has its first token plus one prefill chunk) and puts each row's token on it
 (token events, then one "done" with finish_reason "stop" | "length" | "cancelled", or "error"). A job leaves
 its slot at EOS, a stop string, max_tokens or cancellation, and a waiting job takes it at the next step.
 `queued` counts jobs waiting for a slot, `active` the jobs holding one. An exception in a step ends every
-running job with an "error" event and starts the batcher afresh; the worker serves on.
+running job with an "error" event and starts the batcher afresh; the worker serves on. `stop()` admits nothing
+after the jobs already submitted and returns when the running ones are done.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import queue
-import threading
 import time
 
 from pdscope_jax.generation.batcher import Batcher, Emitted
 from pdscope_jax.serve.text import TextStream
-from pdscope_jax.serve.worker import Event, Job, QueueFull, ids_text
+from pdscope_jax.serve.worker import Event, Job, QueueWorker, ids_text
 
 
 @dataclasses.dataclass
@@ -31,39 +31,17 @@ class _Running:
     first: float | None = None
 
 
-class BatchingWorker:
+class BatchingWorker(QueueWorker):
     def __init__(self, runner, eos: set[int], max_queue: int, metrics=None, max_batch: int = 8,
                  max_len: int | None = None, chunk: int | None = None):
-        self.runner, self.eos, self.metrics = runner, set(eos), metrics
+        super().__init__(runner, eos, max_queue, metrics)
         extra = {} if chunk is None else {"chunk": chunk}
         self.batcher = Batcher(runner.model, max_batch, max_len, **extra)
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._thread: threading.Thread | None = None
         self._running: dict[int, _Running] = {}  # slot -> its job
-
-    @property
-    def queued(self) -> int:
-        return self._queue.qsize()
 
     @property
     def active(self) -> int:
         return len(self._running)
-
-    def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name="pdscope-serve-batcher", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Admits nothing after the jobs already submitted, finishes the running ones, and joins the thread."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
 
     def _serve(self) -> None:
         stopping = False

@@ -59,20 +59,18 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Worker:
+class QueueWorker:
+    """A worker thread fed by a bounded job queue: `submit`, `queued`, `start`, `stop` (a None sentinel after
+    the submitted jobs); subclasses define `_serve` (the thread) and `active`."""
+
     def __init__(self, runner, eos: set[int], max_queue: int, metrics=None):
         self.runner, self.eos, self.metrics = runner, set(eos), metrics
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
-        self.running: Job | None = None
 
     @property
     def queued(self) -> int:
         return self._queue.qsize()
-
-    @property
-    def active(self) -> int:
-        return int(self.running is not None)
 
     def submit(self, job: Job) -> None:
         try:
@@ -81,13 +79,26 @@ class Worker:
             raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name="pdscope-serve-worker", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"pdscope-{type(self).__name__}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         if self._thread is not None:
             self._queue.put(None)  # blocks only while the queue is full, which a stopping server drains
             self._thread.join()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+
+class Worker(QueueWorker):
+    def __init__(self, runner, eos: set[int], max_queue: int, metrics=None):
+        super().__init__(runner, eos, max_queue, metrics)
+        self.running: Job | None = None
+
+    @property
+    def active(self) -> int:
+        return int(self.running is not None)
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
