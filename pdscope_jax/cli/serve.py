@@ -4,8 +4,9 @@ Contract: `main(argv)` checks the load settings (dtype, seed, policy, sizes) bef
 listens on --host (127.0.0.1 by default: loopback only) and --port at once, answering 503 until the model is
 loaded, and serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics (`serve.app`).
 --api-key (or PDSCOPE_API_KEY) makes /v1 need `Authorization: Bearer KEY`; --max-prompt-tokens, --max-tokens
-and --max-queue bound what one request may ask and how many wait; --chat-template FILE overrides the
-checkpoint's template.
+and --max-queue bound what one request may ask and how many wait; --max-batch N sequences of the whole model
+are decoded together (continuous batching; an offloaded model, --policy, serves one request at a time);
+--chat-template FILE overrides the checkpoint's template.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help=f"offloading policy: {', '.join(POLICIES)} (default: the whole model)")
     parser.add_argument("--gpu-memory", default="24GB")
     parser.add_argument("--expert-pool")
-    parser.add_argument("--max-seq-len", type=int, help="KV cache length with --policy (prompt + new tokens)")
+    parser.add_argument("--max-seq-len", type=int,
+                        help="KV cache length, prompt + new tokens (with --policy: the engine's; serving the whole "
+                             "model: the batch cache's, default the model's context up to 4096)")
     parser.add_argument("--predictors", help="PhasePer checkpoint directory (with --policy)")
     parser.add_argument("--chat-template", help="a jinja2 chat template file (default: the checkpoint's)")
 
@@ -64,13 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 413 (default: the context)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="the most new tokens one request may ask")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond these get 429")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="sequences decoded together (continuous batching of the whole model; with --policy "
+                             "requests run one at a time)")
     args = parser.parse_args(argv)
 
     from pdscope_jax.errors import InputError
 
     problems = [f"--{name.replace('_', '-')} must be >= 1, got {value}"
                 for name, value in (("max_tokens", args.max_tokens), ("max_queue", args.max_queue),
-                                    ("max_prompt_tokens", args.max_prompt_tokens)) if value is not None and value < 1]
+                                    ("max_prompt_tokens", args.max_prompt_tokens), ("max_batch", args.max_batch),
+                                    ("max_seq_len", args.max_seq_len)) if value is not None and value < 1]
     if problems:
         raise InputError("; ".join(problems))
     load = loader(args)
@@ -81,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as err:
         raise InputError(f"serving needs the [serve] extra ({err}): pip install 'pdscope_jax[serve]'") from None
 
-    service = Service(args.served_model_name or args.model,
-                      Limits(args.max_prompt_tokens, args.max_tokens, args.max_queue), args.api_key, template)
+    batch_len = args.max_seq_len if args.policy is None else None  # with --policy the engine sizes its own
+    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_queue, args.max_batch, batch_len)
+    service = Service(args.served_model_name or args.model, limits, args.api_key, template)
     serve(service, load, args.host, args.port)
     return 0

@@ -153,14 +153,16 @@ def _truncated(logits, s: SamplingState):
 
 
 def sample(logits: jax.Array, state: SamplingState, step) -> tuple[Sampled, SamplingState]:
-    """See the module docstring. logits [B, V] (any float dtype); step: int or int32 scalar array."""
+    """See the module docstring. logits [B, V] (any float dtype); step: int, int32 scalar array, or int32 [B]
+    (each row's own step, as continuous batching needs)."""
     logits = logits.astype(F32)
     raw = jax.nn.log_softmax(logits, axis=-1)
     penalized = _penalized(logits, state)
     greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
 
     def draw(x):
-        keys = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), step))(state.seed)
+        steps = jnp.broadcast_to(jnp.asarray(step), state.seed.shape)  # one step per row (batching: ragged)
+        keys = jax.vmap(lambda seed, k: jax.random.fold_in(jax.random.key(seed), k))(state.seed, steps)
         return jax.vmap(jax.random.categorical)(keys, _truncated(x, state)).astype(jnp.int32)
 
     drawn = jax.lax.cond(jnp.all(state.temperature == 0), lambda x: greedy, draw, penalized)

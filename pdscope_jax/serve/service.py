@@ -1,7 +1,9 @@
 """What the HTTP layer serves: one loaded model, its tokenizer, chat template, defaults, limits and worker.
 
-Contract: `Limits(max_prompt_tokens, max_tokens, max_queue)`; `Service(model_name, limits, api_key,
-chat_template=None)` is not ready until `attach(runner)` (which starts the worker); `ready`, `require_ready()`
+Contract: `Limits(max_prompt_tokens, max_tokens, max_queue, max_batch, max_seq_len)`; `Service(model_name,
+limits, api_key, chat_template=None)` is not ready until `attach(runner)` starts the worker: a whole model gets
+`batching.BatchingWorker` (max_batch slots over a cache of `context` positions: max_seq_len, else the model's
+context up to BATCH_CONTEXT), an offloaded one the one-at-a-time `worker.Worker`; `ready`, `require_ready()`
 (ApiError 503 before).
 `prepare(body, chat)` turns a parsed request into a `worker.Job` after every check, each failure an ApiError:
 400 (bad field, sampling setting out of range, n != 1, echo, max_tokens over the limit or past the context),
@@ -17,16 +19,22 @@ import dataclasses
 from pdscope_jax.generation.chat import ChatTemplate, eos_ids, generation_defaults
 from pdscope_jax.generation.sampling import TOP_LOGPROBS
 from pdscope_jax.errors import InputError
+from pdscope_jax.serve.batching import BatchingWorker
 from pdscope_jax.serve.metrics import Metrics
 from pdscope_jax.serve.protocol import ApiError, ChatRequest, CompletionRequest
 from pdscope_jax.serve.worker import Job, QueueFull, Worker
+
+
+BATCH_CONTEXT = 4096  # default batch cache length: max_batch rows of the whole context would not fit real models
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
     max_prompt_tokens: int | None = None  # None: the model's context less one new token
     max_tokens: int = 1024  # the most new tokens one request may ask for
-    max_queue: int = 64  # requests waiting beyond the one running
+    max_queue: int = 64  # requests waiting beyond the running ones
+    max_batch: int = 8  # sequences decoded together (whole model: continuous batching)
+    max_seq_len: int | None = None  # the whole model's batch cache (None: its context, at most BATCH_CONTEXT)
 
 
 class Service:
@@ -36,7 +44,7 @@ class Service:
         self.chat_template = chat_template  # None: the checkpoint's (or the fallback)
         self.runner = self.worker = None
         self.metrics = Metrics(lambda: (self.worker.queued if self.worker else 0,
-                                        int(self.worker is not None and self.worker.running is not None)))
+                                        self.worker.active if self.worker else 0))
 
     @property
     def ready(self) -> bool:
@@ -52,8 +60,14 @@ class Service:
         self.template = self.chat_template or ChatTemplate.from_dir(checkpoint)
         self.defaults = generation_defaults(checkpoint)
         limits = getattr(runner, "_limits", {}) or {}
-        self.context = limits.get("max_seq_len") or runner.config.max_position_embeddings
-        worker = Worker(runner, eos_ids(runner.config, checkpoint), self.limits.max_queue, self.metrics)
+        eos = eos_ids(runner.config, checkpoint)
+        if getattr(runner, "model", None) is not None:  # the whole model: continuous batching
+            self.context = self.limits.max_seq_len or min(runner.config.max_position_embeddings, BATCH_CONTEXT)
+            worker = BatchingWorker(runner, eos, self.limits.max_queue, self.metrics, self.limits.max_batch,
+                                    self.context)
+        else:  # offloaded: one request at a time, in the engine's own cache
+            self.context = limits.get("max_seq_len") or runner.config.max_position_embeddings
+            worker = Worker(runner, eos, self.limits.max_queue, self.metrics)
         worker.start()
         self.worker = worker
 

@@ -10,7 +10,8 @@ Contract:
   order; a job cancelled while queued never runs. Generation stops at an EOS id (not sent as text), at a stop
   string (`text.TextStream`), at max_tokens, or when cancelled: the step iterator is closed, so the model is
   free for the next job at once.
-A continuous-batching scheduler replaces `Worker` behind the same `submit` / events interface.
+`active` is 0 or 1 (the job running). `serve.batching.BatchingWorker` (continuous batching of the whole model)
+has the same `submit` / events interface; offloaded models keep this one.
 """
 
 from __future__ import annotations
@@ -58,12 +59,14 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Worker:
+class QueueWorker:
+    """A worker thread fed by a bounded job queue: `submit`, `queued`, `start`, `stop` (a None sentinel after
+    the submitted jobs); subclasses define `_serve` (the thread) and `active`."""
+
     def __init__(self, runner, eos: set[int], max_queue: int, metrics=None):
         self.runner, self.eos, self.metrics = runner, set(eos), metrics
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
-        self.running: Job | None = None
 
     @property
     def queued(self) -> int:
@@ -76,13 +79,26 @@ class Worker:
             raise QueueFull(f"{self._queue.maxsize} requests are already waiting") from None
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._serve, name="pdscope-serve-worker", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"pdscope-{type(self).__name__}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         if self._thread is not None:
             self._queue.put(None)  # blocks only while the queue is full, which a stopping server drains
             self._thread.join()
+
+    def _serve(self) -> None:
+        raise NotImplementedError
+
+
+class Worker(QueueWorker):
+    def __init__(self, runner, eos: set[int], max_queue: int, metrics=None):
+        super().__init__(runner, eos, max_queue, metrics)
+        self.running: Job | None = None
+
+    @property
+    def active(self) -> int:
+        return int(self.running is not None)
 
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -99,7 +115,7 @@ class Worker:
 
     def _run(self, job: Job) -> Event:
         tokenizer = self.runner.tokenizer
-        stream = TextStream(tokenizer.decode if tokenizer else _ids_text, job.stop)
+        stream = TextStream(tokenizer.decode if tokenizer else ids_text, job.stop)
         p = job.sampling
         steps = self.runner.steps([job.prompt_ids], job.max_tokens, p.temperature, p.top_k, p.seed,
                                   **{k: v for k, v in dataclasses.asdict(p).items()
@@ -135,5 +151,5 @@ class Worker:
         return Event("done", finish_reason=finish)
 
 
-def _ids_text(ids: list[Any]) -> str:
+def ids_text(ids: list[Any]) -> str:
     return "".join(f" {i}" for i in ids)

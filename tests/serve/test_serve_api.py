@@ -141,8 +141,9 @@ def test_not_ready_is_503():
 
 
 def test_a_full_queue_is_429(runner, server):
-    """A server of its own with room for one waiting request: one runs, one waits, the third is refused."""
-    service = Service("small", Limits(max_tokens=480, max_queue=1))
+    """A server of its own with one slot and room for one waiting request: one runs, one waits, the third is
+    refused."""
+    service = Service("small", Limits(max_tokens=480, max_queue=1, max_batch=1))
     service.attach(runner)
     with ServerThread(service) as s:
         client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)

@@ -5,7 +5,7 @@ import asyncio
 
 PROMPT_LENS = (8, 12, 16)
 MAX_TOKENS = (3, 9, 17, 24)
-REQUESTS = 48
+REQUESTS = 64
 
 
 def test_concurrent_streams_equal_their_requests_run_alone(aclient, runner):
