@@ -8,3 +8,18 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 os.environ["PDSCOPE_JAX_COMPILE_CACHE"] = "0"  # runtime.COMPILE_CACHE_ENV; subprocesses inherit it
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _persistent_cache_stays_off():
+    """A test that turned JAX's persistent compilation cache on in this process turns it off again: later tests
+    compile what they run, and nothing is written to a cache directory (a test may have deleted it)."""
+    yield
+    if jax.config.jax_compilation_cache_dir:
+        from jax.experimental.compilation_cache import compilation_cache
+
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
