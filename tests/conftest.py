@@ -8,6 +8,8 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 os.environ["PDSCOPE_JAX_COMPILE_CACHE"] = "0"  # runtime.COMPILE_CACHE_ENV; subprocesses inherit it
+# and off in this process whatever sets a cache directory: full runs crashed in XLA compiles made with it on
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 import pytest  # noqa: E402
