@@ -7,9 +7,9 @@ runs `generation.batcher.Batcher` step by step: at every step boundary it admits
 that has its first token plus one prefill chunk) and puts each row's token on its job's queue, as `Worker` does
 (token events, then one "done" with finish_reason "stop" | "length" | "cancelled", or "error"). A job leaves
 its slot at EOS, a stop string, max_tokens or cancellation, and a waiting job takes it at the next step.
-`queued` counts jobs waiting for a slot, `active` the jobs holding one. An exception in a step ends every
-running job with an "error" event and starts the batcher afresh; the worker serves on. `stop()` admits nothing
-after the jobs already submitted and returns when the running ones are done.
+`queued` counts jobs waiting for a slot, `active` the jobs holding one. An exception in a step (or in handing
+out its tokens) ends every running job with an "error" event and starts the batcher afresh; the worker serves
+on. `stop()` admits nothing after the jobs already submitted and returns when the running ones are done.
 """
 
 from __future__ import annotations
@@ -59,14 +59,12 @@ class BatchingWorker(QueueWorker):
             if not self._running:
                 continue
             try:
-                emitted = self.batcher.step()
+                for e in self.batcher.step():
+                    self._deliver(e)
             except Exception as err:  # noqa: BLE001 (reported to the clients; the worker serves on)
                 for slot in list(self._running):
                     self._running.pop(slot).job.emit(Event("error", text=f"{type(err).__name__}: {err}"))
                 self.batcher.reset()
-                continue
-            for e in emitted:
-                self._deliver(e)
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():

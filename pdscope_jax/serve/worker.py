@@ -4,10 +4,11 @@ Contract:
 - `Job(prompt_ids, max_tokens, sampling: SamplingParams, stop, loop)`: one request. The worker puts `Event`s on
   `job.events` (an asyncio.Queue of `loop`, through call_soon_threadsafe): kind "token" (text delta, token id,
   logprob, top ids/logprobs) once per generated token, then one "done" (finish_reason "stop" | "length" |
-  "cancelled") or "error" (message). `job.cancel()` (from any thread) stops it before its next step.
+  "cancelled") or "error" (message). `job.cancel()` (from any thread) stops it before its next step;
+  an event for a client whose event loop has closed (the server stopped) cancels the job instead.
 - `Worker(runner, eos, max_queue)`: `submit(job)` queues it or raises `QueueFull` (the caller answers 429);
-  `start()` / `stop()` the thread; `queued` and `running` for the metrics. It serves one job at a time, in
-  order; a job cancelled while queued never runs. Generation stops at an EOS id (not sent as text), at a stop
+  `start()` / `stop()` the thread (`stop` returns once the thread has ended, also when it died); `queued` and
+  `running` for the metrics. It serves one job at a time, in order; a job cancelled while queued never runs. Generation stops at an EOS id (not sent as text), at a stop
   string (`text.TextStream`), at max_tokens, or when cancelled: the step iterator is closed, so the model is
   free for the next job at once.
 `active` is 0 or 1 (the job running). `serve.batching.BatchingWorker` (continuous batching of the whole model)
@@ -56,7 +57,10 @@ class Job:
         self.cancelled.set()
 
     def emit(self, event: Event) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the client's event loop is closed (the server has stopped): nobody reads this job
+            self.cancelled.set()
 
 
 class QueueWorker:
@@ -83,9 +87,15 @@ class QueueWorker:
         self._thread.start()
 
     def stop(self) -> None:
-        if self._thread is not None:
-            self._queue.put(None)  # blocks only while the queue is full, which a stopping server drains
-            self._thread.join()
+        if self._thread is None:
+            return
+        while self._thread.is_alive():  # a full queue drains while the thread serves; a dead thread drains nothing
+            try:
+                self._queue.put(None, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        self._thread.join()
 
     def _serve(self) -> None:
         raise NotImplementedError

@@ -56,3 +56,20 @@ def test_whole_model_batches_and_offloaded_serves_one_at_a_time(runner):
     finally:
         whole.close()
         offloaded.close()
+
+
+def test_stop_returns_when_the_clients_event_loop_has_closed(runner):
+    """A server that stops while a request runs and another waits (its queue full) closes the clients' event loop
+    before the worker is stopped: the worker cancels the orphaned jobs instead of dying, and `stop` returns."""
+    prompt = runner.tokenizer.encode("import os\n")[:4]
+    loop = asyncio.new_event_loop()
+    worker = BatchingWorker(runner, set(), max_queue=1, max_batch=1, chunk=8)
+    running, waiting = Job(prompt, 400, SamplingParams(), [], loop), Job(prompt, 400, SamplingParams(), [], loop)
+    worker.start()
+    worker.submit(running)
+    loop.run_until_complete(running.events.get())  # its first token: it holds the one slot
+    worker.submit(waiting)  # the queue is full now
+    loop.close()  # the server's loop ends; the worker's next token for `running` has nowhere to go
+    worker.stop()
+    assert not worker._thread.is_alive()
+    assert running.cancelled.is_set()
