@@ -1,0 +1,1 @@
+"""Quantized routed experts: formats (`formats`) and the loader wrapper that quantizes as weights arrive."""

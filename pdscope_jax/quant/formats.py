@@ -1,0 +1,177 @@
+"""Quantized weight formats of routed experts, and the array-like pytree that carries one.
+
+Contract: a matrix w [..., K, N] (K: the contraction axis, N: outputs; leading axes index experts or slots) is
+stored as integers `q` and float32 `scale`, w ~= dequantize(q, scale):
+- "int8": q int8 [..., K, N], scale [..., 1, N]: symmetric, per output channel, scale = max|w| / 127.
+- "int4": q uint8 [..., K/2, N], two values per byte: rows 2i (low nibble) and 2i+1 (high nibble), each a
+  two's-complement value in [-8, 7]; scale [..., K/G, N] per group of G consecutive rows, G = gcd(K, 64)
+  (64 for every real model; 32 where K is an odd multiple of 32, as in the tiny test models; K % 32 == 0):
+  symmetric, scale = -(the group's value of largest magnitude) / 8, so that value maps exactly to -8 and the
+  other side keeps 7 steps (docs/MEASUREMENTS.md, "int4 format", has the choice of G and of this rule).
+`QuantizedWeight(q, scale, scheme, dtype)` is a jax pytree (q and scale its leaves; scheme and the compute
+dtype static) that indexes, moves (`jax.device_put`), slices and stacks like the dense array it stands for:
+`.shape` and `.dtype` are the dense ones, `w[i]` indexes the leading axes of both leaves, `.nbytes` counts
+the stored bytes. `dense(w)` gives the dense matrix in the compute dtype (w itself when not quantized):
+inside a jitted program the dequantization is part of the program. `quantize(w, scheme)` is pure jax (it runs
+where w lies). `SCHEMES` names the schemes; `scheme(name)` raises a ValueError naming them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    name: str
+    bits: int
+    group: int | None  # the most rows per scale along K; None: one scale per output channel
+
+    def group_for(self, k: int) -> int | None:
+        """Rows per scale of a matrix with contraction size K (the scale's shape tells it back: K / rows)."""
+        return None if self.group is None else math.gcd(k, self.group)
+
+    def q_shape(self, k: int, n: int) -> tuple[int, int]:
+        return (k // 2, n) if self.bits == 4 else (k, n)
+
+    def scale_shape(self, k: int, n: int) -> tuple[int, int]:
+        return (1, n) if self.group is None else (k // self.group_for(k), n)
+
+    def q_dtype(self):
+        return np.dtype(np.uint8) if self.bits == 4 else np.dtype(np.int8)
+
+    def nbytes(self, k: int, n: int) -> int:
+        """Stored bytes of one [K, N] matrix (integers and scales)."""
+        return int(np.prod(self.q_shape(k, n))) + 4 * int(np.prod(self.scale_shape(k, n)))
+
+    def check(self, k: int) -> str | None:
+        """Why a contraction size K cannot use this scheme, or None."""
+        if self.bits == 4 and k % 32:
+            return f"{self.name} needs every expert matrix's contraction size to be a multiple of 32, not {k}"
+        return None
+
+
+SCHEMES = {"int8": Scheme("int8", 8, None), "int4": Scheme("int4", 4, 64)}
+
+
+def scheme(name: str | Scheme) -> Scheme:
+    if isinstance(name, Scheme):
+        return name
+    try:
+        return SCHEMES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown quantization {name!r}; known: {', '.join(SCHEMES)} (or None for the model's "
+                         "dtype)") from None
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantizedWeight:
+    def __init__(self, q, scale, scheme: Scheme, dtype):
+        self.q, self.scale, self.scheme, self.dtype = q, scale, scheme, np.dtype(dtype)
+
+    def tree_flatten(self):
+        return (self.q, self.scale), (self.scheme, self.dtype)
+
+    @classmethod
+    def tree_unflatten(cls, aux, leaves):
+        return cls(*leaves, *aux)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        *lead, k, n = self.q.shape
+        return (*lead, k * 2 if self.scheme.bits == 4 else k, n)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.q.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.q.nbytes + self.scale.nbytes)
+
+    def __getitem__(self, index) -> QuantizedWeight:
+        """Index the leading (expert or slot) axes of both parts."""
+        return QuantizedWeight(self.q[index], self.scale[index], self.scheme, self.dtype)
+
+    def __repr__(self) -> str:
+        return f"QuantizedWeight({self.scheme.name}, shape={self.shape}, dtype={self.dtype.name})"
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        return dequantize(self.q, self.scale, self.scheme, self.dtype if dtype is None else dtype)
+
+
+def dense(w):
+    """The dense matrix of `w` in its compute dtype: `w` itself unless it is a QuantizedWeight."""
+    return w.dequantize() if isinstance(w, QuantizedWeight) else w
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QuantizedWeight)
+
+
+def unpack_int4(q: jax.Array) -> jax.Array:
+    """uint8 [..., K/2, N] -> int8 [..., K, N] (row 2i from the low nibble, 2i+1 from the high one)."""
+    b = jax.lax.bitcast_convert_type(q, jnp.int8)
+    low = jnp.right_shift(jnp.left_shift(b, 4), 4)  # arithmetic shifts sign-extend the nibble
+    high = jnp.right_shift(b, 4)
+    *lead, half, n = q.shape
+    return jnp.stack([low, high], axis=-2).reshape(*lead, 2 * half, n)
+
+
+def pack_int4(values: jax.Array) -> jax.Array:
+    """int8 [..., K, N] in [-8, 7] -> uint8 [..., K/2, N]."""
+    *lead, k, n = values.shape
+    pairs = values.reshape(*lead, k // 2, 2, n).astype(jnp.uint8)
+    return (pairs[..., 0, :] & 0xF) | (pairs[..., 1, :] << 4)
+
+
+def dequantize(q, scale, s: Scheme, dtype) -> jax.Array:
+    if s.bits == 8:
+        return (q.astype(jnp.float32) * scale).astype(dtype)
+    values = unpack_int4(q).astype(jnp.float32)
+    *lead, k, n = values.shape
+    rows = scale.shape[-2]
+    grouped = values.reshape(*lead, rows, k // rows, n) * scale[..., :, None, :]
+    return grouped.reshape(*lead, k, n).astype(dtype)
+
+
+def quantize(w, name: str | Scheme, dtype=None) -> QuantizedWeight:
+    """w [..., K, N] (any float dtype) -> QuantizedWeight whose compute dtype is `dtype` (default: w's)."""
+    s = scheme(name)
+    problem = s.check(w.shape[-2])
+    if problem:
+        raise ValueError(problem)
+    dtype = np.dtype(w.dtype if dtype is None else dtype)
+    w = jnp.asarray(w, jnp.float32)
+    if s.bits == 8:
+        scale = jnp.max(jnp.abs(w), axis=-2, keepdims=True) / 127.0
+        scale = jnp.where(scale == 0, 1.0, scale)
+        q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+        return QuantizedWeight(q, scale, s, dtype)
+    *lead, k, n = w.shape
+    g = s.group_for(k)
+    groups = w.reshape(*lead, k // g, g, n)
+    pick = jnp.argmax(jnp.abs(groups), axis=-2, keepdims=True)
+    scale = -jnp.take_along_axis(groups, pick, axis=-2) / 8.0  # [..., K/G, 1, N]
+    scale = jnp.where(scale == 0, 1.0, scale)
+    values = jnp.clip(jnp.round(groups / scale), -8, 7).astype(jnp.int8).reshape(*lead, k, n)
+    return QuantizedWeight(pack_int4(values), scale[..., 0, :], s, dtype)
+
+
+def zeros(lead: tuple[int, ...], k: int, n: int, name: str | Scheme, dtype) -> QuantizedWeight:
+    """An all-zero QuantizedWeight [*lead, K, N] (slot pools), scales 1."""
+    s = scheme(name)
+    return QuantizedWeight(jnp.zeros((*lead, *s.q_shape(k, n)), s.q_dtype()),
+                           jnp.ones((*lead, *s.scale_shape(k, n)), jnp.float32), s, dtype)
+
+
+def shapes(lead: tuple[int, ...], k: int, n: int, name: str | Scheme) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """(q, scale) ShapeDtypeStructs of a QuantizedWeight [*lead, K, N]."""
+    s = scheme(name)
+    return (jax.ShapeDtypeStruct((*lead, *s.q_shape(k, n)), s.q_dtype()),
+            jax.ShapeDtypeStruct((*lead, *s.scale_shape(k, n)), np.dtype(np.float32)))
