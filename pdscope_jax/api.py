@@ -1,7 +1,7 @@
 """`load()` and the `Runner`: the public entry point.
 
 Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, revision=None,
-compile_cache=True, **runtime)`
+compile_cache=True, quantize=None, **runtime)`
 resolves
 1. a preset name (`pdscope_jax.presets`): random weights (`weights=None` or "random"), or `weights=<directory>`
    holding that architecture's safetensors;
@@ -18,7 +18,9 @@ greedy tokens identical where XLA runs with `XLA_FLAGS=--xla_allow_excess_precis
 rounding, and greedy tokens may part after a few to a few hundred tokens, see README) under a `RuntimeConfig`
 built from `policy` and `**runtime`
 (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
-predictions feed the planner (its fingerprint must match the model).
+predictions feed the planner (its fingerprint must match the model). `quantize="int8" | "int4"` stores the
+routed experts quantized (`quant.formats`; the dense weights are quantized as they load, `quant.loader`), with or
+without a policy: the plain model quantized is the reference every policy reproduces.
 `Runner.logits(input_ids) -> np.float32 [B,T,V]`, `Runner.generate(input_ids | text, ...)` and
 `Runner.steps(...)` (the same, one step per `next`, for streaming) take rectangular batches; text needs the
 checkpoint's tokenizer.json; sampling keywords are `generation.sampling.SamplingParams`'s fields. Validate first, then work: `load` checks dtype, seed,
@@ -46,6 +48,8 @@ from pdscope_jax.errors import collect, raise_problems
 from pdscope_jax.generation.generator import GenerationResult, Generator, check_request, host_steps, seed_problems
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.presets import UnknownModelError, known_names, preset
+from pdscope_jax.quant.formats import SCHEMES, scheme
+from pdscope_jax.quant.loader import quantizing_loader
 from pdscope_jax.text.tokenizer import Tokenizer
 from pdscope_jax.weights.checkpoint import checkpoint_loader, open_checkpoint
 from pdscope_jax.weights.random_init import random_state
@@ -148,8 +152,8 @@ def resolve(name_or_path: str, revision: str | None = None) -> tuple[ModelConfig
 
 def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16",
          policy: str | None = None, predictors: str | Path | None = None, revision: str | None = None,
-         compile_cache: bool | str | Path = True, **runtime):
-    rc = check_load(dtype, seed, policy, predictors, runtime)  # before anything is read or built
+         compile_cache: bool | str | Path = True, quantize: str | None = None, **runtime):
+    rc = check_load(dtype, seed, policy, predictors, runtime, quantize)  # before anything is read or built
     cfg, checkpoint = resolve(str(name_or_path), revision)
     from pdscope_jax.runtime import enable_compile_cache
 
@@ -159,11 +163,18 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     elif weights is not None:
         checkpoint = Path(weights)
     jdtype = DTYPES[dtype]
-    shapes = models.abstract_state(cfg, jdtype)
+    dense_shapes = models.abstract_state(cfg, jdtype)
     if checkpoint is None:
-        loader = lambda paths, placement: random_state({p: shapes[p] for p in paths}, seed, placement)  # noqa: E731
+        loader = lambda paths, placement: random_state({p: dense_shapes[p] for p in paths}, seed,  # noqa: E731
+                                                       placement)
     else:
-        loader = checkpoint_loader(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), shapes)
+        loader = checkpoint_loader(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), dense_shapes)
+    shapes = dense_shapes
+    if quantize is not None:  # the dense loader's experts are quantized as they arrive (quant.loader)
+        check_quantizable(cfg, quantize)
+        cfg = cfg.replace(expert_quant=quantize)
+        shapes = models.abstract_state(cfg, jdtype)
+        loader = quantizing_loader(loader, quantize)
     tokenizer = None if checkpoint is None else Tokenizer.from_dir(checkpoint)
     if rc is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
@@ -187,7 +198,13 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     return runner
 
 
-def check_load(dtype, seed, policy, predictors, runtime: dict):
+def check_quantizable(cfg: ModelConfig, quantize: str) -> None:
+    """Raise InputError when the model's expert matrices cannot take the scheme `quantize` (a known name)."""
+    s = scheme(quantize)
+    raise_problems([p for k in {cfg.hidden_size, cfg.moe_intermediate_size} if (p := s.check(k))], "load")
+
+
+def check_load(dtype, seed, policy, predictors, runtime: dict, quantize=None):
     """The RuntimeConfig of a `load` call (None without a policy), after checking every setting at once."""
     import dataclasses
 
@@ -195,6 +212,9 @@ def check_load(dtype, seed, policy, predictors, runtime: dict):
     from pdscope_jax.sched import check_policy
 
     problems = []
+    if quantize is not None and quantize not in SCHEMES:
+        problems.append(f"quantize {quantize!r} is not a scheme; supported: {', '.join(SCHEMES)} (or None: the "
+                        "experts stay in the model's dtype)")
     if not isinstance(dtype, str) or dtype not in DTYPES:
         problems.append(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
     problems += seed_problems(seed)

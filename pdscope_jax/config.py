@@ -63,6 +63,9 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = ""
+    # Routed experts stored quantized ("int8" | "int4", `quant.formats`), None: in the model's dtype. Not part of
+    # the architecture: the fingerprint leaves it out, so predictors trained on one precision serve every one.
+    expert_quant: str | None = None
 
     # ---- derived -------------------------------------------------------------------------------------
     @property
@@ -83,7 +86,14 @@ class ModelConfig:
         return 3 * self.hidden_size * self.moe_intermediate_size
 
     def expert_bytes(self, itemsize: int = 2) -> int:
-        return self.expert_param_count() * itemsize
+        """Stored bytes of one routed expert: its integers and scales when `expert_quant`, else parameters times
+        `itemsize`."""
+        if self.expert_quant is None:
+            return self.expert_param_count() * itemsize
+        from pdscope_jax.quant.formats import scheme
+
+        s, d, f = scheme(self.expert_quant), self.hidden_size, self.moe_intermediate_size
+        return s.nbytes(d, 2 * f) + s.nbytes(f, d)
 
     def routed_expert_bytes(self, itemsize: int = 2) -> int:
         """Bytes of every routed expert of every MoE layer."""
@@ -196,7 +206,7 @@ class ModelConfig:
         """A short stable hash of every architecture field (not the name): identifies weights' shapes."""
         import hashlib
 
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "expert_quant")}
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 

@@ -61,6 +61,11 @@ def compare(args, command: str) -> dict:
     shapes = models.abstract_state(cfg, dtype)
     workload = workloads.design(cfg, args.workload, seed=args.seed) if checkpoint is None else None
     loader = bench_runs.weights_loader(cfg, checkpoint, shapes, args.seed, workload)
+    if args.quantize:  # the same weights, their experts quantized as they load (the plain run too)
+        from pdscope_jax.quant.loader import quantizing_loader
+
+        cfg = cfg.replace(expert_quant=args.quantize)
+        shapes, loader = models.abstract_state(cfg, dtype), quantizing_loader(loader, args.quantize)
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     rng = np.random.default_rng(args.seed)
     prompts = {(b, t): rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)
@@ -81,6 +86,7 @@ def compare(args, command: str) -> dict:
         "device": f"{accel.platform}:{accel.id} {getattr(accel, 'device_kind', '')}".strip(),
         "cpu_device": str(devices.cpu), "weights": "checkpoint" if checkpoint else "random",
         "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,
+        "quantize": args.quantize,
         "workload": "checkpoint" if checkpoint else args.workload,
         "workload_design": workload.summary() if workload else None,
         "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,

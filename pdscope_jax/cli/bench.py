@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
+                        "they load (default: the model's dtype)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-threads", type=int, default=None, help="pin the process to this many cores")
     p.add_argument("--xla-cpu-cores", type=int, default=None,

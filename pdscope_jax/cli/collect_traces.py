@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="preset name or checkpoint directory")
     p.add_argument("--weights", help="'random', or a safetensors directory for a preset (see pdscope_jax.load)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
+                        "they load (default: the model's dtype)")
     p.add_argument("--out", type=Path, required=True, help="new trace directory")
     p.add_argument("--split", default="train", choices=("train", "heldout", "ood"),
                    help="corpus split the prompts are cut from (pdscope_jax.text.corpus)")
@@ -84,7 +87,8 @@ def collect_traces_main(argv: list[str] | None = None) -> int:
     from pdscope_jax.phaseper.traces import TraceWriter
     from pdscope_jax.text import corpus
 
-    runner = pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype)
+    runner = pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
+                              quantize=args.quantize)
     model, cfg = runner.model, runner.config
     encode, encoding = _encoder(runner, cfg.vocab_size)
     data = corpus.load_corpus(seed=args.seed)

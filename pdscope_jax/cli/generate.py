@@ -24,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--ids", help="comma-separated token ids")
     parser.add_argument("--weights", help="'random' or a checkpoint directory (default: the model's own)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantize", choices=("int8", "int4"),
+                        help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
+                             "they load (default: the model's dtype)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int)
@@ -54,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
             ids = [[int(token) for token in args.ids.split(",")]]
         except ValueError:
             problems.append(f"--ids: expected comma-separated integers such as 1,2,3, got {args.ids!r}")
-    rc = collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime)
+    rc = collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize)
     limits = {} if rc is None else {"max_batch": rc.max_batch, "max_seq_len": rc.max_seq_len}
     collect(problems, check_request, ids if ids is not None else [[0]], None, resolve(args.model, args.revision)[0].vocab_size,
             args.new_tokens, args.temperature, args.top_k, args.seed, **limits)
     raise_problems(problems, "bad arguments")
     runner = pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
-                              policy=args.policy, predictors=args.predictors, revision=args.revision, **runtime)
+                              policy=args.policy, predictors=args.predictors, revision=args.revision,
+                              quantize=args.quantize, **runtime)
     if ids is not None:
         prompt = ids
     elif args.prompt is not None:

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=list(COMPARED),
                         help="offloading policies (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32 on CPU: XLA:CPU bf16 is slow at few rows")
+    parser.add_argument("--quantize", choices=("int8", "int4"),
+                        help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
+                             "they load (default: the model's dtype)")
     parser.add_argument("--max-seq-len", type=int, default=1024,
                         help="tokens (prompt plus new) the offloaded KV cache holds (default: %(default)s)")
     args = parser.parse_args(argv)
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     started = time.perf_counter()
-    plain = pdscope_jax.load(args.model, dtype=args.dtype)
+    plain = pdscope_jax.load(args.model, dtype=args.dtype, quantize=args.quantize)
     reference = plain.generate(args.prompt, max_new_tokens=args.new_tokens)
     console.rule(f"{args.model}: plain model, whole on one device")
     console.print(args.prompt + f"[bold green]{reference.text[0]}[/]", highlight=False)
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if predictors is None:
         console.print(f"[yellow]no PhasePer checkpoint at {args.predictors}: pdscope and fate use the next layer's "
                       "gate on the current hidden state as their predictor")
-    runner = pdscope_jax.load(args.model, dtype=args.dtype, policy=args.policies[0], predictors=predictors,
+    runner = pdscope_jax.load(args.model, dtype=args.dtype, quantize=args.quantize, policy=args.policies[0],
+                              predictors=predictors,
                               gpu_memory="4GB", expert_pool=pool_bytes, max_seq_len=args.max_seq_len)
     engine = runner.engine
     devices = select_devices()

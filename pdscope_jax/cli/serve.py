@@ -23,6 +23,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="preset name, embedded model, checkpoint directory or HF-cache name")
     parser.add_argument("--weights", help="'random' or a checkpoint directory (default: the model's own)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantize", choices=("int8", "int4"),
+                        help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
+                             "they load (default: the model's dtype)")
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights")
     parser.add_argument("--policy", help=f"offloading policy: {', '.join(POLICIES)} (default: the whole model)")
     parser.add_argument("--gpu-memory", default="24GB")
@@ -42,9 +45,10 @@ def loader(args):
     runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
     if args.policy is not None and args.max_seq_len is not None:
         runtime["max_seq_len"] = args.max_seq_len
-    check_load(args.dtype, args.seed, args.policy, args.predictors, runtime)
+    check_load(args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize)
     return lambda: pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
-                                    policy=args.policy, predictors=args.predictors, **runtime)
+                                    policy=args.policy, predictors=args.predictors, quantize=args.quantize,
+                                    **runtime)
 
 
 def chat_template(args):

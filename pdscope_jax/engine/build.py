@@ -3,8 +3,9 @@
 Contract (each function returns what it builds; nothing here is kept between calls):
 - `plan_budget(cfg, rc, abstract, shapes)` -> (Budget, experts' dtype, cache dtype), from shapes alone, before
   anything is placed; raises `BudgetError` when the model does not fit.
-- `take_weights(model, weights, shapes, moe_layers, devices, **store options)` -> (ExpertStore, non-expert
-  weights {path: array}). `weights`: None (the model's own parameters), a flat `{path: array}` dict (routed-expert
+- `take_weights(model, weights, shapes, moe_layers, devices, **store options, quant, dtype)` -> (ExpertStore,
+  non-expert weights {path: array}); quantized experts (`quant`) reach the store as QuantizedWeights of compute
+  dtype `dtype`, assembled from their integer and scale parameters. `weights`: None (the model's own parameters), a flat `{path: array}` dict (routed-expert
   entries are popped as the store takes them, so the caller's dict keeps no second host copy), or a loader
   `loader(paths, placement) -> {path: array}` called once for every non-expert parameter, then once per MoE layer
   for its two expert stacks, each placed on the accelerator, copied into pinned host memory and dropped: the
@@ -30,6 +31,7 @@ from rich.progress import Progress
 from pdscope_jax import models
 from pdscope_jax.generation.generator import CACHE_BUCKET
 from pdscope_jax.models.static_graph import StaticGraph, static_graph
+from pdscope_jax.quant.formats import QuantizedWeight, scheme
 from pdscope_jax.runtime import Devices, RuntimeConfig
 from pdscope_jax.sched import CostTable
 from pdscope_jax.store.budget import Budget, plan_budget as budget_of
@@ -69,8 +71,11 @@ def split_abstract(abstract):
 
 
 def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tuple[Budget, np.dtype, np.dtype]:
-    expert_dtype = np.dtype(shapes[f"layers.{cfg.moe_layers[0]}.mlp.experts.gate_up"].dtype)
     cache_dtype = np.dtype(shapes["embed.embedding"].dtype)
+    # the experts' compute dtype: quantized experts compute in the model's dtype (their stored bytes are
+    # `cfg.expert_bytes`, which the budget uses for slots, staging and transfers)
+    expert_dtype = (cache_dtype if cfg.expert_quant else
+                    np.dtype(shapes[f"layers.{cfg.moe_layers[0]}.mlp.experts.gate_up"].dtype))
     non_expert = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if not is_expert_path(p))
     kv = jax.eval_shape(lambda: abstract.init_cache(rc.max_batch, round_up(rc.max_seq_len, CACHE_BUCKET),
                                                     cache_dtype))
@@ -81,7 +86,8 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
 
 
 def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view: str,
-                 host_alloc: str, expert_stacks: bool) -> tuple[ExpertStore, dict]:
+                 host_alloc: str, expert_stacks: bool, quant: str | None = None,
+                 dtype=None) -> tuple[ExpertStore, dict]:
     accel = jax.sharding.SingleDeviceSharding(devices.accel)
 
     def placement(path):  # the loader generates or reads every parameter on the accelerator
@@ -105,12 +111,14 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: De
                          "abstract model needs `weights` (a dict or a loader)")
     store = ExpertStore(devices, cpu_view=cpu_view, host_alloc=host_alloc, stacks=expert_stacks)
     layers = expert_paths(moe_layers)
-    expert_bytes = sum(shapes[p].size * np.dtype(shapes[p].dtype).itemsize for ps in layers.values() for p in ps)
+    expert_bytes = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if is_expert_path(p))
     with Progress(transient=True, disable=expert_bytes < PROGRESS_BYTES) as progress:
         task = progress.add_task("routed experts -> pinned host memory (MoE layers)", total=len(layers))
         for layer, paths in layers.items():
-            stacks = layer_stacks(paths)
-            store.add_layer(layer, stacks[paths[0]], stacks[paths[1]])
+            stacks = layer_stacks(paths + tuple(p + "_scale" for p in paths) if quant else paths)
+            store.add_layer(layer, *(stacks[p] if quant is None else
+                                     QuantizedWeight(stacks[p], stacks[p + "_scale"], scheme(quant), dtype)
+                                     for p in paths))
             del stacks  # the layer's last reference outside the store
             progress.advance(task)
     return store, flat

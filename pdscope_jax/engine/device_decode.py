@@ -139,8 +139,9 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks].set(victims, mode="drop")
     owner = table.owner.at[target].set(m * num_experts + picks, mode="drop")
     keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
-    pool_gu = pool_gu.at[target].set(gate_ups, mode="drop", unique_indices=True)
-    pool_dn = pool_dn.at[target].set(downs, mode="drop", unique_indices=True)
+    def put(pool, part):
+        return pool.at[target].set(part, mode="drop", unique_indices=True)
+    pool_gu, pool_dn = jax.tree.map(put, pool_gu, gate_ups), jax.tree.map(put, pool_dn, downs)
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0)]).astype(jnp.int32)
     return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)

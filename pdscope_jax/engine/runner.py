@@ -80,13 +80,14 @@ class OffloadRunner:
         self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
                                     else analytic_costs(cfg, expert_dtype.itemsize))
         self.store, non_expert = take_weights(model, weights, shapes, self._moe_layers, self.devices,
-                                              cpu_view=cpu_view, host_alloc=host_alloc, expert_stacks=expert_stacks)
+                                              cpu_view=cpu_view, host_alloc=host_alloc, expert_stacks=expert_stacks,
+                                              quant=cfg.expert_quant, dtype=expert_dtype)
         placed = place_non_experts(graphdef, flat_state, non_expert, self.devices.accel)
         # the model without its layers (embedding, logits), each layer's (graph, state), the KV cache's program
         self._graph, self._state, self._layers, self._init_cache = (placed.graph, placed.state, placed.layers,
                                                                     placed.init_cache)
         self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
-                             cfg.moe_intermediate_size, expert_dtype, self.devices.accel)
+                             cfg.moe_intermediate_size, expert_dtype, self.devices.accel, cfg.expert_quant)
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows, kernel=rc.cpu_kernel)
         self._programs = build_programs()
         self._decode_step = device_decode.build_decode_step()

@@ -13,6 +13,8 @@ Contract:
   `out_dtype` (default x's dtype; the offload engine asks for float32 and rounds once after adding the CPU part).
 - `weighted_sum(y [N,K,D], weights [N,K], valid [N,K]) -> [N,D] float32`: the sum over k of the few-assignment
   path, in k order; the device decode program sums with it too, so both reduce in the same order and dtypes.
+- Weights may be `quant.formats.QuantizedWeight`s (routed experts stored int8 / int4): every path dequantizes
+  the experts it reads inside the program (quantized pools always take the tiled path, never ragged_dot).
 - `grouped_tiles` sizes the tiled path; the offload budget (`store.budget`) counts its activations with it.
 Pure jax functions of their arguments: no parameters, no state.
 """
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pdscope_jax.quant.formats import dense, is_quantized
 
 F32 = jnp.float32
 # combine_experts' paths. Up to GATHER_MAX_ASSIGNMENTS (token, expert) assignments: gather one weight copy per
@@ -51,8 +55,10 @@ def _swiglu(h: jax.Array) -> jax.Array:
 def expert_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     """One routed expert: x [N, D], gate_up [D, 2F], down [F, D] -> [N, D] in x's dtype.
 
-    Matmuls run in the weights' dtype with float32 accumulation.
+    Matmuls run in the weights' dtype with float32 accumulation; quantized weights are dequantized to their compute
+    dtype first (inside the program).
     """
+    gate_up, down = dense(gate_up), dense(down)
     h = jnp.dot(x.astype(gate_up.dtype), gate_up, preferred_element_type=F32)  # [N, 2F]
     act = _swiglu(h).astype(down.dtype)
     return jnp.dot(act, down, preferred_element_type=F32).astype(x.dtype)
@@ -82,7 +88,10 @@ def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
         return weighted_sum(y, weights, valid).astype(out_dtype)
     num_slots, num_experts = gate_up.shape[0], slot_of.shape[0]
     big_experts = gate_up.shape[1] * gate_up.shape[2] >= TILED_MIN_EXPERT_ELEMENTS
-    if big_experts and (num_slots > num_experts or n * k >= TILED_MIN_ROWS_PER_SLOT * num_slots):
+    # quantized weights never take ragged_dot, which would dequantize the whole pool at once; tiles dequantize
+    # only the slots they use
+    if is_quantized(gate_up) or (big_experts and (num_slots > num_experts
+                                                  or n * k >= TILED_MIN_ROWS_PER_SLOT * num_slots)):
         used = min(num_slots, num_experts + 1)
         expert_bytes = (gate_up.shape[1] * gate_up.shape[2] + down.shape[1] * down.shape[2]) * gate_up.dtype.itemsize
         tile, _, batched = grouped_tiles(n * k, used, expert_bytes)
@@ -146,7 +155,7 @@ def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots
     tile_slot = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_slots - 1)
     xt = x[rows].reshape(num_tiles, tile, x.shape[1])
     if batched:  # rows of unused tiles carry weight 0, so they need no mask
-        gu, dn = gate_up[tile_slot], down[tile_slot]  # [T, D, 2F], [T, F, D]
+        gu, dn = dense(gate_up[tile_slot]), dense(down[tile_slot])  # [T, D, 2F], [T, F, D]
         h = jnp.einsum("tcd,tdf->tcf", xt.astype(gu.dtype), gu, preferred_element_type=F32)
         y = jnp.einsum("tcf,tfd->tcd", _swiglu(h).astype(dn.dtype), dn, preferred_element_type=F32).astype(x.dtype)
     else:

@@ -4,7 +4,7 @@ Contract:
 - Routed-expert math lives in `models.experts`; `expert_ffn` and `combine_experts` are re-exported here, and
   `MoE.routed_output` runs `combine_experts` with `slot_of = arange(E)` (the offload engine passes its slot maps).
 - `DecoderLayer` exposes `attend`, `mlp_input`, `is_moe` and `mlp`; `MoE` exposes `route`, `shared_output`,
-  `routed_output` and `experts.gate_up/down` (docs/ARCHITECTURE.md). Families plug in their attention and router.
+  `routed_output` and `experts.weights()` (docs/ARCHITECTURE.md). Families plug in their attention and router.
 - Weights are stored as [in, out] (`x @ W`); parameter names follow the Hugging Face module names so the
   checkpoint maps stay readable. Nothing here reads files or knows a family by name.
 
@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.config import ModelConfig
+from pdscope_jax.quant.formats import QuantizedWeight, quantize, scheme
 from pdscope_jax.weights.spec import Source
 from pdscope_jax.models.cache import KVCache, init_kv_cache, update_cache
 from pdscope_jax.models.experts import F32, combine_experts, expert_ffn  # noqa: F401 (expert_ffn re-exported)
@@ -184,12 +185,29 @@ class DenseMLP(nnx.Module):
 
 
 class Experts(nnx.Module):
-    """Routed experts of one layer, stacked: gate_up [E, D, 2F] (gate columns first), down [E, F, D]."""
+    """Routed experts of one layer, stacked: gate_up [E, D, 2F] (gate columns first), down [E, F, D]. Quantized
+    (`quant`, a `quant.formats` scheme name) each is stored as integers (`gate_up`, `down`) and float32 scales
+    (`gate_up_scale`, `down_scale`); `weights()` gives (gate_up, down) as arrays or QuantizedWeights whose compute
+    dtype is the model's."""
 
-    def __init__(self, num_experts: int, d: int, f: int, rngs: nnx.Rngs, dtype):
+    def __init__(self, num_experts: int, d: int, f: int, rngs: nnx.Rngs, dtype, quant: str | None = None):
         init = nnx.initializers.normal(0.02)
-        self.gate_up = nnx.Param(init(rngs.params(), (num_experts, d, 2 * f), dtype))
-        self.down = nnx.Param(init(rngs.params(), (num_experts, f, d), dtype))
+        self.quant, self.dtype = quant, jnp.dtype(dtype)
+        gate_up = init(rngs.params(), (num_experts, d, 2 * f), dtype)
+        down = init(rngs.params(), (num_experts, f, d), dtype)
+        if quant is None:
+            self.gate_up, self.down = nnx.Param(gate_up), nnx.Param(down)
+            return
+        gate_up, down = quantize(gate_up, quant), quantize(down, quant)
+        self.gate_up, self.gate_up_scale = nnx.Param(gate_up.q), nnx.Param(gate_up.scale)
+        self.down, self.down_scale = nnx.Param(down.q), nnx.Param(down.scale)
+
+    def weights(self) -> tuple:
+        if self.quant is None:
+            return self.gate_up[...], self.down[...]
+        s = scheme(self.quant)
+        return (QuantizedWeight(self.gate_up[...], self.gate_up_scale[...], s, self.dtype),
+                QuantizedWeight(self.down[...], self.down_scale[...], s, self.dtype))
 
 
 # ---- routing math ------------------------------------------------------------------------------------------
@@ -233,7 +251,8 @@ class MoE(nnx.Module):
     def __init__(self, cfg: ModelConfig, gate: nnx.Module, rngs: nnx.Rngs, dtype):
         self.num_experts = cfg.num_experts
         self.gate = gate
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, rngs, dtype)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, rngs, dtype,
+                               cfg.expert_quant)
         self.has_shared = cfg.num_shared_experts > 0
         if self.has_shared:
             f_shared = cfg.moe_intermediate_size * cfg.num_shared_experts
@@ -247,7 +266,7 @@ class MoE(nnx.Module):
 
     def routed_output(self, h: jax.Array, weights: jax.Array, expert_ids: jax.Array) -> jax.Array:
         slot_of = jnp.arange(self.num_experts, dtype=jnp.int32)
-        return combine_experts(h, weights, expert_ids, self.experts.gate_up[...], self.experts.down[...], slot_of)
+        return combine_experts(h, weights, expert_ids, *self.experts.weights(), slot_of)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.reshape(-1, x.shape[-1])  # [N, D]

@@ -48,10 +48,12 @@ EXACT_PULLS = 8  # `pull_traced` copies exactly the misses up to this many (batc
 
 
 def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
-    """pool_gu [S,D,2F], pool_dn [S,F,D]; gus/dns: n device arrays [D,2F]/[F,D]; slots [n] int32."""
+    """pool_gu [S,D,2F], pool_dn [S,F,D]; gus/dns: n device arrays [D,2F]/[F,D]; slots [n] int32. Arrays or
+    QuantizedWeights (each of their parts is written)."""
     for i, (gu, dn) in enumerate(zip(gus, dns)):
-        pool_gu = jax.lax.dynamic_update_slice(pool_gu, gu[None], (slots[i], 0, 0))
-        pool_dn = jax.lax.dynamic_update_slice(pool_dn, dn[None], (slots[i], 0, 0))
+        def put(pool, part):
+            return jax.lax.dynamic_update_slice(pool, part[None], (slots[i], 0, 0))
+        pool_gu, pool_dn = jax.tree.map(put, pool_gu, gu), jax.tree.map(put, pool_dn, dn)
     return pool_gu, pool_dn
 
 
@@ -143,7 +145,7 @@ class ExpertStore:
         for part, stack in enumerate((gate_up, down)):
             views = None
             if self.host_alloc == "torch":  # one allocation per layer: the stack and its experts alias it
-                whole, experts, views = self._torch_pinned_layer(np.asarray(stack))
+                whole, experts, views = self._torch_pinned_parts(stack)
                 stacks.append(whole)
             else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
                 experts = [jax.device_put(stack[e], self._pinned) for e in range(stack.shape[0])]
@@ -159,6 +161,16 @@ class ExpertStore:
         self._host[layer], self._cpu[layer] = host, cpu
         if stacks:
             self._stacks[layer] = (stacks[0], stacks[1])
+
+    def _torch_pinned_parts(self, stack):
+        """`_torch_pinned_layer` for each array of `stack` (an array, or a QuantizedWeight's integers and scales).
+        -> (the stack, its E experts, their E numpy views), each in `stack`'s structure."""
+        leaves, structure = jax.tree.flatten(stack)
+        parts = [self._torch_pinned_layer(np.asarray(leaf)) for leaf in leaves]
+        experts = range(parts[0][2].shape[0])
+        return (structure.unflatten([p[0] for p in parts]),
+                [structure.unflatten([p[1][e] for p in parts]) for e in experts],
+                [structure.unflatten([p[2][e] for p in parts]) for e in experts])
 
     def _torch_pinned_layer(self, src: np.ndarray) -> tuple[jax.Array, list[jax.Array], np.ndarray]:
         """Pin a layer's stack [E, ...] with torch, fill it through a numpy view, import it and each expert's slice
@@ -178,8 +190,14 @@ class ExpertStore:
         self._torch_buffers.append(buffer)
         return whole, experts, view
 
-    def _cpu_array(self, pinned: jax.Array, view: np.ndarray | None) -> jax.Array:
-        """The CPU-backend array for one expert weight: a zero-copy alias of the pinned bytes when verified."""
+    def _cpu_array(self, pinned, view):
+        """The CPU-backend array (or QuantizedWeight) for one expert weight: each part a zero-copy alias of its
+        pinned bytes where verified. `view`: None, or numpy views of the parts in `pinned`'s structure."""
+        if view is None:
+            return jax.tree.map(lambda part: self._cpu_part(part, None), pinned)
+        return jax.tree.map(self._cpu_part, pinned, view)
+
+    def _cpu_part(self, pinned: jax.Array, view: np.ndarray | None) -> jax.Array:
         values = np.asarray(pinned)  # a proper copy, to check the view against
         if self.cpu_view == "alias":
             view = host_view(pinned) if view is None else view
@@ -299,15 +317,17 @@ def pull_traced(experts, order, n_miss, rest):
     gate_ups, downs = experts
     pool_gu, pool_dn, rows = rest
     u = order.shape[0]
-    if isinstance(gate_ups, jax.Array):
+    if not isinstance(gate_ups, (tuple, list)):  # stacks (arrays or QuantizedWeights)
         def pull(j):
             def copies():
                 out = []
                 for stack, pool in ((gate_ups, pool_gu), (downs, pool_dn)):
-                    got = [jax.device_put(jax.lax.dynamic_index_in_dim(stack, order[i], keepdims=False), DEVICE)
-                           for i in range(j)]
+                    got = [jax.device_put(jax.tree.map(
+                        lambda a, i=i: jax.lax.dynamic_index_in_dim(a, order[i], keepdims=False), stack), DEVICE)
+                        for i in range(j)]
                     kept = pool[rows[j:]]
-                    out.append(jnp.concatenate([jnp.stack(got), kept]) if got else kept)
+                    out.append(jax.tree.map(lambda k, *g: jnp.concatenate([jnp.stack(g), k]), kept, *got)
+                               if got else kept)
                 return tuple(out)
             return copies
         counts = pull_counts(u)

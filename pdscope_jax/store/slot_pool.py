@@ -1,6 +1,7 @@
 """The one global pool of expert slots on the accelerator, and the table of who lives in which slot.
 
-Contract: `SlotPool(num_slots, ...)` allocates gate_up [S, D, 2F] and down [S, F, D] on the accelerator once;
+Contract: `SlotPool(num_slots, ..., quant=None)` allocates gate_up [S, D, 2F] and down [S, F, D] on the
+accelerator once (quantized experts: QuantizedWeights of those shapes, `quant.formats`);
 they are never reallocated (slot writes donate and replace them in place, see `ExpertStore.commit`). The
 table maps (layer, expert) -> slot; `slot_of(layer)` gives the [E] int32 map that `combine_experts` takes
 (-1: not in a slot). Slots are handed out free-first, then from the caller's `prefer`red slots, then least
@@ -21,17 +22,23 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdscope_jax.quant.formats import zeros
+
 
 class SlotPool:
     def __init__(self, num_slots: int, moe_layers: tuple[int, ...], num_experts: int, d: int, f: int, dtype,
-                 device: jax.Device):
+                 device: jax.Device, quant: str | None = None):
         self.num_slots = int(num_slots)
         self.num_experts = num_experts
         # S == 0 keeps one dummy slot so programs keep a fixed signature; no expert is ever mapped to it.
         shape_s = max(self.num_slots, 1)
         sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-        self.gate_up = jax.device_put(jnp.zeros((shape_s, d, 2 * f), dtype), sharding)  # [S, D, 2F]
-        self.down = jax.device_put(jnp.zeros((shape_s, f, d), dtype), sharding)  # [S, F, D]
+        if quant is None:
+            gate_up, down = jnp.zeros((shape_s, d, 2 * f), dtype), jnp.zeros((shape_s, f, d), dtype)
+        else:  # experts stored quantized: each slot holds integers and scales (QuantizedWeights)
+            gate_up, down = zeros((shape_s,), d, 2 * f, quant, dtype), zeros((shape_s,), f, d, quant, dtype)
+        self.gate_up = jax.device_put(gate_up, sharding)  # [S, D, 2F]
+        self.down = jax.device_put(down, sharding)  # [S, F, D]
         self.owner_layer = np.full(self.num_slots, -1, np.int64)  # [S]
         self.owner_expert = np.full(self.num_slots, -1, np.int64)  # [S]
         self.last_use = np.zeros(self.num_slots, np.int64)  # [S] LRU clock value of the last use
