@@ -186,7 +186,7 @@ class DenseMLP(nnx.Module):
 
 class Experts(nnx.Module):
     """Routed experts of one layer, stacked: gate_up [E, D, 2F] (gate columns first), down [E, F, D]. Quantized
-    (`quant`, a `quant.formats` scheme name) each is stored as integers (`gate_up`, `down`) and float32 scales
+    (`quant`, a `quant.formats` scheme name) each is stored as integers (`gate_up`, `down`) and scales
     (`gate_up_scale`, `down_scale`); `weights()` gives (gate_up, down) as arrays or QuantizedWeights whose compute
     dtype is the model's."""
 

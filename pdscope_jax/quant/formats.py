@@ -1,13 +1,14 @@
 """Quantized weight formats of routed experts, and the array-like pytree that carries one.
 
 Contract: a matrix w [..., K, N] (K: the contraction axis, N: outputs; leading axes index experts or slots) is
-stored as integers `q` and float32 `scale`, w ~= dequantize(q, scale):
-- "int8": q int8 [..., K, N], scale [..., 1, N]: symmetric, per output channel, scale = max|w| / 127.
+stored as integers `q` and a `scale`, w ~= dequantize(q, scale):
+- "int8": q int8 [..., K, N], scale float32 [..., 1, N]: symmetric, per output channel, scale = max|w| / 127.
 - "int4": q uint8 [..., K/2, N], two values per byte: rows 2i (low nibble) and 2i+1 (high nibble), each a
-  two's-complement value in [-8, 7]; scale [..., K/G, N] per group of G consecutive rows, G = gcd(K, 64)
+  two's-complement value in [-8, 7]; scale bfloat16 [..., K/G, N] per group of G consecutive rows, G = gcd(K, 64)
   (64 for every real model; 32 where K is an odd multiple of 32, as in the tiny test models; K % 32 == 0):
-  symmetric, scale = -(the group's value of largest magnitude) / 8, so that value maps exactly to -8 and the
-  other side keeps 7 steps (docs/MEASUREMENTS.md, "int4 format", has the choice of G and of this rule).
+  symmetric, scale = -(the group's value of largest magnitude) / 8 (rounded to bf16 before the integers are
+  chosen), so that value maps to -8 and the other side keeps 7 steps: 4.25 bits a weight (docs/MEASUREMENTS.md,
+  "int4 format", has the choice of G, of this rule and of bf16 scales).
 `QuantizedWeight(q, scale, scheme, dtype)` is a jax pytree (q and scale its leaves; scheme and the compute
 dtype static) that indexes, moves (`jax.device_put`), slices and stacks like the dense array it stands for:
 `.shape` and `.dtype` are the dense ones, `w[i]` indexes the leading axes of both leaves, `.nbytes` counts
@@ -31,6 +32,7 @@ class Scheme:
     name: str
     bits: int
     group: int | None  # the most rows per scale along K; None: one scale per output channel
+    scale_dtype: str = "float32"
 
     def group_for(self, k: int) -> int | None:
         """Rows per scale of a matrix with contraction size K (the scale's shape tells it back: K / rows)."""
@@ -47,7 +49,8 @@ class Scheme:
 
     def nbytes(self, k: int, n: int) -> int:
         """Stored bytes of one [K, N] matrix (integers and scales)."""
-        return int(np.prod(self.q_shape(k, n))) + 4 * int(np.prod(self.scale_shape(k, n)))
+        return int(np.prod(self.q_shape(k, n))) + np.dtype(self.scale_dtype).itemsize * int(
+            np.prod(self.scale_shape(k, n)))
 
     def check(self, k: int) -> str | None:
         """Why a contraction size K cannot use this scheme, or None."""
@@ -56,7 +59,7 @@ class Scheme:
         return None
 
 
-SCHEMES = {"int8": Scheme("int8", 8, None), "int4": Scheme("int4", 4, 64)}
+SCHEMES = {"int8": Scheme("int8", 8, None), "int4": Scheme("int4", 4, 64, "bfloat16")}
 
 
 def scheme(name: str | Scheme) -> Scheme:
@@ -131,6 +134,7 @@ def pack_int4(values: jax.Array) -> jax.Array:
 
 
 def dequantize(q, scale, s: Scheme, dtype) -> jax.Array:
+    scale = scale.astype(jnp.float32)
     if s.bits == 8:
         return (q.astype(jnp.float32) * scale).astype(dtype)
     values = unpack_int4(q).astype(jnp.float32)
@@ -158,8 +162,8 @@ def quantize(w, name: str | Scheme, dtype=None) -> QuantizedWeight:
     groups = w.reshape(*lead, k // g, g, n)
     pick = jnp.argmax(jnp.abs(groups), axis=-2, keepdims=True)
     scale = -jnp.take_along_axis(groups, pick, axis=-2) / 8.0  # [..., K/G, 1, N]
-    scale = jnp.where(scale == 0, 1.0, scale)
-    values = jnp.clip(jnp.round(groups / scale), -8, 7).astype(jnp.int8).reshape(*lead, k, n)
+    scale = jnp.where(scale == 0, 1.0, scale).astype(s.scale_dtype)  # stored; the integers fit the stored scale
+    values = jnp.clip(jnp.round(groups / scale.astype(jnp.float32)), -8, 7).astype(jnp.int8).reshape(*lead, k, n)
     return QuantizedWeight(pack_int4(values), scale[..., 0, :], s, dtype)
 
 
@@ -167,11 +171,11 @@ def zeros(lead: tuple[int, ...], k: int, n: int, name: str | Scheme, dtype) -> Q
     """An all-zero QuantizedWeight [*lead, K, N] (slot pools), scales 1."""
     s = scheme(name)
     return QuantizedWeight(jnp.zeros((*lead, *s.q_shape(k, n)), s.q_dtype()),
-                           jnp.ones((*lead, *s.scale_shape(k, n)), jnp.float32), s, dtype)
+                           jnp.ones((*lead, *s.scale_shape(k, n)), s.scale_dtype), s, dtype)
 
 
 def shapes(lead: tuple[int, ...], k: int, n: int, name: str | Scheme) -> tuple[jax.ShapeDtypeStruct, ...]:
     """(q, scale) ShapeDtypeStructs of a QuantizedWeight [*lead, K, N]."""
     s = scheme(name)
     return (jax.ShapeDtypeStruct((*lead, *s.q_shape(k, n)), s.q_dtype()),
-            jax.ShapeDtypeStruct((*lead, *s.scale_shape(k, n)), np.dtype(np.float32)))
+            jax.ShapeDtypeStruct((*lead, *s.scale_shape(k, n)), np.dtype(s.scale_dtype)))

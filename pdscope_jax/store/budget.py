@@ -5,7 +5,7 @@ shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of t
 estimate, see `activation_bytes`), transfer staging (the device copies of staged experts before they are
 written into their slots: while one layer's copies wait for their slot write, the next layer's are issued, so
 two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a whole
-number of slots, one slot per expert (gate_up [D,2F] + down [F,D]). When the fixed parts do not fit, it raises
+number of slots, one slot per expert (gate_up [D,2F] + down [F,D]; quantized: their integers and scales). When the fixed parts do not fit, it raises
 `BudgetError` with every number, before anything is allocated. It never touches a device.
 """
 
@@ -73,15 +73,17 @@ def activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
     scores = 2 * b * heads * tq * tk * 4  # scores and probabilities, float32
     keys = b * tk * heads * attn_dim * 4  # MLA re-expands keys/values from the latent
     router = 3 * n * e * 4
+    # a gathered expert copy: its stored bytes, and a dequantized copy in the compute dtype when quantized
+    copy = cfg.expert_param_count() * itemsize + (cfg.expert_bytes(itemsize) if cfg.expert_quant else 0)
     # sorted combine: gathered rows; the tiled path pads them to whole tiles and may gather each tile's weights
-    tile, tiles, batched = grouped_tiles(n * k, e + 1, cfg.expert_bytes(itemsize))
-    tile_weights = tiles * cfg.expert_bytes(itemsize) if batched else 0
+    tile, tiles, batched = grouped_tiles(n * k, e + 1, cfg.expert_param_count() * itemsize)
+    tile_weights = tiles * copy if batched else 0
     rows = max(n * k, tiles * tile)
     experts = rows * (d * itemsize + 2 * f * 4 + f * itemsize + 2 * d * 4)
     mlp = 3 * n * max(cfg.intermediate_size, f * max(cfg.num_shared_experts, 1)) * 4
     logits = min(n, 256) * cfg.vocab_size * 4  # logits are produced in slices of at most 256 rows
     # With few tokens, combine_experts gathers one weight copy per (token, expert) assignment.
-    gathered = min(b * k, GATHER_MAX_ASSIGNMENTS) * cfg.expert_bytes(itemsize)
+    gathered = min(b * k, GATHER_MAX_ASSIGNMENTS) * copy
     return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered + tile_weights)
 
 
