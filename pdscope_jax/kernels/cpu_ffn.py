@@ -8,8 +8,8 @@ Contract: `moe_ffn_cpu(h, coef, gate_up, down, ids=None)` -> out [N, D] float32 
   per-expert CPU views), or as a layer's stacks [E, D, 2F], [E, F, D] with ids [k] int32 naming the experts
   (ids are data: one compiled program serves any set of k experts). Either form may hold quantized experts
   (`quant.formats.QuantizedWeight`, int8 or int4, all of one scheme, compute dtype bf16): the kernel reads their
-  integers and scales and dequantizes in registers to the very bf16 weights `dequantize()` gives (so it equals
-  the bf16 kernel run on the dequantized experts); the XLA path dequantizes them in the program.
+  integers once and uses the weights q * scale exactly (float32 sums scaled per column and group), the XLA path
+  dequantizes them in the program to bf16 (`dequantize()`): the two agree to that bf16 rounding.
 The kernel reads each weight where it lies (no gather, no copy), once per call, on every thread of its pool,
 with AVX-512 BF16 dot products and float32 accumulation; the activation is rounded to bf16 after scaling by
 coef, and the output is float32 (the XLA path rounds each expert's output to h's dtype first): the two agree
@@ -167,14 +167,15 @@ def profile_read() -> dict[str, float]:
 
 
 def _quant_supported(w) -> bool:
-    """An int8 or int4 QuantizedWeight the kernel reads: int4 groups a power of two (the scale's rows tell them)."""
+    """An int8 or int4 QuantizedWeight the kernel reads: int4 groups (K / the scale's rows) a power of two, a
+    multiple of 32."""
     if w.scheme.bits == 8:
         return w.scale.shape[-2] == 1
     if w.scheme.bits != 4:
         return False
     k, rows = w.shape[-2], w.scale.shape[-2]
     group = k // rows if rows and k % rows == 0 else 0
-    return group >= 2 and group & (group - 1) == 0
+    return group >= BLOCK and group % BLOCK == 0 and group & (group - 1) == 0
 
 
 def kernel_supports(h, gate_up, down=None) -> bool:
@@ -233,7 +234,7 @@ def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: Weights | Sequence[Weigh
         raise RuntimeError("the CPU expert kernel is not built (see the warning of pdscope_jax.kernels.build)")
     if not supported:
         raise ValueError(f"the CPU expert kernel needs bf16 weights (or int8/int4 QuantizedWeights of compute dtype "
-                         f"bf16, int4 groups a power of two) with D and F multiples of {BLOCK}, got {_describe(first)} "
+                         f"bf16, int4 groups a power of two >= 32) with D and F multiples of {BLOCK}, got {_describe(first)} "
                          f"{first.shape} for h {h.shape}")
     out_type = jax.ShapeDtypeStruct(h.shape, jnp.float32)
     h = h.astype(jnp.bfloat16)

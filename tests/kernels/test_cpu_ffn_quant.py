@@ -1,5 +1,6 @@
 """The CPU expert kernel on int8 and int4 experts: against the XLA dequantize path, an exact float64 reference
-and the bf16 kernel run on the dequantized experts; both instruction sets; skipping; routing and refusals."""
+(weights q * scale) and the bf16 kernel on the dequantized experts; both instruction sets; skipping; routing
+and refusals."""
 
 import jax
 import jax.numpy as jnp
@@ -51,11 +52,12 @@ def case(rows: int, k: int, d: int, seed: int):
 
 
 def exact(h, coef, gate_up, down, ids) -> np.ndarray:
-    """sum_j coef[j, n] * expert_ffn(h[n]) in float64 from the dequantized (bf16) weights."""
+    """sum_j coef[j, n] * expert_ffn(h[n]) in float64 from the weights q * scale (float32, not rounded to bf16:
+    what the kernel computes with)."""
     h = np.asarray(h.astype(jnp.float32), np.float64)
     out = np.zeros(h.shape)
     for j, e in enumerate(ids):
-        gu, dn = (np.asarray(w[e].dequantize().astype(jnp.float32), np.float64) for w in (gate_up, down))
+        gu, dn = (np.asarray(w[e].dequantize(jnp.float32), np.float64) for w in (gate_up, down))
         pre = h @ gu
         gate, up = pre[:, :F], pre[:, F:]
         out += coef[j][:, None] * ((gate / (1 + np.exp(-gate)) * up) @ dn)
@@ -72,12 +74,12 @@ def test_kernel_matches_xla_dequantize(kernel, name, d, rows, k):
     listed = jax.jit(lambda h, c, g, dn: cpu_ffn.moe_ffn_cpu(h, c, g, dn, impl="kernel"))(
         h, coef, [gate_up[e] for e in ids], [down[e] for e in ids])
     xla = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="xla")
-    # the bf16 kernel on the dequantized experts: the quantized kernel dequantizes to the same bf16 weights
     dense = cpu_ffn.moe_ffn_cpu(h, coef, gate_up.dequantize(), down.dequantize(), ids, impl="kernel")
     assert stacked.dtype == jnp.float32 and stacked.shape == (rows, d)
     np.testing.assert_array_equal(np.asarray(stacked), np.asarray(listed))
-    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(dense))
-    assert rel(stacked, xla) < 1e-2  # bf16 rounding: the XLA path rounds each expert's output, the kernel the act
+    # bf16 rounding: the XLA path rounds the dequantized weights and each expert's output, the kernel the act
+    assert rel(stacked, xla) < 1e-2
+    assert rel(stacked, dense) < 1e-2
     assert rel(stacked, exact(h, coef, gate_up, down, ids)) < 5e-3
     unrouted = ~(coef != 0).any(axis=0)
     assert np.all(np.asarray(stacked)[unrouted] == 0.0)
@@ -97,7 +99,7 @@ def test_portable_path_matches(kernel, name, d, rows):
     finally:
         cpu_ffn.set_isa(None)
     np.testing.assert_array_equal(np.asarray(portable), np.asarray(listed))
-    assert rel(portable, fast) < 1e-5  # the same weights and sums; only exp differs (polynomial vs libm)
+    assert rel(portable, fast) < 1e-5  # the same weights; sums scaled per chunk vs per weight; exp polynomial
     assert rel(portable, exact(h, coef, gate_up, down, ids)) < 5e-3
 
 

@@ -15,8 +15,9 @@
 // with software prefetch (a unit's rows are 2F or D elements apart, too far for the hardware prefetchers).
 //
 // Quantized experts (int8 per output column, int4 in groups of G rows; layouts in ffn_weights.h) compute the
-// same with W the bf16 weights their dequantization gives: the integers are read once and dequantized in
-// registers. Two adjacent units of one expert then share their gate/up pass (half a line each).
+// same with W = q * scale exactly: the integers are read once, turned into bf16 in registers (exact), and the
+// float32 sums of each 32-row chunk are scaled per column. Two adjacent units of one expert share their gate/up
+// pass (half a 64-byte line each).
 //
 // Handlers: pdscope_cpu_ffn_list (h, coef, k gate_ups, k downs -> out) and pdscope_cpu_ffn_stacked
 // (h, coef, ids [k] int32, gate_up [E, D, 2F], down [E, F, D] -> out); pdscope_cpu_ffn_quant_list (h, coef,
@@ -268,7 +269,8 @@ ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi
 }
 
 // One quantized matrix of dense shape [k, n] after `lead` leading axes: its integers' dtype and shape match the
-// format, its scales are [k / G, n] (int8: G = k; int4: G a power of two >= 2). Returns G, or 0 when it does not.
+// format, its scales are [k / G, n] (int8: G = k; int4: G a power of two, a multiple of 32). Returns G, or 0
+// when it does not.
 int64_t quant_group(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& scale, int bits, size_t lead, int64_t k,
                     int64_t n) {
   auto qd = q.dimensions(), sd = scale.dimensions();
@@ -280,7 +282,7 @@ int64_t quant_group(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& scale,
   for (size_t a = 0; a < lead; ++a)
     if (qd[a] != sd[a]) return 0;
   const int64_t g = k / sd[lead];
-  if (int4 ? (g < 2 || (g & (g - 1)) != 0) : sd[lead] != 1) return 0;
+  if (int4 ? (g % kBlock != 0 || (g & (g - 1)) != 0) : sd[lead] != 1) return 0;
   return g;
 }
 
@@ -292,7 +294,7 @@ ffi::Error quant_format(Call& c, int32_t bits) {
 
 const char kQuantLayout[] =
     ": int8 q [D, 2F] and [F, D] with scales [1, 2F] and [1, D]; int4 q uint8 [D/2, 2F] and [F/2, D] with "
-    "scales [D/G, 2F] and [F/G', D], G and G' powers of two";
+    "scales [D/G, 2F] and [F/G', D], G and G' powers of two and multiples of 32";
 
 // h [N, D] bf16, coef [k, N] f32, then k gate_up q, k gate_up scales, k down q, k down scales; attribute bits.
 ffi::Error ffn_quant_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs weights,

@@ -133,13 +133,15 @@ void gate_up_avx(const Call& c, const M& w, int b, const int* rows, float* g, fl
 // Many rows: each chunk of 2 * kChunkPairs weight rows is loaded from memory once, interleaved into a
 // contiguous buffer, and every block of R rows runs over that buffer, its accumulators parked in `acc`
 // between chunks. (Re-walking the unit's rows per row block, 2F elements apart, missed the TLB on every row.)
+// scale (quantized weights; else null): the chunk's sums start from 0 and are added to acc times scale[q].
 template <int R>
-void gate_up_chunk_rows(const Call& c, const __m512i* wbuf, int dd0, const int* rows, float* acc) {
+void gate_up_chunk_rows(const Call& c, const __m512i* wbuf, int dd0, const int* rows, float* acc,
+                        const __m512* scale) {
   __m512 a[R][4];
   const bf16* xr[R];
   for (int r = 0; r < R; ++r) {
     xr[r] = c.h + size_t(rows[r]) * c.d + dd0;
-    for (int q = 0; q < 4; ++q) a[r][q] = _mm512_loadu_ps(acc + (r * 4 + q) * 16);
+    for (int q = 0; q < 4; ++q) a[r][q] = scale ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (r * 4 + q) * 16);
   }
   for (int p = 0; p < kChunkPairs; ++p) {
     const __m512bh w0 = as_bh(_mm512_load_si512(wbuf + 4 * p)), w1 = as_bh(_mm512_load_si512(wbuf + 4 * p + 1));
@@ -153,15 +155,19 @@ void gate_up_chunk_rows(const Call& c, const __m512i* wbuf, int dd0, const int* 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc + (r * 4 + q) * 16, a[r][q]);
+    for (int q = 0; q < 4; ++q) {
+      float* p = acc + (r * 4 + q) * 16;
+      _mm512_storeu_ps(p, scale ? _mm512_fmadd_ps(a[r][q], scale[q], _mm512_loadu_ps(p)) : a[r][q]);
+    }
 }
 
 template <int R>
-void gate_up_chunk_rows_upto(const Call& c, const __m512i* wbuf, int dd0, const int* rows, int m, float* acc) {
+void gate_up_chunk_rows_upto(const Call& c, const __m512i* wbuf, int dd0, const int* rows, int m, float* acc,
+                             const __m512* scale) {
   if constexpr (R > 1) {
-    if (m < R) return gate_up_chunk_rows_upto<R - 1>(c, wbuf, dd0, rows, m, acc);
+    if (m < R) return gate_up_chunk_rows_upto<R - 1>(c, wbuf, dd0, rows, m, acc, scale);
   }
-  gate_up_chunk_rows<R>(c, wbuf, dd0, rows, acc);
+  gate_up_chunk_rows<R>(c, wbuf, dd0, rows, acc, scale);
 }
 
 // g, u [nb, m, kBlock]: the gate and up columns of nb consecutive units (blocks b .. b + nb - 1) for all m rows
@@ -181,8 +187,14 @@ void gate_up_many(const Call& c, const M& w, int b, int nb, const int* rows, int
         for (int q = 0; q < 4; ++q) _mm512_store_si512(wbuf + 4 * p + q, v[q]);
       }
       float* acc = s.acc.data() + size_t(k) * m * 64;
+      __m512 scale[4];
+      if constexpr (M::kScaled) {  // the chunk's 32 rows share a scale row
+        permuted_scales(w, dd0, (b + k) * kBlock, &scale[0], &scale[1]);
+        permuted_scales(w, dd0, c.f + (b + k) * kBlock, &scale[2], &scale[3]);
+      }
       for (int r0 = 0; r0 < m; r0 += kGuRows)
-        gate_up_chunk_rows_upto<kGuRows>(c, wbuf, dd0, rows + r0, std::min(kGuRows, m - r0), acc + r0 * 64);
+        gate_up_chunk_rows_upto<kGuRows>(c, wbuf, dd0, rows + r0, std::min(kGuRows, m - r0), acc + r0 * 64,
+                                         M::kScaled ? scale : nullptr);
     }
   }
   for (int r = 0; r < nb * m; ++r) {
@@ -219,6 +231,14 @@ void down_avx(const Call& c, const M& w, int b, const int* rows, const bf16* act
         const __m512bh x = as_bh(pair_of(act + r * kBlock + i));
         lo[r] = _mm512_dpbf16_ps(lo[r], wlo, x);
         hi[r] = _mm512_dpbf16_ps(hi[r], whi, x);
+      }
+    }
+    if constexpr (M::kScaled) {  // the unit's 32 rows share a scale row
+      __m512 s_lo, s_hi;
+      permuted_scales(w, f0, cb, &s_lo, &s_hi);
+      for (int r = 0; r < R; ++r) {
+        lo[r] = _mm512_mul_ps(lo[r], s_lo);
+        hi[r] = _mm512_mul_ps(hi[r], s_hi);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -282,7 +302,7 @@ void unit_avx(const Call& c, int j, int b, int nb, const int* rows, int m, Scrat
   float* u = g + kGuRows * kBlock;
   const float* coef = c.coef + size_t(j) * c.n;
   int64_t t = ph ? now_ns() : 0;
-  if (nb == 1 && m <= kGuRows) {  // one pass over the weights either way: skip the chunk buffer
+  if (!M::kScaled && nb == 1 && m <= kGuRows) {  // one pass over the weights either way: skip the chunk buffer
     gate_up_avx_upto<kGuRows>(c, gu, b, rows, m, g, u, true);
   } else {
     u = g + size_t(nb) * m * kBlock;
