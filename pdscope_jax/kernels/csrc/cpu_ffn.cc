@@ -203,6 +203,17 @@ ffi::Error check_shapes(const Call& c) {
   return ffi::Error::Success();
 }
 
+// The call's sizes checked, its activations, coefficients and output bound, and run.
+ffi::Error checked_run(Call& c, ffi::Buffer<ffi::BF16>& h, ffi::Buffer<ffi::F32>& coef,
+                       ffi::ResultBuffer<ffi::F32>& out) {
+  if (auto e = check_shapes(c); e.failure()) return e;
+  c.h = h.typed_data();
+  c.coef = coef.typed_data();
+  c.out = out->typed_data();
+  run_call(c);
+  return ffi::Error::Success();
+}
+
 ffi::Error ffn_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs weights,
                     ffi::ResultBuffer<ffi::F32> out) {
   Call c;
@@ -230,12 +241,7 @@ ffi::Error ffn_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::R
     }
   }
   if (c.k == 0) c.f = kBlock;
-  if (auto e = check_shapes(c); e.failure()) return e;
-  c.h = h.typed_data();
-  c.coef = coef.typed_data();
-  c.out = out->typed_data();
-  run_call(c);
-  return ffi::Error::Success();
+  return checked_run(c, h, coef, out);
 }
 
 ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::S32> ids,
@@ -261,11 +267,7 @@ ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi
     c.gate_up.push_back(gate_up.typed_data() + id[j] * gu_size);
     c.down.push_back(down.typed_data() + id[j] * dn_size);
   }
-  c.h = h.typed_data();
-  c.coef = coef.typed_data();
-  c.out = out->typed_data();
-  run_call(c);
-  return ffi::Error::Success();
+  return checked_run(c, h, coef, out);
 }
 
 // One quantized matrix of dense shape [k, n] after `lead` leading axes: its integers' dtype and shape match the
@@ -331,12 +333,7 @@ ffi::Error ffn_quant_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, 
     c.down.push_back(dq->untyped_data());
     c.down_scale.push_back(ds->typed_data());
   }
-  if (auto e = check_shapes(c); e.failure()) return e;
-  c.h = h.typed_data();
-  c.coef = coef.typed_data();
-  c.out = out->typed_data();
-  run_call(c);
-  return ffi::Error::Success();
+  return checked_run(c, h, coef, out);
 }
 
 // h, coef, ids [k] int32, then the stacks gate_up q [E, ...], its scales [E, ...], down q, its scales; bits.
@@ -361,8 +358,9 @@ ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coe
   if (auto e = check_shapes(c); e.failure()) return e;
   c.gu_group = int(gg);
   c.dn_group = int(dg);
-  const size_t gq_bytes = gq.size_bytes() / experts, dq_bytes = dq.size_bytes() / experts;
-  const size_t gs_size = gs.element_count() / experts, ds_size = ds.element_count() / experts;
+  const size_t e = size_t(std::max<int64_t>(experts, 1));
+  const size_t gq_bytes = gq.size_bytes() / e, dq_bytes = dq.size_bytes() / e;
+  const size_t gs_size = gs.element_count() / e, ds_size = ds.element_count() / e;
   const int32_t* id = ids.typed_data();
   for (int j = 0; j < c.k; ++j) {
     if (id[j] < 0 || id[j] >= experts)
@@ -372,11 +370,7 @@ ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coe
     c.down.push_back(static_cast<const uint8_t*>(dq.untyped_data()) + id[j] * dq_bytes);
     c.down_scale.push_back(ds.typed_data() + id[j] * ds_size);
   }
-  c.h = h.typed_data();
-  c.coef = coef.typed_data();
-  c.out = out->typed_data();
-  run_call(c);
-  return ffi::Error::Success();
+  return checked_run(c, h, coef, out);
 }
 
 struct ReadArgs {

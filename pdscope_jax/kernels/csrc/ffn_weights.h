@@ -73,11 +73,13 @@ inline void pair_of_rows(const Bf16Mat& m, int r, int c0, __m512i* row0, __m512i
   *row1 = _mm512_loadu_si512(p + m.ld);
 }
 
-inline void prefetch_rows(const Bf16Mat& m, int r, int c0) {
-  const bf16* p = m.w + size_t(r) * m.ld + c0;
+template <class T>
+inline void prefetch_two(const T* p, size_t ld) {  // p and the element one row (ld) below it
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(p + m.ld), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + ld), _MM_HINT_T0);
 }
+
+inline void prefetch_rows(const Bf16Mat& m, int r, int c0) { prefetch_two(m.w + size_t(r) * m.ld + c0, m.ld); }
 
 inline __m512i int8_row(const int8_t* p) {
   const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -91,11 +93,7 @@ inline void pair_of_rows(const Int8Mat& m, int r, int c0, __m512i* row0, __m512i
   *row1 = int8_row(p + m.ld);
 }
 
-inline void prefetch_rows(const Int8Mat& m, int r, int c0) {
-  const int8_t* p = m.q + size_t(r) * m.ld + c0;
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(p + m.ld), _MM_HINT_T0);
-}
+inline void prefetch_rows(const Int8Mat& m, int r, int c0) { prefetch_two(m.q + size_t(r) * m.ld + c0, m.ld); }
 
 // bf16 of the two's-complement nibble i & 15 at index i < 32 (vpermw reads an index's low 5 bits).
 struct NibbleTable {
@@ -116,11 +114,7 @@ inline void pair_of_rows(const Int4Mat& m, int r, int c0, __m512i* row0, __m512i
 
 inline void prefetch_rows(const Int4Mat& m, int r, int c0) {
   _mm_prefetch(reinterpret_cast<const char*>(m.q + size_t(r >> 1) * m.ld + c0), _MM_HINT_T0);
-  if ((r & ((1 << m.shift) - 1)) == 0) {  // the first pair of a group: its 32 scales, 128 bytes
-    const float* s = m.s + size_t(r >> m.shift) * m.ld + c0;
-    _mm_prefetch(reinterpret_cast<const char*>(s), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(s + 16), _MM_HINT_T0);
-  }
+  if ((r & ((1 << m.shift) - 1)) == 0) prefetch_two(m.scale_row(r) + c0, 16);  // a group's 32 scales: 128 bytes
 }
 
 // The scales of columns [c0, c0 + 32) of row r's group, in the dot products' accumulator order (lane i of lo:
