@@ -6,8 +6,10 @@ weights, 17.3 MB an expert) at --rows (1, 4, 16, 64) and --experts k (1, 6, 16),
   - `kernel_stacked`: the same with a layer stack [E, ...] and k expert ids;
   - `xla`: the XLA path in `jax.jit` on the CPU backend, rows zero-padded to --min-rows, each expert on every
     row weighted by coef (the engine's dense decode path).
+`--quant int8,int4` repeats all of it on the same experts quantized (`quant.formats.quantize`, compute dtype
+bf16): the kernel reads integers and scales, the XLA path dequantizes in the program; rows carry `format`.
 Each repeat runs a different set of experts out of --pool-experts, so the weights come from memory, not the
-cache. GB/s = bytes of the k experts' weights / median time after warm-up. `--profile` adds the kernel's time
+cache. GB/s = stored bytes of the k experts (integers and scales when quantized) / median time after warm-up. `--profile` adds the kernel's time
 by phase (`kernels.cpu_ffn.profile_read`) from a second, untimed pass. Also records the pool's plain
 read bandwidth (`read_bandwidth`), the threads used, the CPU model, host and jax version, and writes all of it
 as JSON to --out. Builds the kernel on first use (needs a C++ compiler; without one only `xla` runs).
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.kernels import cpu_ffn
+from pdscope_jax.quant import formats
 
 
 def cpu_model() -> str:
@@ -70,8 +73,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--profile", action="store_true",
                         help="after timing, run the kernel's repeats again with its phase profile on and record "
                              "ms per call by phase (`profile_ms`)")
+    parser.add_argument("--quant", default="", help="comma-separated schemes to measure beside bf16 (int8,int4)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
+    schemes = [name for name in args.quant.split(",") if name]
+    for name in schemes:
+        formats.scheme(name)  # an unknown name fails here, before any work
 
     d, f, e = args.hidden, args.intermediate, args.pool_experts
     cpu = jax.devices("cpu")[0]
@@ -82,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         "command": shlex.join([sys.executable, *sys.argv]), "host": socket.gethostname(), "cpu": cpu_model(),
         "cpus_usable": len(os.sched_getaffinity(0)), "jax": jax.__version__, "python": platform.python_version(),
         "kernel_built": built, "kernel_isa": cpu_ffn.isa(), "kernel_threads": threads,
-        "hidden": d, "intermediate": f, "min_rows": args.min_rows, "reps": args.reps, "warm": args.warm,
+        "hidden": d, "intermediate": f, "formats": ["bf16", *schemes], "min_rows": args.min_rows, "reps": args.reps, "warm": args.warm,
         "read_gbps": round(cpu_ffn.read_bandwidth(1 << 30), 1) if built else None, "results": [],
     }
     print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
@@ -93,10 +100,15 @@ def main(argv: list[str] | None = None) -> dict:
     for j in range(e):  # per expert: no float32 copy of the whole pool at once
         gate_up[j] = rng.standard_normal((d, 2 * f), np.float32) * 0.02
         down[j] = rng.standard_normal((f, d), np.float32) * 0.02
-    stack_gu, stack_dn = jax.device_put(gate_up, cpu), jax.device_put(down, cpu)
-    experts = [(jax.device_put(gate_up[j], cpu), jax.device_put(down[j], cpu)) for j in range(e)]
+    stacks = {"bf16": (jax.device_put(gate_up, cpu), jax.device_put(down, cpu))}
+    pools = {"bf16": [(jax.device_put(gate_up[j], cpu), jax.device_put(down[j], cpu)) for j in range(e)]}
     del gate_up, down
-    expert_bytes = (d * 2 * f + f * d) * 2
+    for name in schemes:  # per expert, then stacked: no float32 copy of the whole pool at once
+        pools[name] = [tuple(formats.quantize(w, name, jnp.bfloat16) for w in pair) for pair in pools["bf16"]]
+        stacks[name] = tuple(formats.QuantizedWeight(jnp.stack([p[i].q for p in pools[name]]),
+                                                     jnp.stack([p[i].scale for p in pools[name]]),
+                                                     formats.scheme(name), jnp.bfloat16) for i in range(2))
+    expert_bytes = {name: pools[name][0][0].nbytes + pools[name][0][1].nbytes for name in pools}
 
     def list_kernel(h, coef, gus, dns):
         return cpu_ffn.moe_ffn_cpu(h, coef, gus, dns, impl="kernel")
@@ -113,15 +125,15 @@ def main(argv: list[str] | None = None) -> dict:
             h = jax.device_put(rng.standard_normal((n, d)).astype(jnp.bfloat16), cpu)
             coef = jax.device_put(rng.random((k, n)).astype(np.float32), cpu)
             id_sets = [np.array([(rep * k + j) % e for j in range(k)], np.int32) for rep in range(args.warm + args.reps)]
-            for impl in impls:
+            for fmt, impl in ((fmt, impl) for fmt in pools for impl in impls):
                 if impl == "kernel_stacked":
-                    arg_sets = [(h, coef, ids, stack_gu, stack_dn) for ids in id_sets]
+                    arg_sets = [(h, coef, ids, *stacks[fmt]) for ids in id_sets]
                 else:
-                    arg_sets = [(h, coef, [experts[j][0] for j in ids], [experts[j][1] for j in ids])
+                    arg_sets = [(h, coef, [pools[fmt][j][0] for j in ids], [pools[fmt][j][1] for j in ids])
                                 for ids in id_sets]
                 ms = median_ms(programs[impl], arg_sets, args.warm)
-                row = {"impl": impl, "rows": n, "experts": k, "ms": round(ms, 3),
-                       "gbps": round(k * expert_bytes / ms / 1e6, 1)}
+                row = {"format": fmt, "impl": impl, "rows": n, "experts": k, "ms": round(ms, 3),
+                       "gbps": round(k * expert_bytes[fmt] / ms / 1e6, 1)}
                 if args.profile and impl != "xla":  # a second pass: the timed one runs without the clock reads
                     cpu_ffn.profile(True)
                     for arg_set in arg_sets[args.warm:]:
@@ -131,11 +143,12 @@ def main(argv: list[str] | None = None) -> dict:
                 report["results"].append(row)
                 print(json.dumps(row), flush=True)
 
-    by = {(r["impl"], r["rows"], r["experts"]): r for r in report["results"]}
-    print(f"\n{'rows':>4} {'k':>3} " + " ".join(f"{impl + ' ms':>18} {'GB/s':>6}" for impl in impls))
+    by = {(r["format"], r["impl"], r["rows"], r["experts"]): r for r in report["results"]}
+    columns = [(fmt, impl) for fmt in pools for impl in impls]
+    print(f"\n{'rows':>4} {'k':>3} " + " ".join(f"{fmt + ' ' + impl + ' ms':>24} {'GB/s':>6}" for fmt, impl in columns))
     for k in args.experts:
         for n in args.rows:
-            cells = " ".join(f"{by[(impl, n, k)]['ms']:>18.3f} {by[(impl, n, k)]['gbps']:>6.1f}" for impl in impls)
+            cells = " ".join(f"{by[(*c, n, k)]['ms']:>24.3f} {by[(*c, n, k)]['gbps']:>6.1f}" for c in columns)
             print(f"{n:>4} {k:>3} {cells}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

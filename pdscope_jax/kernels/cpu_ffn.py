@@ -6,7 +6,10 @@ Contract: `moe_ffn_cpu(h, coef, gate_up, down, ids=None)` -> out [N, D] float32 
   coef [k, N] float32, 0 where row n is not routed to expert j (those rows skip that expert);
 - the experts either as sequences of k arrays gate_up_j [D, 2F], down_j [F, D] (ids None: the expert store's
   per-expert CPU views), or as a layer's stacks [E, D, 2F], [E, F, D] with ids [k] int32 naming the experts
-  (ids are data: one compiled program serves any set of k experts).
+  (ids are data: one compiled program serves any set of k experts). Either form may hold quantized experts
+  (`quant.formats.QuantizedWeight`, int8 or int4, all of one scheme, compute dtype bf16): the kernel reads their
+  integers once and uses the weights q * scale exactly (float32 sums scaled per column and group), the XLA path
+  dequantizes them in the program to bf16 (`dequantize()`): the two agree to that bf16 rounding.
 The kernel reads each weight where it lies (no gather, no copy), once per call, on every thread of its pool,
 with AVX-512 BF16 dot products and float32 accumulation; the activation is rounded to bf16 after scaling by
 coef, and the output is float32 (the XLA path rounds each expert's output to h's dtype first): the two agree
@@ -33,9 +36,11 @@ import numpy as np
 
 from pdscope_jax.kernels.build import SOURCES, shared_library
 from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.quant.formats import QuantizedWeight, dense
 
 SOURCE = SOURCES / "cpu_ffn.cc"
-SYMBOLS = {"list": "pdscope_cpu_ffn_list", "stacked": "pdscope_cpu_ffn_stacked"}  # the library's handlers
+SYMBOLS = {"list": "pdscope_cpu_ffn_list", "stacked": "pdscope_cpu_ffn_stacked",  # the library's handlers
+           "quant_list": "pdscope_cpu_ffn_quant_list", "quant_stacked": "pdscope_cpu_ffn_quant_stacked"}
 # FFI target names are process-wide: named after this package, so a second copy of it in one process (an earlier
 # tree imported beside this one to compare them) registers its own library's handlers under its own names.
 TARGETS = {kind: f"{__name__}.{kind}" for kind in SYMBOLS}
@@ -161,28 +166,52 @@ def profile_read() -> dict[str, float]:
     return {"calls": int(calls), **{name: totals[i + 1] / calls / 1e6 for i, name in enumerate(PROFILE_FIELDS[:n - 1])}}
 
 
-def kernel_supports(h, gate_up) -> bool:
-    """The kernel can compute this call: bf16 weights, D and F multiples of 32 (shapes and dtypes only)."""
+def _quant_supported(w) -> bool:
+    """An int8 or int4 QuantizedWeight the kernel reads: int4 groups (K / the scale's rows) a power of two, a
+    multiple of 32."""
+    if w.scheme.bits == 8:
+        return w.scale.shape[-2] == 1
+    if w.scheme.bits != 4:
+        return False
+    k, rows = w.shape[-2], w.scale.shape[-2]
+    group = k // rows if rows and k % rows == 0 else 0
+    return group >= BLOCK and group % BLOCK == 0 and group & (group - 1) == 0
+
+
+def kernel_supports(h, gate_up, down=None) -> bool:
+    """The kernel can compute this call (shapes and dtypes only): bf16 weights, or int8/int4 QuantizedWeights
+    whose compute dtype is bf16 (`down` too when given, of the same scheme); D and F multiples of 32."""
     d, two_f = gate_up.shape[-2:]
+    quantized = isinstance(gate_up, QuantizedWeight)
+    if down is not None and (isinstance(down, QuantizedWeight) != quantized or jnp.dtype(down.dtype) != jnp.bfloat16
+                             or (quantized and (down.scheme != gate_up.scheme or not _quant_supported(down)))):
+        return False
     return (jnp.dtype(gate_up.dtype) == jnp.bfloat16 and h.ndim == 2 and h.shape[1] == d
-            and d % BLOCK == 0 and two_f % (2 * BLOCK) == 0)
+            and d % BLOCK == 0 and two_f % (2 * BLOCK) == 0 and (not quantized or _quant_supported(gate_up)))
 
 
 def moe_ffn_xla(h, coef, gate_up, down, ids=None, min_rows: int = 8) -> jax.Array:
-    """The XLA path of `moe_ffn_cpu` (same arguments): each expert on all rows, weighted by coef."""
+    """The XLA path of `moe_ffn_cpu` (same arguments): each expert on all rows, weighted by coef (quantized
+    experts dequantized in the program)."""
     n = h.shape[0]
     if ids is not None:
         gate_up, down = gate_up[ids], down[ids]  # [k, D, 2F], [k, F, D]
     x = jnp.pad(h, ((0, max(min_rows - n, 0)), (0, 0)))  # [max(N, min_rows), D]
     out = jnp.zeros(h.shape, jnp.float32)
     for j in range(coef.shape[0]):
-        out = out + coef[j][:, None] * expert_ffn(x, gate_up[j], down[j])[:n].astype(jnp.float32)
+        out = out + coef[j][:, None] * expert_ffn(x, dense(gate_up[j]), dense(down[j]))[:n].astype(jnp.float32)
     return out
 
 
-def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: jax.Array | Sequence[jax.Array],
-                down: jax.Array | Sequence[jax.Array], ids: jax.Array | None = None, *, impl: str = "auto",
-                min_rows: int = 8) -> jax.Array:
+Weights = jax.Array | QuantizedWeight
+
+
+def _describe(w) -> str:
+    return f"{w.scheme.name} (compute {w.dtype})" if isinstance(w, QuantizedWeight) else str(w.dtype)
+
+
+def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: Weights | Sequence[Weights], down: Weights | Sequence[Weights],
+                ids: jax.Array | None = None, *, impl: str = "auto", min_rows: int = 8) -> jax.Array:
     """out [N, D] float32 = sum_j coef[j, n] * expert_ffn(h[n], expert j); see the module docstring."""
     if impl not in ("auto", "kernel", "xla"):
         raise ValueError(f"impl must be 'auto', 'kernel' or 'xla', got {impl!r}")
@@ -192,17 +221,31 @@ def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: jax.Array | Sequence[jax
     first = gate_up if ids is not None else (gate_up[0] if k else None)
     if first is None:
         return jnp.zeros(h.shape, jnp.float32)
-    use_kernel = impl == "kernel" or (impl == "auto" and available() and kernel_supports(h, first))
+    quantized = isinstance(first, QuantizedWeight)
+    weights = [gate_up, down] if ids is not None else [*gate_up, *down]
+    if any(isinstance(w, QuantizedWeight) != quantized or (quantized and w.scheme != first.scheme) for w in weights):
+        raise ValueError("gate_up and down must be all dense arrays or all QuantizedWeights of one scheme, "
+                         f"got {sorted({_describe(w) for w in weights})}")
+    supported = kernel_supports(h, first, down if ids is not None else down[0])
+    use_kernel = impl == "kernel" or (impl == "auto" and available() and supported)
     if not use_kernel:
         return moe_ffn_xla(h, coef, gate_up, down, ids, min_rows)
     if library() is None:
         raise RuntimeError("the CPU expert kernel is not built (see the warning of pdscope_jax.kernels.build)")
-    if not kernel_supports(h, first):
-        raise ValueError(f"the CPU expert kernel needs bf16 weights with D and F multiples of {BLOCK}, "
-                         f"got {first.dtype} {first.shape} for h {h.shape}")
+    if not supported:
+        raise ValueError(f"the CPU expert kernel needs bf16 weights (or int8/int4 QuantizedWeights of compute dtype "
+                         f"bf16, int4 groups a power of two >= 32) with D and F multiples of {BLOCK}, got {_describe(first)} "
+                         f"{first.shape} for h {h.shape}")
     out_type = jax.ShapeDtypeStruct(h.shape, jnp.float32)
     h = h.astype(jnp.bfloat16)
     coef = coef.astype(jnp.float32)
+    if quantized:
+        call = jax.ffi.ffi_call(TARGETS["quant_list" if ids is None else "quant_stacked"], out_type)
+        bits = np.int32(first.scheme.bits)
+        if ids is None:
+            return call(h, coef, *(w.q for w in gate_up), *(w.scale for w in gate_up), *(w.q for w in down),
+                        *(w.scale for w in down), bits=bits)
+        return call(h, coef, jnp.asarray(ids, jnp.int32), gate_up.q, gate_up.scale, down.q, down.scale, bits=bits)
     if ids is None:
         return jax.ffi.ffi_call(TARGETS["list"], out_type)(h, coef, *gate_up, *down)
     return jax.ffi.ffi_call(TARGETS["stacked"], out_type)(h, coef, jnp.asarray(ids, jnp.int32), gate_up, down)

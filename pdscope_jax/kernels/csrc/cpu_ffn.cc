@@ -14,10 +14,18 @@
 // not depend on which thread ran which group (bitwise the same for a given pool size). Weights walk row by row
 // with software prefetch (a unit's rows are 2F or D elements apart, too far for the hardware prefetchers).
 //
+// Quantized experts (int8 per output column, int4 in groups of G rows; layouts in ffn_weights.h) compute the
+// same with W = q * scale exactly: the integers are read once, turned into bf16 in registers (exact), and the
+// float32 sums of each 32-row chunk are scaled per column. Two adjacent units of one expert share their gate/up
+// pass (half a 64-byte line each).
+//
 // Handlers: pdscope_cpu_ffn_list (h, coef, k gate_ups, k downs -> out) and pdscope_cpu_ffn_stacked
-// (h, coef, ids [k] int32, gate_up [E, D, 2F], down [E, F, D] -> out). Exported controls: threads, ISA,
-// phase profile. Parts: ffn_types.h (the call, scratch, tunables), ffn_units.h (one unit: portable and
-// AVX-512 BF16 kernels), thread_pool.h; this file plans a call, runs its groups and reduces them.
+// (h, coef, ids [k] int32, gate_up [E, D, 2F], down [E, F, D] -> out); pdscope_cpu_ffn_quant_list (h, coef,
+// k gate_up q, k gate_up scales, k down q, k down scales; attribute bits 8 or 4) and
+// pdscope_cpu_ffn_quant_stacked (h, coef, ids, the four stacks; bits). Exported controls: threads, ISA,
+// phase profile. Parts: ffn_types.h (the call, scratch, tunables), ffn_weights.h (the formats),
+// ffn_units.h (one unit: portable and AVX-512 BF16 kernels), thread_pool.h; this file plans a call, runs its
+// groups and reduces them.
 
 #include <algorithm>
 #include <atomic>
@@ -29,6 +37,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -95,20 +104,26 @@ void compute_group(void* ctx, int g) {
   if (lo == hi) return;
   Scratch& s = tls_scratch;
   s.act.resize(size_t(c.n) * kBlock);
-  s.gu.resize(2 * size_t(std::max(c.n, kGuRows)) * kBlock);
+  s.gu.resize(2 * 2 * size_t(std::max(c.n, kGuRows)) * kBlock);  // gate and up of up to 2 units
   Phases* ph = c.profile ? &c.group_ns[g] : nullptr;
   const int64_t start = ph ? now_ns() : 0;
   float* partial = c.partials[g];
   std::memset(partial, 0, sizeof(float) * size_t(c.n) * c.d);
   c.used[g] = 1;
-  for (int u = lo; u < hi; ++u) {
-    const int j = c.unit_expert[u];
+  for (int u = lo; u < hi;) {
+    const int j = c.unit_expert[u], b = c.unit_block[u];
     const int* rows = c.rows.data() + c.row_off[j];
     const int m = c.row_off[j + 1] - c.row_off[j];
-    if (c.isa == kAvx512Bf16)
-      unit_avx(c, j, c.unit_block[u], rows, m, s, partial, ph);
+    // Quantized: an even block and the next one of its expert run together (a weight row's 64-byte line holds
+    // both units' columns; see gate_up_many). The order of additions into the partial does not change.
+    const int nb = (c.fmt != kBf16 && b % 2 == 0 && u + 1 < hi && c.unit_expert[u + 1] == j) ? 2 : 1;
+    if (c.fmt == kInt8)
+      run_units<Int8Mat>(c, j, b, nb, rows, m, s, partial, ph);
+    else if (c.fmt == kInt4)
+      run_units<Int4Mat>(c, j, b, nb, rows, m, s, partial, ph);
     else
-      unit_scalar(c, j, c.unit_block[u], rows, m, s, partial);
+      run_units<Bf16Mat>(c, j, b, nb, rows, m, s, partial, ph);
+    u += nb;
   }
   if (ph) ph->total = now_ns() - start;
 }
@@ -188,6 +203,17 @@ ffi::Error check_shapes(const Call& c) {
   return ffi::Error::Success();
 }
 
+// The call's sizes checked, its activations, coefficients and output bound, and run.
+ffi::Error checked_run(Call& c, ffi::Buffer<ffi::BF16>& h, ffi::Buffer<ffi::F32>& coef,
+                       ffi::ResultBuffer<ffi::F32>& out) {
+  if (auto e = check_shapes(c); e.failure()) return e;
+  c.h = h.typed_data();
+  c.coef = coef.typed_data();
+  c.out = out->typed_data();
+  run_call(c);
+  return ffi::Error::Success();
+}
+
 ffi::Error ffn_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs weights,
                     ffi::ResultBuffer<ffi::F32> out) {
   Call c;
@@ -215,12 +241,7 @@ ffi::Error ffn_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::R
     }
   }
   if (c.k == 0) c.f = kBlock;
-  if (auto e = check_shapes(c); e.failure()) return e;
-  c.h = h.typed_data();
-  c.coef = coef.typed_data();
-  c.out = out->typed_data();
-  run_call(c);
-  return ffi::Error::Success();
+  return checked_run(c, h, coef, out);
 }
 
 ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::S32> ids,
@@ -246,11 +267,110 @@ ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi
     c.gate_up.push_back(gate_up.typed_data() + id[j] * gu_size);
     c.down.push_back(down.typed_data() + id[j] * dn_size);
   }
-  c.h = h.typed_data();
-  c.coef = coef.typed_data();
-  c.out = out->typed_data();
-  run_call(c);
+  return checked_run(c, h, coef, out);
+}
+
+// One quantized matrix of dense shape [k, n] after `lead` leading axes: its integers' dtype and shape match the
+// format, its scales are [k / G, n] (int8: G = k; int4: G a power of two, a multiple of 32). Returns G, or 0
+// when it does not.
+int64_t quant_group(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& scale, int bits, size_t lead, int64_t k,
+                    int64_t n) {
+  auto qd = q.dimensions(), sd = scale.dimensions();
+  const bool int4 = bits == 4;
+  if (q.element_type() != (int4 ? ffi::DataType::U8 : ffi::DataType::S8) || qd.size() != lead + 2 ||
+      sd.size() != lead + 2 || qd[lead] != (int4 ? k / 2 : k) || qd[lead + 1] != n || sd[lead + 1] != n ||
+      sd[lead] <= 0 || k % sd[lead] != 0)
+    return 0;
+  for (size_t a = 0; a < lead; ++a)
+    if (qd[a] != sd[a]) return 0;
+  const int64_t g = k / sd[lead];
+  if (int4 ? (g % kBlock != 0 || (g & (g - 1)) != 0) : sd[lead] != 1) return 0;
+  return g;
+}
+
+ffi::Error quant_format(Call& c, int32_t bits) {
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant: bits must be 8 or 4");
+  c.fmt = bits == 8 ? kInt8 : kInt4;
   return ffi::Error::Success();
+}
+
+const char kQuantLayout[] =
+    ": int8 q [D, 2F] and [F, D] with scales [1, 2F] and [1, D]; int4 q uint8 [D/2, 2F] and [F/2, D] with "
+    "scales [D/G, 2F] and [F/G', D], G and G' powers of two and multiples of 32";
+
+// h [N, D] bf16, coef [k, N] f32, then k gate_up q, k gate_up scales, k down q, k down scales; attribute bits.
+ffi::Error ffn_quant_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs weights,
+                          ffi::ResultBuffer<ffi::F32> out, int32_t bits) {
+  Call c;
+  if (auto e = quant_format(c, bits); e.failure()) return e;
+  auto hd = h.dimensions(), cd = coef.dimensions();
+  if (hd.size() != 2 || cd.size() != 2 || cd[1] != hd[0])
+    return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_list: h [N, D], coef [k, N]");
+  c.n = int(hd[0]);
+  c.d = int(hd[1]);
+  c.k = int(cd[0]);
+  if (weights.size() != size_t(4 * c.k))
+    return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_list: expected k gate_up q, k gate_up scales, "
+                                       "k down q, k down scales");
+  c.f = kBlock;
+  for (int j = 0; j < c.k; ++j) {
+    auto gq = weights.get<ffi::AnyBuffer>(j), dq = weights.get<ffi::AnyBuffer>(2 * c.k + j);
+    auto gs = weights.get<ffi::Buffer<ffi::F32>>(c.k + j), ds = weights.get<ffi::Buffer<ffi::F32>>(3 * c.k + j);
+    if (!gq.has_value()) return gq.error();
+    if (!dq.has_value()) return dq.error();
+    if (!gs.has_value()) return gs.error();
+    if (!ds.has_value()) return ds.error();
+    if (j == 0 && gq->dimensions().size() == 2) c.f = int(gq->dimensions()[1] / 2);
+    const int64_t gg = quant_group(*gq, *gs, bits, 0, c.d, 2 * int64_t(c.f));
+    const int64_t dg = quant_group(*dq, *ds, bits, 0, c.f, c.d);
+    if (gg == 0 || dg == 0 || (j > 0 && (gg != c.gu_group || dg != c.dn_group)))
+      return ffi::Error::InvalidArgument(std::string("pdscope_cpu_ffn_quant_list") + kQuantLayout +
+                                         ", the same for every expert");
+    c.gu_group = int(gg);
+    c.dn_group = int(dg);
+    c.gate_up.push_back(gq->untyped_data());
+    c.gate_up_scale.push_back(gs->typed_data());
+    c.down.push_back(dq->untyped_data());
+    c.down_scale.push_back(ds->typed_data());
+  }
+  return checked_run(c, h, coef, out);
+}
+
+// h, coef, ids [k] int32, then the stacks gate_up q [E, ...], its scales [E, ...], down q, its scales; bits.
+ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::S32> ids,
+                             ffi::AnyBuffer gq, ffi::Buffer<ffi::F32> gs, ffi::AnyBuffer dq,
+                             ffi::Buffer<ffi::F32> ds, ffi::ResultBuffer<ffi::F32> out, int32_t bits) {
+  Call c;
+  if (auto e = quant_format(c, bits); e.failure()) return e;
+  auto hd = h.dimensions(), cd = coef.dimensions(), gd = gq.dimensions();
+  if (hd.size() != 2 || cd.size() != 2 || cd[1] != hd[0] || gd.size() != 3 ||
+      ids.element_count() != size_t(cd[0]))
+    return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_stacked: h [N, D], coef [k, N], ids [k], stacks 3-d");
+  c.n = int(hd[0]);
+  c.d = int(hd[1]);
+  c.k = int(cd[0]);
+  c.f = int(gd[2] / 2);
+  const int64_t experts = gd[0];
+  const int64_t gg = quant_group(gq, gs, bits, 1, c.d, 2 * int64_t(c.f)), dg = quant_group(dq, ds, bits, 1, c.f, c.d);
+  if (gg == 0 || dg == 0 || dq.dimensions()[0] != experts)
+    return ffi::Error::InvalidArgument(std::string("pdscope_cpu_ffn_quant_stacked") + kQuantLayout +
+                                       ", after one leading expert axis");
+  if (auto e = check_shapes(c); e.failure()) return e;
+  c.gu_group = int(gg);
+  c.dn_group = int(dg);
+  const size_t e = size_t(std::max<int64_t>(experts, 1));
+  const size_t gq_bytes = gq.size_bytes() / e, dq_bytes = dq.size_bytes() / e;
+  const size_t gs_size = gs.element_count() / e, ds_size = ds.element_count() / e;
+  const int32_t* id = ids.typed_data();
+  for (int j = 0; j < c.k; ++j) {
+    if (id[j] < 0 || id[j] >= experts)
+      return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_stacked: id out of range");
+    c.gate_up.push_back(static_cast<const uint8_t*>(gq.untyped_data()) + id[j] * gq_bytes);
+    c.gate_up_scale.push_back(gs.typed_data() + id[j] * gs_size);
+    c.down.push_back(static_cast<const uint8_t*>(dq.untyped_data()) + id[j] * dq_bytes);
+    c.down_scale.push_back(ds.typed_data() + id[j] * ds_size);
+  }
+  return checked_run(c, h, coef, out);
 }
 
 struct ReadArgs {
@@ -289,6 +409,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_cpu_ffn_stacked, ffn_stacked,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_cpu_ffn_quant_list, ffn_quant_list,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("bits"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_cpu_ffn_quant_stacked, ffn_quant_stacked,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("bits"));
 
 extern "C" {
 

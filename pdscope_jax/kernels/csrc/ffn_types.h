@@ -27,6 +27,7 @@ const int kGuPrefetch = env_int("PDSCOPE_CPU_FFN_PF_GU", 12);
 const int kDownPrefetch = env_int("PDSCOPE_CPU_FFN_PF_DOWN", 4);
 
 enum Isa : int { kScalar = 0, kAvx512Bf16 = 2 };
+enum Format : int { kBf16 = 16, kInt8 = 8, kInt4 = 4 };  // the weights' stored format (its bits)
 
 inline float bf16_to_f32(bf16 v) {
   uint32_t u = uint32_t(v) << 16;
@@ -61,8 +62,11 @@ struct Call {
   int n = 0, d = 0, f = 0, k = 0;
   const bf16* h = nullptr;              // [n, d]
   const float* coef = nullptr;          // [k, n]
-  std::vector<const bf16*> gate_up;     // k x [d, 2f]
-  std::vector<const bf16*> down;        // k x [f, d]
+  int fmt = kBf16;                      // how gate_up and down are stored (ffn_weights.h)
+  std::vector<const void*> gate_up;     // k x [d, 2f] (int4: [d/2, 2f] bytes)
+  std::vector<const void*> down;        // k x [f, d] (int4: [f/2, d] bytes)
+  std::vector<const float*> gate_up_scale, down_scale;  // quantized: k x [d/gu_group, 2f], k x [f/dn_group, d]
+  int gu_group = 0, dn_group = 0;       // int4: rows per scale (int8: one scale row, bf16: unused)
   float* out = nullptr;                 // [n, d]
   std::vector<int> rows, row_off;       // routed rows of expert j: rows[row_off[j] .. row_off[j+1])
   std::vector<int> unit_expert, unit_block;

@@ -1,4 +1,5 @@
-// One unit of work (expert j, 32 intermediate columns): portable and AVX-512 BF16 kernels.
+// One unit of work (expert j, 32 intermediate columns): portable and AVX-512 BF16 kernels, each a template over
+// the weights' format (a view of ffn_weights.h: M::value for the portable path, pair_of_rows for AVX-512).
 // Part of cpu_ffn.cc (one translation unit); see its header comment for the contract.
 #pragma once
 
@@ -12,21 +13,30 @@
 #endif
 
 #include "ffn_types.h"
+#include "ffn_weights.h"
 
 namespace pdscope_cpu_ffn {
 
 // ---------------------------------------------------------------------------------------------------------
 // Portable kernels.
-void gate_up_scalar(const Call& c, const bf16* w, int b, const int* rows, int m, float* g, float* u) {
-  const size_t ld = 2 * size_t(c.f);
+// The view of expert j's gate_up [d, 2f] and down [f, d] in the call's format.
+template <class M>
+M gate_up_mat(const Call& c, int j) {
+  return M(c.gate_up[j], c.gate_up_scale.empty() ? nullptr : c.gate_up_scale[j], 2 * size_t(c.f), c.gu_group);
+}
+template <class M>
+M down_mat(const Call& c, int j) {
+  return M(c.down[j], c.down_scale.empty() ? nullptr : c.down_scale[j], size_t(c.d), c.dn_group);
+}
+
+template <class M>
+void gate_up_scalar(const Call& c, const M& w, int b, const int* rows, int m, float* g, float* u) {
   const int c0 = b * kBlock;
   std::fill(g, g + m * kBlock, 0.0f);
   std::fill(u, u + m * kBlock, 0.0f);
   for (int dd = 0; dd < c.d; ++dd) {
-    const bf16* wg = w + dd * ld + c0;
-    const bf16* wu = wg + c.f;
     float wgf[kBlock], wuf[kBlock];
-    for (int i = 0; i < kBlock; ++i) { wgf[i] = bf16_to_f32(wg[i]); wuf[i] = bf16_to_f32(wu[i]); }
+    for (int i = 0; i < kBlock; ++i) { wgf[i] = w.value(dd, c0 + i); wuf[i] = w.value(dd, c.f + c0 + i); }
     for (int r = 0; r < m; ++r) {
       const float x = bf16_to_f32(c.h[size_t(rows[r]) * c.d + dd]);
       for (int i = 0; i < kBlock; ++i) { g[r * kBlock + i] += x * wgf[i]; u[r * kBlock + i] += x * wuf[i]; }
@@ -34,14 +44,16 @@ void gate_up_scalar(const Call& c, const bf16* w, int b, const int* rows, int m,
   }
 }
 
-void down_scalar(const Call& c, const bf16* w, int b, const int* rows, int m, const bf16* act, float* partial) {
+template <class M>
+void down_scalar(const Call& c, const M& w, int b, const int* rows, int m, const bf16* act, float* partial) {
   const int f0 = b * kBlock;
+  std::vector<float> wr(c.d);
   for (int i = 0; i < kBlock; ++i) {
-    const bf16* wr = w + size_t(f0 + i) * c.d;
+    for (int col = 0; col < c.d; ++col) wr[col] = w.value(f0 + i, col);
     for (int r = 0; r < m; ++r) {
       const float a = bf16_to_f32(act[r * kBlock + i]);
       float* o = partial + size_t(rows[r]) * c.d;
-      for (int col = 0; col < c.d; ++col) o[col] += a * bf16_to_f32(wr[col]);
+      for (int col = 0; col < c.d; ++col) o[col] += a * wr[col];
     }
   }
 }
@@ -71,38 +83,34 @@ inline void unpermute(__m512 lo, __m512 hi, __m512* first, __m512* second) {
   *second = _mm512_permutex2var_ps(lo, _mm512_load_si512(idx[1]), hi);
 }
 
-// The gate and up columns of weight rows dd and dd+1 of one unit, interleaved as the dot products take them:
+// The gate and up columns [c0, c0 + 32) of weight rows dd and dd+1, interleaved as the dot products take them:
 // out[0], out[1] gate (lo, hi), out[2], out[3] up. Prefetches kGuPrefetch pairs ahead (past the end is harmless:
 // prefetches never fault).
-inline void load_gate_up_pair(const bf16* p0, size_t ld, int f, bool prefetch, __m512i out[4]) {
-  const bf16* p1 = p0 + ld;
+template <class M>
+inline void load_gate_up_pair(const M& w, int dd, int c0, int f, bool prefetch, __m512i out[4]) {
   if (prefetch && kGuPrefetch > 0) {
-    const bf16* q = p0 + kGuPrefetch * 2 * ld;
-    _mm_prefetch(reinterpret_cast<const char*>(q), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + ld), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + f), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(q + ld + f), _MM_HINT_T0);
+    prefetch_rows(w, dd + 2 * kGuPrefetch, c0);
+    prefetch_rows(w, dd + 2 * kGuPrefetch, f + c0);
   }
-  const __m512i g0 = _mm512_loadu_si512(p0), g1 = _mm512_loadu_si512(p1);
-  const __m512i u0 = _mm512_loadu_si512(p0 + f), u1 = _mm512_loadu_si512(p1 + f);
+  __m512i g0, g1, u0, u1;
+  pair_of_rows(w, dd, c0, &g0, &g1);
+  pair_of_rows(w, dd, f + c0, &u0, &u1);
   out[0] = _mm512_unpacklo_epi16(g0, g1);
   out[1] = _mm512_unpackhi_epi16(g0, g1);
   out[2] = _mm512_unpacklo_epi16(u0, u1);
   out[3] = _mm512_unpackhi_epi16(u0, u1);
 }
 
-template <int R>
-void gate_up_avx(const Call& c, const bf16* w, int b, const int* rows, float* g, float* u, bool prefetch) {
-  const size_t ld = 2 * size_t(c.f);
-  const bf16* wg = w + size_t(b) * kBlock;
+template <int R, class M>
+void gate_up_avx(const Call& c, const M& w, int b, const int* rows, float* g, float* u, bool prefetch) {
   const bf16* xr[R];
   for (int r = 0; r < R; ++r) xr[r] = c.h + size_t(rows[r]) * c.d;
   __m512 g_lo[R], g_hi[R], u_lo[R], u_hi[R];
   for (int r = 0; r < R; ++r) g_lo[r] = g_hi[r] = u_lo[r] = u_hi[r] = _mm512_setzero_ps();
   for (int dd = 0; dd < c.d; dd += 2) {
-    __m512i w[4];
-    load_gate_up_pair(wg + size_t(dd) * ld, ld, c.f, prefetch, w);
-    const __m512bh glo = as_bh(w[0]), ghi = as_bh(w[1]), ulo = as_bh(w[2]), uhi = as_bh(w[3]);
+    __m512i v[4];
+    load_gate_up_pair(w, dd, b * kBlock, c.f, prefetch, v);
+    const __m512bh glo = as_bh(v[0]), ghi = as_bh(v[1]), ulo = as_bh(v[2]), uhi = as_bh(v[3]);
     for (int r = 0; r < R; ++r) {
       const __m512bh x = as_bh(pair_of(xr[r] + dd));
       g_lo[r] = _mm512_dpbf16_ps(g_lo[r], glo, x);
@@ -125,13 +133,15 @@ void gate_up_avx(const Call& c, const bf16* w, int b, const int* rows, float* g,
 // Many rows: each chunk of 2 * kChunkPairs weight rows is loaded from memory once, interleaved into a
 // contiguous buffer, and every block of R rows runs over that buffer, its accumulators parked in `acc`
 // between chunks. (Re-walking the unit's rows per row block, 2F elements apart, missed the TLB on every row.)
+// scale (quantized weights; else null): the chunk's sums start from 0 and are added to acc times scale[q].
 template <int R>
-void gate_up_chunk_rows(const Call& c, const __m512i* wbuf, int dd0, const int* rows, float* acc) {
+void gate_up_chunk_rows(const Call& c, const __m512i* wbuf, int dd0, const int* rows, float* acc,
+                        const __m512* scale) {
   __m512 a[R][4];
   const bf16* xr[R];
   for (int r = 0; r < R; ++r) {
     xr[r] = c.h + size_t(rows[r]) * c.d + dd0;
-    for (int q = 0; q < 4; ++q) a[r][q] = _mm512_loadu_ps(acc + (r * 4 + q) * 16);
+    for (int q = 0; q < 4; ++q) a[r][q] = scale ? _mm512_setzero_ps() : _mm512_loadu_ps(acc + (r * 4 + q) * 16);
   }
   for (int p = 0; p < kChunkPairs; ++p) {
     const __m512bh w0 = as_bh(_mm512_load_si512(wbuf + 4 * p)), w1 = as_bh(_mm512_load_si512(wbuf + 4 * p + 1));
@@ -145,34 +155,49 @@ void gate_up_chunk_rows(const Call& c, const __m512i* wbuf, int dd0, const int* 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int q = 0; q < 4; ++q) _mm512_storeu_ps(acc + (r * 4 + q) * 16, a[r][q]);
+    for (int q = 0; q < 4; ++q) {
+      float* p = acc + (r * 4 + q) * 16;
+      _mm512_storeu_ps(p, scale ? _mm512_fmadd_ps(a[r][q], scale[q], _mm512_loadu_ps(p)) : a[r][q]);
+    }
 }
 
 template <int R>
-void gate_up_chunk_rows_upto(const Call& c, const __m512i* wbuf, int dd0, const int* rows, int m, float* acc) {
+void gate_up_chunk_rows_upto(const Call& c, const __m512i* wbuf, int dd0, const int* rows, int m, float* acc,
+                             const __m512* scale) {
   if constexpr (R > 1) {
-    if (m < R) return gate_up_chunk_rows_upto<R - 1>(c, wbuf, dd0, rows, m, acc);
+    if (m < R) return gate_up_chunk_rows_upto<R - 1>(c, wbuf, dd0, rows, m, acc, scale);
   }
-  gate_up_chunk_rows<R>(c, wbuf, dd0, rows, acc);
+  gate_up_chunk_rows<R>(c, wbuf, dd0, rows, acc, scale);
 }
 
-// g, u [m, kBlock]: the unit's gate and up columns for all m rows (any m >= 1).
-void gate_up_many(const Call& c, const bf16* w, int b, const int* rows, int m, Scratch& s, float* g, float* u) {
-  const size_t ld = 2 * size_t(c.f);
-  const bf16* wg = w + size_t(b) * kBlock;
-  s.acc.assign(size_t(m) * 64, 0.0f);
+// g, u [nb, m, kBlock]: the gate and up columns of nb consecutive units (blocks b .. b + nb - 1) for all m rows
+// (any m >= 1). Per chunk, the units run one after another, so the later ones find the chunk's weight lines in
+// the cache: with quantized weights a unit's 32 columns are half a line, and a pass over two units' columns
+// costs what one unit's costs (the passes are bound by lines and pages touched per row, not bytes).
+template <class M>
+void gate_up_many(const Call& c, const M& w, int b, int nb, const int* rows, int m, Scratch& s, float* g, float* u) {
+  s.acc.assign(size_t(nb) * m * 64, 0.0f);
   s.pairs.resize(kChunkPairs * 4 * 32 + 32);
   __m512i* wbuf = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(s.pairs.data()) + 63) & ~uintptr_t(63));
   for (int dd0 = 0; dd0 < c.d; dd0 += 2 * kChunkPairs) {
-    for (int p = 0; p < kChunkPairs; ++p) {
-      __m512i w[4];
-      load_gate_up_pair(wg + size_t(dd0 + 2 * p) * ld, ld, c.f, true, w);
-      for (int q = 0; q < 4; ++q) _mm512_store_si512(wbuf + 4 * p + q, w[q]);
+    for (int k = 0; k < nb; ++k) {
+      for (int p = 0; p < kChunkPairs; ++p) {
+        __m512i v[4];
+        load_gate_up_pair(w, dd0 + 2 * p, (b + k) * kBlock, c.f, k == 0, v);
+        for (int q = 0; q < 4; ++q) _mm512_store_si512(wbuf + 4 * p + q, v[q]);
+      }
+      float* acc = s.acc.data() + size_t(k) * m * 64;
+      __m512 scale[4];
+      if constexpr (M::kScaled) {  // the chunk's 32 rows share a scale row
+        permuted_scales(w, dd0, (b + k) * kBlock, &scale[0], &scale[1]);
+        permuted_scales(w, dd0, c.f + (b + k) * kBlock, &scale[2], &scale[3]);
+      }
+      for (int r0 = 0; r0 < m; r0 += kGuRows)
+        gate_up_chunk_rows_upto<kGuRows>(c, wbuf, dd0, rows + r0, std::min(kGuRows, m - r0), acc + r0 * 64,
+                                         M::kScaled ? scale : nullptr);
     }
-    for (int r0 = 0; r0 < m; r0 += kGuRows)
-      gate_up_chunk_rows_upto<kGuRows>(c, wbuf, dd0, rows + r0, std::min(kGuRows, m - r0), s.acc.data() + r0 * 64);
   }
-  for (int r = 0; r < m; ++r) {
+  for (int r = 0; r < nb * m; ++r) {
     const float* a = s.acc.data() + r * 64;
     __m512 first, second;
     unpermute(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &first, &second);
@@ -184,30 +209,36 @@ void gate_up_many(const Call& c, const bf16* w, int b, const int* rows, int m, S
   }
 }
 
-template <int R>
-void down_avx(const Call& c, const bf16* w, int b, const int* rows, const bf16* act, float* partial,
+template <int R, class M>
+void down_avx(const Call& c, const M& w, int b, const int* rows, const bf16* act, float* partial,
               bool prefetch) {
-  const size_t ld = size_t(c.d);
-  const bf16* w0 = w + size_t(b) * kBlock * ld;
+  const int f0 = b * kBlock;
   float* o[R];
-  for (int r = 0; r < R; ++r) o[r] = partial + size_t(rows[r]) * ld;
+  for (int r = 0; r < R; ++r) o[r] = partial + size_t(rows[r]) * c.d;
   for (int cb = 0; cb < c.d; cb += kBlock) {
     if (prefetch && kDownPrefetch > 0) {
       const int ahead = cb + kDownPrefetch * kBlock;
       if (ahead < c.d)
-        for (int i = 0; i < kBlock; ++i)
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + i * ld + ahead), _MM_HINT_T0);
+        for (int i = 0; i < kBlock; i += 2) prefetch_rows(w, f0 + i, ahead);
     }
     __m512 lo[R], hi[R];
     for (int r = 0; r < R; ++r) lo[r] = hi[r] = _mm512_setzero_ps();
     for (int i = 0; i < kBlock; i += 2) {
-      const bf16* p0 = w0 + i * ld + cb;
-      const __m512i a0 = _mm512_loadu_si512(p0), a1 = _mm512_loadu_si512(p0 + ld);
+      __m512i a0, a1;
+      pair_of_rows(w, f0 + i, cb, &a0, &a1);
       const __m512bh wlo = as_bh(_mm512_unpacklo_epi16(a0, a1)), whi = as_bh(_mm512_unpackhi_epi16(a0, a1));
       for (int r = 0; r < R; ++r) {
         const __m512bh x = as_bh(pair_of(act + r * kBlock + i));
         lo[r] = _mm512_dpbf16_ps(lo[r], wlo, x);
         hi[r] = _mm512_dpbf16_ps(hi[r], whi, x);
+      }
+    }
+    if constexpr (M::kScaled) {  // the unit's 32 rows share a scale row
+      __m512 s_lo, s_hi;
+      permuted_scales(w, f0, cb, &s_lo, &s_hi);
+      for (int r = 0; r < R; ++r) {
+        lo[r] = _mm512_mul_ps(lo[r], s_lo);
+        hi[r] = _mm512_mul_ps(hi[r], s_hi);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -219,16 +250,16 @@ void down_avx(const Call& c, const bf16* w, int b, const int* rows, const bf16* 
   }
 }
 
-template <int R>
-void gate_up_avx_upto(const Call& c, const bf16* w, int b, const int* rows, int m, float* g, float* u, bool pf) {
+template <int R, class M>
+void gate_up_avx_upto(const Call& c, const M& w, int b, const int* rows, int m, float* g, float* u, bool pf) {
   if constexpr (R > 1) {
     if (m < R) return gate_up_avx_upto<R - 1>(c, w, b, rows, m, g, u, pf);
   }
   gate_up_avx<R>(c, w, b, rows, g, u, pf);
 }
 
-template <int R>
-void down_avx_upto(const Call& c, const bf16* w, int b, const int* rows, int m, const bf16* act, float* partial,
+template <int R, class M>
+void down_avx_upto(const Call& c, const M& w, int b, const int* rows, int m, const bf16* act, float* partial,
                    bool pf) {
   if constexpr (R > 1) {
     if (m < R) return down_avx_upto<R - 1>(c, w, b, rows, m, act, partial, pf);
@@ -263,27 +294,33 @@ inline void activation_avx(const float* g, const float* u, float scale, bf16* ac
   }
 }
 
-void unit_avx(const Call& c, int j, int b, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
-  const bf16* gu = c.gate_up[j];
+// Units (j, b) .. (j, b + nb - 1) of one expert (nb 1 or 2; see gate_up_many), in order.
+template <class M>
+void unit_avx(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
+  const M gu = gate_up_mat<M>(c, j), dn = down_mat<M>(c, j);
   float* g = s.gu.data();
   float* u = g + kGuRows * kBlock;
-  bf16* act = s.act.data();
   const float* coef = c.coef + size_t(j) * c.n;
   int64_t t = ph ? now_ns() : 0;
-  if (m <= kGuRows) {  // one pass over the weights either way: skip the chunk buffer
+  if (!M::kScaled && nb == 1 && m <= kGuRows) {  // one pass over the weights either way: skip the chunk buffer
     gate_up_avx_upto<kGuRows>(c, gu, b, rows, m, g, u, true);
   } else {
-    u = g + size_t(m) * kBlock;
-    gate_up_many(c, gu, b, rows, m, s, g, u);
+    u = g + size_t(nb) * m * kBlock;
+    gate_up_many(c, gu, b, nb, rows, m, s, g, u);
   }
   if (ph) { const int64_t t1 = now_ns(); ph->gate_up += t1 - t; t = t1; }
-  for (int r = 0; r < m; ++r) activation_avx(g + r * kBlock, u + r * kBlock, coef[rows[r]], act + r * kBlock);
-  if (ph) { const int64_t t1 = now_ns(); ph->act += t1 - t; t = t1; }
-  for (int r0 = 0; r0 < m; r0 += kDownRows) {
-    const int rb = std::min(kDownRows, m - r0);
-    down_avx_upto<kDownRows>(c, c.down[j], b, rows + r0, rb, act + r0 * kBlock, partial, r0 == 0);
+  for (int k = 0; k < nb; ++k) {
+    bf16* act = s.act.data();
+    const float* gk = g + size_t(k) * m * kBlock;
+    const float* uk = u + size_t(k) * m * kBlock;
+    for (int r = 0; r < m; ++r) activation_avx(gk + r * kBlock, uk + r * kBlock, coef[rows[r]], act + r * kBlock);
+    if (ph) { const int64_t t1 = now_ns(); ph->act += t1 - t; t = t1; }
+    for (int r0 = 0; r0 < m; r0 += kDownRows) {
+      const int rb = std::min(kDownRows, m - r0);
+      down_avx_upto<kDownRows>(c, dn, b + k, rows + r0, rb, act + r0 * kBlock, partial, r0 == 0);
+    }
+    if (ph) { const int64_t t1 = now_ns(); ph->down += t1 - t; t = t1; }
   }
-  if (ph) ph->down += now_ns() - t;
 }
 
 bool cpu_has_avx512bf16() {
@@ -295,18 +332,30 @@ bool cpu_has_avx512bf16() {
 #pragma GCC pop_options
 #else
 bool cpu_has_avx512bf16() { return false; }
-void unit_avx(const Call&, int, int, const int*, int, Scratch&, float*, Phases*) {}
+template <class M>
+void unit_avx(const Call&, int, int, int, const int*, int, Scratch&, float*, Phases*) {}
 #endif
 
+template <class M>
 void unit_scalar(const Call& c, int j, int b, const int* rows, int m, Scratch& s, float* partial) {
   std::vector<float> g(size_t(m) * kBlock), u(size_t(m) * kBlock);
-  gate_up_scalar(c, c.gate_up[j], b, rows, m, g.data(), u.data());
+  gate_up_scalar(c, gate_up_mat<M>(c, j), b, rows, m, g.data(), u.data());
   bf16* act = s.act.data();
   const float* coef = c.coef + size_t(j) * c.n;
   for (int r = 0; r < m; ++r)
     for (int i = 0; i < kBlock; ++i)
       act[r * kBlock + i] = f32_to_bf16(coef[rows[r]] * silu(g[r * kBlock + i]) * u[r * kBlock + i]);
-  down_scalar(c, c.down[j], b, rows, m, act, partial);
+  down_scalar(c, down_mat<M>(c, j), b, rows, m, act, partial);
+}
+
+// Units (j, b) .. (j, b + nb - 1) in the call's format and instruction set.
+template <class M>
+void run_units(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
+  if (c.isa == kAvx512Bf16) {
+    unit_avx<M>(c, j, b, nb, rows, m, s, partial, ph);
+  } else {
+    for (int k = 0; k < nb; ++k) unit_scalar<M>(c, j, b + k, rows, m, s, partial);
+  }
 }
 
 }  // namespace pdscope_cpu_ffn

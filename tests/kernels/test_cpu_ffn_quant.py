@@ -1,0 +1,171 @@
+"""The CPU expert kernel on int8 and int4 experts: against the XLA dequantize path, an exact float64 reference
+(weights q * scale) and the bf16 kernel on the dequantized experts; both instruction sets; skipping; routing
+and refusals."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax.kernels import cpu_ffn
+from pdscope_jax.quant.formats import QuantizedWeight, quantize
+
+F, E = 160, 10  # F = 5 blocks of 32 (units split unevenly, an odd one left unpaired); down's int4 group is 32
+# (scheme, D): int4 groups along D of 64 (D = 256) and 32 (D = 224, an odd multiple of 32)
+FORMATS = [("int8", 256), ("int4", 256), ("int4", 224)]
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    if not cpu_ffn.built():
+        pytest.skip("the CPU expert kernel is not built here (no C++ compiler or a failed build)")
+    yield
+    cpu_ffn.set_isa(None)
+
+
+_stacks: dict = {}
+
+
+def stacks(name: str, d: int):
+    """(gate_up, down) QuantizedWeight stacks [E, D, 2F], [E, F, D] (compute dtype bf16), made once."""
+    if (name, d) not in _stacks:
+        rng = np.random.default_rng(d)
+        gate_up = jnp.asarray(rng.standard_normal((E, d, 2 * F)) * 0.06, jnp.bfloat16)
+        down = jnp.asarray(rng.standard_normal((E, F, d)) * 0.08, jnp.bfloat16)
+        _stacks[name, d] = (quantize(gate_up, name), quantize(down, name))
+    return _stacks[name, d]
+
+
+def case(rows: int, k: int, d: int, seed: int):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16)
+    ids = rng.choice(E, k, replace=False).astype(np.int32)
+    coef = rng.random((k, rows)).astype(np.float32)
+    coef[rng.random((k, rows)) < 0.4] = 0.0  # rows not routed to an expert
+    coef[-1] = 0.0 if k > 1 else coef[-1]  # an expert no row is routed to
+    return h, coef, ids
+
+
+def exact(h, coef, gate_up, down, ids) -> np.ndarray:
+    """sum_j coef[j, n] * expert_ffn(h[n]) in float64 from the weights q * scale (float32, not rounded to bf16:
+    what the kernel computes with)."""
+    h = np.asarray(h.astype(jnp.float32), np.float64)
+    out = np.zeros(h.shape)
+    for j, e in enumerate(ids):
+        gu, dn = (np.asarray(w[e].dequantize(jnp.float32), np.float64) for w in (gate_up, down))
+        pre = h @ gu
+        gate, up = pre[:, :F], pre[:, F:]
+        out += coef[j][:, None] * ((gate / (1 + np.exp(-gate)) * up) @ dn)
+    return out
+
+
+@pytest.mark.parametrize("name,d", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_kernel_matches_xla_dequantize(kernel, name, d, rows, k):
+    gate_up, down = stacks(name, d)
+    h, coef, ids = case(rows, k, d, seed=rows * 10 + k)
+    stacked = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")  # eager
+    listed = jax.jit(lambda h, c, g, dn: cpu_ffn.moe_ffn_cpu(h, c, g, dn, impl="kernel"))(
+        h, coef, [gate_up[e] for e in ids], [down[e] for e in ids])
+    xla = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="xla")
+    dense = cpu_ffn.moe_ffn_cpu(h, coef, gate_up.dequantize(), down.dequantize(), ids, impl="kernel")
+    assert stacked.dtype == jnp.float32 and stacked.shape == (rows, d)
+    np.testing.assert_array_equal(np.asarray(stacked), np.asarray(listed))
+    # bf16 rounding: the XLA path rounds the dequantized weights and each expert's output, the kernel the act
+    assert rel(stacked, xla) < 1e-2
+    assert rel(stacked, dense) < 1e-2
+    assert rel(stacked, exact(h, coef, gate_up, down, ids)) < 5e-3
+    unrouted = ~(coef != 0).any(axis=0)
+    assert np.all(np.asarray(stacked)[unrouted] == 0.0)
+
+
+@pytest.mark.parametrize("name,d", FORMATS)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_portable_path_matches(kernel, name, d, rows):
+    gate_up, down = stacks(name, d)
+    h, coef, ids = case(rows, 4, d, seed=rows)
+    fast = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
+    assert cpu_ffn.set_isa("portable") == "portable"
+    try:
+        portable = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
+        listed = jax.jit(lambda h, c, g, dn: cpu_ffn.moe_ffn_cpu(h, c, g, dn, impl="kernel"))(
+            h, coef, [gate_up[e] for e in ids], [down[e] for e in ids])
+    finally:
+        cpu_ffn.set_isa(None)
+    np.testing.assert_array_equal(np.asarray(portable), np.asarray(listed))
+    assert rel(portable, fast) < 1e-5  # the same weights; sums scaled per chunk vs per weight; exp polynomial
+    assert rel(portable, exact(h, coef, gate_up, down, ids)) < 5e-3
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("isa", ["portable", None])
+def test_skipped_experts_and_rows_are_not_read(kernel, name, isa):
+    """An expert no row is routed to reads none of its bytes: NaN scales there leave the output finite."""
+    gate_up, down = stacks(name, 256)
+    h, coef, _ = case(3, 3, 256, seed=2)
+    coef[1] = 0.0
+    poisoned = [QuantizedWeight(w[1].q, jnp.full(w[1].scale.shape, jnp.nan), w.scheme, w.dtype)
+                for w in (gate_up, down)]
+    gus, dns = [gate_up[0], poisoned[0], gate_up[2]], [down[0], poisoned[1], down[2]]
+    cpu_ffn.set_isa(isa)
+    try:
+        out = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gus, dns, impl="kernel"))
+    finally:
+        cpu_ffn.set_isa(None)
+    assert np.all(np.isfinite(out))
+    keep = [0, 2]
+    want = exact(h, coef[keep], gate_up, down, keep)
+    assert rel(out, want) < 5e-3
+
+
+def test_auto_routes_quantized_experts(kernel):
+    gate_up, down = stacks("int8", 256)
+    h, coef, ids = case(4, 3, 256, seed=4)
+    gus, dns = [gate_up[e] for e in ids], [down[e] for e in ids]
+    assert cpu_ffn.kernel_supports(h, gus[0]) and cpu_ffn.kernel_supports(h, gus[0], dns[0])
+    auto = cpu_ffn.moe_ffn_cpu(h, coef, gus, dns)
+    if cpu_ffn.available():
+        np.testing.assert_array_equal(np.asarray(auto), np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gus, dns,
+                                                                                         impl="kernel")))
+    else:
+        np.testing.assert_array_equal(np.asarray(auto), np.asarray(cpu_ffn.moe_ffn_xla(h, coef, gus, dns)))
+
+
+def test_float32_compute_dtype_uses_xla_and_kernel_refuses(kernel):
+    gate_up, down = stacks("int4", 256)
+    h, coef, ids = case(3, 2, 256, seed=6)
+    gu32, dn32 = (QuantizedWeight(w.q, w.scale, w.scheme, jnp.float32) for w in (gate_up, down))
+    assert not cpu_ffn.kernel_supports(h, gu32)
+    auto = cpu_ffn.moe_ffn_cpu(h, coef, gu32, dn32, ids)
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(cpu_ffn.moe_ffn_xla(h, coef, gu32, dn32, ids)))
+    assert rel(auto, exact(h, coef, gate_up, down, ids)) < 1e-2
+    with pytest.raises(ValueError, match="int4 .compute float32"):
+        cpu_ffn.moe_ffn_cpu(h, coef, gu32, dn32, ids, impl="kernel")
+
+
+def test_mixed_dense_and_quantized_is_refused():
+    gate_up, down = stacks("int8", 256)
+    h, coef, ids = case(2, 2, 256, seed=8)
+    with pytest.raises(ValueError, match="all dense arrays or all QuantizedWeights"):
+        cpu_ffn.moe_ffn_cpu(h, coef, [gate_up[e] for e in ids], [down[e].dequantize() for e in ids])
+    int4_down = stacks("int4", 256)[1]
+    with pytest.raises(ValueError, match="of one scheme"):
+        cpu_ffn.moe_ffn_cpu(h, coef, gate_up, int4_down, ids)
+
+
+def test_auto_falls_back_to_xla_without_the_library(monkeypatch):
+    gate_up, down = stacks("int4", 224)
+    h, coef, ids = case(3, 3, 224, seed=12)
+    want = jax.jit(cpu_ffn.moe_ffn_xla)(h, coef, gate_up, down, ids)
+    monkeypatch.setitem(cpu_ffn._state, "lib", None)  # as where no library could be built
+    got = jax.jit(lambda h, c, i, g, dn: cpu_ffn.moe_ffn_cpu(h, c, g, dn, i))(h, coef, ids, gate_up, down)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert rel(got, exact(h, coef, gate_up, down, ids)) < 1e-2
+    with pytest.raises(RuntimeError, match="not built"):
+        cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
