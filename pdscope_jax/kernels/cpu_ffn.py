@@ -166,6 +166,10 @@ def profile_read() -> dict[str, float]:
     return {"calls": int(calls), **{name: totals[i + 1] / calls / 1e6 for i, name in enumerate(PROFILE_FIELDS[:n - 1])}}
 
 
+def _f32(scale):
+    return scale if scale.dtype == jnp.float32 else scale.astype(jnp.float32)
+
+
 def _quant_supported(w) -> bool:
     """An int8 or int4 QuantizedWeight the kernel reads: int4 groups (K / the scale's rows) a power of two, a
     multiple of 32."""
@@ -242,10 +246,12 @@ def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: Weights | Sequence[Weigh
     if quantized:
         call = jax.ffi.ffi_call(TARGETS["quant_list" if ids is None else "quant_stacked"], out_type)
         bits = np.int32(first.scheme.bits)
+        # the kernel reads float32 scales; int4 stores bf16 ones (1/64 of its bytes), widened here in the program
         if ids is None:
-            return call(h, coef, *(w.q for w in gate_up), *(w.scale for w in gate_up), *(w.q for w in down),
-                        *(w.scale for w in down), bits=bits)
-        return call(h, coef, jnp.asarray(ids, jnp.int32), gate_up.q, gate_up.scale, down.q, down.scale, bits=bits)
+            return call(h, coef, *(w.q for w in gate_up), *(_f32(w.scale) for w in gate_up), *(w.q for w in down),
+                        *(_f32(w.scale) for w in down), bits=bits)
+        return call(h, coef, jnp.asarray(ids, jnp.int32), gate_up.q, _f32(gate_up.scale), down.q, _f32(down.scale),
+                    bits=bits)
     if ids is None:
         return jax.ffi.ffi_call(TARGETS["list"], out_type)(h, coef, *gate_up, *down)
     return jax.ffi.ffi_call(TARGETS["stacked"], out_type)(h, coef, jnp.asarray(ids, jnp.int32), gate_up, down)

@@ -1,18 +1,22 @@
 """Quantized experts in the offload engine: every policy reproduces the plain model holding the same quantized
 experts (float32 within 1e-4, the same tokens), through host decode, on-device decode (from per-expert arrays
-and from layer stacks) and the CPU expert paths; the pool and the transfers count quantized bytes."""
+and from layer stacks) and the CPU expert paths (XLA, and the kernel in bf16); the pool and the transfers count quantized bytes."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from pdscope_jax import models
+from pdscope_jax.engine.cpu_experts import CpuExperts
 from pdscope_jax.engine.runner import OffloadRunner
 from pdscope_jax.generation.generator import Generator
+from pdscope_jax.kernels import cpu_ffn
 from pdscope_jax.presets import preset
-from pdscope_jax.quant.formats import QuantizedWeight
-from pdscope_jax.runtime import RuntimeConfig
+from pdscope_jax.quant.formats import QuantizedWeight, quantize
+from pdscope_jax.runtime import RuntimeConfig, select_devices
+from pdscope_jax.store.expert_store import ExpertStore
 
 TOL = 1e-4
 
@@ -65,3 +69,20 @@ def test_decode_on_device_pulls_quantized_experts(qds, stacks):
 def test_other_families_in_int4(name):
     ref = QuantReference(name, "int4")
     ref.check(ref.runner("pdscope", 5))
+
+
+@pytest.mark.skipif(not cpu_ffn.available(), reason="the CPU expert kernel does not run here")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_cpu_experts_of_quantized_layers_run_in_the_kernel(quant):
+    """bf16 quantized experts on the CPU: one kernel program per layer, the XLA dequantize path's numbers."""
+    rng = np.random.default_rng(1)
+    store = ExpertStore(select_devices())
+    e, d, f = 8, 64, 96
+    store.add_layer(1, quantize(jnp.asarray(rng.standard_normal((e, d, 2 * f)) * 0.1), quant, jnp.bfloat16),
+                    quantize(jnp.asarray(rng.standard_normal((e, f, d)) * 0.1), quant, jnp.bfloat16))
+    h = jax.device_put(jnp.asarray(rng.standard_normal((2, d)), jnp.bfloat16), store.devices.cpu)
+    groups = [(3, np.array([0, 1]), np.array([0.5, 0.25], np.float32)), (6, np.array([1]), np.array([1.0], np.float32))]
+    fast, xla = CpuExperts(store, kernel=True), CpuExperts(store, kernel=False)
+    y, want = np.asarray(fast.dispatch(1, h, groups), np.float64), np.asarray(xla.dispatch(1, h, groups), np.float64)
+    assert {path for path, *_ in fast._shapes} == {"kernel"} and {path for path, *_ in xla._shapes} == {"dense"}
+    assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-2  # bf16 rounding apart
