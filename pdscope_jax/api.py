@@ -1,7 +1,7 @@
 """`load()` and the `Runner`: the public entry point.
 
 Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, revision=None,
-compile_cache=True, quantize=None, **runtime)`
+compile_cache=True, quantize=None, quant_cache=True, **runtime)`
 resolves
 1. a preset name (`pdscope_jax.presets`): random weights (`weights=None` or "random"), or `weights=<directory>`
    holding that architecture's safetensors;
@@ -20,7 +20,9 @@ built from `policy` and `**runtime`
 (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
 predictions feed the planner (its fingerprint must match the model). `quantize="int8" | "int4"` stores the
 routed experts quantized (`quant.formats`; the dense weights are quantized as they load, `quant.loader`), with or
-without a policy: the plain model quantized is the reference every policy reproduces.
+without a policy: the plain model quantized is the reference every policy reproduces. From a checkpoint the
+quantized experts are written once to a cache keyed by the checkpoint's fingerprint and the scheme, and later
+loads memory-map them (`quant.cache`; `quant_cache=False` turns it off, a directory puts it there).
 `Runner.logits(input_ids) -> np.float32 [B,T,V]`, `Runner.generate(input_ids | text, ...)` and
 `Runner.steps(...)` (the same, one step per `next`, for streaming) take rectangular batches; text needs the
 checkpoint's tokenizer.json; sampling keywords are `generation.sampling.SamplingParams`'s fields. Validate first, then work: `load` checks dtype, seed,
@@ -48,6 +50,7 @@ from pdscope_jax.errors import collect, raise_problems
 from pdscope_jax.generation.generator import GenerationResult, Generator, check_request, host_steps, seed_problems
 from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.presets import UnknownModelError, known_names, preset
+from pdscope_jax.quant.cache import cached_quantizing_loader
 from pdscope_jax.quant.formats import SCHEMES, scheme
 from pdscope_jax.quant.loader import quantizing_loader
 from pdscope_jax.text.tokenizer import Tokenizer
@@ -152,7 +155,8 @@ def resolve(name_or_path: str, revision: str | None = None) -> tuple[ModelConfig
 
 def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16",
          policy: str | None = None, predictors: str | Path | None = None, revision: str | None = None,
-         compile_cache: bool | str | Path = True, quantize: str | None = None, **runtime):
+         compile_cache: bool | str | Path = True, quantize: str | None = None,
+         quant_cache: bool | str | Path = True, **runtime):
     rc = check_load(dtype, seed, policy, predictors, runtime, quantize)  # before anything is read or built
     cfg, checkpoint = resolve(str(name_or_path), revision)
     from pdscope_jax.runtime import enable_compile_cache
@@ -168,13 +172,18 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
         loader = lambda paths, placement: random_state({p: dense_shapes[p] for p in paths}, seed,  # noqa: E731
                                                        placement)
     else:
-        loader = checkpoint_loader(open_checkpoint(checkpoint), models.checkpoint_sources(cfg), dense_shapes)
+        ckpt = open_checkpoint(checkpoint)
+        loader = checkpoint_loader(ckpt, models.checkpoint_sources(cfg), dense_shapes)
     shapes = dense_shapes
     if quantize is not None:  # the dense loader's experts are quantized as they arrive (quant.loader)
         check_quantizable(cfg, quantize)
+        if checkpoint is not None and quant_cache is not False:  # once, then memory-mapped (quant.cache)
+            loader = cached_quantizing_loader(loader, quantize, ckpt, cfg.name, dense_shapes,
+                                              None if quant_cache is True else quant_cache)
+        else:
+            loader = quantizing_loader(loader, quantize)
         cfg = cfg.replace(expert_quant=quantize)
         shapes = models.abstract_state(cfg, jdtype)
-        loader = quantizing_loader(loader, quantize)
     tokenizer = None if checkpoint is None else Tokenizer.from_dir(checkpoint)
     if rc is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
