@@ -102,7 +102,8 @@ def isa() -> str | None:
 
 def set_isa(name: str | None) -> str | None:
     """Force the kernel's instruction set ("portable", or "avx512_bf16" where supported), None for the best.
-    Returns the one in use (None where not built)."""
+    Returns the one in use (None where not built). A call reads it when it runs, not when it is dispatched:
+    finish pending calls (`jax.block_until_ready`) before changing it."""
     lib = library()
     if lib is None:
         return None

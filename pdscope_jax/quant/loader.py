@@ -4,9 +4,9 @@ Contract: `quantizing_loader(loader, quant)` wraps a weights loader of the dense
 -> {path: array}`, as `weights.checkpoint.checkpoint_loader` and the random-weights loader are) into one of the
 quantized model (`ModelConfig.expert_quant = quant`): a routed-expert matrix is asked for by its integer path
 (`layers.L.mlp.experts.gate_up`, `.down`) and/or its scale path (the same + `_scale`); the wrapper loads the dense
-stack once, quantizes it where `placement` put it (a jitted program, so a GPU quantizes on the GPU) and returns
-the parts asked for. Every other path passes through. The dense stack is dropped as soon as it is quantized, so a
-caller that asks layer by layer (the offload engine) holds at most one dense layer at a time.
+stack once, quantizes it where `placement` put it (a jitted program, expert by expert, so a GPU quantizes on the
+GPU) and returns the parts asked for. Every other path passes through. Each dense stack is loaded by itself and
+dropped once quantized, so at most one is held at a time, also when every parameter is asked for at once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def dense_path(path: str) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _quantizer(name: str):
-    return jax.jit(lambda w: quantize(w, name))
+    # expert by expert (lax.map): the float32 working copy is one expert's, not the stack's
+    return jax.jit(lambda w: jax.lax.map(lambda expert: quantize(expert, name), w))
 
 
 def quantizing_loader(loader, quant: str):
@@ -38,11 +39,10 @@ def quantizing_loader(loader, quant: str):
     def load(paths, placement):
         paths = list(paths)
         dense = {p: dense_path(p) for p in paths}
-        wanted = [p for p in paths if dense[p] is None] + sorted({d for d in dense.values() if d is not None})
-        values = loader(wanted, placement)
-        out = {p: values.pop(p) for p in paths if dense[p] is None}
+        out = loader([p for p in paths if dense[p] is None], placement)
+        # one dense expert matrix at a time, even when every parameter is asked for at once (the plain model)
         for base in sorted({d for d in dense.values() if d is not None}):
-            w = quantize_stack(values.pop(base))
+            w = quantize_stack(loader([base], placement).pop(base))
             for p in (base, base + SCALE):
                 if p in dense:
                     out[p] = w.q if p == base else w.scale

@@ -90,12 +90,14 @@ def test_kernel_matches_xla_dequantize(kernel, name, d, rows, k):
 def test_portable_path_matches(kernel, name, d, rows):
     gate_up, down = stacks(name, d)
     h, coef, ids = case(rows, 4, d, seed=rows)
-    fast = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
+    # calls run asynchronously and read the instruction set when they run: each is finished before it changes
+    fast = jax.block_until_ready(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
     assert cpu_ffn.set_isa("portable") == "portable"
     try:
         portable = cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel")
         listed = jax.jit(lambda h, c, g, dn: cpu_ffn.moe_ffn_cpu(h, c, g, dn, impl="kernel"))(
             h, coef, [gate_up[e] for e in ids], [down[e] for e in ids])
+        jax.block_until_ready((portable, listed))
     finally:
         cpu_ffn.set_isa(None)
     np.testing.assert_array_equal(np.asarray(portable), np.asarray(listed))
