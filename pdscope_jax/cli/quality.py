@@ -6,7 +6,8 @@ reference, then each `--quantize` scheme, default int8 and int4) with a rich pro
 windows, prints a table (precision, bytes of routed experts, perplexity, delta vs the reference with PASS/FAIL
 against the issue's targets, greedy agreement, first divergence) and writes the JSON (the measurements plus
 command, commit, machine) atomically to `--out` (default: benchmarks/results/quality_<model>_<dtype>.json when
-that folder is under the current directory, else quality_<model>_<dtype>.json here). Returns 0 (1 when a target fails and `--strict`).
+that folder is under the current directory, else quality_<model>_<dtype>.json here). Returns 0 (1 when a target
+fails and `--strict`).
 """
 
 from __future__ import annotations
