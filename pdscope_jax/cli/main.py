@@ -9,6 +9,7 @@
     pdscope-jax download NAME                                      fetch a checkpoint from the Hugging Face hub
     pdscope-jax serve MODEL [--port 8000 --api-key KEY] ...        OpenAI-compatible HTTP server
     pdscope-jax chat MODEL                                         terminal chat, answers streamed
+    pdscope-jax quality [MODEL] [--dtype float32 --tokens N] ...   held-out perplexity of int8 / int4 experts
 
 Contract: `main(argv) -> int` hands the arguments after the command's name to that module's function and
 returns its exit status (0 when it returns something other than an int). A user error (`errors.InputError` and
@@ -42,6 +43,7 @@ COMMANDS = {  # name: (module, function, help)
     "download": ("pdscope_jax.cli.download", "main", "fetch a model's checkpoint from the Hugging Face hub"),
     "serve": ("pdscope_jax.cli.serve", "main", "an OpenAI-compatible HTTP server (the [serve] extra)"),
     "chat": ("pdscope_jax.cli.chat", "main", "chat with a model in the terminal, answers streamed"),
+    "quality": ("pdscope_jax.cli.quality", "main", "perplexity and greedy agreement of int8 / int4 experts vs bf16"),
 }
 NO_JAX = {"download"}  # commands that compile nothing: they start without the compilation cache (or JAX)
 NO_COMPILE_CACHE = "--no-compile-cache"
