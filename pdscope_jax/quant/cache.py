@@ -33,6 +33,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import ml_dtypes
 import numpy as np
 from rich.progress import Progress
 
@@ -46,7 +47,8 @@ FORMAT_VERSION = 1
 ENV = "PDSCOPE_QUANT_CACHE"
 MANIFEST = "manifest.json"
 ALIGN = 64  # host arrays: the CPU backend adopts 64-byte-aligned buffers without a copy; file offsets too
-_ST_DTYPES = {np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32"}
+_ST_DTYPES = {np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.float32): "F32",
+              np.dtype(ml_dtypes.bfloat16): "BF16"}
 _NP_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 _HUB_BLOB = re.compile(r"[0-9a-f]{64}")
 

@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_same_tree_twice_gives_identical_tokens_and_both_ratios(tmp_path):
     out = tmp_path / "inprocess.json"
     argv = ["--old-tree", str(REPO), "--old-commit", "self", "--model", "tiny-deepseek-v2-lite",
-            "--dtype", "float32", "--policies", "ondemand", "static", "--prompt-lens", "12",
+            "--dtype", "float32", "--policies", "static", "--prompt-lens", "12",
             "--new-tokens", "3", "--repeats", "2", "--gpu-memory", "1GB", "--expert-pool", "200KB",
             "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -24,7 +24,7 @@ def test_same_tree_twice_gives_identical_tokens_and_both_ratios(tmp_path):
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [(r["policy"], r["prompt_len"]) for r in report["rows"]] == [("ondemand", 12), ("static", 12)]
+    assert [(r["policy"], r["prompt_len"]) for r in report["rows"]] == [("static", 12)]
     for row in report["rows"]:
         assert row["same_tokens"] is True  # same code, same seeded weights, same prompts
         for tree in ("old", "new"):

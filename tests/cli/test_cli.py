@@ -17,7 +17,8 @@ def test_help_lists_every_command_without_importing_jax():
 
 def test_main_job_runs_every_policy_with_plain_tokens(capsys):
     # `run` exits 1 when any policy's tokens differ from the plain model's
-    assert cli.main(["run", "--new-tokens", "6", "--policies", "static", "ondemand", "pdscope"]) == 0
+    assert cli.main(["run", "--new-tokens", "6", "--max-seq-len", "256", "--policies", "static", "ondemand",
+                     "pdscope"]) == 0
     out = capsys.readouterr().out
     for policy in ("static", "ondemand", "pdscope"):
         assert policy in out
