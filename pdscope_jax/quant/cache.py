@@ -40,7 +40,7 @@ from rich.progress import Progress
 from pdscope_jax import integrity
 from pdscope_jax.quant import formats
 from pdscope_jax.quant.loader import SCALE, dense_path, quantizing_loader
-from pdscope_jax.weights.checkpoint import INDEX_FILE, PROGRESS_BYTES, Checkpoint
+from pdscope_jax.weights.checkpoint import INDEX_FILE, PROGRESS_BYTES, Checkpoint, empty_aligned, read_exact
 from pdscope_jax.weights.safetensors_check import read_header
 
 FORMAT_VERSION = 1
@@ -210,17 +210,11 @@ def _read_aligned(info) -> np.ndarray:
     """A tensor read with plain file reads into a new ALIGN-aligned array, which the CPU backend adopts without
     a copy (a memory map would count its touched pages as resident while it is open, and an adopted map would
     tie the live model to the file)."""
-    raw = np.empty(info.nbytes + ALIGN, np.uint8)
-    start = -raw.ctypes.data % ALIGN
-    buf = raw[start:start + info.nbytes]
-    view, done = memoryview(buf), 0
+    buf = empty_aligned((info.nbytes,), np.dtype(np.uint8))
     with open(info.file, "rb", buffering=0) as f:
         f.seek(info.start)
-        while done < info.nbytes:  # one read returns at most about 2 GiB on Linux
-            n = f.readinto(view[done:])
-            if not n:
-                raise CacheInvalid(f"{info.file.name} ended inside a tensor")
-            done += n
+        if not read_exact(f, buf):
+            raise CacheInvalid(f"{info.file.name} ended inside a tensor")
     return buf.view(_NP_DTYPES[info.dtype]).reshape(info.shape)
 
 

@@ -128,7 +128,7 @@ class Checkpoint:
                      for k in keys if k not in self.tensors and (k in self.unaccounted or self.contents_unknown)]
         if problems:
             raise CheckpointError(problems, str(self.path))
-        out = _empty_aligned(shape, np.dtype(dtype))
+        out = empty_aligned(shape, np.dtype(dtype))
         groups = [out[i] for i in range(shape[0])] if source.stacked else [out]
         for group, dst in zip(source.keys, groups):
             col = 0
@@ -329,7 +329,7 @@ def _match_template(key: str, templates: dict[str, tuple[str, int]]) -> tuple[st
 
 # ---- reading ---------------------------------------------------------------------------------------------------
 
-def _empty_aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def empty_aligned(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """np.empty aligned to 64 bytes, which the CPU backend's device_put adopts without copying."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + 64, np.uint8)
@@ -366,12 +366,19 @@ def _read_into(info: TensorInfo, dst: np.ndarray, transpose: bool) -> None:
                 dst[r0:r1] = chunk
 
 
-def _read_exact(f, view: np.ndarray, info: TensorInfo) -> None:
-    """Fill the byte array `view` from `f` (one read() returns at most about 2 GiB on Linux)."""
+def read_exact(f, view: np.ndarray) -> bool:
+    """Fill the byte array `view` from `f` (one read() returns at most about 2 GiB on Linux); False when the file
+    ends first."""
     memory, done = memoryview(view), 0
     while done < view.nbytes:
         n = f.readinto(memory[done:])
         if not n:
-            raise CheckpointError([f"{info.file.name} ended while reading a tensor at byte {info.start}: "
-                                   f"{_REDOWNLOAD}"])
+            return False
         done += n
+    return True
+
+
+def _read_exact(f, view: np.ndarray, info: TensorInfo) -> None:
+    if not read_exact(f, view):
+        raise CheckpointError([f"{info.file.name} ended while reading a tensor at byte {info.start}: "
+                               f"{_REDOWNLOAD}"])
