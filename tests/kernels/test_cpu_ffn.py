@@ -9,12 +9,13 @@ import pytest
 
 from pdscope_jax.kernels import build, cpu_ffn
 
+from ffn_reference import exact, rel, routing_case
+
 D, F, E = 256, 160, 10  # F = 5 blocks of 32: units split unevenly over threads
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+def case(rows: int, k: int, seed: int):
+    return routing_case(rows, k, D, E, seed)
 
 
 @pytest.fixture(scope="module")
@@ -31,28 +32,6 @@ def kernel():
         pytest.skip("the CPU expert kernel is not built here (no C++ compiler or a failed build)")
     yield
     cpu_ffn.set_isa(None)
-
-
-def exact(h, coef, gate_up, down, ids) -> np.ndarray:
-    """sum_j coef[j, n] * expert_ffn(h[n]) in float64 from the bf16 values."""
-    h = np.asarray(h.astype(jnp.float32), np.float64)
-    out = np.zeros(h.shape)
-    for j, e in enumerate(ids):
-        gu, dn = (np.asarray(w[e].astype(jnp.float32), np.float64) for w in (gate_up, down))
-        pre = h @ gu
-        gate, up = pre[:, :F], pre[:, F:]
-        out += coef[j][:, None] * ((gate / (1 + np.exp(-gate)) * up) @ dn)
-    return out
-
-
-def case(rows: int, k: int, seed: int):
-    rng = np.random.default_rng(seed)
-    h = jnp.asarray(rng.standard_normal((rows, D)), jnp.bfloat16)
-    ids = rng.choice(E, k, replace=False).astype(np.int32)
-    coef = rng.random((k, rows)).astype(np.float32)
-    coef[rng.random((k, rows)) < 0.4] = 0.0  # rows not routed to an expert
-    coef[-1] = 0.0 if k > 1 else coef[-1]  # an expert no row is routed to
-    return h, coef, ids
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])

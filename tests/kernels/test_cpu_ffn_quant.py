@@ -10,14 +10,15 @@ import pytest
 from pdscope_jax.kernels import cpu_ffn
 from pdscope_jax.quant.formats import QuantizedWeight, quantize
 
+from ffn_reference import exact, rel, routing_case
+
 F, E = 160, 10  # F = 5 blocks of 32 (units split unevenly, an odd one left unpaired); down's int4 group is 32
 # (scheme, D): int4 groups along D of 64 (D = 256) and 32 (D = 224, an odd multiple of 32)
 FORMATS = [("int8", 256), ("int4", 256), ("int4", 224)]
 
 
-def rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+def case(rows: int, k: int, d: int, seed: int):
+    return routing_case(rows, k, d, E, seed)
 
 
 @pytest.fixture(scope="module")
@@ -39,29 +40,6 @@ def stacks(name: str, d: int):
         down = jnp.asarray(rng.standard_normal((E, F, d)) * 0.08, jnp.bfloat16)
         _stacks[name, d] = (quantize(gate_up, name), quantize(down, name))
     return _stacks[name, d]
-
-
-def case(rows: int, k: int, d: int, seed: int):
-    rng = np.random.default_rng(seed)
-    h = jnp.asarray(rng.standard_normal((rows, d)), jnp.bfloat16)
-    ids = rng.choice(E, k, replace=False).astype(np.int32)
-    coef = rng.random((k, rows)).astype(np.float32)
-    coef[rng.random((k, rows)) < 0.4] = 0.0  # rows not routed to an expert
-    coef[-1] = 0.0 if k > 1 else coef[-1]  # an expert no row is routed to
-    return h, coef, ids
-
-
-def exact(h, coef, gate_up, down, ids) -> np.ndarray:
-    """sum_j coef[j, n] * expert_ffn(h[n]) in float64 from the weights q * scale (float32, not rounded to bf16:
-    what the kernel computes with)."""
-    h = np.asarray(h.astype(jnp.float32), np.float64)
-    out = np.zeros(h.shape)
-    for j, e in enumerate(ids):
-        gu, dn = (np.asarray(w[e].dequantize(jnp.float32), np.float64) for w in (gate_up, down))
-        pre = h @ gu
-        gate, up = pre[:, :F], pre[:, F:]
-        out += coef[j][:, None] * ((gate / (1 + np.exp(-gate)) * up) @ dn)
-    return out
 
 
 @pytest.mark.parametrize("name,d", FORMATS)
