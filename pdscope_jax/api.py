@@ -22,7 +22,7 @@ predictions feed the planner (its fingerprint must match the model). `quantize="
 routed experts quantized (`quant.formats`; the dense weights are quantized as they load, `quant.loader`), with or
 without a policy: the plain model quantized is the reference every policy reproduces. From a checkpoint the
 quantized experts are written once to a cache keyed by the checkpoint's fingerprint and the scheme, and later
-loads memory-map them (`quant.cache`; `quant_cache=False` turns it off, a directory puts it there).
+loads read them from there (`quant.cache`; `quant_cache=False` turns it off, a directory puts it there).
 `Runner.logits(input_ids) -> np.float32 [B,T,V]`, `Runner.generate(input_ids | text, ...)` and
 `Runner.steps(...)` (the same, one step per `next`, for streaming) take rectangular batches; text needs the
 checkpoint's tokenizer.json; sampling keywords are `generation.sampling.SamplingParams`'s fields. Validate first, then work: `load` checks dtype, seed,
@@ -159,6 +159,8 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
          quant_cache: bool | str | Path = True, **runtime):
     rc = check_load(dtype, seed, policy, predictors, runtime, quantize)  # before anything is read or built
     cfg, checkpoint = resolve(str(name_or_path), revision)
+    if quantize is not None:
+        check_quantizable(cfg, quantize)  # the config alone tells: before any weight is opened
     from pdscope_jax.runtime import enable_compile_cache
 
     enable_compile_cache(compile_cache)
@@ -176,8 +178,7 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
         loader = checkpoint_loader(ckpt, models.checkpoint_sources(cfg), dense_shapes)
     shapes = dense_shapes
     if quantize is not None:  # the dense loader's experts are quantized as they arrive (quant.loader)
-        check_quantizable(cfg, quantize)
-        if checkpoint is not None and quant_cache is not False:  # once, then memory-mapped (quant.cache)
+        if checkpoint is not None and quant_cache is not False:  # once, then read back (quant.cache)
             loader = cached_quantizing_loader(loader, quantize, ckpt, cfg.name, dense_shapes,
                                               None if quant_cache is True else quant_cache)
         else:
