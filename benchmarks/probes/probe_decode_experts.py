@@ -3,7 +3,8 @@
 One row (or `--rows`) routed to `--top-k` of `--num-experts` experts of DeepSeek-V2-Lite's shape, per layer, in a
 chain of `--layers` layers in ONE program (each layer its own stacks, the row carried through, as in a decode
 step), bf16 weights. Variants (`--variants`):
-  gather     models.experts.combine_experts as the model runs it (a gathered copy of each pick's weights);
+  gather     models.experts.combine_experts as the model runs it (on a CUDA GPU the gather_matvec kernel unless
+             PDSCOPE_GPU_KERNELS=0, else a gathered copy of each pick's weights);
   slices     one dynamic slice of the stack per pick, each pick its own dots, summed in k order;
   gather_t   the gather path over stacks stored transposed (gate_up [E, 2F, D], down [E, D, F]: the contracted
              dimension minor, so a one-row product is a row reduction);
@@ -19,6 +20,7 @@ Random weights. Run from the repository root: `PYTHONPATH=. python benchmarks/pr
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -176,7 +178,8 @@ def main(argv: list[str] | None = None) -> dict:
                            "bytes_per_layer": read, "gbps": read / (ms / 1e3) / 1e9})
     devices = argparse.Namespace(accel=accel)
     return probe_result("decode routed experts: formulations that read each pick's weights once (random weights)",
-                        devices, records, args.out, hidden=d, intermediate=f, num_experts=e, layers=layers)
+                        devices, records, args.out, hidden=d, intermediate=f, num_experts=e, layers=layers,
+                        gpu_kernels=os.environ.get("PDSCOPE_GPU_KERNELS", "1"))
 
 
 if __name__ == "__main__":

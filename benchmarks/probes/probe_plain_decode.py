@@ -4,7 +4,7 @@ Loads `--model` with seeded random weights and no offloading (`pdscope_jax.load(
 with quantized experts (`--quantize int8|int4`), runs a `--prompt`-token prompt, then times `--steps` decode steps
 one by one (each waited for) and traces `--profile-steps` more under `jax.profiler.trace`
 (`probe_decode_step.kernel_profile`): busy accelerator microseconds and kernels per step, and the kinds of kernel
-by time. The step's wall time beside its busy time says how much is launch gaps and host work. XLA_FLAGS is
+by time; the greedy tokens of the timed steps. The step's wall time beside its busy time says how much is launch gaps and host work. XLA_FLAGS is
 recorded: run it under different flags to compare.
 Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_plain_decode.py [--quantize int4] [--out FILE]`.
@@ -45,11 +45,12 @@ def main(argv: list[str] | None = None) -> dict:
         steps = model.steps(ids, max_new_tokens=total)
         for _ in range(4):  # prefill and the first steps: compilation
             jax.block_until_ready(next(steps))
-        times = []
+        times, tokens = [], []
         for _ in range(args.steps):
             start = time.perf_counter()
-            jax.block_until_ready(next(steps))
+            sampled = jax.block_until_ready(next(steps))
             times.append(time.perf_counter() - start)
+            tokens.append(int(np.asarray(sampled.token).reshape(-1)[0]))
 
         def run_steps():
             for _ in range(args.profile_steps):
@@ -61,11 +62,12 @@ def main(argv: list[str] | None = None) -> dict:
         emit(records, {"quantize": quant, "prompt": args.prompt, "step_ms_median": ms,
                        "step_ms_min": min(times) * 1e3, "tok_s": 1e3 / ms,
                        "busy_ms_per_step": profile["busy_us_per_step"] / 1e3,
-                       "kernels_per_step": profile["kernels_per_step"], "profile": profile})
+                       "kernels_per_step": profile["kernels_per_step"], "tokens": tokens, "profile": profile})
         del model, steps
     devices = argparse.Namespace(accel=jax.devices()[0])
     return probe_result("plain decode step: wall and accelerator busy time, kernels (random weights)", devices,
-                        records, args.out, model=args.model, xla_flags=os.environ.get("XLA_FLAGS", ""))
+                        records, args.out, model=args.model, xla_flags=os.environ.get("XLA_FLAGS", ""),
+                        gpu_kernels=os.environ.get("PDSCOPE_GPU_KERNELS", "1"))
 
 
 if __name__ == "__main__":

@@ -38,8 +38,7 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
-from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, weighted_sum
-from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, stacked_experts_ffn, weighted_sum
 from pdscope_jax.engine.programs import dense_layer, moe_route
 from pdscope_jax.store.expert_store import pull_traced
 from pdscope_jax.store.slot_pool import SlotPool
@@ -119,8 +118,8 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     gate_ups, downs = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32), rest)
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
-    rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: a batch dimension on both sides, so the
-    outputs = jax.vmap(expert_ffn)(rows, gate_ups, downs)  # [U, N, D] in the model's dtype; weights not transposed
+    rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
+    outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
         pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
         y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, jnp.any(chose, axis=0))

@@ -11,6 +11,9 @@ Contract:
   experts: tiles of one slot's rows); all agree within float32 tolerance. Each expert's output is rounded to
   x's dtype before it is weighted (as `expert_ffn` returns it); the weighted sum is float32 and rounded once, to
   `out_dtype` (default x's dtype; the offload engine asks for float32 and rounds once after adding the CPU part).
+- `picked_experts_ffn(x [A,D], gate_up, down, picks [A])`: row a through expert picks[a] of the stacks (the gather
+  path); `stacked_experts_ffn(rows [U,N,D], gate_ups [U,..], downs [U,..])`: rows[u] through expert u (device
+  decode's gathered picks). On a CUDA GPU both run the `kernels.gather_matvec` kernel, reading weights in place.
 - `weighted_sum(y [N,K,D], weights [N,K], valid [N,K]) -> [N,D] float32`: the sum over k of the few-assignment
   path, in k order; the device decode program sums with it too, so both reduce in the same order and dtypes.
 - Weights may be `quant.formats.QuantizedWeight`s (routed experts stored int8 / int4): every path dequantizes
@@ -24,6 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pdscope_jax.kernels import gather_matvec
 from pdscope_jax.quant.formats import dense, is_quantized
 
 F32 = jnp.float32
@@ -64,6 +68,50 @@ def expert_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
     return jnp.dot(act, down, preferred_element_type=F32).astype(x.dtype)
 
 
+def _kernel_takes(rows: int, gate_up, down) -> bool:
+    """Whether `kernels.gather_matvec` takes these rows and (dense) expert weights."""
+    d, f2, f = gate_up.shape[-2], gate_up.shape[-1], down.shape[-2]
+    return (not is_quantized(gate_up) and gather_matvec.supported(rows, d, f2, gate_up.dtype)
+            and gather_matvec.supported(rows, f, d, down.dtype))
+
+
+def _ffn_in_place(x, gate_up, down, picks):
+    """expert_ffn of row a through expert picks[a] of the stacks, by the kernel (rounding where expert_ffn does)."""
+    h = gather_matvec.gather_matvec(x, gate_up, picks)  # [A, 2F] float32
+    act = _swiglu(h).astype(down.dtype)
+    return gather_matvec.gather_matvec(act, down, picks).astype(x.dtype)
+
+
+def picked_experts_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, picks: jax.Array) -> jax.Array:
+    """expert_ffn(x[a], gate_up[picks[a]], down[picks[a]]) for every row a: x [A, D], stacks [S, D, 2F] / [S, F, D],
+    picks [A] int32 in [0, S) -> [A, D] in x's dtype. On a CUDA GPU, for dense weights of shapes it takes, the
+    gather_matvec kernel reads each pick's weights in place; elsewhere XLA multiplies a gathered copy."""
+    def gathered(x, gate_up, down, picks):
+        return jax.vmap(lambda xa, gu, dn: expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks], down[picks])
+
+    if not _kernel_takes(x.shape[0], gate_up, down):
+        return gathered(x, gate_up, down, picks)
+    return gather_matvec.on_gpu(_ffn_in_place, gathered, x, gate_up, down, picks)
+
+
+def stacked_experts_ffn(rows: jax.Array, gate_ups: jax.Array, downs: jax.Array) -> jax.Array:
+    """expert_ffn(rows[u], gate_ups[u], downs[u]) for every u: rows [U, N, D], gate_ups [U, D, 2F], downs [U, F, D]
+    -> [U, N, D] in rows' dtype (device decode's picks, their weights already gathered); the kernel as in
+    `picked_experts_ffn`."""
+    u, n, d = rows.shape
+
+    def batched(rows, gate_ups, downs):
+        return jax.vmap(expert_ffn)(rows, gate_ups, downs)
+
+    def in_place(rows, gate_ups, downs):
+        picks = jnp.repeat(jnp.arange(u, dtype=jnp.int32), n)
+        return _ffn_in_place(rows.reshape(u * n, d), gate_ups, downs, picks).reshape(u, n, d)
+
+    if not _kernel_takes(u * n, gate_ups, downs):
+        return batched(rows, gate_ups, downs)
+    return gather_matvec.on_gpu(in_place, batched, rows, gate_ups, downs)
+
+
 def weighted_sum(y: jax.Array, weights: jax.Array, valid: jax.Array) -> jax.Array:
     """sum_k valid[n,k] * weights[n,k] * y[n,k] in float32, in k order: y [N, K, D] (each expert's output in
     the model's dtype), weights [N, K] float32, valid [N, K] bool -> [N, D] float32."""
@@ -83,9 +131,8 @@ def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     valid = slots >= 0
     slots = jnp.where(valid, slots, 0)
     if n * k <= GATHER_MAX_ASSIGNMENTS:
-        per_token = jax.vmap(lambda xn, gu, dn: expert_ffn(xn[None], gu, dn)[0], in_axes=(None, 0, 0))
-        y = jax.vmap(per_token)(x, gate_up[slots], down[slots])  # [N, K, D]
-        return weighted_sum(y, weights, valid).astype(out_dtype)
+        y = picked_experts_ffn(jnp.repeat(x, k, axis=0), gate_up, down, slots.reshape(-1))  # [N*K, D]
+        return weighted_sum(y.reshape(n, k, -1), weights, valid).astype(out_dtype)
     num_slots, num_experts = gate_up.shape[0], slot_of.shape[0]
     big_experts = gate_up.shape[1] * gate_up.shape[2] >= TILED_MIN_EXPERT_ELEMENTS
     # quantized weights never take ragged_dot, which would dequantize the whole pool at once; tiles dequantize

@@ -24,14 +24,39 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.config import ModelConfig
+from pdscope_jax.kernels import gather_matvec
 from pdscope_jax.quant.formats import QuantizedWeight, quantize, scheme
 from pdscope_jax.weights.spec import Source
 from pdscope_jax.models.cache import KVCache, init_kv_cache, update_cache
 from pdscope_jax.models.experts import F32, combine_experts, expert_ffn  # noqa: F401 (expert_ffn re-exported)
 
 
-def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype, bias: bool = False) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+DENSE_KERNEL_MAX_ROWS = 4  # the kernel reads the weights once per row: beyond a few rows XLA's matmul wins
+
+
+class Linear(nnx.Linear):
+    """nnx.Linear whose products of at most DENSE_KERNEL_MAX_ROWS rows (decode) run through
+    `kernels.gather_matvec` on a CUDA GPU, which reads the weights once where XLA's one-row product reaches a
+    fraction of the memory's speed; other shapes and backends run nnx.Linear itself. Same parameters, same
+    rounding (float32 sums, one rounding to `dtype`)."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.kernel[...]
+        rows = math.prod(x.shape[:-1])
+        if (rows > DENSE_KERNEL_MAX_ROWS or kernel.dtype != jnp.dtype(self.dtype)
+                or not gather_matvec.supported(rows, *kernel.shape, kernel.dtype)):
+            return super().__call__(x)
+
+        def in_place(x, kernel):
+            y = gather_matvec.gather_matvec(x.reshape(rows, -1), kernel[None], jnp.zeros(rows, jnp.int32))
+            y = y.astype(self.dtype).reshape(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias[...]
+
+        return gather_matvec.on_gpu(in_place, lambda x, _: nnx.Linear.__call__(self, x), x, kernel)
+
+
+def linear(d_in: int, d_out: int, rngs: nnx.Rngs, dtype, bias: bool = False) -> Linear:
+    return Linear(d_in, d_out, use_bias=bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
