@@ -11,6 +11,8 @@ step), bf16 weights. Variants (`--variants`):
   slices_t   per-pick slices over the transposed stacks;
   ragged     jax.lax.ragged_dot over the whole stack (groups of the sorted picks);
   dense      calibration: the shared expert's dense matmuls [D, 2F'] / [F', D] (no routing), both layouts.
+With --quant int8 / int4, `gather` runs again over the stacks quantized (quant.formats): the kernel's fused
+dequantization, or XLA's dequantize-then-multiply with PDSCOPE_GPU_KERNELS=0; bytes count the quantized weights.
 Each variant: --warmup program runs, then --reps runs with fresh routing each, timed one by one (waited for); the
 record has the median ms per layer, the bytes a layer must read (its picks' weights once) and the implied GB/s,
 and the max abs difference of the output to `gather`'s (the same weights, so formulations must agree).
@@ -31,6 +33,7 @@ import numpy as np
 
 from _common import emit, probe_result
 from pdscope_jax.models.experts import combine_experts, expert_ffn
+from pdscope_jax.quant.formats import quantize
 
 F32 = jnp.float32
 VARIANTS = ("gather", "slices", "gather_t", "slices_t", "ragged", "dense")
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, nargs="+", default=[1])
     parser.add_argument("--layers", type=int, default=26)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--quant", nargs="*", default=[], choices=["int8", "int4"])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
@@ -111,15 +115,17 @@ def main(argv: list[str] | None = None) -> dict:
             w = rng.random((layers, rows, k), np.float32)
             routings.append((jax.device_put(ids.astype(np.int32), accel), jax.device_put(w / w.sum(-1, keepdims=True), accel)))
         x0 = jax.device_put(rng.standard_normal((rows, d), np.float32).astype(jnp.bfloat16), accel)
-        for variant in args.variants:
-            if variant == "dense":
-                continue
+        runs = [(v, None) for v in args.variants if v != "dense"] + [("gather", q) for q in args.quant]
+        for variant, quant in runs:
             transposed = variant.endswith("_t")
             if transposed:
                 gts = [jnp.swapaxes(g, 1, 2) for g in gus]
                 dts = [jnp.swapaxes(dn, 1, 2) for dn in dns]
                 jax.block_until_ready((gts, dts))
             stacks = (gts, dts) if transposed else (gus, dns)
+            if quant is not None:
+                stacks = ([quantize(g, quant) for g in gus], [quantize(dn, quant) for dn in dns])
+                jax.block_until_ready(stacks)
             fn = layer_fn(variant)
 
             @jax.jit
@@ -141,12 +147,13 @@ def main(argv: list[str] | None = None) -> dict:
                 if rep >= args.warmup:
                     times.append(time.perf_counter() - start)
             first = np.asarray(first)
-            if variant == "gather":
+            if variant == "gather" and quant is None:
                 reference[rows] = first
             diff = float(np.max(np.abs(first - reference[rows]))) if rows in reference else None
             ms = statistics.median(times) * 1e3 / layers
-            read = rows * k * expert_bytes  # upper bound: distinct picks may be fewer when rows > 1
-            emit(records, {"variant": variant, "rows": rows, "top_k": k, "ms_per_layer": ms,
+            read = rows * k * (expert_bytes if quant is None else  # upper bound: picks may repeat at rows > 1
+                                (stacks[0][0].nbytes + stacks[1][0].nbytes) // e)
+            emit(records, {"variant": variant, "quant": quant, "rows": rows, "top_k": k, "ms_per_layer": ms,
                            "min_ms_per_layer": min(times) * 1e3 / layers, "compile_s": compile_s,
                            "bytes_per_layer": read, "gbps": read / (ms / 1e3) / 1e9, "max_abs_diff_vs_gather": diff})
             if transposed:

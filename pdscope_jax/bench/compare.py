@@ -42,7 +42,7 @@ def compare(args, command: str) -> dict:
 
     from pdscope_jax import models
     from pdscope_jax.api import resolve
-    from pdscope_jax.kernels import cpu_ffn
+    from pdscope_jax.kernels import cpu_ffn, gather_matvec
     from pdscope_jax.runtime import RuntimeConfig, select_devices
     from pdscope_jax.workloads import routing as workloads
 
@@ -97,6 +97,8 @@ def compare(args, command: str) -> dict:
         # whether the engine may run CPU experts through the kernel (it does at few rows with bf16 weights)
         "cpu_kernel": {"enabled": bool(runner is not None and runner.cpu_experts.kernel), "isa": cpu_ffn.isa(),
                        "threads": cpu_ffn.threads()},
+        # whether GPU programs may use the Pallas kernels (PDSCOPE_GPU_KERNELS; they run on CUDA GPUs only)
+        "gpu_kernels": gather_matvec.ENABLED,
     }
     stem = f"bench_{cfg.name}_{stamp}"
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"

@@ -7,11 +7,13 @@ This kernel reads the picks' weights in place, in [BK, BN] tiles along the store
 float32.
 Contract:
 - `gather_matvec(x [A, K], w [S, K, N], idx [A] int32) -> float32 [A, N]`: row a is x[a] @ w[idx[a]], products
-  of x's values rounded to w's dtype, summed in float32 (as `jnp.dot(x.astype(w.dtype), w[idx[a]],
-  preferred_element_type=float32)` computes them, up to the order of the sum). idx must lie in [0, S); w float
-  (bf16 or f32, not quantized).
-- `supported(a, k, n, dtype)`: the shapes the kernel takes (K and N multiples of its tiles, at most
-  `MAX_ROWS` rows); callers keep their XLA path for the rest.
+  of x's values rounded to w's (compute) dtype, summed in float32 (as `jnp.dot(x.astype(dtype), dense(w[idx[a]]),
+  preferred_element_type=float32)` computes them, up to the order of the sum). idx must lie in [0, S). w is a
+  bf16/f16/f32 array or an int8 / int4 `quant.formats.QuantizedWeight`, dequantized tile by tile as
+  `formats.dequantize` does it (integer times float32 scale, rounded to the compute dtype): its bytes are read
+  once, in their stored width.
+- `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
+  `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest.
 - `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU and
   `ENABLED`, `xla_fn(*args)` otherwise (`jax.lax.platform_dependent`: the CPU backend never lowers the kernel).
   `ENABLED` is False when the environment sets PDSCOPE_GPU_KERNELS=0 (the XLA paths everywhere: a comparison, or
@@ -35,14 +37,21 @@ BLOCK_N = 128
 TARGET_PROGRAMS = 528  # 4 per multiprocessor of an H100/H200: split K until the grid has about this many
 
 
-def _block_k(dtype) -> int:
+def _block_k(dtype, scheme=None, k: int = 0) -> int:
+    """Rows of K a tile takes: 64 (32 for 4-byte weights); an int4 group (a tile shares one scale row)."""
+    if scheme is not None and scheme.bits == 4:
+        return scheme.group_for(k)
     return 64 if jnp.dtype(dtype).itemsize <= 2 else 32
 
 
-def supported(a: int, k: int, n: int, dtype) -> bool:
+def supported(a: int, k: int, n: int, dtype, scheme=None) -> bool:
     dtype = jnp.dtype(dtype)
-    return (0 < a <= MAX_ROWS and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(F32), jnp.dtype(jnp.float16))
-            and k % _block_k(dtype) == 0 and n % BLOCK_N == 0)
+    if not (0 < a <= MAX_ROWS and n % BLOCK_N == 0
+            and dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(F32), jnp.dtype(jnp.float16))):
+        return False
+    if scheme is not None and scheme.bits == 4:
+        return k % 32 == 0 and scheme.group_for(k) in (32, 64)
+    return k % _block_k(dtype, scheme, k) == 0
 
 
 def _splits(a: int, k_blocks: int, n_blocks: int) -> int:
@@ -54,30 +63,93 @@ def _splits(a: int, k_blocks: int, n_blocks: int) -> int:
     return splits
 
 
-def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int):
+def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int, dtype):
+    """Dense weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
     cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
 
     def body(i, acc):
         start = pl.multiple_of((s * steps + i) * block_k, block_k)
-        xb = x_ref[a, pl.ds(start, block_k)].astype(w_ref.dtype).astype(F32)  # [BK]
+        xb = x_ref[a, pl.ds(start, block_k)].astype(dtype).astype(F32)  # [BK]
         wb = w_ref[slot, pl.ds(start, block_k), cols].astype(F32)  # [BK, BN]: rows of BN contiguous values
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
 
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_N,), F32))
 
 
+def _rounded(v: jax.Array, dtype) -> jax.Array:
+    """float32 v rounded to `dtype` (to nearest, ties to even) and held in float32. For bf16 by integer
+    arithmetic on the bits, which no compiler folds away (XLA drops a float32 -> bf16 -> float32 round trip as
+    excess precision); v must be finite."""
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return v.astype(dtype).astype(F32)
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, block_k: int, steps: int, dtype):
+    """int8 weights with one float32 scale per column: each tile dequantized (q * scale, rounded to dtype)."""
+    a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = idx_ref[a]
+    cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
+    scale = scale_ref[slot, 0, cols].astype(F32)  # [BN]
+
+    def body(i, acc):
+        start = pl.multiple_of((s * steps + i) * block_k, block_k)
+        xb = x_ref[a, pl.ds(start, block_k)].astype(dtype).astype(F32)
+        wb = _rounded(q_ref[slot, pl.ds(start, block_k), cols].astype(F32) * scale[None, :], dtype)
+        return acc + jnp.sum(xb[:, None] * wb, axis=0)
+
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_N,), F32))
+
+
+def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, group: int, steps: int, dtype):
+    """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows:
+    a tile is one group; x comes split into its even and odd elements, so each nibble meets its own x."""
+    a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    slot = idx_ref[a]
+    cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
+    half = group // 2
+
+    def body(i, acc):
+        g = s * steps + i
+        start = pl.multiple_of(g * half, half)
+        packed = q_ref[slot, pl.ds(start, half), cols].astype(jnp.int32)  # [G/2, BN], 0..255
+        low = jnp.where(packed & 8, (packed & 15) - 16, packed & 15).astype(F32)  # sign-extended nibbles
+        high = jnp.where(packed & 128, (packed >> 4) - 16, packed >> 4).astype(F32)
+        scale = scale_ref[slot, g, cols].astype(F32)[None, :]  # [1, BN]
+        w_even, w_odd = _rounded(low * scale, dtype), _rounded(high * scale, dtype)
+        xe = x_even_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
+        xo = x_odd_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
+        return acc + jnp.sum(xe * w_even + xo * w_odd, axis=0)
+
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_N,), F32))
+
+
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def gather_matvec(x: jax.Array, w: jax.Array, idx: jax.Array, interpret: bool = False) -> jax.Array:
+def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False) -> jax.Array:
+    from pdscope_jax.quant.formats import is_quantized
+
     a, k = x.shape
     _, k_w, n = w.shape
-    if k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype):
+    scheme = w.scheme if is_quantized(w) else None
+    if k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme):
         raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {w.shape} {w.dtype}, idx {idx.shape}")
-    block_k = _block_k(w.dtype)
+    block_k = _block_k(w.dtype, scheme, k)
     n_blocks, k_blocks = n // BLOCK_N, k // block_k
     splits = _splits(a, k_blocks, n_blocks)
-    kernel = functools.partial(_kernel, block_k=block_k, steps=k_blocks // splits)
+    steps = k_blocks // splits
+    dtype = jnp.dtype(w.dtype)
+    if scheme is None:
+        kernel, operands = functools.partial(_kernel, block_k=block_k, steps=steps, dtype=dtype), (x, w)
+    elif scheme.bits == 8:
+        kernel = functools.partial(_kernel_int8, block_k=block_k, steps=steps, dtype=dtype)
+        operands = (x, w.q, w.scale)
+    else:
+        kernel = functools.partial(_kernel_int4, group=block_k, steps=steps, dtype=dtype)
+        operands = (x[:, 0::2], x[:, 1::2], w.q, w.scale)
     whole = pl.BlockSpec(memory_space=pl.ANY) if interpret else pl.no_block_spec
     from jax.experimental.pallas import triton as pl_triton
 
@@ -85,11 +157,11 @@ def gather_matvec(x: jax.Array, w: jax.Array, idx: jax.Array, interpret: bool = 
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, a, n), F32),
         grid=(a, n_blocks, splits),
-        in_specs=[whole, whole, whole],
+        in_specs=[whole] * (1 + len(operands)),
         out_specs=pl.BlockSpec((None, None, BLOCK_N), lambda i, j, s: (s, i, j)),
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
-    )(idx.astype(jnp.int32), x, w)
+    )(idx.astype(jnp.int32), *operands)
     return parts.sum(axis=0) if splits > 1 else parts[0]
 
 

@@ -69,10 +69,11 @@ def expert_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
 
 
 def _kernel_takes(rows: int, gate_up, down) -> bool:
-    """Whether `kernels.gather_matvec` takes these rows and (dense) expert weights."""
+    """Whether `kernels.gather_matvec` takes these rows and expert weights (dense, int8 or int4)."""
     d, f2, f = gate_up.shape[-2], gate_up.shape[-1], down.shape[-2]
-    return (not is_quantized(gate_up) and gather_matvec.supported(rows, d, f2, gate_up.dtype)
-            and gather_matvec.supported(rows, f, d, down.dtype))
+    scheme = gate_up.scheme if is_quantized(gate_up) else None
+    return (gather_matvec.supported(rows, d, f2, gate_up.dtype, scheme)
+            and gather_matvec.supported(rows, f, d, down.dtype, scheme))
 
 
 def _ffn_in_place(x, gate_up, down, picks):
@@ -85,7 +86,8 @@ def _ffn_in_place(x, gate_up, down, picks):
 def picked_experts_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, picks: jax.Array) -> jax.Array:
     """expert_ffn(x[a], gate_up[picks[a]], down[picks[a]]) for every row a: x [A, D], stacks [S, D, 2F] / [S, F, D],
     picks [A] int32 in [0, S) -> [A, D] in x's dtype. On a CUDA GPU, for dense weights of shapes it takes, the
-    gather_matvec kernel reads each pick's weights in place; elsewhere XLA multiplies a gathered copy."""
+    gather_matvec kernel reads each pick's weights in place (quantized ones dequantized tile by tile); elsewhere
+    XLA multiplies a gathered copy."""
     def gathered(x, gate_up, down, picks):
         return jax.vmap(lambda xa, gu, dn: expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks], down[picks])
 

@@ -12,13 +12,15 @@ from flax import nnx
 from pdscope_jax.kernels import gather_matvec as gm
 from pdscope_jax.models import experts as ex
 from pdscope_jax.models.layers import Linear
+from pdscope_jax.quant.formats import QuantizedWeight, quantize
 from tests.kernels.ffn_reference import rel
 
 
 def reference(x, w, idx):
-    """float64 x[a] (rounded to w's dtype) @ w[idx[a]]."""
+    """float64 x[a] (rounded to w's dtype) @ w[idx[a]] (quantized: its dequantized values in the compute dtype)."""
     xw = np.asarray(jnp.asarray(x).astype(w.dtype).astype(jnp.float32), np.float64)
-    wf = np.asarray(jnp.asarray(w).astype(jnp.float32), np.float64)
+    dense = w.dequantize() if isinstance(w, QuantizedWeight) else jnp.asarray(w)
+    wf = np.asarray(dense.astype(jnp.float32), np.float64)
     return np.einsum("ak,akn->an", xw, wf[np.asarray(idx)])
 
 
@@ -31,6 +33,20 @@ def test_matches_the_exact_product(dtype, rows, k, n):
     idx = jnp.asarray(rng.integers(0, 5, rows), jnp.int32)
     got = gm.gather_matvec(x, w, idx, interpret=True)
     assert got.shape == (rows, n) and got.dtype == jnp.float32
+    assert rel(got, reference(x, w, idx)) < 1e-6
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("k", [256, 96])  # int4 groups of 64, and of 32 (K an odd multiple of 32)
+def test_quantized_weights_match_their_dequantized_product(scheme, k):
+    rng = np.random.default_rng(k)
+    w = quantize(jnp.asarray(rng.standard_normal((4, k, 256)) * 0.05, jnp.bfloat16), scheme)
+    x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
+    idx = jnp.asarray([3, 0, 3], jnp.int32)
+    if scheme == "int8" and k % 64:
+        assert not gm.supported(3, k, 256, w.dtype, w.scheme)
+        return
+    got = gm.gather_matvec(x, w, idx, interpret=True)
     assert rel(got, reference(x, w, idx)) < 1e-6
 
 
@@ -89,6 +105,19 @@ def test_expert_paths_agree_with_xla(dtype, kernel_everywhere):
     rows = jnp.asarray(rng.standard_normal((3, 2, d)), dtype)
     stacked = ex.stacked_experts_ffn(rows, gate_up[:3], down[:3])
     assert rel(stacked, jax.vmap(ex.expert_ffn)(rows, gate_up[:3], down[:3])) < tol
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_expert_paths_agree_with_xla(scheme, kernel_everywhere):
+    rng = np.random.default_rng(3)
+    d, f, s = 128, 64, 5
+    gate_up = quantize(jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, jnp.bfloat16), scheme)
+    down = quantize(jnp.asarray(rng.standard_normal((s, f, d)) * 0.1, jnp.bfloat16), scheme)
+    x = jnp.asarray(rng.standard_normal((4, d)), jnp.bfloat16)
+    picks = jnp.asarray([4, 1, 1, 0], jnp.int32)
+    assert ex._kernel_takes(4, gate_up, down)
+    xla = jax.vmap(lambda xa, gu, dn: ex.expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks], down[picks])
+    assert rel(ex.picked_experts_ffn(x, gate_up, down, picks), xla) < 1e-2
 
 
 @pytest.mark.parametrize("rows,kernel", [(1, True), (4, True), (5, False)])
