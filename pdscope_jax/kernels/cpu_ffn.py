@@ -1,7 +1,7 @@
 """One layer's CPU experts in one call: a C++ kernel run by the JAX CPU backend, with an XLA fallback.
 
 Contract: `moe_ffn_cpu(h, coef, gate_up, down, ids=None)` -> out [N, D] float32 with
-    out[n] = sum_j coef[j, n] * expert_ffn(h[n], gate_up_j, down_j)        (models.layers.expert_ffn)
+    out[n] = sum_j coef[j, n] * expert_ffn(h[n], gate_up_j, down_j)        (kernels.expert_math.expert_ffn)
 - h [N, D] on the CPU backend, any float dtype (cast to the weights' dtype, as `expert_ffn` does);
   coef [k, N] float32, 0 where row n is not routed to expert j (those rows skip that expert);
 - the experts either as sequences of k arrays gate_up_j [D, 2F], down_j [F, D] (ids None: the expert store's
@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.kernels.build import SOURCES, shared_library
-from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.kernels.expert_math import expert_ffn
 from pdscope_jax.quant.formats import QuantizedWeight, dense
 
 SOURCE = SOURCES / "cpu_ffn.cc"

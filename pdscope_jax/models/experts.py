@@ -1,9 +1,8 @@
 """Routed-expert math: one expert's FFN and the weighted sum over each token's top-k experts.
 
 Contract:
-- `expert_ffn(x [N,D], gate_up [D,2F], down [F,D]) -> [N,D]` is the one definition of a routed expert,
-  `(silu(x @ Wg) * (x @ Wu)) @ Wd` with gate and up fused (gate columns first); matmuls in the weights' dtype,
-  float32 accumulation, result in x's dtype.
+- `expert_ffn(x [N,D], gate_up [D,2F], down [F,D]) -> [N,D]`, the one definition of a routed expert, lives in
+  `kernels.expert_math` (beside the kernels that implement it) and is re-exported here.
 - `combine_experts(x, weights, ids, gate_up [S,D,2F], down [S,F,D], slot_of [E])` sums `weights * expert_ffn`
   over the top-k experts that `slot_of` maps to a slot (>= 0) and ignores the rest. The plain model passes
   `slot_of = arange(E)`, the offload engine its slot maps. Three exact paths, chosen statically by shape (few
@@ -28,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pdscope_jax.kernels import gather_matvec
+from pdscope_jax.kernels.expert_math import expert_ffn, swiglu  # noqa: F401 (expert_ffn re-exported)
 from pdscope_jax.quant.formats import dense, is_quantized
 
 F32 = jnp.float32
@@ -50,24 +50,6 @@ GROUPED_MAX_BYTES = 3 * 10**9
 TILED_MIN_EXPERT_ELEMENTS = 1 << 20  # D * 2F of one expert's gate_up
 
 
-def _swiglu(h: jax.Array) -> jax.Array:
-    """[..., 2F] fused gate|up pre-activations -> [..., F]."""
-    gate, up = jnp.split(h, 2, axis=-1)
-    return jax.nn.silu(gate) * up
-
-
-def expert_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    """One routed expert: x [N, D], gate_up [D, 2F], down [F, D] -> [N, D] in x's dtype.
-
-    Matmuls run in the weights' dtype with float32 accumulation; quantized weights are dequantized to their compute
-    dtype first (inside the program).
-    """
-    gate_up, down = dense(gate_up), dense(down)
-    h = jnp.dot(x.astype(gate_up.dtype), gate_up, preferred_element_type=F32)  # [N, 2F]
-    act = _swiglu(h).astype(down.dtype)
-    return jnp.dot(act, down, preferred_element_type=F32).astype(x.dtype)
-
-
 def _kernel_takes(rows: int, gate_up, down) -> bool:
     """Whether `kernels.gather_matvec` takes these rows and expert weights (dense, int8 or int4)."""
     d, f2, f = gate_up.shape[-2], gate_up.shape[-1], down.shape[-2]
@@ -79,7 +61,7 @@ def _kernel_takes(rows: int, gate_up, down) -> bool:
 def _ffn_in_place(x, gate_up, down, picks):
     """expert_ffn of row a through expert picks[a] of the stacks, by the kernel (rounding where expert_ffn does)."""
     h = gather_matvec.gather_matvec(x, gate_up, picks)  # [A, 2F] float32
-    act = _swiglu(h).astype(down.dtype)
+    act = swiglu(h).astype(down.dtype)
     return gather_matvec.gather_matvec(act, down, picks).astype(x.dtype)
 
 
@@ -174,7 +156,7 @@ def _combine_ragged(x, weights, slots, valid, gate_up, down):
     group_sizes = jnp.bincount(flat_slots, length=gate_up.shape[0]).astype(jnp.int32)  # [S]
     xs = x[token_of].astype(gate_up.dtype)  # [N*K, D] grouped by slot
     h = jax.lax.ragged_dot(xs, gate_up, group_sizes, preferred_element_type=F32)  # [N*K, 2F]
-    act = _swiglu(h).astype(down.dtype)
+    act = swiglu(h).astype(down.dtype)
     # each expert's output in x's dtype, as expert_ffn returns it, so every path rounds at the same places
     y = jax.lax.ragged_dot(act, down, group_sizes, preferred_element_type=F32).astype(x.dtype).astype(F32)
     y = jnp.where(valid.reshape(-1)[order, None], y * weights.reshape(-1)[order, None], 0.0)
@@ -206,7 +188,7 @@ def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots
     if batched:  # rows of unused tiles carry weight 0, so they need no mask
         gu, dn = dense(gate_up[tile_slot]), dense(down[tile_slot])  # [T, D, 2F], [T, F, D]
         h = jnp.einsum("tcd,tdf->tcf", xt.astype(gu.dtype), gu, preferred_element_type=F32)
-        y = jnp.einsum("tcf,tfd->tcd", _swiglu(h).astype(dn.dtype), dn, preferred_element_type=F32).astype(x.dtype)
+        y = jnp.einsum("tcf,tfd->tcd", swiglu(h).astype(dn.dtype), dn, preferred_element_type=F32).astype(x.dtype)
     else:
         def one_tile(args):
             xg, slot, live = args
