@@ -14,10 +14,12 @@ Contract:
   once, in their stored width.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest.
-- `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU and
-  `ENABLED`, `xla_fn(*args)` otherwise (`jax.lax.platform_dependent`: the CPU backend never lowers the kernel).
-  `ENABLED` is False when the environment sets PDSCOPE_GPU_KERNELS=0 (the XLA paths everywhere: a comparison, or
-  a way around a kernel that fails on some GPU).
+- `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU, `ENABLED`
+  and `compiles_here()`, `xla_fn(*args)` otherwise (`jax.lax.platform_dependent`: the CPU backend never lowers
+  the kernel). `ENABLED` is False when the environment sets PDSCOPE_GPU_KERNELS=0 (the XLA paths everywhere: a
+  comparison, or a way around a kernel that fails on some GPU). `compiles_here()` compiles the kernel once per
+  process on small bf16, int8 and int4 weights where a GPU is the default backend; if that fails it warns once
+  and the XLA paths run, so a GPU or JAX version the kernel does not suit still decodes.
 `interpret=True` runs the kernel through Pallas' interpreter (tests on the CPU backend).
 """
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -165,7 +168,28 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False) -> j
     return parts.sum(axis=0) if splits > 1 else parts[0]
 
 
+@functools.cache
+def compiles_here() -> bool:
+    if jax.default_backend() != "gpu":
+        return True  # nothing lowers the kernel on this backend
+    from pdscope_jax.quant.formats import quantize
+
+    # shapes only: this runs while an outer program is traced, where concrete arrays would become its tracers
+    w = jax.ShapeDtypeStruct((1, 64, BLOCK_N), jnp.bfloat16)
+    x, idx = jax.ShapeDtypeStruct((1, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)
+    try:
+        for scheme in (None, "int8", "int4"):
+            weights = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
+            gather_matvec.lower(x, weights, idx).compile()
+    except Exception as err:  # noqa: BLE001 (any failure of Pallas/Triton here means: use XLA's paths)
+        warnings.warn(f"the GPU matvec kernel (pdscope_jax.kernels.gather_matvec) does not compile on this GPU "
+                      f"({type(err).__name__}: {str(err)[:300]}); decode runs XLA's paths instead. Set "
+                      f"PDSCOPE_GPU_KERNELS=0 to skip the kernel and this check.", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
 def on_gpu(kernel_fn, xla_fn, *args):
-    if not ENABLED:
+    if not (ENABLED and compiles_here()):
         return xla_fn(*args)
     return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=xla_fn)

@@ -2,6 +2,7 @@
 and the model paths that use it on a GPU (experts, few-row Linear) against their XLA paths."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -80,6 +81,46 @@ def test_on_gpu_runs_the_xla_path_on_the_cpu_and_when_disabled(monkeypatch):
     traced = []
     assert float(gm.on_gpu(lambda x: traced.append(1) or x, lambda x: x * 2, 2.0)) == 4.0
     assert not traced  # disabled: the kernel branch is not even traced
+
+
+def test_a_kernel_that_does_not_compile_leaves_the_xla_path_with_a_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("Triton lowering failed")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gm, "gather_matvec", type("Broken", (), {"lower": staticmethod(broken)}))
+    gm.compiles_here.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="PDSCOPE_GPU_KERNELS=0"):
+            assert float(gm.on_gpu(lambda x: x + 100, lambda x: x + 2, 1.0)) == 3.0
+        with warnings.catch_warnings(record=True) as later:
+            warnings.simplefilter("always")
+            assert float(gm.on_gpu(lambda x: x + 100, lambda x: x + 2, 1.0)) == 3.0
+        assert not later  # checked once per process: no second compile, no second warning
+    finally:
+        gm.compiles_here.cache_clear()
+
+
+def test_the_compile_check_works_inside_a_traced_program(monkeypatch):
+    """on_gpu runs while the model's program is traced: the check must lower on shapes, not on tracers (a tracer
+    would make it fail and turn the kernel off on every GPU)."""
+    lowered = []
+
+    @jax.jit
+    def stand_in(x, w, idx):  # compiles on the CPU, like the kernel on a GPU
+        lowered.append(jax.tree.map(lambda leaf: type(leaf).__name__, (x, w, idx)))
+        return jnp.zeros((x.shape[0], w.shape[-1]), jnp.float32)
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(gm, "gather_matvec", stand_in)
+    gm.compiles_here.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert float(jax.jit(lambda v: gm.on_gpu(lambda v: v + 100, lambda v: v + 2, v))(1.0)) == 3.0
+        assert gm.compiles_here() and len(lowered) == 3  # bf16, int8, int4 weights
+    finally:
+        gm.compiles_here.cache_clear()
 
 
 @pytest.fixture
