@@ -2,8 +2,9 @@
 
 Contract: `measure_cost_table(args, command) -> dict` (the saved table as a dict) takes the options of
 `pdscope-jax profile` (attributes named as its flags) and measures, for one model (a preset name or a checkpoint
-directory; only shapes matter, so weights are seeded random values, never read from disk) in `args.dtype`, on
-the accelerator and the CPU backend that `runtime.select_devices` picks:
+directory; only shapes matter, so weights are seeded random values, never read from disk) in `args.dtype`, its
+routed experts stored as `args.quantize` (None, "int8", "int4": a table per precision, the expert times and
+transfers those of the stored bytes), on the accelerator and the CPU backend that `runtime.select_devices` picks:
 - `cpu_expert_seconds[b]`: one routed expert over b tokens through the engine's CPU path (`engine.cpu_experts`,
   the expert read through the expert store's CPU view of pinned memory);
 - `gpu_expert_seconds[b]`: one expert over b tokens as one `combine_experts` program on the accelerator;
@@ -16,9 +17,10 @@ the accelerator and the CPU backend that `runtime.select_devices` picks:
   `args.decode_max_batch` sequences and scaled proportionally to b beyond.
 Every time is the median of `args.repeats` runs after one untimed run (compilation). The table
 (`sched.costs.CostTable`, `source: "measured"`) is saved to `args.out`, by default
-`costs_dir()/<model>-<device>.json` (`sched.costs.table_name`; <device> is the accelerator's kind, or
-"cpu-standin" when a CPU device stands in for it); `meta` names both devices, says whether the accelerator is a
-stand-in, and records `command`, date, dtype and jax version. A rich progress bar shows the measurements on
+`costs_dir()/<model>-<device>.json`, `<model>-<scheme>-<device>.json` when quantized (`sched.costs.table_name`;
+<device> is the accelerator's kind, or "cpu-standin" when a CPU device stands in for it); `meta` names both
+devices, says whether the accelerator is a stand-in, and records `command`, date, dtype, quantize and jax
+version. A rich progress bar shows the measurements on
 stderr; the last stdout line is a JSON summary (path, t_io, alpha). `errors.InputError` when no token bucket is
 left (`cli.profile.check_args` finds that, and every other bad option, before anything is built).
 """
@@ -75,6 +77,7 @@ def measure_cost_table(args, command: str) -> dict:
     t_io, alpha = _line(counts, xfer)
     meta = {"accelerator": f"{devices.accel} {getattr(devices.accel, 'device_kind', '')}".strip(),
             "cpu_backend": str(devices.cpu), "accelerator_is_cpu_standin": stand_in, "dtype": args.dtype,
+            "quantize": args.quantize or "none",
             "weights": "random", "jax": jax.__version__, "repeats": args.repeats,
             "decode_context": args.decode_context, "decode_max_batch": args.decode_max_batch,
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -83,10 +86,11 @@ def measure_cost_table(args, command: str) -> dict:
                       alpha=alpha, attn_prefill_seconds=prefill, attn_decode_seconds=decode,
                       gpu_launch_seconds=launch, transfer_counts=tuple(counts), transfer_seconds=xfer,
                       source="measured", model=cfg.name, meta=meta)
-    out = args.out or costs_dir() / f"{table_name(cfg.name, label)}.json"
+    name = cfg.name if args.quantize is None else f"{cfg.name}-{args.quantize}"
+    out = args.out or costs_dir() / f"{table_name(name, label)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     table.save(out)
-    console.print(f"cost table for {cfg.name} on {meta['accelerator']} (CPU backend {devices.cpu}) -> {out}")
+    console.print(f"cost table for {name} on {meta['accelerator']} (CPU backend {devices.cpu}) -> {out}")
     print(json.dumps({"json": str(out), "model": cfg.name, "device": label, "t_io": t_io, "alpha": alpha}),
           flush=True)
     return table.to_dict()
@@ -117,6 +121,7 @@ class _Profiler:
         from pdscope_jax.engine.cpu_experts import CpuExperts
         from pdscope_jax.store.expert_store import ExpertStore
         from pdscope_jax.models.layers import combine_experts
+        from pdscope_jax.quant.formats import quantize
 
         self.cfg, self.devices, self.args = cfg, devices, args
         self.dtype = jnp.dtype(args.dtype)
@@ -126,16 +131,20 @@ class _Profiler:
         def weights(shape):
             return (rng.standard_normal(shape, np.float32) * 0.02).astype(self.dtype)
 
-        self.gate_up_np, self.down_np = weights((d, 2 * f)), weights((f, d))
+        def stored(w):  # an expert's matrix as the store keeps it: the dtype's array, or its quantized form
+            return w if args.quantize is None else quantize(jnp.asarray(w), args.quantize)
+
+        gate_up, down = stored(weights((1, d, 2 * f))), stored(weights((1, f, d)))
         store = ExpertStore(devices)  # one expert in pinned memory, read through its CPU view as the engine does
-        store.add_layer(0, self.gate_up_np[None], self.down_np[None])
+        store.add_layer(0, gate_up, down)
         self._cpu_experts = CpuExperts(store, args.cpu_min_rows)
-        self.gpu_w = jax.device_put((self.gate_up_np[None], self.down_np[None]), devices.accel)
+        self.gpu_w = jax.device_put((gate_up, down), devices.accel)
         self._gpu_step = jax.jit(combine_experts)
         self._noop = jax.jit(lambda x: x + 1)
         pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
-        self.host = [jax.device_put((weights((d, 2 * f)), weights((f, d))), pinned) for _ in range(cfg.num_experts)]
+        self.host = [jax.device_put((stored(weights((d, 2 * f))), stored(weights((f, d)))), pinned)
+                     for _ in range(cfg.num_experts)]
         # the first MoE layer with random non-expert weights on the accelerator, for attention
         self.layer_index = cfg.moe_layers[0]
         self._attend = jax.jit(_attend, static_argnums=0)

@@ -3,7 +3,8 @@
 Contract: `profile_main(argv) -> dict` parses MODEL and the measurement options, records the command line as
 `pdscope-jax profile ARGS`, and returns the saved table as a dict. `parse_args(argv)` is the parsing alone;
 `check_args(args)` checks every option before anything is built or measured (model known, buckets, counts
-and repeats positive, at least one bucket under --max-tokens, the output writable) and raises one
+and repeats positive, at least one bucket under --max-tokens, the expert sizes fit --quantize, the output
+writable) and raises one
 `errors.InputError` naming every problem.
 """
 
@@ -24,6 +25,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 description="Measure a model's cost table on the machine at hand.")
     p.add_argument("model", help="preset name or checkpoint directory (only its config.json is read)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantize", choices=("int8", "int4"),
+                   help="measure experts stored int8 (per channel) or int4 (groups of 64): CPU and GPU expert "
+                        "times and transfers of the quantized bytes (a table per precision)")
     p.add_argument("--buckets", nargs="+", type=int, default=list(DEFAULT_BUCKETS), help="token buckets")
     p.add_argument("--max-tokens", type=int, default=None, help="drop buckets above this")
     p.add_argument("--repeats", type=int, default=5)
@@ -44,6 +48,13 @@ def check_args(args) -> None:
 
     problems: list[str] = []
     checks.check_model(problems, "MODEL", args.model)
+    if args.quantize is not None and not problems:
+        from pdscope_jax.api import resolve
+        from pdscope_jax.quant.formats import scheme
+
+        cfg, _ = resolve(args.model)
+        problems += [f"--quantize {args.quantize}: {p}" for k in {cfg.hidden_size, cfg.moe_intermediate_size}
+                     if (p := scheme(args.quantize).check(k))]
     checks.check_ints(problems, "--buckets", args.buckets)
     checks.check_int(problems, "--max-tokens", args.max_tokens)
     if args.max_tokens is not None and args.buckets and all(isinstance(b, int) and b > args.max_tokens

@@ -39,3 +39,14 @@ def test_profile_rejects_empty_buckets_and_names_every_problem(tmp_path):
         profile_main(["tiny-qwen3-30b-a3b", "--max-tokens", "0", "--repeats", "0", "--out", str(tmp_path / "x.json")])
     assert "--max-tokens 0 drops every bucket" in str(err.value) and "--repeats must be" in str(err.value)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_profile_of_quantized_experts_is_its_own_table(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PDSCOPE_JAX_COSTS", str(tmp_path))
+    saved = profile_main(["tiny-qwen3-30b-a3b", "--quantize", "int4", "--max-tokens", "8", "--repeats", "2",
+                          "--decode-max-batch", "2"])
+    name = table_name("tiny-qwen3-30b-a3b-int4", "cpu-standin")
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["json"] == str(tmp_path / f"{name}.json")
+    table = load_cost_table(name)
+    assert table == CostTable.from_dict(saved) and dict(table.meta)["quantize"] == "int4"
+    assert all(v > 0 for v in (*table.cpu_expert_seconds, *table.gpu_expert_seconds, *table.transfer_seconds))
