@@ -67,7 +67,7 @@ def _ffn_in_place(x, gate_up, down, picks):
 
 def picked_experts_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, picks: jax.Array) -> jax.Array:
     """expert_ffn(x[a], gate_up[picks[a]], down[picks[a]]) for every row a: x [A, D], stacks [S, D, 2F] / [S, F, D],
-    picks [A] int32 in [0, S) -> [A, D] in x's dtype. On a CUDA GPU, for dense weights of shapes it takes, the
+    picks [A] int32 in [0, S) -> [A, D] in x's dtype. On a CUDA GPU, for weights of shapes it takes, the
     gather_matvec kernel reads each pick's weights in place (quantized ones dequantized tile by tile); elsewhere
     XLA multiplies a gathered copy."""
     def gathered(x, gate_up, down, picks):
