@@ -5,7 +5,8 @@ functions on them:
 - `logits(input_ids [B,T]) -> np.float32 [B,T,V]`, a causal forward without cache;
 - `generate(input_ids [B,T], max_new_tokens, temperature, top_k, seed, **sampling) -> GenerationResult`: one
   prefill that fills a preallocated cache and picks the first new token, then one jitted decode step per further
-  token with the cache donated. Sampling is `sampling.sample` (settings as arrays: temperature 0 is greedy; a new
+  token with the cache donated; the step advances its position and step counter on the device, and the model's
+  state passes as a list of its arrays, so the host does little per step. Sampling is `sampling.sample` (settings as arrays: temperature 0 is greedy; a new
   setting compiles nothing; `sampling` takes the other `SamplingParams` fields: top_p, min_p, penalties). Every
   step runs for all max_new_tokens (eos does not stop it). Programs are compiled before the clock starts, and
   timings wait on the device (block_until_ready), so they measure execution only.
@@ -119,30 +120,36 @@ def host_steps(steps):
         yield jax.device_get(picked)
 
 
-def _forward(graphdef, state, input_ids, positions):
-    model = nnx.merge(graphdef, state)
-    return model(input_ids, positions)[0]
+# The model's state travels as a list of its arrays with the structure static (`graph` = (graphdef, treedef)):
+# flattening an nnx.State of a few hundred Variables costs a call far more host time than a list of arrays.
+def _model(graph, leaves):
+    graphdef, treedef = graph
+    return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
 
 
-def _prefill(graphdef, state, input_ids, positions, cache, sampling):
-    model = nnx.merge(graphdef, state)
+def _forward(graph, leaves, input_ids, positions):
+    return _model(graph, leaves)(input_ids, positions)[0]
+
+
+def _prefill(graph, leaves, input_ids, positions, cache, sampling):
+    model = _model(graph, leaves)
     x, cache = model.hidden(input_ids, positions, cache)
     logits = model.logits(x[:, -1:])[:, 0]  # [B, V]: only the last position picks the next token
     picked, sampling = sample(logits, sampling, 0)
     return picked, sampling, cache
 
 
-def _decode(graphdef, state, token, position, cache, sampling, step):
-    model = nnx.merge(graphdef, state)
-    logits, cache = model(token[:, None], position[:, None], cache)
+def _decode(graph, leaves, token, position, cache, sampling, step):
+    """One step; the position and step counter come back advanced, so the host creates nothing per step."""
+    logits, cache = _model(graph, leaves)(token[:, None], position[:, None], cache)
     picked, sampling = sample(logits[:, 0], sampling, step)
-    return picked, sampling, cache
+    return picked, sampling, cache, position + 1, step + 1
 
 
 # Module-level so that models of one architecture (equal graphdefs) share compiled programs.
 forward_jit = jax.jit(_forward, static_argnums=0)
 prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(4, 5))
-decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=(4, 5))
+decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=(3, 4, 5, 6))
 _compiled: dict[tuple, jax.stages.Compiled] = {}
 
 
@@ -152,6 +159,8 @@ class Generator:
         self.cache_dtype = model.embed.embedding.dtype
         self._init_cache = model.init_cache
         self.graphdef, self.state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(self.state)
+        self._graph, self._leaves = (self.graphdef, treedef), leaves
         full_f32 = jnp.dtype(self.cache_dtype) == jnp.float32
         self._precision = functools.partial(jax.default_matmul_precision, "highest" if full_f32 else None)
 
@@ -160,7 +169,7 @@ class Generator:
         b, t = input_ids.shape
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         with self._precision():
-            out = forward_jit(self.graphdef, self.state, jnp.asarray(input_ids, jnp.int32), positions)
+            out = forward_jit(self._graph, self._leaves, jnp.asarray(input_ids, jnp.int32), positions)
         return np.asarray(out, dtype=np.float32)
 
     def _program(self, name: str, jitted, args: tuple):
@@ -203,11 +212,11 @@ class Generator:
         cache = self._init_cache(b, max_len, self.cache_dtype)
         state = SamplingState.create(params, input_ids, self.config.vocab_size, ids.sharding)
 
-        prefill_args = (self.graphdef, self.state, ids, positions, cache, state)
+        prefill_args = (self._graph, self._leaves, ids, positions, cache, state)
         prefill = self._program("prefill", prefill_jit, prefill_args)
         decode = None
         if max_new_tokens > 1:
-            step_args = (self.graphdef, self.state, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), cache,
+            step_args = (self._graph, self._leaves, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), cache,
                          state, jnp.int32(1))
             decode = self._program("decode", decode_jit, step_args)
         jax.block_until_ready((cache, state))
@@ -217,9 +226,10 @@ class Generator:
         picked, sampling, cache = prefill(*prefill_args)
         yield picked
         b = picked.token.shape[0]
-        for step in range(1, max_new_tokens):
-            position = jnp.full((b,), t + step - 1, jnp.int32)
-            picked, sampling, cache = decode(self.state, picked.token, position, cache, sampling, jnp.int32(step))
+        position, step = jnp.full((b,), t, jnp.int32), jnp.int32(1)  # advanced on the device from here on
+        for _ in range(1, max_new_tokens):
+            picked, sampling, cache, position, step = decode(self._leaves, picked.token, position, cache, sampling,
+                                                             step)
             yield picked
 
 
