@@ -208,10 +208,15 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     return runner
 
 
-def check_quantizable(cfg: ModelConfig, quantize: str) -> None:
-    """Raise InputError when the model's expert matrices cannot take the scheme `quantize` (a known name)."""
+def quantize_problems(cfg: ModelConfig, quantize: str) -> list[str]:
+    """Why the model's expert matrices cannot take the scheme `quantize` (a known name); empty when they can."""
     s = scheme(quantize)
-    raise_problems([p for k in {cfg.hidden_size, cfg.moe_intermediate_size} if (p := s.check(k))], "load")
+    return [p for k in {cfg.hidden_size, cfg.moe_intermediate_size} if (p := s.check(k))]
+
+
+def check_quantizable(cfg: ModelConfig, quantize: str) -> None:
+    """Raise InputError naming `quantize_problems` when there are any."""
+    raise_problems(quantize_problems(cfg, quantize), "load")
 
 
 def check_load(dtype, seed, policy, predictors, runtime: dict, quantize=None):

@@ -62,7 +62,7 @@ def _positive_int(value) -> bool:
 
 def settings_problems(s: Settings) -> list[str]:
     """Every problem of `s` that can be seen without weights (model config read only), each with its fix."""
-    from pdscope_jax.api import resolve
+    from pdscope_jax.api import quantize_problems, resolve
     from pdscope_jax.config import ConfigError
     from pdscope_jax.generation.generator import seed_problems
     from pdscope_jax.presets import UnknownModelError
@@ -94,8 +94,7 @@ def settings_problems(s: Settings) -> list[str]:
         problems.append(f"--window / --prompt-len + --new-tokens reach {longest} tokens, beyond the model's "
                         f"{cfg.max_position_embeddings} positions: lower them")
     for q in s.precisions[1:]:
-        bad = [SCHEMES[q].check(k) for k in {cfg.hidden_size, cfg.moe_intermediate_size}] if q in SCHEMES else []
-        problems += [f"{s.model}: {p}" for p in bad if p]
+        problems += [f"{s.model}: {p}" for p in (quantize_problems(cfg, q) if q in SCHEMES else [])]
     return problems
 
 

@@ -49,12 +49,10 @@ def check_args(args) -> None:
     problems: list[str] = []
     checks.check_model(problems, "MODEL", args.model)
     if args.quantize is not None and not problems:
-        from pdscope_jax.api import resolve
-        from pdscope_jax.quant.formats import scheme
+        from pdscope_jax.api import quantize_problems, resolve
 
-        cfg, _ = resolve(args.model)
-        problems += [f"--quantize {args.quantize}: {p}" for k in {cfg.hidden_size, cfg.moe_intermediate_size}
-                     if (p := scheme(args.quantize).check(k))]
+        problems += [f"--quantize {args.quantize}: {p}" for p in quantize_problems(resolve(args.model)[0],
+                                                                                  args.quantize)]
     checks.check_ints(problems, "--buckets", args.buckets)
     checks.check_int(problems, "--max-tokens", args.max_tokens)
     if args.max_tokens is not None and args.buckets and all(isinstance(b, int) and b > args.max_tokens

@@ -1,10 +1,9 @@
 """Few-row products with gathered expert weights on the GPU, reading each weight once (Pallas, Triton lowering).
 
 Why: at decode a routed expert multiplies one row (a few at small batches) by its [K, N] weights. XLA turns such a
-product into a reduction and, over gathered experts, first copies each pick's weights (and transposes them):
-on the H200 a DeepSeek-V2-Lite layer's six picks took 0.18 ms where their 104 MB take about 0.03 ms to read.
-This kernel reads the picks' weights in place, in [BK, BN] tiles along the stored rows, and accumulates in
-float32.
+product into a reduction and, over gathered experts, first copies each pick's weights (and transposes them),
+reaching a fraction of the memory's speed (docs/MEASUREMENTS.md, "Decode on the GPU"). This kernel reads the
+picks' weights in place, in [BK, BN] tiles along the stored rows, and accumulates in float32.
 Contract:
 - `gather_matvec(x [A, K], w [S, K, N], idx [A] int32) -> float32 [A, N]`: row a is x[a] @ w[idx[a]], products
   of x's values rounded to w's (compute) dtype, summed in float32 (as `jnp.dot(x.astype(dtype), dense(w[idx[a]]),
@@ -32,6 +31,8 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from pdscope_jax.quant.formats import is_quantized, quantize
 
 F32 = jnp.float32
 ENABLED = os.environ.get("PDSCOPE_GPU_KERNELS", "1") != "0"
@@ -133,8 +134,6 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, gro
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False) -> jax.Array:
-    from pdscope_jax.quant.formats import is_quantized
-
     a, k = x.shape
     _, k_w, n = w.shape
     scheme = w.scheme if is_quantized(w) else None
@@ -172,8 +171,6 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False) -> j
 def compiles_here() -> bool:
     if jax.default_backend() != "gpu":
         return True  # nothing lowers the kernel on this backend
-    from pdscope_jax.quant.formats import quantize
-
     # shapes only: this runs while an outer program is traced, where concrete arrays would become its tracers
     w = jax.ShapeDtypeStruct((1, 64, BLOCK_N), jnp.bfloat16)
     x, idx = jax.ShapeDtypeStruct((1, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)

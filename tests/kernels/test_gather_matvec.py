@@ -166,13 +166,10 @@ def test_linear_uses_the_kernel_for_few_rows_only(rows, kernel, kernel_everywher
     layer = Linear(256, 128, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     layer.bias[...] = jnp.linspace(-1, 1, 128)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((rows, 1, 256)), jnp.float32)
-    calls = []
-    monkeypatch.setattr(gm, "gather_matvec", lambda *a, **k: calls.append(1) or gm_interpret(*a, **k))
+    calls, interpreted = [], gm.gather_matvec  # the fixture's interpreted kernel
+    monkeypatch.setattr(gm, "gather_matvec", lambda *a, **k: calls.append(1) or interpreted(*a, **k))
     y = layer(x)
     expected = nnx.Linear.__call__(layer, x)
     assert y.shape == (rows, 1, 128) and bool(calls) == kernel
     assert rel(y, expected) < 1e-6
 
-
-gm_interpret = functools.partial(gm.gather_matvec.__wrapped__ if hasattr(gm.gather_matvec, "__wrapped__")
-                                 else gm.gather_matvec, interpret=True)
