@@ -10,7 +10,7 @@ the CPU expert kernel on and off (`RuntimeConfig.cpu_kernel`). Per (family, poli
 first divergence (per prompt and the least), the fraction of positions equal, and max |logit diff| over the
 prompt. Runs on two CPU devices standing in for host and accelerator (`runtime.select_devices`); the JSON says
 so. `--quick`: one family, one prompt, 32 tokens (a smoke test).
-Output: JSON with `what`, `command`, `commit`, `machine`, the settings and `rows`.
+Output: JSON with `what`, `command`, `commit` (HEAD when the run started), `machine`, the settings and `rows`.
 """
 
 from __future__ import annotations
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.rows_only:
         args.out.write_text(json.dumps(run_mode(args)))
         return
+    commit = _commit()  # read before the run: the checkout's HEAD may move while it runs
     start, rows = time.perf_counter(), []
     for mode in args.modes:
         env = dict(os.environ)
@@ -141,11 +142,6 @@ def main(argv: list[str] | None = None) -> None:
                             "--families", *args.families, "--prompts", str(args.prompts), "--new", str(args.new)],
                            env=env, check=True)
             rows += json.loads(out.read_text())
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
     cpus = os.cpu_count()
     result = {"what": "bf16 token agreement of the offloaded policies with the plain model (tiny presets, random "
                       "bfloat16 weights, greedy)",
@@ -159,6 +155,15 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def _commit() -> str | None:
+    """HEAD of the repository, None outside git."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:
