@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"what": "bf16 token agreement of the offloaded policies with the plain model (tiny presets, random "
                       "bfloat16 weights, greedy)",
               "command": command_line(__file__, argv), "commit": commit,
+              "weights": "random (seeded, tiny presets)",
               "machine": f"this CPU machine ({platform.machine()}, {cpus} cores; two JAX CPU devices stand in for "
                          "host and accelerator; no GPU)",
               "modes": {m: MODES[m] for m in args.modes},

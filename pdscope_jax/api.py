@@ -14,8 +14,9 @@ otherwise it raises `UnknownModelError` listing the known names.
 Without `policy` the model runs whole on the default device (`Runner`). With a policy name (`gpu`, `static`,
 `ondemand`, `greedy`, `fate`, `pdscope`) the offload engine runs it (`engine.runner.OffloadRunner`, same
 `logits`/`generate` calls; same numbers: float32 logits within 1e-4 of the plain model's; bfloat16 logits and
-greedy tokens identical where XLA runs with `XLA_FLAGS=--xla_allow_excess_precision=false`, else within bf16
-rounding, and greedy tokens may part after a few to a few hundred tokens, see README) under a `RuntimeConfig`
+greedy tokens identical where XLA runs with `XLA_FLAGS=--xla_allow_excess_precision=false` and the CPU expert
+kernel is off (`cpu_kernel=False`), else within bf16 rounding, and greedy tokens may part after a few to a few
+hundred tokens: the README gives the measured contract) under a `RuntimeConfig`
 built from `policy` and `**runtime`
 (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
 predictions feed the planner (its fingerprint must match the model). `quantize="int8" | "int4"` stores the
