@@ -52,6 +52,7 @@ from reference_moe import checkpoint, data as data_stage, train  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path(pdscope_jax.__file__).resolve().parent / "assets" / "reference-moe"
 DEFAULT_RESULTS = REPO / "benchmarks" / "results"
+DEFAULT_ROUTING = DEFAULT_OUT.parent / "reference-moe-routing.json"  # package data: the skewed workload's targets
 PROMPTS = ("def ", "import os\n", "class ", "for i in range(")
 
 # The Hugging Face config.json of the reference model (DeepSeek-V2 layout and field names).
@@ -106,6 +107,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="tiny model, 20 steps, small corpus subset, tmp output")
     p.add_argument("--out", type=Path, help=f"checkpoint directory (default {DEFAULT_OUT}; --smoke: a tmp dir)")
     p.add_argument("--results-dir", type=Path, help=f"JSON + PNG directory (default {DEFAULT_RESULTS}; --smoke: --out)")
+    p.add_argument("--routing-out", type=Path, help=f"held-out routing statistics, the skewed workload's targets "
+                                                       f"(default {DEFAULT_ROUTING}; --smoke: --results-dir)")
     p.add_argument("--max-seconds", type=float, default=300.0, help="wall-time budget of the training loop")
     p.add_argument("--epochs", type=float, default=6.0,
                    help="passes over the train split (the schedule's length unless --steps or the time cap is shorter)")
@@ -249,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
     results["total_seconds"] = round(time.perf_counter() - t_start, 1)
     json_path = args.results_dir / "reference_moe_training.json"
     json_path.write_text(json.dumps(results, indent=1) + "\n")
+    routing = args.routing_out or (args.results_dir / DEFAULT_ROUTING.name if args.smoke else DEFAULT_ROUTING)
+    routing.write_text(json.dumps({"what": "the reference MoE's held-out routing statistics (the skewed workload's "
+                                           "targets)", "source": f"routing_heldout of {json_path.name}",
+                                   "commit": results.get("commit"), "routing_heldout": stats}, indent=1) + "\n")
     checkpoint.plot(args.results_dir / "reference_moe_training.png", log, stats)
     print(f"wrote {json_path} and reference_moe_training.png in {results['total_seconds']} s", flush=True)
     print(json.dumps({"train_loss": log[-1]["train_loss"], "heldout_loss": log[-1].get("heldout_loss"),

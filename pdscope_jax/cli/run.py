@@ -2,7 +2,7 @@
 
 Contract: `main(argv)` loads the embedded reference MoE (`pdscope_jax.load("reference-moe")`, a small
 DeepSeek-V2-architecture model trained on the Python standard library) and its PhasePer predictors
-(`predictors/reference-moe` in a checkout, when present), prints a plain generation, then runs the same prompt
+(shipped in `pdscope_jax/assets/predictors/reference-moe`), prints a plain generation, then runs the same prompt
 under every offloading policy with an expert pool that holds only a fraction of the routed experts, and prints
 per phase: tokens/s, slot hit rate, prefetch accuracy, exposed transfer time, CPU/GPU expert counts, and whether
 the tokens equal the plain model's (they must: policies change placement, never results; the exit status is 1
@@ -31,13 +31,13 @@ def read_config(path):
     with open(path) as f:
         for line in f:
 '''
-REPO_PREDICTORS = Path(__file__).resolve().parents[2] / "predictors" / "reference-moe"
+REFERENCE_PREDICTORS = Path(__file__).resolve().parents[1] / "assets" / "predictors" / "reference-moe"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdscope-jax run", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="reference-moe")
-    parser.add_argument("--predictors", type=Path, default=REPO_PREDICTORS,
+    parser.add_argument("--predictors", type=Path, default=REFERENCE_PREDICTORS,
                         help="PhasePer checkpoint directory (skipped with a note when absent)")
     parser.add_argument("--prompt", default=PROMPT)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     if predictors is None:
         console.print(f"[yellow]no PhasePer checkpoint at {args.predictors}: pdscope and fate use the next layer's "
                       "gate on the current hidden state as their predictor")
+    else:
+        console.print(f"PhasePer checkpoint: {predictors}")
     runner = pdscope_jax.load(args.model, dtype=args.dtype, quantize=args.quantize, policy=args.policies[0],
                               predictors=predictors,
                               gpu_memory="4GB", expert_pool=pool_bytes, max_seq_len=args.max_seq_len)

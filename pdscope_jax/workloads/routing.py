@@ -3,11 +3,11 @@ that expert popularity and inter-layer affinity look like what the trained refer
 
 Why: seeded random weights route nearly uniformly and without inter-layer structure, which no trained MoE does,
 and which hides exactly what hot-expert tables and cross-layer prediction exploit. The reference MoE
-(`pdscope_jax/assets/reference-moe`) recorded its held-out routing in
-`benchmarks/results/reference_moe_training.json` ("routing_heldout": per-layer expert counts [12, 32], and per
-layer pair the recall@K of an inter-layer affinity table against the recall@K of always guessing the K most
-popular experts). The skewed workload reproduces, per MoE layer of the target model (reference layers mapped
-by relative depth, nearest index):
+(`pdscope_jax/assets/reference-moe`) recorded its held-out routing when it was trained
+(`scripts/train_reference_moe.py`), shipped as package data in `pdscope_jax/assets/reference-moe-routing.json`
+("routing_heldout": per-layer expert counts [12, 32], and per layer pair the recall@K of an inter-layer affinity
+table against the recall@K of always guessing the K most popular experts). The skewed workload reproduces, per
+MoE layer of the target model (reference layers mapped by relative depth, nearest index):
 - popularity: the reference layer's sorted share curve (share of top-k assignments by expert rank), resampled to
   E experts through its cumulative curve (so the top-quarter share carries over exactly when 4 divides E) and
   capped at 1/k per expert (an expert is chosen at most once per token), assigned by a seeded permutation;
@@ -21,7 +21,7 @@ Contract: `design(cfg, workload, seed=0, stats=None) -> Workload | None` (None f
 wraps an `OffloadRunner` loader, `Workload.apply(flat)` rewrites a flat parameter dict, `Workload.experts(ids)`
 -> [M, N, K] the experts each token id picks per MoE layer, and `Workload.summary()` gives the targets and the
 fitted values per layer (recorded in benchmark JSON next to `"workload"`). `reference_stats(path=None)` reads the
-reference's routing statistics (default: the repository's benchmarks/results file).
+reference's routing statistics (default: the package's copy, so an installed package runs the skewed workload).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 WORKLOADS = ("uniform", "skewed")
-REFERENCE_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "reference_moe_training.json"
+REFERENCE_RESULTS = Path(__file__).resolve().parents[1] / "assets" / "reference-moe-routing.json"
 _RESIDUAL_WRITERS = (".o_proj.kernel", ".o_proj.bias", ".down_proj.kernel", ".mlp.experts.down")
 
 

@@ -1,6 +1,8 @@
 """The skewed routing workload: exact designed routing in the real model, the intended popularity skew, and
 parity of the offload engine on the rewritten weights."""
 
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,3 +67,17 @@ def test_offload_engine_matches_plain_model_on_skewed_weights(setup):
     runner = OffloadRunner(models.abstract_model(cfg, jnp.float32), rc, loader)
     np.testing.assert_allclose(runner.logits(ids), plain.logits(ids), atol=1e-4, rtol=0)
     np.testing.assert_array_equal(runner.generate(ids, 4).tokens, plain.generate(ids, 4).tokens)
+
+
+def test_the_reference_data_ships_inside_the_package():
+    """An installed package (not a checkout) runs the skewed workload and the main job with PhasePer: both defaults
+    lie under the package folder, which pyproject's package-data ("assets/**/*") ships."""
+    import pdscope_jax
+    from pdscope_jax.cli.run import REFERENCE_PREDICTORS
+    from pdscope_jax.workloads.routing import REFERENCE_RESULTS
+
+    package = Path(pdscope_jax.__file__).resolve().parent
+    for path in (REFERENCE_RESULTS, REFERENCE_PREDICTORS / "manifest.json"):
+        assert path.is_relative_to(package / "assets") and path.is_file()
+    stats = reference_stats()
+    assert len(stats["counts"]) == 12 and len(stats["counts"][0]) == 32  # the reference MoE: 12 MoE layers, 32 experts
