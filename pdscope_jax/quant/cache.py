@@ -4,7 +4,9 @@ Contract: `cached_quantizing_loader(loader, quant, ckpt, name, dense_shapes, roo
 checkpoint `ckpt` (`weights.checkpoint.checkpoint_loader`) into a loader of the quantized model, as
 `quant.loader.quantizing_loader` does, with the same values. Non-expert parameters pass through. At the first
 request for an expert parameter the cache folder `cache_root(root) / f"{name}-{scheme}-{key}"` is checked:
-- complete (a sealed MANIFEST whose files have their listed sizes): expert parameters are read from it;
+- complete (a sealed MANIFEST whose files have their listed sizes): expert parameters are read from it, each
+  layer file checked against the sha256 the manifest lists before its first read (a damaged one: a warning
+  naming it, and that layer quantized from the source);
 - otherwise it is built, MoE layer by MoE layer (a progress bar counts them): the layer's two dense stacks are
   loaded from the source where `placement` puts them, quantized, written to `layer-LLL.safetensors` atomically
   (tensor names are the quantized model's parameter paths, each tensor 64-byte aligned where sizes allow) and
@@ -119,6 +121,8 @@ class _Cache:
 
     def __init__(self, folder: Path, key: dict, dense_shapes: dict):
         self.folder, self.key = folder, key
+        self.listed: dict[str, dict] = {}  # the manifest's {file name: {"sha256", "bytes"}} once complete
+        self.verified: set[int] = set()  # layers whose file matched its listed sha256 in this process
         s = formats.scheme(key["scheme"]["name"])
         self.layers: dict[int, dict[str, tuple]] = {}  # layer -> {parameter path: (shape, dtype)}
         self.dense_bytes = 0
@@ -165,6 +169,7 @@ class _Cache:
                 if entry.get("bytes") != size:
                     raise CacheInvalid(f"{self.file(layer).name} has {size} bytes, the manifest says "
                                        f"{entry.get('bytes')}")
+            self.listed = doc["files"]
         except (CacheInvalid, KeyError, AttributeError, TypeError) as err:
             warnings.warn(f"quantized-expert cache {self.folder} is damaged ({err}); rebuilding it", stacklevel=4)
             path.unlink(missing_ok=True)
@@ -195,10 +200,18 @@ class _Cache:
         doc = integrity.seal({"key": self.key, "layers": {str(layer): self.file(layer).name for layer in self.layers},
                               "files": files})
         integrity.atomic_write_json(self.folder / MANIFEST, doc, indent=1)
+        self.listed, self.verified = files, set(self.layers)  # hashed as written (or just now, when kept)
 
     def read(self, layer: int, paths: list[str], placement) -> dict:
-        """The layer's parameters `paths` from its file, placed with `placement`."""
+        """The layer's parameters `paths` from its file, placed with `placement`; CacheInvalid when the file's
+        content differs from the sha256 the manifest lists (checked once per layer and process)."""
         infos = self.header(layer)
+        if layer not in self.verified:
+            name = self.file(layer).name
+            digest, _ = integrity.sha256_file(self.file(layer))
+            if digest != (self.listed.get(name) or {}).get("sha256"):
+                raise CacheInvalid(f"{name}: its content differs from the sha256 in the manifest (damaged on disk)")
+            self.verified.add(layer)
         out = {}
         for path in paths:
             out[path] = jax.device_put(_read_aligned(infos[path]), placement(path))

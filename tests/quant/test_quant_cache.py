@@ -168,6 +168,23 @@ def test_damaged_layer_file_is_rebuilt(source, tmp_path, asked):
     assert_same_experts(experts(rebuilt), reference)
 
 
+def test_a_flipped_byte_of_the_right_size_is_caught_by_its_checksum(source, tmp_path, asked):
+    root = tmp_path / "cache"
+    reference = experts(load(source, root))
+    (folder,) = folders(root)
+    damaged = sorted(folder.glob("layer-*.safetensors"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x40  # inside the last tensor: the header, the size and the manifest's seal still pass
+    damaged.write_bytes(bytes(data))
+    asked.clear()
+    with pytest.warns(UserWarning, match=f"{damaged.name}: its content differs from the sha256 in the manifest"):
+        again = load(source, root)
+    layer = int(damaged.stem.split("-")[1])
+    assert {p for p in asked if is_expert_path(p)} == {f"layers.{layer}.mlp.experts.gate_up",
+                                                       f"layers.{layer}.mlp.experts.down"}
+    assert_same_experts(experts(again), reference)  # that layer came from the source, not the damaged bytes
+
+
 def test_unwritable_cache_warns_and_quantizes_from_the_source(source, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
