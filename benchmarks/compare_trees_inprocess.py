@@ -9,7 +9,10 @@ OLD is a folder holding an earlier `pdscope_jax/` package (for example `git work
 copied under a temporary folder as the package `pdscope_jax_old` (every `pdscope_jax` name in it rewritten), so
 both trees import side by side. Each tree loads the model once (`load(..., weights="random", seed=0)`: the same
 weights); per policy both switch to it (`set_policy`) and warm up every prompt length, then each repeat runs one
-generation per tree on the same random prompt, the tree that goes first alternating between repeats.
+generation per tree on the same random prompt, the tree that goes first alternating between repeats. The tree
+loaded second runs JAX's sharding-keyed caches on objects equal to, not identical with, the first tree's, which
+costs it about a microsecond per staged array: `--new-first` swaps the load order (run both and take the geometric
+mean of the ratios); OLD set to a copy of the new tree gives the noise floor.
 Output: JSON with `command`, `commit` (of this tree, where git knows it), `old_commit` (--old-commit), `weights`,
 per (policy, prompt, tree) every repeat's prefill / decode tok/s and their medians, new / old of the medians,
 and whether both trees generated the same tokens in every repeat (they must: same weights, same prompt).
@@ -53,8 +56,10 @@ def run(args, report: dict) -> dict:
                    "max_seq_len": max(args.prompt_lens) + args.new_tokens}
         if args.cost_table:
             runtime["cost_table"] = args.cost_table
+        order = (("new", new), ("old", old)) if args.new_first else (("old", old), ("new", new))
         trees = {name: module.load(args.model, weights="random", seed=0, dtype=args.dtype, policy=args.policies[0],
-                                   **runtime) for name, module in (("old", old), ("new", new))}
+                                   **runtime) for name, module in order}  # loaded, and warmed up, in this order
+        report["load_order"] = list(trees)
         rng = np.random.default_rng(0)
         vocab = trees["new"].config.vocab_size
         rows = report.setdefault("rows", [])
@@ -103,6 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpu-memory", default="24GB")
     ap.add_argument("--expert-pool", default="8GB")
     ap.add_argument("--cost-table", default=None)
+    ap.add_argument("--new-first", action="store_true",
+                    help="load and warm up the new tree first (the tree loaded second pays for JAX's caches keyed "
+                         "by the first tree's sharding objects: run both orders)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     here = Path(__file__).resolve().parent.parent

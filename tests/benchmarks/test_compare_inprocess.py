@@ -18,7 +18,7 @@ def test_same_tree_twice_gives_identical_tokens_and_both_ratios(tmp_path):
     argv = ["--old-tree", str(REPO), "--old-commit", "self", "--model", "tiny-deepseek-v2-lite",
             "--dtype", "float32", "--policies", "static", "--prompt-lens", "12",
             "--new-tokens", "3", "--repeats", "2", "--gpu-memory", "1GB", "--expert-pool", "200KB",
-            "--out", str(out)]
+            "--new-first", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_trees_inprocess.py"), *argv],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -32,3 +32,4 @@ def test_same_tree_twice_gives_identical_tokens_and_both_ratios(tmp_path):
         assert row["prefill_ratio"] == row["new"]["prefill_median"] / row["old"]["prefill_median"]
         assert f"{row['policy']:9s}" in done.stdout  # a line per row as it is measured
     assert report["old_commit"] == "self" and "--old-tree" in report["command"]
+    assert report["load_order"] == ["new", "old"]  # --new-first
