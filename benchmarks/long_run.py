@@ -8,7 +8,8 @@ same seeded tokens in two processes.
    (sampled: temperature 0.8, top_p 0.95, a fixed seed) through `steps`, host RSS (/proc/self/statm) and the
    accelerator allocator's bytes in use (`memory_stats`, where the backend reports it) read every `--every`
    steps. Drift = (max - min) / value at `--settle` over the reads from `--settle` on (the first steps compile
-   and fill caches); a run passes at drift <= 1 %.
+   and fill caches); a run passes at drift <= 1 %. Offloaded runs also record the engine's budget and the
+   allocator's peak (process-wide; `after_plain_freed` says what the whole model left on the accelerator).
 2. The whole model behind the OpenAI-compatible server (continuous batching, `--server-batch` slots):
    `--requests` completions of token-id prompts, `--server-concurrency` at a time, mixed lengths; the same
    reads after every `--every-requests` answered requests, with the same drift rule from the first read on.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import gc
 import json
 import os
 import platform
@@ -231,13 +233,20 @@ def main(argv: list[str] | None = None) -> dict:
             if "server" in args.parts:
                 report["server"] = server_run(plain, args)
                 save()
+            device = accelerator(plain)
             del plain
+            gc.collect()
+            report["after_plain_freed"] = memory(device)  # what the whole model left behind on the accelerator
         if "steps" in args.parts:
             offloaded = load(args, path, args.policies[0])
             for policy in args.policies:
                 offloaded.engine.set_policy(policy)
                 report["runs"][policy] = long_generation(offloaded, args)
-                report["runs"][policy]["hit_rate"] = offloaded.stats["decode"].get("hit_rate")
+                stats = offloaded.stats
+                report["runs"][policy].update(hit_rate=stats["decode"].get("hit_rate"),
+                                              budget_bytes=stats["budget"]["budget"],
+                                              device_peak_bytes=stats["device_peak_bytes"],
+                                              within_budget=stats["within_budget"])
                 save()
                 print(policy, {k: v for k, v in report["runs"][policy].items() if k != "reads"}, flush=True)
             del offloaded

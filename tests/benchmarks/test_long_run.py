@@ -22,6 +22,8 @@ def test_long_run_reads_memory_and_compares_two_processes(tmp_path):
         assert run["host_rss_drift"] == (max(r["host_rss"] for r in run["reads"]) - min(
             r["host_rss"] for r in run["reads"])) / run["reads"][0]["host_rss"]
         assert run["flat"] == (run["host_rss_drift"] <= 0.01)  # the CPU backend reports no allocator bytes
+    assert report["runs"]["pdscope"]["budget_bytes"] == 10**9  # --gpu-memory 1GB, as the engine sized itself
+    assert report["after_plain_freed"]["host_rss"] > 0
     server = report["server"]
     assert [r["requests"] for r in server["reads"]] == [4, 8] and server["bad_answer_count"] == 0
     # float32 on the CPU backend: two fresh processes sample the same tokens for every policy
