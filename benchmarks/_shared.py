@@ -6,12 +6,18 @@ Contract:
   "python <script's path from the repository root> <argv, shell-quoted>";
 - `pyplot()` -> matplotlib.pyplot on the non-interactive Agg backend (no display needed);
 - `save_figure(fig, path, dpi, **tight_layout)` lays the figure out, writes it to `path` (creating its folder)
-  and closes it.
+  and closes it;
+- `commit()` -> a COMMIT file's content where one lies at the tree's root (a copied tree, such as the GPU node's,
+  may carry a stale git HEAD), else HEAD of this checkout, short, with "+dirty" when tracked files differ, else
+  "unknown"; `machine()` -> python, jax, usable CPUs, devices, platform.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import shlex
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,3 +45,24 @@ def save_figure(fig, path: Path, dpi: int, **tight_layout) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def commit() -> str:
+    marker = REPO / "COMMIT"
+    if marker.exists():
+        return marker.read_text().strip()
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return head + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    import jax
+
+    return {"python": platform.python_version(), "jax": jax.__version__, "cpus": len(os.sched_getaffinity(0)),
+            "devices": [str(d) for d in jax.devices()], "platform": platform.platform()}

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _shared import REPO, command_line
+from _shared import REPO, command_line, commit
 
 EXACT_FLAG = "--xla_allow_excess_precision=false"
 MODES = {"default": "XLA's default (excess precision allowed)", "exact": f"XLA_FLAGS={EXACT_FLAG}"}
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.rows_only:
         args.out.write_text(json.dumps(run_mode(args)))
         return
-    commit = _commit()  # read before the run: the checkout's HEAD may move while it runs
+    head = commit()  # read before the run: the checkout's HEAD may move while it runs
     start, rows = time.perf_counter(), []
     for mode in args.modes:
         env = dict(os.environ)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     cpus = os.cpu_count()
     result = {"what": "bf16 token agreement of the offloaded policies with the plain model (tiny presets, random "
                       "bfloat16 weights, greedy)",
-              "command": command_line(__file__, argv), "commit": commit,
+              "command": command_line(__file__, argv), "commit": head,
               "weights": "random (seeded, tiny presets)",
               "machine": f"this CPU machine ({platform.machine()}, {cpus} cores; two JAX CPU devices stand in for "
                          "host and accelerator; no GPU)",
@@ -156,15 +156,6 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
-
-
-def _commit() -> str | None:
-    """HEAD of the repository, None outside git."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def _without_option(argv: list[str], name: str) -> list[str]:

@@ -13,7 +13,7 @@ generation per tree on the same random prompt, the tree that goes first alternat
 loaded second runs JAX's sharding-keyed caches on objects equal to, not identical with, the first tree's, which
 costs it about a microsecond per staged array: `--new-first` swaps the load order (run both and take the geometric
 mean of the ratios); OLD set to a copy of the new tree gives the noise floor.
-Output: JSON with `command`, `commit` (of this tree, where git knows it), `old_commit` (--old-commit), `weights`,
+Output: JSON with `command`, `commit` (of this tree: `_shared.commit`), `old_commit` (--old-commit), `weights`,
 per (policy, prompt, tree) every repeat's prefill / decode tok/s and their medians, new / old of the medians,
 and whether both trees generated the same tokens in every repeat (they must: same weights, same prompt).
 """
@@ -26,12 +26,13 @@ import json
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from _shared import commit
 
 OLD_NAME = "pdscope_jax_old"
 
@@ -113,15 +114,10 @@ def main(argv: list[str] | None = None) -> dict:
                          "by the first tree's sharding objects: run both orders)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    here = Path(__file__).resolve().parent.parent
-    # A copied tree (the GPU node's) may carry a stale git HEAD; a COMMIT file written beside it names the real one.
-    commit = ((here / "COMMIT").read_text().strip() if (here / "COMMIT").exists() else
-              subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=here).stdout.strip() or "?")
     report = {"what": "old and new tree in one process, generations interleaved",
               "command": " ".join(["python3", "benchmarks/compare_trees_inprocess.py",
                                    *(sys.argv[1:] if argv is None else argv)]),
-              "commit": commit, "old_commit": args.old_commit, "model": args.model,
+              "commit": commit(), "old_commit": args.old_commit, "model": args.model,
               "weights": "random (seeded; both trees the same)", "rows": []}
     return run(args, report)
 

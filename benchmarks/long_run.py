@@ -28,7 +28,6 @@ import concurrent.futures
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _shared import REPO, command_line
+from _shared import command_line, commit, machine
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95, "seed": 1234}
 PROMPT_LEN = 64
@@ -49,11 +48,13 @@ def model_path(name: str, layers: int | None, into: Path) -> str:
     """`name` itself, or a folder holding the preset's config.json with its first `layers` layers."""
     if layers is None:
         return name
+    from importlib import resources
+
     from pdscope_jax.presets import PUBLISHED
 
     if name not in PUBLISHED:
         raise SystemExit(f"--layers needs a published preset ({', '.join(PUBLISHED)}), got {name!r}")
-    config = json.loads((REPO / "pdscope_jax" / "presets" / PUBLISHED[name]).read_text())
+    config = json.loads(resources.files("pdscope_jax.presets").joinpath(PUBLISHED[name]).read_text())
     config["num_hidden_layers"] = layers
     (into / "config.json").write_text(json.dumps(config))
     return str(into)
@@ -159,8 +160,7 @@ def tokens_only(args, path: str) -> dict:
     return out
 
 
-def two_processes(args) -> dict:
-    argv = sys.argv[1:]
+def two_processes(args, argv: list[str]) -> dict:
     runs = []
     for _ in range(2):
         done = subprocess.run([sys.executable, __file__, *argv, "--tokens-only"], capture_output=True, text=True)
@@ -170,13 +170,6 @@ def two_processes(args) -> dict:
     return {policy: {"same_tokens": runs[0][policy] == runs[1][policy],
                      "first_difference": next((i for i, (a, b) in enumerate(zip(runs[0][policy], runs[1][policy]))
                                                if a != b), None)} for policy in runs[0]}
-
-
-def machine() -> dict:
-    import jax
-
-    return {"python": platform.python_version(), "jax": jax.__version__, "cpus": os.cpu_count(),
-            "devices": [str(d) for d in jax.devices()], "platform": platform.platform()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -201,6 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     ap.add_argument("--tokens-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path)
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     if args.cpu_devices:
         import jax
@@ -213,9 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
             return {}
         report = {"what": "memory over long runs (decode steps per policy, server requests) and seeded tokens in "
                           "two processes",
-                  "command": command_line(__file__, sys.argv[1:] if argv is None else argv),
-                  "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                           cwd=REPO).stdout.strip() or "?",
+                  "command": command_line(__file__, argv),
+                  "commit": commit(),
                   "machine": machine(), "model": args.model,
                   "layers": args.layers or "all", "weights": "random (seeded, seed 0)", "dtype": args.dtype,
                   "sampling": SAMPLING, "prompt_len": PROMPT_LEN, "limit": LIMIT, "runs": {}}
@@ -251,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
                 print(policy, {k: v for k, v in report["runs"][policy].items() if k != "reads"}, flush=True)
             del offloaded
         if "processes" in args.parts:
-            report["two_processes"] = two_processes(args)
+            report["two_processes"] = two_processes(args, argv)
         report["all_flat"] = all(r["flat"] for r in [*report["runs"].values(), report.get("server", {"flat": True})])
         save()
     print(json.dumps({k: report.get(k) for k in ("all_flat", "two_processes")}, indent=1))

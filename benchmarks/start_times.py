@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -28,7 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _shared import REPO, commit, machine
+
 COMMON = ["--ids", "1,2,3,4,5,6,7,8", "--new-tokens", "16"]
 CASES = {
     "tiny": ["tiny-deepseek-v2-lite", "--dtype", "float32", *COMMON],
@@ -82,26 +82,6 @@ def run_case(name: str, warm: int) -> dict:
     return {"case": name, "argv": ["pdscope-jax", "generate", *CASES[name]], "cold": cold, "warm": warm_runs,
             "cold_s": cold["wall_s"], "warm_median_s": warm_wall, "cold_over_warm": round(cold["wall_s"] / warm_wall, 2),
             "same_output": all(p["output"][0] == cold["output"][0] for p in warm_runs), "cache_bytes": cache_bytes}
-
-
-def commit() -> str:
-    """HEAD of this checkout (with '+dirty' when tracked files differ), or a COMMIT file where git has none."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        marker = REPO / "COMMIT"
-        return marker.read_text().strip() if marker.exists() else "unknown"
-
-
-def machine() -> dict:
-    import jax
-
-    return {"python": platform.python_version(), "jax": jax.__version__, "cpus": len(os.sched_getaffinity(0)),
-            "devices": [str(d) for d in jax.devices()], "platform": platform.platform()}
 
 
 def main(argv: list[str] | None = None) -> int:
