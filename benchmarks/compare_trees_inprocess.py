@@ -11,8 +11,8 @@ both trees import side by side. Each tree loads the model once (`load(..., weigh
 weights); per policy both switch to it (`set_policy`) and warm up every prompt length, then each repeat runs one
 generation per tree on the same random prompt, the tree that goes first alternating between repeats. The tree
 loaded second runs JAX's sharding-keyed caches on objects equal to, not identical with, the first tree's, which
-costs it about a microsecond per staged array: `--new-first` swaps the load order (run both and take the geometric
-mean of the ratios); OLD set to a copy of the new tree gives the noise floor.
+costs it a little on every staged array (docs/MEASUREMENTS.md): `--new-first` swaps the load order (run both and
+take the geometric mean of the ratios); OLD set to a copy of the new tree gives the noise floor.
 Output: JSON with `command`, `commit` (of this tree: `_shared.commit`), `old_commit` (--old-commit), `weights`,
 per (policy, prompt, tree) every repeat's prefill / decode tok/s and their medians, new / old of the medians,
 and whether both trees generated the same tokens in every repeat (they must: same weights, same prompt).
