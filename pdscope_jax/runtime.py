@@ -112,6 +112,7 @@ class RuntimeConfig:
     batched_gpu: bool = True  # one GPU program per layer for all GPU experts (False: one program per expert)
     device_decode: bool = True  # decode as one accelerator program per step where the policy allows it
     # (engine.device_decode; with async_io and batched_gpu on); False: the host plans every layer
+    decode_bank: bool = True  # device decode adds slots in the memory prefill's activations and staging hold
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)

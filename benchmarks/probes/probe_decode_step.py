@@ -81,13 +81,13 @@ def main(argv: list[str] | None = None) -> dict:
         pool = tuple(jax.device_put(np.asarray(a)[experts_of], accel) for a in stack)
         return pool, jax.device_put(table, accel)
 
-    def fixed_pull(experts, order, n_miss, rest):
+    def fixed_pull(experts, order, n_miss, resident):
         c = min(args.fixed_copies, order.shape[0])
         out = []
-        for a, pool in zip(experts, rest[:2]):
+        for a, kept in zip(experts, resident(c)):
             got = [jax.device_put(jax.lax.dynamic_index_in_dim(a, order[i], keepdims=False), jax.memory.Space.Device)
                    for i in range(c)]
-            out.append(jnp.concatenate([jnp.stack(got), pool[rest[2][c:]]]))
+            out.append(jnp.concatenate([jnp.stack(got), kept]))
         return tuple(out)
 
     def step(x, pool_gu, pool_dn, table, stack, attention, routers):  # traced anew per variant (a new lambda)
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
             for w in attention[m]:
                 h = jnp.tanh(jnp.dot(h, w, preferred_element_type=jnp.float32)).astype(x.dtype)
             weights, ids = jax.lax.top_k(jnp.dot(h, routers[m], preferred_element_type=jnp.float32), k)
-            y, pool_gu, pool_dn, table = device_decode._routed_experts(m, h, jax.nn.softmax(weights), ids, stack,
-                                                                       pool_gu, pool_dn, table)
+            y, ((pool_gu, pool_dn),), table = device_decode._routed_experts(m, h, jax.nn.softmax(weights), ids,
+                                                                            stack, ((pool_gu, pool_dn),), table)
             x = (x + y).astype(x.dtype)
         return x, pool_gu, pool_dn, table
 

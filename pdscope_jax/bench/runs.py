@@ -4,8 +4,9 @@ reference run and token parity, the hot table, the host profile.
 Contract
 - `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
   name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
-  `device_decode`. A label `NAME:host` (`HOST_DECODE`) is policy NAME with `device_decode` off. With
-  `args.ablation` the runs are `ABLATION` then the plain run.
+  `device_decode`, `decode_bank`. A label `NAME:host` (`HOST_DECODE`) is policy NAME with `device_decode` off,
+  `NAME:nobank` (`NO_BANK`) with `decode_bank` off. With `args.ablation` the runs are `ABLATION` then the plain
+  run.
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
   stands without activation counts (a fixed resident set: `hot_slots(..., have_table=False)` is not None).
@@ -25,6 +26,8 @@ from pdscope_jax.bench.report import PHASE_TIMES
 from pdscope_jax.sched import PLAIN, planner_class
 
 HOST_DECODE = ":host"  # a policy name's suffix: RuntimeConfig.device_decode off
+NO_BANK = ":nobank"  # a policy name's suffix: RuntimeConfig.decode_bank off (decode in the pool alone)
+SUFFIXES = (HOST_DECODE, NO_BANK)
 # The paper's ablation steps (label, policy, hot table, async_io, batched_gpu): greedy with synchronous I/O and
 # one GPU program per expert, +h hot table, +i asynchronous I/O, +p+a AdaptSched with next-layer scores,
 # +g+c one batched GPU program per layer in prefill and decode as one program per step. The paper's "+c" (a
@@ -44,17 +47,19 @@ def plan_runs(args) -> list[dict]:
     """The runs in order: label, policy and engine switches (the hot table is filled in once it is known)."""
     if args.ablation:
         return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched,
-                 "device_decode": True} for label, policy, hot, aio, batched in ABLATION] + [
+                 "device_decode": True, "decode_bank": True} for label, policy, hot, aio, batched in ABLATION] + [
             {"label": PLAIN, "policy": PLAIN}]
-    return [{"label": label, "policy": label.removesuffix(HOST_DECODE), "hot": args.hot_table is not None,
-             "async_io": True, "batched_gpu": True, "device_decode": not label.endswith(HOST_DECODE)}
+    return [{"label": label, "policy": label.split(":")[0], "hot": args.hot_table is not None,
+             "async_io": True, "batched_gpu": True, "device_decode": not label.endswith(HOST_DECODE),
+             "decode_bank": not label.endswith(NO_BANK)}
             for label in args.policies]
 
 
 def engine_switches(run: dict, hot_table) -> dict:
     """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
-            "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"]}
+            "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
+            "decode_bank": run["decode_bank"]}
 
 
 def planner_options(runner, policy: str, hot_per_layer: int | None) -> dict:

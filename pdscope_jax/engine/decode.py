@@ -12,9 +12,10 @@ device executor's lag two steps behind); `finish()` -> all of them, and adds wha
 statistics.
 - `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
 - `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
-  commits staged copies, waits for prefill's queued work (`handoff_seconds`), uploads the pool's table, and
-  fetches each token two steps behind its step, so the host never waits for the step it just dispatched. Its
-  steps count in `device_steps`, `seconds`, hits, bytes and gpu_experts, not in the time splits.
+  commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
+  engine's `decode_slots`, closed again by `finish()`, so the next prefill has its memory back), uploads the
+  pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
+  dispatched. Its steps count in `device_steps`, `seconds`, hits, bytes and gpu_experts, not in the time splits.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def choose(engine, batch: int, steps: int):
     rc, cfg = engine.runtime, engine.config
     picks = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
     on_device = (steps > 0 and rc.device_decode and rc.async_io and rc.batched_gpu
-                 and engine.planner.decodes_on_device and device_decode.fits(engine.pool, picks))
+                 and engine.planner.decodes_on_device
+                 and device_decode.fits(engine.pool.num_slots + engine.decode_slots, picks))
     return DeviceDecode if on_device else HostDecode
 
 
@@ -64,6 +66,7 @@ class DeviceDecode:
         stats.handoff_seconds += time.perf_counter() - waited
         accel, b = e.devices.accel, token.shape[0]
         moe = e._moe_layers
+        e.pool.open_decode_bank(e.decode_slots)
         self.table = device_decode.upload(e.pool, moe, decode_bonus(e, b), accel)
         self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
         self.graphs = tuple(layer.graph for layer in e._layers)
@@ -77,10 +80,10 @@ class DeviceDecode:
 
     def step(self, n: int) -> None:
         e, pool = self.engine, self.engine.pool
-        (picked, self.sampling, self.positions, self.step_no, self.caches, pool.gate_up, pool.down,
+        (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
          self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.states, e._state, self.experts,
                                       self.token, self.positions, self.caches, self.sampling, self.step_no,
-                                      pool.gate_up, pool.down, self.table)
+                                      pool.banks, self.table)
         self.token = picked.token
         for leaf in jax.tree.leaves(picked):
             leaf.copy_to_host_async()
@@ -95,6 +98,7 @@ class DeviceDecode:
         seconds = time.perf_counter() - self.start
         moe = e._moe_layers
         counts = device_decode.download(self.table, e.pool, moe)
+        e.pool.close_decode_bank()
         for layer, routed in zip(moe, np.asarray(self.table.routed)):
             e.activation_counts["decode"][layer] += routed
         misses = counts["activated"] - counts["hits"]
@@ -124,5 +128,6 @@ def decode_bonus(engine, batch: int) -> np.ndarray | None:
     cfg = engine.config
     table = np.stack([np.asarray(hot[layer], np.float64) for layer in engine._moe_layers])
     over_mean = table / np.maximum(table.mean(axis=1, keepdims=True), 1e-12)
-    turnover = engine.pool.num_slots / min(batch * cfg.num_experts_per_tok, cfg.num_experts)
+    slots = engine.pool.num_slots + engine.pool.decode_slots
+    turnover = slots / min(batch * cfg.num_experts_per_tok, cfg.num_experts)
     return np.round(over_mean * turnover).astype(np.int32)

@@ -15,13 +15,14 @@ Contract:
   refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
   (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept.
 - `decode_step(graphs, model_graph, moe_layers, states, model_state, experts, token, positions, caches,
-  sampling, step, pool_gu, pool_dn, table) -> (Sampled, sampling', positions + 1, step + 1, caches, pool_gu,
-  pool_dn, table)`: one model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's
-  experts in pinned host memory, whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert
-  arrays. Sampling is `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()`
-  jits it (graphs, model graph and MoE layers static; caches, sampling state, pool and table donated).
-- `fits(pool, picks)`: the pool has more slots than a layer's `picks` distinct experts, so a miss always finds a
-  victim that is not one of the layer's hits.
+  sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one
+  model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's experts in pinned host
+  memory, whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`:
+  `SlotPool.banks`, the pool and the decode bank while open, whose slots the table numbers one after the other.
+  Sampling is `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()`
+  jits it (graphs, model graph and MoE layers static; caches, sampling state, banks and table donated).
+- `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a victim that
+  is not one of the layer's hits.
 Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32
 sums); each row's routed sum is the plain model's (`models.experts.combine_experts`): every expert's output in
 the model's dtype, weighted and summed in float32 (in k order where the plain model gathers, at most
@@ -59,15 +60,16 @@ class PoolTable:
     routed: jax.Array  # [Lm, E] int32: rows routed to each expert
 
 
-def fits(pool: SlotPool, picks: int) -> bool:
-    """Whether the pool can serve a layer of `picks` distinct experts (see the module docstring)."""
-    return pool.num_slots > picks
+def fits(slots: int, picks: int) -> bool:
+    """Whether `slots` can serve a layer of `picks` distinct experts (see the module docstring)."""
+    return slots > picks
 
 
 def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None,
            device: jax.Device) -> PoolTable:
-    """The pool's table on `device`; `bonus` [Lm, E] non-negative int32 (None: zeros, LRU; see the module
-    docstring). A resident's `keep` is its last use (the pool's LRU clock) plus its bonus."""
+    """The table of the pool's banks (`SlotPool.banks`) on `device`; `bonus` [Lm, E] non-negative int32 (None:
+    zeros, LRU; see the module docstring). A resident's `keep` is its last use (the pool's LRU clock) plus its
+    bonus; every slot the host table does not cover (the decode bank's, a pool of no slots' dummy) is free."""
     e = pool.num_experts
     position = {layer: m for m, layer in enumerate(moe_layers)}
     slot_of = np.stack([pool.slot_of(layer) for layer in moe_layers]).astype(np.int32)
@@ -75,6 +77,8 @@ def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None
                      np.array([position.get(int(l), 0) for l in pool.owner_layer]) * e + pool.owner_expert, -1)
     bonus = np.zeros(slot_of.shape, np.int32) if bonus is None else np.asarray(bonus, np.int32)
     keep = np.where(owner >= 0, pool.last_use + bonus.reshape(-1)[np.maximum(owner, 0)], -1)
+    free = sum(_slots(gate_up) for gate_up, _ in pool.banks) - owner.size
+    owner, keep = np.pad(owner, (0, free), constant_values=-1), np.pad(keep, (0, free), constant_values=-1)
     clock = int(pool.last_use.max(initial=0))
     table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), bonus, np.int32(clock),
                       np.zeros(3, np.int32), np.zeros(slot_of.shape, np.int32))
@@ -83,9 +87,9 @@ def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None
 
 def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> dict[str, int]:
     """Write the table back into `pool`'s host bookkeeping (each resident's last use: its `keep` less its
-    bonus). -> {activated, hits, evictions} since upload."""
-    e = pool.num_experts
-    owner, keep = np.asarray(table.owner), np.asarray(table.keep).astype(np.int64)
+    bonus; residents of slots past the pool's are forgotten). -> {activated, hits, evictions} since upload."""
+    e, s = pool.num_experts, pool.num_slots
+    owner, keep = np.asarray(table.owner)[:s], np.asarray(table.keep)[:s].astype(np.int64)
     clock = int(table.clock)
     last_use = keep - np.asarray(table.bonus).reshape(-1)[np.maximum(owner, 0)]
     pool.set_table(np.where(owner >= 0, np.asarray(moe_layers)[np.maximum(owner, 0) // e], -1),
@@ -95,9 +99,42 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
     return {"activated": activated, "hits": hits, "evictions": evictions}
 
 
-def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
+def _slots(gate_up) -> int:
+    return jax.tree.leaves(gate_up)[0].shape[0]
+
+
+def _take(banks, slots):
+    """(gate_ups, downs) [U, ...] of `slots` [U] numbered over the banks one after the other. Every bank is
+    gathered and the right one selected: one more read of the picks' bytes per extra bank, which a layer's
+    copies cost far more than."""
+    taken, base = None, 0
+    for bank in banks:
+        n = _slots(bank[0])
+        got = jax.tree.map(lambda a: a[jnp.clip(slots - base, 0, n - 1)], bank)
+        inside = (slots >= base) & (slots < base + n)
+        taken = got if taken is None else jax.tree.map(
+            lambda new, old: jnp.where(inside.reshape(-1, *(1,) * (new.ndim - 1)), new, old), got, taken)
+        base += n
+    return taken
+
+
+def _put(banks, target, parts):
+    """The banks with row u of `parts` written to slot target[u]; a target past every bank is dropped. Targets
+    must be distinct."""
+    out, base = [], 0
+    for bank in banks:
+        n = _slots(bank[0])
+        mine = (target >= base) & (target < base + n)
+        local = jnp.where(mine, target - base, n + jnp.arange(target.shape[0]))  # out of range: dropped
+        out.append(jax.tree.map(lambda pool, part: pool.at[local].set(part, mode="drop", unique_indices=True),
+                                bank, parts))
+        base += n
+    return tuple(out)
+
+
+def _routed_experts(m, h, weights, ids, experts, banks, table):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
-    (see the module docstring); -> (y, pool_gu, pool_dn, table). Straight-line code, no loop over the picks (a
+    (see the module docstring); -> (y, banks, table). Straight-line code, no loop over the picks (a
     loop costs a kernel chain per pick and copies of the pool): the layer's misses are copied at once and every
     pick's weights come out of that copy's program as one array (hits read from their slots) before any slot is
     written, every distinct expert runs in one batched call, and the misses, most worth first, are paired with
@@ -114,8 +151,9 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     worth = clock + table.bonus[m, picks]
     order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
     picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
-    rest = (pool_gu, pool_dn, jnp.maximum(slots, 0))  # after the misses: hits (and pads) from their slots
-    gate_ups, downs = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32), rest)
+    resident = jnp.maximum(slots, 0)  # after the misses: hits (and pads) from their slots
+    gate_ups, downs = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32),
+                                  lambda j: _take(banks, resident[j:]))
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
@@ -138,16 +176,14 @@ def _routed_experts(m, h, weights, ids, experts, pool_gu, pool_dn, table):
     slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks].set(victims, mode="drop")
     owner = table.owner.at[target].set(m * num_experts + picks, mode="drop")
     keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
-    def put(pool, part):
-        return pool.at[target].set(part, mode="drop", unique_indices=True)
-    pool_gu, pool_dn = jax.tree.map(put, pool_gu, gate_ups), jax.tree.map(put, pool_dn, downs)
+    banks = _put(banks, target, (gate_ups, downs))
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0)]).astype(jnp.int32)
-    return y, pool_gu, pool_dn, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
+    return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
 
 
 def decode_step(graphs, model_graph, moe_layers, states, model_state, experts, token, positions, caches, sampling,
-                step, pool_gu, pool_dn, table):
+                step, banks, table):
     model = nnx.merge(model_graph.graphdef, model_state)
     x = model.embed(token[:, None])  # [B, 1, D]
     rows = token.shape[0]
@@ -158,14 +194,14 @@ def decode_step(graphs, model_graph, moe_layers, states, model_state, experts, t
             continue
         m = moe_layers.index(i)
         x, h, weights, ids, _, shared, caches[i] = moe_route(graph, state, x, positions, caches[i], rows, False)
-        y, pool_gu, pool_dn, table = _routed_experts(m, h, weights, ids, experts[m], pool_gu, pool_dn, table)
+        y, banks, table = _routed_experts(m, h, weights, ids, experts[m], banks, table)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
     picked, sampling = sample(logits, sampling, step)
-    return picked, sampling, positions + 1, step + 1, tuple(caches), pool_gu, pool_dn, table
+    return picked, sampling, positions + 1, step + 1, tuple(caches), banks, table
 
 
 def build_decode_step():
-    """`decode_step` jitted: graphs, model graph and MoE layer indices static; caches, sampling state, pool and
+    """`decode_step` jitted: graphs, model graph and MoE layer indices static; caches, sampling state, banks and
     table donated."""
-    return jax.jit(decode_step, static_argnums=(0, 1, 2), donate_argnums=(8, 9, 11, 12, 13))
+    return jax.jit(decode_step, static_argnums=(0, 1, 2), donate_argnums=(8, 9, 11, 12))

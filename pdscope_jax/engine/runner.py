@@ -108,11 +108,11 @@ class OffloadRunner:
     def set_policy(self, policy: str, policy_options=(), **engine) -> None:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
-        `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu` and `device_decode` at
-        the same time; a different policy also forgets the CPU calibration (learned under another's load).
+        `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu`, `device_decode` and
+        `decode_bank` at the same time; a different policy also forgets the CPU calibration (learned under another's load).
         Planners with hot slots (`Capabilities.hot_slots`) get the hot table's `activation_counts` and, unless
         given, `hot_per_layer` = their hot slots split evenly over the MoE layers."""
-        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode"}
+        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -166,6 +166,11 @@ class OffloadRunner:
         self.pool.evictions = 0
 
     @property
+    def decode_slots(self) -> int:
+        """Slots device decode adds in its bank (the budget's `decode_slots`; 0 with `decode_bank` off)."""
+        return self.budget.decode_slots if self.runtime.decode_bank else 0
+
+    @property
     def compiled_programs(self) -> dict[str, int]:
         """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
         counts = {name: cache_size(fn) for name, fn in self._programs.items()}
@@ -188,6 +193,8 @@ class OffloadRunner:
             "decode": self.phase_stats["decode"].to_dict(),
             "compiled_programs": self.compiled_programs,
             "slots": self.pool.num_slots,
+            "decode_bank": self.runtime.decode_bank,
+            "decode_slots": self.decode_slots,
             "double_buffering": self.pool.can_double_buffer,
             "evictions": self.pool.evictions,
             # the in-situ CPU calibration the planners see now, per "phase rows" (absent: 1)

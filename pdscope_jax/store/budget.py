@@ -5,8 +5,12 @@ shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of t
 estimate, see `activation_bytes`), transfer staging (the device copies of staged experts before they are
 written into their slots: while one layer's copies wait for their slot write, the next layer's are issued, so
 two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a whole
-number of slots, one slot per expert (gate_up [D,2F] + down [F,D]; quantized: their integers and scales). When the fixed parts do not fit, it raises
-`BudgetError` with every number, before anything is allocated. It never touches a device.
+number of slots, one slot per expert (gate_up [D,2F] + down [F,D]; quantized: their integers and scales).
+Decode needs neither prefill's activations nor staging: what they hold beyond a decode step's own activations
+(`decode_activation_bytes`) is the decode bank, `decode_slots` more slots that exist only while decode runs
+(`SlotPool.open_decode_bank`); `expert_pool` caps the pool and the bank together, and neither phase's total
+(`planned`, `planned_decode`) exceeds the budget. When the fixed parts do not fit, it raises `BudgetError` with
+every number, before anything is allocated. It never touches a device.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ class Budget:
     slot_bytes: int  # one expert in a slot
     slots: int  # S: slots in the global pool
     pool_cap: int | None  # RuntimeConfig.expert_pool
+    decode_activations: int = 0  # activations of the largest decode step
+    decode_slots: int = 0  # slots of the decode bank: decode only, in prefill's activations and staging
 
     @property
     def fixed(self) -> int:
@@ -44,13 +50,23 @@ class Budget:
 
     @property
     def planned(self) -> int:
-        """Everything the engine accounts for on the accelerator; never above `total`."""
+        """Everything the engine accounts for on the accelerator in prefill; never above `total`."""
         return self.fixed + self.pool
+
+    @property
+    def decode_bank(self) -> int:
+        return self.decode_slots * self.slot_bytes
+
+    @property
+    def planned_decode(self) -> int:
+        """Everything the engine accounts for on the accelerator in decode; never above `total`."""
+        return self.non_expert + self.kv_cache + self.decode_activations + self.pool + self.decode_bank
 
     def lines(self) -> list[tuple[str, int]]:
         return [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
                 ("activations (estimate)", self.activations), ("transfer staging", self.staging),
                 (f"expert slot pool ({self.slots} slots x {format_size(self.slot_bytes)})", self.pool),
+                (f"decode bank, in prefill's activations and staging ({self.decode_slots} slots)", self.decode_bank),
                 ("budget", self.total)]
 
     def describe(self) -> str:
@@ -64,7 +80,16 @@ def activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
     `prefill_chunk` of tokens otherwise; attention scores span up to `max_seq_len` keys.
     """
     b = rc.max_batch
-    tq = rc.max_seq_len if b == 1 else min(rc.prefill_chunk, rc.max_seq_len)
+    return _step_activation_bytes(cfg, rc, itemsize, b, rc.max_seq_len if b == 1 else min(rc.prefill_chunk,
+                                                                                          rc.max_seq_len))
+
+
+def decode_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
+    """Upper estimate of a decode step's live temporaries: `max_batch` rows of one token over `max_seq_len` keys."""
+    return _step_activation_bytes(cfg, rc, itemsize, rc.max_batch, 1)
+
+
+def _step_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int, b: int, tq: int) -> int:
     n, tk = b * tq, rc.max_seq_len  # tokens in the step, keys attended
     d, f, k, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
     heads = cfg.num_heads
@@ -92,9 +117,11 @@ def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, k
     """Fixed parts first, the slot pool from what is left (see the module docstring)."""
     slot_bytes = cfg.expert_bytes(itemsize)
     staging = 2 * slot_bytes * cfg.num_experts
+    activations = activation_bytes(cfg, rc, itemsize)
     budget = Budget(total=rc.gpu_memory, non_expert=non_expert_bytes, kv_cache=kv_cache_bytes,
-                    activations=activation_bytes(cfg, rc, itemsize), staging=staging, slot_bytes=slot_bytes,
-                    slots=0, pool_cap=rc.expert_pool)
+                    activations=activations, staging=staging, slot_bytes=slot_bytes, slots=0,
+                    pool_cap=rc.expert_pool,
+                    decode_activations=min(activations, decode_activation_bytes(cfg, rc, itemsize)))
     if budget.fixed > budget.total:
         raise BudgetError(
             f"gpu_memory {format_size(rc.gpu_memory)} cannot hold what must live on the accelerator: "
@@ -104,5 +131,11 @@ def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, k
     left = budget.total - budget.fixed
     if rc.expert_pool is not None:
         left = min(left, rc.expert_pool)
-    slots = min(left // slot_bytes, len(cfg.moe_layers) * cfg.num_experts)
-    return dataclasses.replace(budget, slots=int(slots))
+    experts = len(cfg.moe_layers) * cfg.num_experts
+    slots = min(left // slot_bytes, experts)
+    if not rc.decode_bank:
+        return dataclasses.replace(budget, slots=int(slots))
+    room = budget.activations + budget.staging - budget.decode_activations  # what decode leaves of prefill's parts
+    if rc.expert_pool is not None:
+        room = min(room, rc.expert_pool - slots * slot_bytes)
+    return dataclasses.replace(budget, slots=int(slots), decode_slots=int(min(room // slot_bytes, experts - slots)))

@@ -304,10 +304,10 @@ def pull_counts(u: int) -> list[int]:
     return sorted(counts)
 
 
-def pull_traced(experts, order, n_miss, rest):
+def pull_traced(experts, order, n_miss, resident):
     """Inside a jitted program: the weights of the U experts of `order` (traced indices), the first n_miss (at
-    least) copied from pinned host memory into device memory, every later one from `rest` = (gate_up [S, D, 2F],
-    down [S, F, D], rows [U]): row u is rest[.][rows[u]] (the slot pool and the picks' slots). `experts` =
+    least) copied from pinned host memory into device memory, every later one from `resident(j)` -> (gate_ups
+    [U - j, D, 2F], downs [U - j, F, D]), the weights of order[j:] where they are resident. `experts` =
     (gate_up [E,D,2F], down [E,F,D]) layer stacks, or (gate_ups, downs) tuples of E per-expert arrays
     (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F], downs [U, F, D]). From stacks, one branch per
     count in `pull_counts(U)` (the smallest >= n_miss runs) whose copies run at once; from per-expert arrays, a
@@ -315,17 +315,15 @@ def pull_traced(experts, order, n_miss, rest):
     kind, so the caller multiplies them without selecting between copies and pool rows (a select, and the zeros
     it would choose from, would cost every resident layer)."""
     gate_ups, downs = experts
-    pool_gu, pool_dn, rows = rest
     u = order.shape[0]
     if not isinstance(gate_ups, (tuple, list)):  # stacks (arrays or QuantizedWeights)
         def pull(j):
             def copies():
                 out = []
-                for stack, pool in ((gate_ups, pool_gu), (downs, pool_dn)):
+                for stack, kept in zip((gate_ups, downs), resident(j)):
                     got = [jax.device_put(jax.tree.map(
                         lambda a, i=i: jax.lax.dynamic_index_in_dim(a, order[i], keepdims=False), stack), DEVICE)
                         for i in range(j)]
-                    kept = pool[rows[j:]]
                     out.append(jax.tree.map(lambda k, *g: jnp.concatenate([jnp.stack(g), k]), kept, *got)
                                if got else kept)
                 return tuple(out)
@@ -333,9 +331,11 @@ def pull_traced(experts, order, n_miss, rest):
         counts = pull_counts(u)
         return jax.lax.switch(jnp.searchsorted(jnp.array(counts), n_miss), [pull(j) for j in counts])
 
+    kept_all = resident(0)
+
     def one(i):
         return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]),
-                            lambda: (pool_gu[rows[i]], pool_dn[rows[i]]))
+                            lambda: jax.tree.map(lambda k: k[i], kept_all))
     return jax.lax.map(one, jnp.arange(u))
 
 

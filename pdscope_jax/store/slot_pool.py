@@ -11,6 +11,10 @@ recently used, never taking a slot from a protected layer (the layer being compu
   already computed, so the rest of the pool (hot or cached experts) stays resident and is not streamed again;
 - decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
 `set_table` replaces the whole table with one kept elsewhere (device decode keeps it on the accelerator).
+`open_decode_bank(n)` allocates n more slots, numbered S..S+n-1, for device decode alone (the budget's
+`decode_slots`, in memory prefill's activations and staging hold); `banks` is then ((gate_up, down) of the
+pool, (gate_up, down) of the bank); `close_decode_bank()` frees it, and whoever kept experts in it forgets them
+(the host table covers the pool's S slots only).
 An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
 copy into the slot before any program of that layer reads the pool. The pool holds no host memory and moves
 no weights itself.
@@ -31,20 +35,39 @@ class SlotPool:
         self.num_slots = int(num_slots)
         self.num_experts = num_experts
         # S == 0 keeps one dummy slot so programs keep a fixed signature; no expert is ever mapped to it.
-        shape_s = max(self.num_slots, 1)
-        sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-        if quant is None:
-            gate_up, down = jnp.zeros((shape_s, d, 2 * f), dtype), jnp.zeros((shape_s, f, d), dtype)
-        else:  # experts stored quantized: each slot holds integers and scales (QuantizedWeights)
-            gate_up, down = zeros((shape_s,), d, 2 * f, quant, dtype), zeros((shape_s,), f, d, quant, dtype)
-        self.gate_up = jax.device_put(gate_up, sharding)  # [S, D, 2F]
-        self.down = jax.device_put(down, sharding)  # [S, F, D]
+        self.gate_up, self.down = _allocate(max(self.num_slots, 1), d, f, dtype, quant, device)  # [S,D,2F], [S,F,D]
         self.owner_layer = np.full(self.num_slots, -1, np.int64)  # [S]
         self.owner_expert = np.full(self.num_slots, -1, np.int64)  # [S]
         self.last_use = np.zeros(self.num_slots, np.int64)  # [S] LRU clock value of the last use
         self._slot_of = {layer: np.full(num_experts, -1, np.int32) for layer in moe_layers}
         self._clock = 0
         self.evictions = 0
+        self._bank: tuple | None = None  # the decode bank's (gate_up, down), while open
+        self._device, self._shapes = device, (d, f, dtype, quant)
+
+    @property
+    def banks(self) -> tuple:
+        """((gate_up, down) of the pool,) and, while the decode bank is open, (gate_up, down) of the bank."""
+        return ((self.gate_up, self.down),) + ((self._bank,) if self._bank is not None else ())
+
+    @banks.setter
+    def banks(self, banks: tuple) -> None:  # a program's donated-and-returned banks
+        (self.gate_up, self.down), *rest = banks
+        if rest:
+            self._bank = tuple(rest[0])
+
+    @property
+    def decode_slots(self) -> int:
+        """Slots of the open decode bank (0: closed)."""
+        return 0 if self._bank is None else jax.tree.leaves(self._bank[0])[0].shape[0]
+
+    def open_decode_bank(self, slots: int) -> None:
+        """Allocate `slots` more slots on the pool's device (no-op for 0, or when open)."""
+        if slots > 0 and self._bank is None:
+            self._bank = _allocate(slots, *self._shapes, self._device)
+
+    def close_decode_bank(self) -> None:
+        self._bank = None  # the arrays' last reference: their memory returns to the allocator
 
     @property
     def can_double_buffer(self) -> bool:
@@ -118,3 +141,13 @@ class SlotPool:
         self.owner_layer[slots], self.owner_expert[slots] = -1, -1
         self.last_use[slots] = 0
         self._slot_of[layer][experts] = -1
+
+
+def _allocate(slots: int, d: int, f: int, dtype, quant: str | None, device: jax.Device) -> tuple:
+    """Zeroed gate_up [slots, D, 2F] and down [slots, F, D] on `device` (quantized: QuantizedWeights)."""
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
+    if quant is None:
+        gate_up, down = jnp.zeros((slots, d, 2 * f), dtype), jnp.zeros((slots, f, d), dtype)
+    else:  # experts stored quantized: each slot holds integers and scales (QuantizedWeights)
+        gate_up, down = zeros((slots,), d, 2 * f, quant, dtype), zeros((slots,), f, d, quant, dtype)
+    return jax.device_put(gate_up, sharding), jax.device_put(down, sharding)

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdscope_jax.bench.runs import ABLATION, HOST_DECODE, engine_switches, plan_runs, planner_options
+from pdscope_jax.bench.runs import ABLATION, HOST_DECODE, NO_BANK, engine_switches, plan_runs, planner_options
 from pdscope_jax.cli.bench import parse_args
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES, planner_class
 
@@ -22,13 +22,14 @@ def test_policy_defaults_choices_and_help_come_from_the_registry(capsys):
 
 
 def test_runs_for_policies_host_decode_and_plain():
-    args = parse_args(["--policies", "ondemand", f"pdscope{HOST_DECODE}", PLAIN, "--hot-table", "t.json"])
+    args = parse_args(["--policies", "ondemand", f"pdscope{HOST_DECODE}", f"pdscope{NO_BANK}", PLAIN,
+                       "--hot-table", "t.json"])
     runs = plan_runs(args)
-    assert [(r["label"], r["policy"]) for r in runs] == [("ondemand", "ondemand"),
-                                                          (f"pdscope{HOST_DECODE}", "pdscope"), (PLAIN, PLAIN)]
-    assert [r["device_decode"] for r in runs[:2]] == [True, False]
+    assert [(r["label"], r["policy"]) for r in runs] == [("ondemand", "ondemand"), (f"pdscope{HOST_DECODE}", "pdscope"),
+                                                          (f"pdscope{NO_BANK}", "pdscope"), (PLAIN, PLAIN)]
+    assert [(r["device_decode"], r["decode_bank"]) for r in runs[:3]] == [(True, True), (False, True), (True, False)]
     assert engine_switches(runs[0], "t.json") == {"hot_table": "t.json", "async_io": True, "batched_gpu": True,
-                                                  "device_decode": True}
+                                                  "device_decode": True, "decode_bank": True}
     no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
     assert engine_switches(no_table, "t.json")["hot_table"] is None
 

@@ -51,8 +51,8 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: di
     table = device_decode.upload(pool, (5,), None if bonus is None else np.array(bonus), devices.accel)
     on_accel = lambda a: jax.device_put(a, devices.accel)  # noqa: E731
     ids, weights = on_accel(np.array([list(picks)], np.int32)), on_accel(np.array([list(picks.values())], np.float32))
-    y, pool.gate_up, pool.down, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
-        0, on_accel(h), weights, ids, layer, pool.gate_up, pool.down, table)
+    y, pool.banks, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
+        0, on_accel(h), weights, ids, layer, pool.banks, table)
     want = sum(w * expert_ffn(jnp.asarray(h), gate_up[e], down[e]) for e, w in picks.items())
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
     return pool, device_decode.download(table, pool, (5,)), table
@@ -78,6 +78,45 @@ def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, e
         np.testing.assert_array_equal(np.asarray(pool.gate_up[slot]), gate_up[expert])
         np.testing.assert_array_equal(np.asarray(pool.down[slot]), down[expert])
     assert np.asarray(table.routed)[0].tolist() == [0, 1, 1, 1]
+
+
+def test_slots_are_numbered_over_the_banks_one_after_the_other():
+    """A pool of 3 slots and a bank of 2: slots 3 and 4 are the bank's rows 0 and 1, reads and writes alike; a
+    target past both banks is dropped."""
+    pool = [np.arange(3 * 2, dtype=np.float32).reshape(3, 2), np.arange(3, dtype=np.float32) + 10]
+    bank = [np.arange(2 * 2, dtype=np.float32).reshape(2, 2) + 100, np.arange(2, dtype=np.float32) + 110]
+    banks = (tuple(map(jnp.asarray, pool)), tuple(map(jnp.asarray, bank)))
+    taken = device_decode._take(banks, jnp.array([4, 0, 3, 2]))
+    np.testing.assert_array_equal(taken[0], np.stack([bank[0][1], pool[0][0], bank[0][0], pool[0][2]]))
+    np.testing.assert_array_equal(taken[1], [111, 10, 110, 12])
+    parts = (-np.ones((3, 2), np.float32) * [[1], [2], [3]], -np.array([1, 2, 3], np.float32))
+    (p_gu, p_dn), (b_gu, b_dn) = device_decode._put(banks, jnp.array([1, 4, 7]), parts)
+    np.testing.assert_array_equal(p_dn, [10, -1, 12])
+    np.testing.assert_array_equal(b_dn, [110, -2])
+    np.testing.assert_array_equal(p_gu[1], [-1, -1])
+    np.testing.assert_array_equal(b_gu, [bank[0][0], [-2, -2]])
+
+
+def test_decode_bank_serves_decode_and_is_gone_after_it(ds):
+    """A budget whose pool holds 5 slots while decode gets 6 more in the bank: the plain model's tokens, more
+    hits than the pool alone gives, the bank closed once decode ends and the pool's table whole."""
+    slot = ds.cfg.expert_bytes(4)
+    probe = ds.runner("ondemand", 1)
+    fixed = probe.budget.fixed
+    config = probe.runtime.replace(gpu_memory=fixed + 5 * slot + slot // 2, expert_pool=11 * slot)
+    hits = {}
+    for bank in (True, False):
+        runner = type(probe)(ds.model, config.replace(decode_bank=bank))
+        assert runner.pool.num_slots == 5 and runner.budget.decode_slots == (6 if bank else 0)
+        np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+        decode = runner.stats["decode"]
+        assert decode["device_steps"] == ds.new - 1
+        hits[bank] = decode["hits"]
+        assert runner.pool.decode_slots == 0 and len(runner.pool.banks) == 1
+        owners = runner.pool.owner_layer >= 0
+        assert all(runner.pool.slot_of(int(layer))[expert] == slot_no for slot_no, (layer, expert) in
+                   enumerate(zip(runner.pool.owner_layer, runner.pool.owner_expert)) if owners[slot_no])
+    assert hits[True] > hits[False]
 
 
 def test_upload_then_download_leaves_the_pool_as_it_was(experts):
@@ -220,8 +259,8 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(4)]).astype(np.int32)
         table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), bonus[None], np.int32(4),
                                         np.zeros(3, np.int32), np.zeros((1, e), np.int32))
-        _, _, _, after = step(0, zeros(4, d), zeros(4, 2), ids, layer, zeros(slots, d, 2 * f),
-                              zeros(slots, f, d), jax.device_put(table, devices.accel))
+        _, _, after = step(0, zeros(4, d), zeros(4, 2), ids, layer, ((zeros(slots, d, 2 * f), zeros(slots, f, d)),),
+                           jax.device_put(table, devices.accel))
         picked = set(ids.reshape(-1).tolist())
         worth = {x: 5 + int(bonus[x]) for x in picked}  # the layer's clock, 5, plus the expert's bonus
         protected = np.where(np.isin(owner, list(picked)), np.iinfo(np.int32).max, keep)

@@ -64,6 +64,37 @@ def test_budget_splits_and_fails_with_numbers():
         plan_budget(cfg, rc.replace(gpu_memory="2GB"), non_expert_bytes=3 * 10**9, kv_cache_bytes=0, itemsize=2)
 
 
+def test_decode_bank_takes_what_decode_leaves_of_prefills_activations_and_staging():
+    cfg = preset("deepseek-v2-lite")
+    parts = dict(non_expert_bytes=3 * 10**9, kv_cache_bytes=10**8, itemsize=2)
+    b = plan_budget(cfg, RuntimeConfig(gpu_memory="24GB"), **parts)
+    assert 0 < b.decode_activations < b.activations
+    room = b.activations + b.staging - b.decode_activations
+    assert b.decode_slots == room // b.slot_bytes and b.decode_bank == b.decode_slots * b.slot_bytes
+    assert b.planned <= b.total and b.planned_decode <= b.total
+    assert b.pool + b.decode_bank >= 17 * 10**9  # issue 22: a 24 GB budget holds >= 17 GB of experts in decode
+    capped = plan_budget(cfg, RuntimeConfig(gpu_memory="14GB", expert_pool="5GB"), **parts)
+    assert capped.pool + capped.decode_bank <= 5 * 10**9 and capped.decode_slots > 0  # the cap covers both
+    off = plan_budget(cfg, RuntimeConfig(gpu_memory="24GB", decode_bank=False), **parts)
+    assert off.decode_slots == 0 and off.slots == b.slots
+    every = len(cfg.moe_layers) * cfg.num_experts
+    roomy = plan_budget(cfg, RuntimeConfig(gpu_memory="40GB"), **parts)
+    assert roomy.slots < every and roomy.slots + roomy.decode_slots == every  # never more slots than experts
+
+
+def test_decode_bank_opens_and_closes_beside_the_pool():
+    pool = _pool(3)
+    assert pool.decode_slots == 0 and len(pool.banks) == 1
+    pool.open_decode_bank(2)
+    (gate_up, down), (bank_gu, bank_dn) = pool.banks
+    assert gate_up.shape == (3, D, 2 * F) and bank_gu.shape == (2, D, 2 * F) and bank_dn.shape == (2, F, D)
+    assert pool.decode_slots == 2 and pool.num_slots == 3  # the host table still covers the pool alone
+    pool.close_decode_bank()
+    assert pool.decode_slots == 0 and len(pool.banks) == 1
+    pool.open_decode_bank(0)
+    assert len(pool.banks) == 1
+
+
 def _pool(slots, layers=(1, 2)):
     return SlotPool(slots, layers, E, D, F, jnp.float32, select_devices().accel)
 
