@@ -54,3 +54,21 @@ def test_every_kept_result_carries_command_and_commit():
     for name, d in mod.load(RESULTS):
         p = mod.provenance(d)
         assert p.get("command") and p.get("commit") and p.get("weights"), name
+
+
+def test_readme_table_keeps_budgets_and_engine_switches_apart(tmp_path, capsys):
+    """A newer run at another budget gets its own column; a NAME:nobank variant never stands for its policy."""
+    capped = {"runtime": {"gpu_memory": 24e9, "expert_pool": 8e9}}
+    (tmp_path / "offload_old.json").write_text(json.dumps(_bench(5, "aaa1111", "uniform", [("pdscope", 8000.0, 18.0)],
+                                                                 **capped)))
+    new = _bench(6, "bbb2222", "uniform", [("pdscope", 8200.0, 23.5), ("pdscope", 7800.0, 18.4)],
+                 runtime={"gpu_memory": 24e9, "expert_pool": None})
+    new["results"][1]["variant"] = "pdscope:nobank"
+    (tmp_path / "offload_new.json").write_text(json.dumps(new))
+    mod = _module()
+    assert mod.main(["--dir", str(tmp_path), "--readme"]) == 0
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("| policy"))
+    assert "DeepSeek-V2-Lite, uniform, 24 GB |" in header and "DeepSeek-V2-Lite, uniform, 24 GB, 8 GB pool" in header
+    row = next(line for line in table.splitlines() if line.startswith("| `pdscope`"))
+    assert "8,000 / 18.0" in row and "8,200 / 23.5" in row and "7,800" not in row
