@@ -4,8 +4,9 @@
 preset: routed experts (they live once in pinned host memory), non-expert weights, KV cache, activations and
 transfer staging (the accelerator's fixed part, from `engine.build.plan_budget`, the engine's own accounting),
 and two GPU budgets: the smallest that runs (an empty slot pool: every expert on the CPU) and one whose pool
-holds a quarter of the routed experts; plus the whole model on one GPU (`plain`). `main` prints a markdown table
-(or JSON with --json) for every preset at bfloat16 and float32.
+holds a quarter of the routed experts; plus the whole model on one GPU (`plain`), and the decode bank: the
+experts device decode holds beyond the pool at any budget, in what prefill's activations and staging leave
+(`store.budget`). `main` prints a markdown table (or JSON with --json) for every preset at bfloat16 and float32.
 
     python3 benchmarks/memory_table.py [--max-seq-len 4096] [--max-batch 1] [--json]
 """
@@ -42,6 +43,7 @@ def model_bytes(name: str, dtype: str = "bfloat16", max_seq_len: int = 4096, max
             "routed_experts": experts, "non_expert": budget.non_expert, "kv_cache": budget.kv_cache,
             "activations": budget.activations, "staging": budget.staging, "gpu_minimum": budget.fixed,
             "gpu_quarter_pool": budget.fixed + pool,
+            "decode_bank": min(budget.activations + budget.staging - budget.decode_activations, experts),
             "plain_gpu": budget.non_expert + experts + budget.kv_cache + budget.activations}
 
 
@@ -49,11 +51,11 @@ def table(rows: list[dict]) -> str:
     gb = lambda n: f"{n / 1e9:.1f}"  # noqa: E731
     out = ["| model | precision | host RAM: pinned experts (GB) | GPU: non-expert weights + KV cache + "
            "activations + staging (GB) | GPU budget, smallest (GB) | GPU budget, pool of 1/4 of the experts (GB) | "
-           "whole model on one GPU (GB) |", "|---|---|---|---|---|---|---|"]
+           "decode: more experts in the bank (GB) | whole model on one GPU (GB) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['model']} | {r['dtype']} | {gb(r['routed_experts'])} | {gb(r['non_expert'])} + "
                    f"{gb(r['kv_cache'])} + {gb(r['activations'])} + {gb(r['staging'])} | {gb(r['gpu_minimum'])} | "
-                   f"{gb(r['gpu_quarter_pool'])} | {gb(r['plain_gpu'])} |")
+                   f"{gb(r['gpu_quarter_pool'])} | {gb(r['decode_bank'])} | {gb(r['plain_gpu'])} |")
     return "\n".join(out)
 
 
