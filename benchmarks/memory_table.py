@@ -1,8 +1,10 @@
 """Host RAM and GPU budget per model and precision, derived from the presets (no weights, no device).
 
 `model_bytes(name, dtype, max_seq_len, max_batch)` -> the bytes the offload engine plans for a published
-preset: routed experts (they live once in pinned host memory), non-expert weights, KV cache, activations and
-transfer staging (the accelerator's fixed part, from `engine.build.plan_budget`, the engine's own accounting),
+preset: routed experts (they live once in pinned host memory), non-expert weights, KV cache, activations (the
+upper estimate `store.budget.activation_bytes`, the same on every backend; the engine measures its own programs
+on the backend it runs on, `engine.activations`, usually less) and transfer staging (the accelerator's fixed
+part, from `engine.build.plan_budget`, the engine's own accounting),
 and two GPU budgets: the smallest that runs (an empty slot pool: every expert on the CPU) and one whose pool
 holds a quarter of the routed experts; plus the whole model on one GPU (`plain`), and the decode bank: the
 experts device decode holds beyond the pool at any budget, in what prefill's activations and staging leave
@@ -35,7 +37,7 @@ def model_bytes(name: str, dtype: str = "bfloat16", max_seq_len: int = 4096, max
     abstract = models.abstract_model(cfg, DTYPES[dtype])
     _graph, _state, shapes = split_abstract(abstract)
     rc = RuntimeConfig(gpu_memory=10**15, expert_pool=0, policy="pdscope", max_seq_len=max_seq_len,
-                       max_batch=max_batch)
+                       max_batch=max_batch, activation_memory="estimated")
     budget, _expert_dtype, _cache_dtype = plan_budget(cfg, rc, abstract, shapes)
     experts = len(cfg.moe_layers) * cfg.num_experts * budget.slot_bytes
     pool = int(POOL_SHARE * len(cfg.moe_layers) * cfg.num_experts) * budget.slot_bytes

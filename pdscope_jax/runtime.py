@@ -113,6 +113,8 @@ class RuntimeConfig:
     device_decode: bool = True  # decode as one accelerator program per step where the policy allows it
     # (engine.device_decode; with async_io and batched_gpu on); False: the host plans every layer
     decode_bank: bool = True  # device decode adds slots in the memory prefill's activations and staging hold
+    activation_memory: str = "measured"  # "measured": XLA's buffer assignment for the largest prefill step's
+    # programs (engine.activations); "estimated": the formula of store.budget.activation_bytes (an upper bound)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -141,6 +143,8 @@ class RuntimeConfig:
                                 f"got {value!r}")
             else:
                 set_(name, int(value))
+        if self.activation_memory not in ("measured", "estimated"):
+            problems.append(f"activation_memory: expected 'measured' or 'estimated', got {self.activation_memory!r}")
         for name in ("decode_buckets", "prefill_buckets"):
             values = check(_buckets, getattr(self, name), name)
             if values is not None:

@@ -2,7 +2,8 @@
 
 Contract (each function returns what it builds; nothing here is kept between calls):
 - `plan_budget(cfg, rc, abstract, shapes)` -> (Budget, experts' dtype, cache dtype), from shapes alone, before
-  anything is placed; raises `BudgetError` when the model does not fit.
+  anything is placed (activations measured by compiling the largest step's programs, `engine.activations`,
+  unless `rc.activation_memory` is "estimated"); raises `BudgetError` when the model does not fit.
 - `take_weights(model, weights, shapes, moe_layers, devices, **store options, quant, dtype)` -> (ExpertStore,
   non-expert weights {path: array}); quantized experts (`quant`) reach the store as QuantizedWeights of compute
   dtype `dtype`, assembled from their integer and scale parameters. `weights`: None (the model's own parameters), a flat `{path: array}` dict (routed-expert
@@ -29,6 +30,7 @@ from flax import nnx
 from rich.progress import Progress
 
 from pdscope_jax import models
+from pdscope_jax.engine.activations import measure_activations
 from pdscope_jax.generation.generator import CACHE_BUCKET
 from pdscope_jax.models.static_graph import StaticGraph, static_graph
 from pdscope_jax.quant.formats import QuantizedWeight, scheme
@@ -80,8 +82,10 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
     kv = jax.eval_shape(lambda: abstract.init_cache(rc.max_batch, round_up(rc.max_seq_len, CACHE_BUCKET),
                                                     cache_dtype))
     kv_bytes = sum(a.size * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(kv))
+    measured = (measure_activations(cfg, rc, abstract, expert_dtype, cache_dtype).bytes
+                if rc.activation_memory == "measured" else None)
     budget = budget_of(cfg, rc, non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes),
-                       itemsize=expert_dtype.itemsize)
+                       itemsize=expert_dtype.itemsize, activations=measured)
     return budget, expert_dtype, cache_dtype
 
 

@@ -22,6 +22,8 @@ from flax import nnx
 from pdscope_jax.generation.sampling import sample
 from pdscope_jax.models.layers import combine_experts
 
+LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
+
 
 def embed(graph, state, ids):
     return nnx.merge(graph.graphdef, state).embed(ids)  # [B, T, D]

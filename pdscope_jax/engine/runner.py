@@ -40,7 +40,7 @@ from pdscope_jax.engine.calibration import CpuCalibration
 from pdscope_jax.engine.cpu_experts import CpuExperts
 from pdscope_jax.engine.execute import PlanExecutor
 from pdscope_jax.engine.loop import HostLoop
-from pdscope_jax.engine.programs import build_programs, cache_size
+from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, cache_size
 from pdscope_jax.engine.route import Router
 from pdscope_jax.engine.stats import PhaseStats
 from pdscope_jax.engine.timeline import Timeline
@@ -56,7 +56,6 @@ from pdscope_jax.store.slot_pool import SlotPool
 
 __all__ = ["OffloadRunner", "analytic_costs"]
 
-LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 
 
 class OffloadRunner:
@@ -252,18 +251,16 @@ class OffloadRunner:
         yield first
         executor = decode.choose(self, b, max_new_tokens - 1)  # host-planned layers, or one program per step
         decoder = executor(self, token, cache, t, state)
-        done = 0
         try:
             for step in range(1, max_new_tokens):
                 decoder.step(step)
                 if self.track_memory:
                     self.memory_trace.append(self.device_memory())
-                for picked in decoder.tokens[done:]:  # the device executor's arrive two steps late
-                    done += 1
-                    yield picked
+                while decoder.tokens:  # the device executor's arrive two steps late; taken ones are not kept
+                    yield decoder.tokens.pop(0)
         finally:
             tokens = decoder.finish()
-        yield from tokens[done:]
+        yield from tokens
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
         """Compile the programs of this shape: one generation on dummy tokens, then what routing decides

@@ -1,8 +1,8 @@
 """Byte accounting of everything the offload engine keeps on the accelerator.
 
 Contract: `plan_budget(...)` splits `RuntimeConfig.gpu_memory` into non-expert weights (exact, from their
-shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step (an upper
-estimate, see `activation_bytes`), transfer staging (the device copies of staged experts before they are
+shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step (the caller's
+measured figure, `engine.activations`, else the upper estimate `activation_bytes`), transfer staging (the device copies of staged experts before they are
 written into their slots: while one layer's copies wait for their slot write, the next layer's are issued, so
 two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a whole
 number of slots, one slot per expert (gate_up [D,2F] + down [F,D]; quantized: their integers and scales).
@@ -38,6 +38,7 @@ class Budget:
     slots: int  # S: slots in the global pool
     pool_cap: int | None  # RuntimeConfig.expert_pool
     decode_activations: int = 0  # activations of the largest decode step
+    activations_measured: bool = False  # `activations` is a measured figure, not `activation_bytes`
     decode_slots: int = 0  # slots of the decode bank: decode only, in prefill's activations and staging
 
     @property
@@ -64,7 +65,8 @@ class Budget:
 
     def lines(self) -> list[tuple[str, int]]:
         return [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
-                ("activations (estimate)", self.activations), ("transfer staging", self.staging),
+                (f"activations ({'measured' if self.activations_measured else 'estimate'})", self.activations),
+                ("transfer staging", self.staging),
                 (f"expert slot pool ({self.slots} slots x {format_size(self.slot_bytes)})", self.pool),
                 (f"decode bank, in prefill's activations and staging ({self.decode_slots} slots)", self.decode_bank),
                 ("budget", self.total)]
@@ -113,14 +115,16 @@ def _step_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int, b
 
 
 def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, kv_cache_bytes: int,
-                itemsize: int) -> Budget:
-    """Fixed parts first, the slot pool from what is left (see the module docstring)."""
+                itemsize: int, activations: int | None = None) -> Budget:
+    """Fixed parts first, the slot pool from what is left (see the module docstring); `activations`: a measured
+    figure for the largest step (None: `activation_bytes`)."""
     slot_bytes = cfg.expert_bytes(itemsize)
     staging = 2 * slot_bytes * cfg.num_experts
-    activations = activation_bytes(cfg, rc, itemsize)
+    measured = activations is not None
+    activations = activation_bytes(cfg, rc, itemsize) if activations is None else int(activations)
     budget = Budget(total=rc.gpu_memory, non_expert=non_expert_bytes, kv_cache=kv_cache_bytes,
                     activations=activations, staging=staging, slot_bytes=slot_bytes, slots=0,
-                    pool_cap=rc.expert_pool,
+                    pool_cap=rc.expert_pool, activations_measured=measured,
                     decode_activations=min(activations, decode_activation_bytes(cfg, rc, itemsize)))
     if budget.fixed > budget.total:
         raise BudgetError(

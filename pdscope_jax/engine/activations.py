@@ -1,0 +1,120 @@
+"""The activation memory of the largest prefill step, from XLA's own buffer assignment rather than a formula.
+
+Contract: `measure_activations(cfg, rc, abstract, expert_dtype, cache_dtype) -> Measured`: compiles, from shapes
+alone (nothing is placed or run), the programs one layer of the largest step runs (`engine.programs`: the first
+dense layer, `moe_route_scored` (a superset of `moe_route`), `gpu_experts` over a one-layer stand-in of the slot
+pool, `take_rows`, `moe_combine` with both routed parts, a logits window) on the default backend.
+A program's peak is its temporaries plus its outputs plus its step-local inputs (what earlier programs of the
+step made; weights, KV cache and pool are accounted elsewhere). `Measured.bytes` is the largest peak times
+`MARGIN`: the engine runs these programs one after another on one stream, whose allocator reuses a finished
+program's temporaries for the next. Results are kept per (config, shapes, backend) for the process, since tests
+build many engines of one model. The largest step is `store.budget.activation_bytes`'s: a whole prompt of
+`max_seq_len` tokens at batch 1, else `max_batch` x `prefill_chunk` tokens, padded to its prefill bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs
+from pdscope_jax.engine.route import DENSE_MAX_ROWS
+from pdscope_jax.generation.generator import CACHE_BUCKET
+from pdscope_jax.models.static_graph import static_graph
+from pdscope_jax.quant.formats import QuantizedWeight, scheme, shapes as quant_shapes
+from pdscope_jax.runtime import RuntimeConfig, bucket
+
+MARGIN = 1.25  # for the allocator's fragmentation and the small arrays the engine keeps between programs
+_RESULTS: dict = {}  # key -> Measured, for the process
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    bytes: int  # what the budget reserves for activations
+    peaks: tuple[tuple[str, int], ...]  # (program, temporaries + outputs + step-local inputs), as compiled
+
+
+def measure_activations(cfg, rc: RuntimeConfig, abstract, expert_dtype, cache_dtype) -> Measured:
+    b = rc.max_batch
+    tq = rc.max_seq_len if b == 1 else min(rc.prefill_chunk, rc.max_seq_len)
+    n_pad = bucket(b * tq, rc.prefill_buckets)
+    cache_len = -(-rc.max_seq_len // CACHE_BUCKET) * CACHE_BUCKET  # the engine's KV cache length
+    key = (cfg, b, tq, n_pad, cache_len, np.dtype(expert_dtype).name, np.dtype(cache_dtype).name,
+           jax.default_backend())
+    if key not in _RESULTS:
+        _RESULTS[key] = _compile_and_read(key, abstract)
+    return _RESULTS[key]
+
+
+def _compile_and_read(key, abstract) -> Measured:
+    cfg, b, tq, n_pad, cache_len, expert_dtype, cache_dtype, _backend = key
+    programs = build_programs()
+    s = jax.ShapeDtypeStruct
+    d, f, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    x, positions = s((b, tq, d), cache_dtype), s((b, tq), np.int32)
+    cache = jax.eval_shape(lambda: abstract.init_cache(b, cache_len, cache_dtype))
+    layers = [_layer_shapes(layer) for layer in abstract.layers]
+    h, w, ids, rows = s((n_pad, d), cache_dtype), s((n_pad, k), np.float32), s((n_pad, k), np.int32), s((n_pad, d), np.float32)
+    peaks: dict[str, int] = {}
+
+    def peak(name, jitted, *args, local=()):
+        analysis = jitted.lower(*args).compile().memory_analysis()
+        if analysis is None:  # a backend that does not report it
+            return
+        used = analysis.temp_size_in_bytes + analysis.output_size_in_bytes + sum(_nbytes(a) for a in local)
+        peaks[name] = max(peaks.get(name, 0), int(used))
+
+    dense = [i for i, layer in enumerate(abstract.layers) if not layer.is_moe]
+    if dense:
+        graph, state = layers[dense[0]]
+        peak("dense_layer", programs["dense_layer"], graph, state, x, positions, cache[dense[0]], local=(x,))
+    moe = cfg.moe_layers
+    graph, state = layers[moe[0]]
+    with_h = n_pad <= DENSE_MAX_ROWS
+    if len(moe) > 1:
+        next_graph, next_state = layers[moe[1]]
+        peak("moe_route_scored", programs["moe_route_scored"], graph, state, x, positions, cache[moe[0]], n_pad,
+             with_h, next_graph, next_state, s((n_pad,), np.float32), local=(x,))
+    else:
+        peak("moe_route", programs["moe_route"], graph, state, x, positions, cache[moe[0]], n_pad, with_h, local=(x,))
+    pool = _pool_shapes(cfg, e, d, f, expert_dtype)
+    peak("gpu_experts", programs["gpu_experts"], h, w, ids, *pool, s((e,), np.int32), local=(x, h, w, ids))
+    peak("take_rows", programs["take_rows"], h, s((n_pad,), np.int32), local=(x, h))
+    peak("moe_combine", programs["moe_combine"], x, h, rows, rows, local=(x, h, rows, rows))
+    placed_graph, placed_state = _model_without_layers(abstract)
+    peak("logits", programs["logits"], placed_graph, placed_state, s((b, min(LOGIT_ROWS, tq), d), cache_dtype),
+         0, min(LOGIT_ROWS, tq))
+    return Measured(int(MARGIN * max(peaks.values(), default=0)), tuple(sorted(peaks.items())))
+
+
+def _layer_shapes(layer):
+    """A layer's (static graph, state) as the engine places it: routed-expert stacks empty."""
+    graphdef, state = nnx.split(layer)
+    flat = nnx.to_flat_state(state)
+    for path, var in flat:
+        if layer.is_moe and tuple(map(str, path[:2])) == ("mlp", "experts"):
+            var.set_value(jax.ShapeDtypeStruct((0,), var.get_value().dtype))
+    return static_graph(graphdef), nnx.from_flat_state(flat)
+
+
+def _model_without_layers(abstract):
+    layers, abstract.layers = abstract.layers, nnx.List([])
+    try:
+        graphdef, state = nnx.split(abstract)
+    finally:
+        abstract.layers = layers
+    return static_graph(graphdef), state
+
+
+def _pool_shapes(cfg, slots, d, f, dtype):
+    if cfg.expert_quant is None:
+        return jax.ShapeDtypeStruct((slots, d, 2 * f), dtype), jax.ShapeDtypeStruct((slots, f, d), dtype)
+    return tuple(QuantizedWeight(*quant_shapes((slots,), rows, cols, cfg.expert_quant), scheme(cfg.expert_quant),
+                                 dtype) for rows, cols in ((d, 2 * f), (f, d)))
+
+
+def _nbytes(a) -> int:
+    return int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize

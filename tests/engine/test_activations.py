@@ -1,0 +1,55 @@
+"""engine.activations: the budget's activation figure comes from XLA's buffer assignment for the largest prefill
+step, stays under the formula that bounds it, cannot miss what attention must hold, and is used by the engine."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax import models
+from pdscope_jax.engine.activations import MARGIN, measure_activations
+from pdscope_jax.presets import preset
+from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError
+from pdscope_jax.store.budget import activation_bytes
+from test_offload_engine import Reference
+
+BF16 = np.dtype(jnp.bfloat16)
+
+
+def _measure(name: str, **rc):
+    cfg = preset(name)
+    config = RuntimeConfig(**rc)
+    return cfg, config, measure_activations(cfg, config, models.abstract_model(cfg, jnp.bfloat16), BF16, BF16)
+
+
+@pytest.mark.parametrize("name", ["tiny-deepseek-v2-lite", "tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b"])
+def test_measured_figure_is_the_largest_program_and_under_the_formula(name):
+    cfg, rc, measured = _measure(name, max_seq_len=256)
+    peaks = dict(measured.peaks)
+    assert {"gpu_experts", "moe_combine", "logits"} <= set(peaks)
+    assert measured.bytes == int(MARGIN * max(peaks.values()))
+    assert 0 < measured.bytes <= activation_bytes(cfg, rc, BF16.itemsize)
+    assert _measure(name, max_seq_len=256)[2] is measured  # compiled once per shapes in a process
+
+
+def test_full_size_attention_holds_its_score_matrix():
+    """DeepSeek-V2-Lite at 4,096 tokens, compiled from shapes alone: the route program holds at least one float32
+    score matrix (heads x T x T), and the whole figure stays below the formula's 7.7 GB."""
+    cfg, rc, measured = _measure("deepseek-v2-lite", max_seq_len=4096)
+    route = dict(measured.peaks)["moe_route_scored"]
+    assert route >= cfg.num_heads * 4096 * 4096 * 4
+    assert measured.bytes < activation_bytes(cfg, rc, BF16.itemsize)
+
+
+def test_engine_budgets_the_measured_figure_unless_asked_for_the_estimate():
+    ref = Reference("tiny-deepseek-v2-lite", batch=1, prompt=8, new=2)
+    measured = ref.runner("ondemand", 5)
+    assert measured.budget.activations_measured
+    f32 = np.dtype(np.float32)  # Reference builds its model in float32
+    want = measure_activations(ref.cfg, measured.runtime, models.abstract_model(ref.cfg, jnp.float32), f32, f32)
+    assert measured.budget.activations == want.bytes
+    estimated = ref.runner("ondemand", 5, activation_memory="estimated")
+    assert not estimated.budget.activations_measured
+    assert estimated.budget.activations == activation_bytes(ref.cfg, estimated.runtime, 4)
+    assert "activations (measured)" in measured.budget.describe()
+    with pytest.raises(RuntimeConfigError, match="activation_memory"):
+        RuntimeConfig(activation_memory="guess")
