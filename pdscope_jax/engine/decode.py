@@ -7,9 +7,10 @@ else `HostDecode`. The choice depends on nothing that changes between steps, so 
 (the device executor keeps the pool's table on the accelerator from its first step to its last).
 Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
 `generation.sampling.SamplingState` on the accelerator, donated step by step)); `step(n)` runs decode step n
-(sampling at step n); `tokens` holds the host copies (`Sampled`) of the steps fetched so far, in order (the
-device executor's lag two steps behind); `finish()` -> all of them, and adds what it counted to the decode
-statistics.
+(sampling at step n); `tokens` holds the host copies (`Sampled`, numpy arrays that own their memory:
+`host_copy`) of the steps fetched and not yet taken, in order (the device executor's lag two steps behind); the
+caller pops what it has taken, so a long decode keeps nothing per step; `finish()` -> the rest, and adds what it
+counted to the decode statistics.
 - `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
 - `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
@@ -49,7 +50,7 @@ class HostDecode:
         x, self.cache = e._loop.step(self.token[:, None], positions, self.cache, "decode", np.ones(b, bool))
         picked, self.sampling = e._programs["next_token"](e._graph, e._state, x, 0, self.sampling, n)
         self.token = picked.token
-        self.tokens.append(jax.device_get(picked))  # a host copy, so nothing on the accelerator grows with the output
+        self.tokens.append(host_copy(picked))  # a host copy, so nothing on the accelerator grows with the output
 
     def finish(self) -> list:
         return self.tokens
@@ -76,6 +77,7 @@ class DeviceDecode:
         self.step_no = jax.device_put(np.int32(1), accel)  # the step counter lives on the accelerator
         self.sampling = sampling
         self.in_flight, self.tokens = [], []
+        self.steps_run = 0
         self.start = time.perf_counter()
 
     def step(self, n: int) -> None:
@@ -85,15 +87,16 @@ class DeviceDecode:
                                       self.token, self.positions, self.caches, self.sampling, self.step_no,
                                       pool.banks, self.table)
         self.token = picked.token
+        self.steps_run += 1
         for leaf in jax.tree.leaves(picked):
             leaf.copy_to_host_async()
         self.in_flight.append(picked)
         if len(self.in_flight) > 2:
-            self.tokens.append(jax.device_get(self.in_flight.pop(0)))
+            self.tokens.append(host_copy(self.in_flight.pop(0)))
 
     def finish(self) -> list:
         e, tokens = self.engine, self.tokens
-        tokens += [jax.device_get(picked) for picked in self.in_flight]
+        tokens += [host_copy(picked) for picked in self.in_flight]
         self.in_flight = []
         seconds = time.perf_counter() - self.start
         moe = e._moe_layers
@@ -105,9 +108,9 @@ class DeviceDecode:
         # every routed expert has one size: the misses' bytes are those of as many copies of one expert
         nbytes = e.store.count_moved(moe[0], np.zeros(misses, np.int64))
         stats = e.phase_stats["decode"]
-        stats.steps += len(tokens)
-        stats.device_steps += len(tokens)
-        stats.tokens += self.token.shape[0] * len(tokens)
+        stats.steps += self.steps_run
+        stats.device_steps += self.steps_run
+        stats.tokens += self.token.shape[0] * self.steps_run
         stats.seconds += seconds
         stats.activated += counts["activated"]
         stats.hits += counts["hits"]
@@ -115,6 +118,14 @@ class DeviceDecode:
         stats.gpu_experts += counts["activated"]  # every activated expert ran on the accelerator
         stats.bytes_moved += nbytes
         return tokens
+
+
+def host_copy(picked):
+    """`picked`'s arrays as numpy arrays that own their memory. On the CPU backend `jax.device_get` returns views
+    of the device buffers, and every view kept pins its PjRt buffer and runtime records (several KB each, and
+    worse in the fragmented malloc arenas of XLA's threads): the tokens a long decode keeps grew host RSS by
+    tens of KB per step."""
+    return jax.tree.map(lambda a: np.array(a, copy=True), jax.device_get(picked))
 
 
 def decode_bonus(engine, batch: int) -> np.ndarray | None:

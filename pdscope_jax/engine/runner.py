@@ -247,7 +247,7 @@ class OffloadRunner:
         for c0, x, cache in self._prefill(chunks, cache, t):
             if c0 <= t - 1 < c0 + x.shape[1]:
                 first, state = self._programs["next_token"](self._graph, self._state, x, t - 1 - c0, state, 0)
-        token, first = first.token, jax.device_get(first)  # only the token stays on the accelerator
+        token, first = first.token, decode.host_copy(first)  # only the token stays on the accelerator
         yield first
         executor = decode.choose(self, b, max_new_tokens - 1)  # host-planned layers, or one program per step
         decoder = executor(self, token, cache, t, state)
