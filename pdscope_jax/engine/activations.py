@@ -83,7 +83,8 @@ def _compile_and_read(key, abstract) -> Measured:
     pool = _pool_shapes(cfg, e, d, f, expert_dtype)
     peak("gpu_experts", programs["gpu_experts"], h, w, ids, *pool, s((e,), np.int32), local=(x, h, w, ids))
     peak("take_rows", programs["take_rows"], h, s((n_pad,), np.int32), local=(x, h))
-    peak("moe_combine", programs["moe_combine"], x, h, rows, rows, local=(x, h, rows, rows))
+    shared = s((b * tq, d), cache_dtype)  # the shared experts' output: the step's rows, unpadded
+    peak("moe_combine", programs["moe_combine"], x, shared, rows, rows, local=(x, shared, rows, rows))
     placed_graph, placed_state = _model_without_layers(abstract)
     peak("logits", programs["logits"], placed_graph, placed_state, s((b, min(LOGIT_ROWS, tq), d), cache_dtype),
          0, min(LOGIT_ROWS, tq))
