@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import platform
 import shlex
-import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,17 +47,9 @@ def save_figure(fig, path: Path, dpi: int, **tight_layout) -> None:
 
 
 def commit() -> str:
-    marker = REPO / "COMMIT"
-    if marker.exists():
-        return marker.read_text().strip()
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    from pdscope_jax.provenance import source_commit
+
+    return source_commit() or "unknown"
 
 
 def machine() -> dict:

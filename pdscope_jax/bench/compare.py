@@ -10,7 +10,7 @@ weights are not rebuilt), batch size and prompt length times `args.repeats` gene
 the whole model on the default device, ignoring the budget; every offload row then records
 `tokens_match_plain` and `tokens_before_divergence`. With `--hot-table auto` (or an ablation without a table)
 activation counts from one untimed generation are saved as `<out>/hot_<model>_<time>.json` first.
-Outputs, in `args.out`: `bench_<model>_<time>.json` (command, jax version, devices, "weights": "random" |
+Outputs, in `args.out`: `bench_<model>_<time>.json` (command, commit, jax version, devices, "weights": "random" |
 "checkpoint", "workload", runtime config, budget, every result row with its repeats, "errors", optional
 "memory" and "cprofile", "complete") and a PNG (`bench.report.plot`); a rich table on stderr; one JSON summary
 line last on stdout. After every point the JSON so far is written with `"complete": false`, and a point that
@@ -26,6 +26,7 @@ import platform
 
 from pdscope_jax.bench import report as out
 from pdscope_jax.bench import runs as bench_runs
+from pdscope_jax.provenance import source_commit
 from pdscope_jax.sched import PLAIN
 
 
@@ -82,7 +83,7 @@ def compare(args, command: str) -> dict:
     devices = select_devices()
     accel = devices.accel
     header = {
-        "command": command, "jax": jax.__version__, "python": platform.python_version(),
+        "command": command, "commit": source_commit(), "jax": jax.__version__, "python": platform.python_version(),
         "device": f"{accel.platform}:{accel.id} {getattr(accel, 'device_kind', '')}".strip(),
         "cpu_device": str(devices.cpu), "weights": "checkpoint" if checkpoint else "random",
         "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,

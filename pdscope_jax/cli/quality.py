@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import subprocess
 from pathlib import Path
+
+from pdscope_jax.provenance import source_commit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,15 +44,6 @@ def default_out(model: str, dtype: str) -> Path:
     name = f"quality_{Path(model).name or model.replace('/', '_')}_{dtype}.json"
     results = Path("benchmarks") / "results"
     return results / name if results.is_dir() else Path(name)
-
-
-def _git_commit() -> str | None:
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True,
-                              check=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def _machine() -> str:
@@ -113,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = quality.evaluate(s, progress=progress, data=data)
     doc = {"what": f"quality of int8 / int4 routed experts against {args.dtype}: held-out perplexity and greedy "
                    f"agreement, {args.model}",
-           "command": shlex.join(["pdscope-jax", "quality", *argv]), "commit": _git_commit(),
+           "command": shlex.join(["pdscope-jax", "quality", *argv]), "commit": source_commit(),
            "machine": args.machine or _machine(), **doc}
     console.print(_table(doc))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from pdscope_jax import provenance
 from pdscope_jax.cli.bench import main as bench_main
 from pdscope_jax.errors import InputError
 from pdscope_jax.kernels import cpu_ffn
@@ -34,6 +35,7 @@ def test_bench_writes_json_png_and_flat_memory(tmp_path):
     assert files == [".json", ".png"]
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert saved["weights"] == "random" and saved["command"].endswith(" ".join(argv))
+    assert saved["commit"] == provenance.source_commit()
     assert saved["jax"] and saved["device"].startswith("cpu:1")
     assert saved["cpu_kernel"]["enabled"] is (cpu_ffn.available())  # on by default where it can run
     assert [(r["policy"], r["prompt_len"]) for r in saved["results"]] == [("static", 16), ("pdscope", 16)]
@@ -196,3 +198,24 @@ def test_decode_step_probe_profiles_the_kernels_it_ran(tmp_path, probes):
     assert profile["busy_us_per_step"] > 0 and profile["kernels_per_step"] > 0
     for key in ("by_hlo_op", "by_kernel"):
         assert profile[key] and all(kind["launches_per_step"] > 0 for kind in profile[key])
+
+
+def test_results_name_the_commit_that_made_them(tmp_path, monkeypatch):
+    """A COMMIT file at the tree's root wins over git (a copied tree may carry a stale HEAD); else git's short
+    HEAD, "+dirty" when a tracked file differs; None outside a checkout."""
+    import subprocess
+
+    monkeypatch.setattr(provenance, "ROOT", tmp_path)
+    assert provenance.source_commit() is None
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
+                                    capture_output=True, text=True, check=True).stdout.strip()
+    git("init", "-q")
+    (tmp_path / "f").write_text("1")
+    git("add", "f")
+    git("commit", "-qm", "x")
+    head = git("rev-parse", "--short", "HEAD")
+    assert provenance.source_commit() == head
+    (tmp_path / "f").write_text("2")
+    assert provenance.source_commit() == head + "+dirty"
+    (tmp_path / "COMMIT").write_text("abc1234\n")
+    assert provenance.source_commit() == "abc1234"
