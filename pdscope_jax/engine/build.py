@@ -3,7 +3,8 @@
 Contract (each function returns what it builds; nothing here is kept between calls):
 - `plan_budget(cfg, rc, abstract, shapes)` -> (Budget, experts' dtype, cache dtype), from shapes alone, before
   anything is placed (activations measured by compiling the largest step's programs, `engine.activations`,
-  unless `rc.activation_memory` is "estimated"); raises `BudgetError` when the model does not fit.
+  unless `rc.activation_memory` is "estimated" or every expert fits the pool under the upper estimate anyway);
+  raises `BudgetError` when the model does not fit.
 - `take_weights(model, weights, shapes, moe_layers, devices, **store options, quant, dtype)` -> (ExpertStore,
   non-expert weights {path: array}); quantized experts (`quant`) reach the store as QuantizedWeights of compute
   dtype `dtype`, assembled from their integer and scale parameters. `weights`: None (the model's own parameters), a flat `{path: array}` dict (routed-expert
@@ -36,7 +37,7 @@ from pdscope_jax.models.static_graph import StaticGraph, static_graph
 from pdscope_jax.quant.formats import QuantizedWeight, scheme
 from pdscope_jax.runtime import Devices, RuntimeConfig
 from pdscope_jax.sched import CostTable
-from pdscope_jax.store.budget import Budget, plan_budget as budget_of
+from pdscope_jax.store.budget import Budget, BudgetError, plan_budget as budget_of
 from pdscope_jax.store.expert_store import ExpertStore, expert_paths, is_expert_path
 from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
@@ -82,11 +83,16 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
     kv = jax.eval_shape(lambda: abstract.init_cache(rc.max_batch, round_up(rc.max_seq_len, CACHE_BUCKET),
                                                     cache_dtype))
     kv_bytes = sum(a.size * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(kv))
-    measured = (measure_activations(cfg, rc, abstract, expert_dtype, cache_dtype).bytes
-                if rc.activation_memory == "measured" else None)
-    budget = budget_of(cfg, rc, non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes),
-                       itemsize=expert_dtype.itemsize, activations=measured)
-    return budget, expert_dtype, cache_dtype
+    parts = dict(non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes), itemsize=expert_dtype.itemsize)
+    if rc.activation_memory == "measured":
+        try:  # every expert fits the pool even under the upper estimate: measuring could change nothing
+            upper = budget_of(cfg, rc, **parts)
+            if upper.slots == len(cfg.moe_layers) * cfg.num_experts:
+                return upper, expert_dtype, cache_dtype
+        except BudgetError:
+            pass
+        parts["activations"] = measure_activations(cfg, rc, abstract, expert_dtype, cache_dtype).bytes
+    return budget_of(cfg, rc, **parts), expert_dtype, cache_dtype
 
 
 def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view: str,

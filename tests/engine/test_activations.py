@@ -53,5 +53,8 @@ def test_engine_budgets_the_measured_figure_unless_asked_for_the_estimate():
     assert not estimated.budget.activations_measured
     assert estimated.budget.activations == activation_bytes(ref.cfg, estimated.runtime, 4)
     assert "activations (measured)" in measured.budget.describe()
+    every = len(ref.cfg.moe_layers) * ref.cfg.num_experts
+    roomy = ref.runner("ondemand", every)  # every expert fits under the estimate: nothing to measure
+    assert roomy.pool.num_slots == every and not roomy.budget.activations_measured
     with pytest.raises(RuntimeConfigError, match="activation_memory"):
         RuntimeConfig(activation_memory="guess")
