@@ -1,6 +1,7 @@
 """The activation memory of the largest prefill step, from XLA's own buffer assignment rather than a formula.
 
-Contract: `measure_activations(cfg, rc, abstract, expert_dtype, cache_dtype) -> Measured`: compiles, from shapes
+Contract: `measure_activations(cfg, rc, abstract, kv_cache, expert_dtype, cache_dtype) -> Measured | None`
+(`kv_cache`: the engine's KV cache, abstract; None where the backend reports no memory analysis): compiles, from shapes
 alone (nothing is placed or run), the programs one layer of the largest step runs (`engine.programs`: the first
 dense layer, `moe_route_scored` (a superset of `moe_route`), `gpu_experts` over a one-layer stand-in of the slot
 pool, `take_rows`, `moe_combine` with both routed parts, a logits window) on the default backend.
@@ -8,8 +9,7 @@ A program's peak is its temporaries plus its outputs plus its step-local inputs 
 step made; weights, KV cache and pool are accounted elsewhere). `Measured.bytes` is the largest peak times
 `MARGIN`: the engine runs these programs one after another on one stream, whose allocator reuses a finished
 program's temporaries for the next. Results are kept per (config, shapes, backend) for the process, since tests
-build many engines of one model. The largest step is `store.budget.activation_bytes`'s: a whole prompt of
-`max_seq_len` tokens at batch 1, else `max_batch` x `prefill_chunk` tokens, padded to its prefill bucket.
+build many engines of one model. The largest step is `store.budget.largest_step`, padded to its prefill bucket.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from flax import nnx
 
 from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs
 from pdscope_jax.engine.route import DENSE_MAX_ROWS
-from pdscope_jax.generation.generator import CACHE_BUCKET
 from pdscope_jax.models.static_graph import static_graph
 from pdscope_jax.quant.formats import QuantizedWeight, scheme, shapes as quant_shapes
 from pdscope_jax.runtime import RuntimeConfig, bucket
+from pdscope_jax.store.budget import largest_step
 
 MARGIN = 1.25  # for the allocator's fragmentation and the small arrays the engine keeps between programs
 _RESULTS: dict = {}  # key -> Measured, for the process
@@ -37,25 +37,22 @@ class Measured:
     peaks: tuple[tuple[str, int], ...]  # (program, temporaries + outputs + step-local inputs), as compiled
 
 
-def measure_activations(cfg, rc: RuntimeConfig, abstract, expert_dtype, cache_dtype) -> Measured:
-    b = rc.max_batch
-    tq = rc.max_seq_len if b == 1 else min(rc.prefill_chunk, rc.max_seq_len)
+def measure_activations(cfg, rc: RuntimeConfig, abstract, kv_cache, expert_dtype, cache_dtype) -> Measured | None:
+    b, tq = largest_step(rc)
     n_pad = bucket(b * tq, rc.prefill_buckets)
-    cache_len = -(-rc.max_seq_len // CACHE_BUCKET) * CACHE_BUCKET  # the engine's KV cache length
-    key = (cfg, b, tq, n_pad, cache_len, np.dtype(expert_dtype).name, np.dtype(cache_dtype).name,
-           jax.default_backend())
+    key = (cfg, b, tq, n_pad, tuple(a.shape for a in jax.tree.leaves(kv_cache)), np.dtype(expert_dtype).name,
+           np.dtype(cache_dtype).name, jax.default_backend())
     if key not in _RESULTS:
-        _RESULTS[key] = _compile_and_read(key, abstract)
+        _RESULTS[key] = _compile_and_read(key, abstract, kv_cache)
     return _RESULTS[key]
 
 
-def _compile_and_read(key, abstract) -> Measured:
-    cfg, b, tq, n_pad, cache_len, expert_dtype, cache_dtype, _backend = key
+def _compile_and_read(key, abstract, cache) -> Measured | None:
+    cfg, b, tq, n_pad, _cache_shapes, expert_dtype, cache_dtype, _backend = key
     programs = build_programs()
     s = jax.ShapeDtypeStruct
     d, f, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
     x, positions = s((b, tq, d), cache_dtype), s((b, tq), np.int32)
-    cache = jax.eval_shape(lambda: abstract.init_cache(b, cache_len, cache_dtype))
     layers = [_layer_shapes(layer) for layer in abstract.layers]
     h, w, ids, rows = s((n_pad, d), cache_dtype), s((n_pad, k), np.float32), s((n_pad, k), np.int32), s((n_pad, d), np.float32)
     peaks: dict[str, int] = {}
@@ -88,7 +85,9 @@ def _compile_and_read(key, abstract) -> Measured:
     placed_graph, placed_state = _model_without_layers(abstract)
     peak("logits", programs["logits"], placed_graph, placed_state, s((b, min(LOGIT_ROWS, tq), d), cache_dtype),
          0, min(LOGIT_ROWS, tq))
-    return Measured(int(MARGIN * max(peaks.values(), default=0)), tuple(sorted(peaks.items())))
+    if not peaks:  # the backend reports no memory analysis: the caller keeps the upper estimate
+        return None
+    return Measured(int(MARGIN * max(peaks.values())), tuple(sorted(peaks.items())))
 
 
 def _layer_shapes(layer):

@@ -91,7 +91,8 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
                 return upper, expert_dtype, cache_dtype
         except BudgetError:
             pass
-        parts["activations"] = measure_activations(cfg, rc, abstract, expert_dtype, cache_dtype).bytes
+        measured = measure_activations(cfg, rc, abstract, kv, expert_dtype, cache_dtype)
+        parts["activations"] = None if measured is None else measured.bytes
     return budget_of(cfg, rc, **parts), expert_dtype, cache_dtype
 
 

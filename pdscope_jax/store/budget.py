@@ -1,10 +1,10 @@
 """Byte accounting of everything the offload engine keeps on the accelerator.
 
 Contract: `plan_budget(...)` splits `RuntimeConfig.gpu_memory` into non-expert weights (exact, from their
-shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step (the caller's
-measured figure, `engine.activations`, else the upper estimate `activation_bytes`), transfer staging (the device copies of staged experts before they are
-written into their slots: while one layer's copies wait for their slot write, the next layer's are issued, so
-two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a whole
+shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step
+(`largest_step`; the caller's measured figure, `engine.activations`, else the upper estimate
+`activation_bytes`), transfer staging (the device copies of staged experts before they are written into their
+slots: while one layer's copies wait for their slot write, the next layer's are issued, so two layers) and what is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a whole
 number of slots, one slot per expert (gate_up [D,2F] + down [F,D]; quantized: their integers and scales).
 Decode needs neither prefill's activations nor staging: what they hold beyond a decode step's own activations
 (`decode_activation_bytes`) is the decode bank, `decode_slots` more slots that exist only while decode runs
@@ -81,9 +81,14 @@ def activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
     The largest step is a whole prompt of `max_seq_len` tokens at batch 1, or `max_batch` sequences times a
     `prefill_chunk` of tokens otherwise; attention scores span up to `max_seq_len` keys.
     """
+    return _step_activation_bytes(cfg, rc, itemsize, *largest_step(rc))
+
+
+def largest_step(rc: RuntimeConfig) -> tuple[int, int]:
+    """(sequences, tokens each) of the largest prefill step: a whole prompt of `max_seq_len` tokens at batch 1,
+    else `max_batch` sequences of a `prefill_chunk`."""
     b = rc.max_batch
-    return _step_activation_bytes(cfg, rc, itemsize, b, rc.max_seq_len if b == 1 else min(rc.prefill_chunk,
-                                                                                          rc.max_seq_len))
+    return b, rc.max_seq_len if b == 1 else min(rc.prefill_chunk, rc.max_seq_len)
 
 
 def decode_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:

@@ -1,12 +1,15 @@
 """engine.activations: the budget's activation figure comes from XLA's buffer assignment for the largest prefill
 step, stays under the formula that bounds it, cannot miss what attention must hold, and is used by the engine."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pdscope_jax import models
 from pdscope_jax.engine.activations import MARGIN, measure_activations
+from pdscope_jax.engine.build import round_up
+from pdscope_jax.generation.generator import CACHE_BUCKET
 from pdscope_jax.presets import preset
 from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError
 from pdscope_jax.store.budget import activation_bytes
@@ -15,10 +18,18 @@ from test_offload_engine import Reference
 BF16 = np.dtype(jnp.bfloat16)
 
 
+def _measure_abstract(cfg, rc, dtype):
+    """`measure_activations` as `engine.build.plan_budget` calls it, for a model of `dtype`."""
+    abstract = models.abstract_model(cfg, dtype)
+    kv = jax.eval_shape(lambda: abstract.init_cache(rc.max_batch, round_up(rc.max_seq_len, CACHE_BUCKET),
+                                                    np.dtype(dtype)))
+    return measure_activations(cfg, rc, abstract, kv, np.dtype(dtype), np.dtype(dtype))
+
+
 def _measure(name: str, **rc):
     cfg = preset(name)
     config = RuntimeConfig(**rc)
-    return cfg, config, measure_activations(cfg, config, models.abstract_model(cfg, jnp.bfloat16), BF16, BF16)
+    return cfg, config, _measure_abstract(cfg, config, jnp.bfloat16)
 
 
 @pytest.mark.parametrize("name, max_seq_len", [("tiny-deepseek-v2-lite", 256), ("tiny-qwen3-30b-a3b", 256),
@@ -46,8 +57,7 @@ def test_engine_budgets_the_measured_figure_unless_asked_for_the_estimate():
     ref = Reference("tiny-deepseek-v2-lite", batch=1, prompt=8, new=2)
     measured = ref.runner("ondemand", 5)
     assert measured.budget.activations_measured
-    f32 = np.dtype(np.float32)  # Reference builds its model in float32
-    want = measure_activations(ref.cfg, measured.runtime, models.abstract_model(ref.cfg, jnp.float32), f32, f32)
+    want = _measure_abstract(ref.cfg, measured.runtime, jnp.float32)  # Reference builds its model in float32
     assert measured.budget.activations == want.bytes
     estimated = ref.runner("ondemand", 5, activation_memory="estimated")
     assert not estimated.budget.activations_measured
@@ -58,3 +68,12 @@ def test_engine_budgets_the_measured_figure_unless_asked_for_the_estimate():
     assert roomy.pool.num_slots == every and not roomy.budget.activations_measured
     with pytest.raises(RuntimeConfigError, match="activation_memory"):
         RuntimeConfig(activation_memory="guess")
+
+
+def test_a_backend_without_memory_analysis_keeps_the_estimate(monkeypatch):
+    from pdscope_jax.engine import build
+
+    monkeypatch.setattr(build, "measure_activations", lambda *args: None)
+    runner = Reference("tiny-deepseek-v2-lite", batch=1, prompt=8, new=2).runner("ondemand", 5)
+    assert not runner.budget.activations_measured
+    assert runner.budget.activations == activation_bytes(runner.config, runner.runtime, 4)
