@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     def fixed_pull(experts, order, n_miss, resident):
         c = min(args.fixed_copies, order.shape[0])
         out = []
-        for a, kept in zip(experts, resident(c)):
+        for a, kept in zip(experts, resident(jnp.arange(c, order.shape[0]))):
             got = [jax.device_put(jax.lax.dynamic_index_in_dim(a, order[i], keepdims=False), jax.memory.Space.Device)
                    for i in range(c)]
             out.append(jnp.concatenate([jnp.stack(got), kept]))

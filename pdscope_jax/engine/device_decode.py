@@ -153,7 +153,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table):
     picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
     resident = jnp.maximum(slots, 0)  # after the misses: hits (and pads) from their slots
     gate_ups, downs = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32),
-                                  lambda j: _take(banks, resident[j:]))
+                                  lambda at: _take(banks, resident[at]))
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row

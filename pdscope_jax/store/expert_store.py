@@ -306,8 +306,8 @@ def pull_counts(u: int) -> list[int]:
 
 def pull_traced(experts, order, n_miss, resident):
     """Inside a jitted program: the weights of the U experts of `order` (traced indices), the first n_miss (at
-    least) copied from pinned host memory into device memory, every later one from `resident(j)` -> (gate_ups
-    [U - j, D, 2F], downs [U - j, F, D]), the weights of order[j:] where they are resident. `experts` =
+    least) copied from pinned host memory into device memory, every later one from `resident(at)` -> (gate_ups
+    [n, D, 2F], downs [n, F, D]), the weights of order[at] (at: [n] positions) where they are resident. `experts` =
     (gate_up [E,D,2F], down [E,F,D]) layer stacks, or (gate_ups, downs) tuples of E per-expert arrays
     (`layer_stacks`, `layer_experts`). -> (gate_ups [U, D, 2F], downs [U, F, D]). From stacks, one branch per
     count in `pull_counts(U)` (the smallest >= n_miss runs) whose copies run at once; from per-expert arrays, a
@@ -320,7 +320,7 @@ def pull_traced(experts, order, n_miss, resident):
         def pull(j):
             def copies():
                 out = []
-                for stack, kept in zip((gate_ups, downs), resident(j)):
+                for stack, kept in zip((gate_ups, downs), resident(jnp.arange(j, u))):
                     got = [jax.device_put(jax.tree.map(
                         lambda a, i=i: jax.lax.dynamic_index_in_dim(a, order[i], keepdims=False), stack), DEVICE)
                         for i in range(j)]
@@ -331,11 +331,9 @@ def pull_traced(experts, order, n_miss, resident):
         counts = pull_counts(u)
         return jax.lax.switch(jnp.searchsorted(jnp.array(counts), n_miss), [pull(j) for j in counts])
 
-    kept_all = resident(0)
-
     def one(i):
         return jax.lax.cond(i < n_miss, lambda: _copy_expert(gate_ups, downs, order[i]),
-                            lambda: jax.tree.map(lambda k: k[i], kept_all))
+                            lambda: jax.tree.map(lambda k: k[0], resident(i[None])))
     return jax.lax.map(one, jnp.arange(u))
 
 
