@@ -20,9 +20,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs
+from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, program_pieces
 from pdscope_jax.engine.route import DENSE_MAX_ROWS
-from pdscope_jax.models.static_graph import static_graph
 from pdscope_jax.quant.formats import QuantizedWeight, scheme, shapes as quant_shapes
 from pdscope_jax.runtime import RuntimeConfig, bucket
 from pdscope_jax.store.budget import largest_step
@@ -53,7 +52,9 @@ def _compile_and_read(key, abstract, cache) -> Measured | None:
     s = jax.ShapeDtypeStruct
     d, f, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
     x, positions = s((b, tq, d), cache_dtype), s((b, tq), np.int32)
-    layers = [_layer_shapes(layer) for layer in abstract.layers]
+    placed_graph, placed_state, layers = program_pieces(abstract)
+    layers = [(graph, _without_experts(state)) if layer.is_moe else (graph, state)
+              for (graph, state), layer in zip(layers, abstract.layers)]
     h, w, ids, rows = s((n_pad, d), cache_dtype), s((n_pad, k), np.float32), s((n_pad, k), np.int32), s((n_pad, d), np.float32)
     peaks: dict[str, int] = {}
 
@@ -82,7 +83,6 @@ def _compile_and_read(key, abstract, cache) -> Measured | None:
     peak("take_rows", programs["take_rows"], h, s((n_pad,), np.int32), local=(x, h))
     shared = s((b * tq, d), cache_dtype)  # the shared experts' output: the step's rows, unpadded
     peak("moe_combine", programs["moe_combine"], x, shared, rows, rows, local=(x, shared, rows, rows))
-    placed_graph, placed_state = _model_without_layers(abstract)
     peak("logits", programs["logits"], placed_graph, placed_state, s((b, min(LOGIT_ROWS, tq), d), cache_dtype),
          0, min(LOGIT_ROWS, tq))
     if not peaks:  # the backend reports no memory analysis: the caller keeps the upper estimate
@@ -90,23 +90,13 @@ def _compile_and_read(key, abstract, cache) -> Measured | None:
     return Measured(int(MARGIN * max(peaks.values())), tuple(sorted(peaks.items())))
 
 
-def _layer_shapes(layer):
-    """A layer's (static graph, state) as the engine places it: routed-expert stacks empty."""
-    graphdef, state = nnx.split(layer)
+def _without_experts(state):
+    """An MoE layer's state as the engine places it (`engine.build.place_non_experts`): routed-expert stacks empty."""
     flat = nnx.to_flat_state(state)
     for path, var in flat:
-        if layer.is_moe and tuple(map(str, path[:2])) == ("mlp", "experts"):
+        if tuple(map(str, path[:2])) == ("mlp", "experts"):
             var.set_value(jax.ShapeDtypeStruct((0,), var.get_value().dtype))
-    return static_graph(graphdef), nnx.from_flat_state(flat)
-
-
-def _model_without_layers(abstract):
-    layers, abstract.layers = abstract.layers, nnx.List([])
-    try:
-        graphdef, state = nnx.split(abstract)
-    finally:
-        abstract.layers = layers
-    return static_graph(graphdef), state
+    return nnx.from_flat_state(flat)
 
 
 def _pool_shapes(cfg, slots, d, f, dtype):

@@ -32,8 +32,9 @@ from rich.progress import Progress
 
 from pdscope_jax import models
 from pdscope_jax.engine.activations import measure_activations
+from pdscope_jax.engine.programs import program_pieces
 from pdscope_jax.generation.generator import CACHE_BUCKET
-from pdscope_jax.models.static_graph import StaticGraph, static_graph
+from pdscope_jax.models.static_graph import StaticGraph
 from pdscope_jax.quant.formats import QuantizedWeight, scheme
 from pdscope_jax.runtime import Devices, RuntimeConfig
 from pdscope_jax.sched import CostTable
@@ -144,18 +145,11 @@ def place_non_experts(graphdef, flat_state, weights: dict, accel_device) -> Plac
         else:
             var.set_value(jax.device_put(weights[path], accel))
     on_accel = nnx.merge(graphdef, nnx.from_flat_state(flat_state))
-    layers = []
-    for layer in on_accel.layers:
-        layer_graphdef, state = nnx.split(layer)
-        layers.append(Layer(static_graph(layer_graphdef), state, layer.is_moe))
+    graph, state, pieces = program_pieces(on_accel)
+    layers = [Layer(*piece, layer.is_moe) for piece, layer in zip(pieces, on_accel.layers)]
     # one program on the accelerator rather than two eager `zeros` per layer
     init_cache = jax.jit(on_accel.init_cache, static_argnums=(0, 1, 2), out_shardings=accel)
-    # the whole-model pieces (embedding, logits) get the model without its layers: passing every layer's arrays
-    # to each of their calls costs argument handling on every decode step
-    all_layers, on_accel.layers = on_accel.layers, nnx.List([])
-    graphdef, state = nnx.split(on_accel)
-    on_accel.layers = all_layers
-    return Placed(static_graph(graphdef), state, layers, init_cache)
+    return Placed(graph, state, layers, init_cache)
 
 
 def path_name(parts: tuple) -> str:

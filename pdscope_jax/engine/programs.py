@@ -7,7 +7,8 @@ arguments static, so each traces once per shape: `embed`, `dense_layer` (a decod
 `gpu_experts` (`models.layers.combine_experts` over the slot pool, float32 sum), `take_rows` (the rows of the MoE input
 the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of
 positions) and `next_token` (sampling at one position, settings traced). KV caches are donated. `cache_size(jitted)` counts a
-jitted function's compiled programs (None where jax hides it). The engine (`engine.loop`, `engine.execute`)
+jitted function's compiled programs (None where jax hides it). `program_pieces(model)` -> (static graph, state)
+of the model without its layers (embedding, logits) and of each layer: the arguments these pieces take. The engine (`engine.loop`, `engine.execute`)
 decides what runs when; nothing here touches the host.
 """
 
@@ -21,6 +22,7 @@ from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
 from pdscope_jax.models.layers import combine_experts
+from pdscope_jax.models.static_graph import static_graph
 
 LOGIT_ROWS = 256  # logits are produced for at most this many tokens at a time
 
@@ -112,6 +114,19 @@ def build_programs() -> dict[str, Any]:
         "logits": jax.jit(logit_rows, static_argnums=(0, 4)),
         "next_token": jax.jit(next_token, static_argnums=0, donate_argnums=4),
     }
+
+
+def program_pieces(model) -> tuple[Any, Any, list[tuple[Any, Any]]]:
+    """(graph, state) of `model` without its layers, and [(graph, state)] of each layer; graphs static. The
+    whole-model pieces get the model without its layers: passing every layer's arrays to each of their calls
+    costs argument handling on every decode step."""
+    layers = [(static_graph(graphdef), state) for graphdef, state in map(nnx.split, model.layers)]
+    all_layers, model.layers = model.layers, nnx.List([])
+    try:
+        graphdef, state = nnx.split(model)
+    finally:
+        model.layers = all_layers
+    return static_graph(graphdef), state, layers
 
 
 def cache_size(jitted) -> int | None:
