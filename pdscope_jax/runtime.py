@@ -115,6 +115,11 @@ class RuntimeConfig:
     decode_bank: bool = True  # device decode adds slots in the memory prefill's activations and staging hold
     activation_memory: str = "measured"  # "measured": XLA's buffer assignment for the largest prefill step's
     # programs (engine.activations); "estimated": the formula of store.budget.activation_bytes (an upper bound)
+    decode_cpu_experts: str = "auto"  # device decode computes part of a layer's misses on the host's CPU while
+    # the rest are copied: "auto" through the CUDA bridge (kernels.host_experts) where it runs, else none;
+    # "xla": XLA ops on the pinned weights on any backend (tests); "off": every miss is copied
+    decode_copy_share: float | None = None  # share of a layer's misses copied when the host computes the rest
+    # (None: from the cost table, the host's time for an expert over the host's and the link's together)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -145,6 +150,11 @@ class RuntimeConfig:
                 set_(name, int(value))
         if self.activation_memory not in ("measured", "estimated"):
             problems.append(f"activation_memory: expected 'measured' or 'estimated', got {self.activation_memory!r}")
+        if self.decode_cpu_experts not in ("auto", "xla", "off"):
+            problems.append(f"decode_cpu_experts: expected 'auto', 'xla' or 'off', got {self.decode_cpu_experts!r}")
+        share = self.decode_copy_share
+        if share is not None and (not isinstance(share, (int, float)) or not 0 <= share <= 1):
+            problems.append(f"decode_copy_share must be between 0 and 1 or None, got {share!r}")
         for name in ("decode_buckets", "prefill_buckets"):
             values = check(_buckets, getattr(self, name), name)
             if values is not None:

@@ -4,9 +4,10 @@ reference run and token parity, the hot table, the host profile.
 Contract
 - `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
   name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
-  `device_decode`, `decode_bank`. A label `NAME:host` (`HOST_DECODE`) is policy NAME with `device_decode` off,
-  `NAME:nobank` (`NO_BANK`) with `decode_bank` off. With `args.ablation` the runs are `ABLATION` then the plain
-  run.
+  `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`. A label is a policy NAME with
+  suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off), `:nocpu`
+  (`decode_cpu_experts` off), `:copy=F` (`decode_copy_share` F). With `args.ablation` the runs are `ABLATION`
+  then the plain run.
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
   stands without activation counts (a fixed resident set: `hot_slots(..., have_table=False)` is not None).
@@ -27,7 +28,34 @@ from pdscope_jax.sched import PLAIN, planner_class
 
 HOST_DECODE = ":host"  # a policy name's suffix: RuntimeConfig.device_decode off
 NO_BANK = ":nobank"  # a policy name's suffix: RuntimeConfig.decode_bank off (decode in the pool alone)
-SUFFIXES = (HOST_DECODE, NO_BANK)
+NO_CPU = ":nocpu"  # a policy name's suffix: RuntimeConfig.decode_cpu_experts off (device decode copies every miss)
+COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
+SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU)
+
+
+def split_label(label: str) -> tuple[str, dict]:
+    """(policy, engine switches its suffixes set) of a run label: NAME, then any of `SUFFIXES` and
+    `:copy=F` (0 <= F <= 1); ValueError naming the part it does not know."""
+    policy, *parts = label.split(":")
+    switches = {}
+    for part in parts:
+        if f":{part}" == HOST_DECODE:
+            switches["device_decode"] = False
+        elif f":{part}" == NO_BANK:
+            switches["decode_bank"] = False
+        elif f":{part}" == NO_CPU:
+            switches["decode_cpu_experts"] = "off"
+        elif f":{part}".startswith(COPY_SHARE):
+            try:
+                share = float(part[len(COPY_SHARE) - 1:])
+            except ValueError:
+                share = -1.0
+            if not 0 <= share <= 1:
+                raise ValueError(f"{label!r}: {COPY_SHARE}F needs 0 <= F <= 1")
+            switches["decode_copy_share"] = share
+        else:
+            raise ValueError(f"{label!r}: unknown suffix ':{part}'")
+    return policy, switches
 # The paper's ablation steps (label, policy, hot table, async_io, batched_gpu): greedy with synchronous I/O and
 # one GPU program per expert, +h hot table, +i asynchronous I/O, +p+a AdaptSched with next-layer scores,
 # +g+c one batched GPU program per layer in prefill and decode as one program per step. The paper's "+c" (a
@@ -49,17 +77,21 @@ def plan_runs(args) -> list[dict]:
         return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched,
                  "device_decode": True, "decode_bank": True} for label, policy, hot, aio, batched in ABLATION] + [
             {"label": PLAIN, "policy": PLAIN}]
-    return [{"label": label, "policy": label.split(":")[0], "hot": args.hot_table is not None,
-             "async_io": True, "batched_gpu": True, "device_decode": not label.endswith(HOST_DECODE),
-             "decode_bank": not label.endswith(NO_BANK)}
-            for label in args.policies]
+    runs = []
+    for label in args.policies:
+        policy, switches = split_label(label)
+        runs.append({"label": label, "policy": policy, "hot": args.hot_table is not None, "async_io": True,
+                     "batched_gpu": True, "device_decode": True, "decode_bank": True, "decode_cpu_experts": "auto",
+                     "decode_copy_share": None, **switches})
+    return runs
 
 
 def engine_switches(run: dict, hot_table) -> dict:
     """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
             "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
-            "decode_bank": run["decode_bank"]}
+            "decode_bank": run["decode_bank"], "decode_cpu_experts": run.get("decode_cpu_experts", "auto"),
+            "decode_copy_share": run.get("decode_copy_share")}
 
 
 def planner_options(runner, policy: str, hot_per_layer: int | None) -> dict:

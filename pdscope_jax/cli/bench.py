@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdscope_jax.bench.runs import HOST_DECODE, NO_BANK, SUFFIXES
+from pdscope_jax.bench.runs import COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, SUFFIXES, split_label
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
 
@@ -34,9 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="preset name (random weights) or checkpoint directory (its weights)")
     p.add_argument("--policies", nargs="+", default=[*COMPARED, PLAIN], metavar="POLICY",
                    help=f"policy names (below), each also as NAME{HOST_DECODE} (decode planned by the host layer "
-                        f"by layer, never as one accelerator program per step) or NAME{NO_BANK} (device decode in "
-                        f"the slot pool alone, without the decode bank), and '{PLAIN}' for the whole model without "
-                        "offloading")
+                        f"by layer, never as one accelerator program per step), NAME{NO_BANK} (device decode in "
+                        f"the slot pool alone, without the decode bank), NAME{NO_CPU} (device decode copies every "
+                        f"miss, the host computes none), NAME{COPY_SHARE}F (the share of misses copied), and "
+                        f"'{PLAIN}' for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
                    help="routing of random-weight models (pdscope_jax.workloads.routing)")
@@ -91,11 +92,15 @@ def check_args(args) -> None:
         problems.append(f"--workload {args.workload} rewrites random weights, but --model {args.model} is a "
                         "checkpoint that routes as trained: drop --workload or use a preset name")
     if not args.ablation:
-        known = [*POLICIES, *(f"{name}{suffix}" for name in POLICIES for suffix in SUFFIXES), PLAIN]
-        bad = [name for name in args.policies if name not in known]
-        if bad:
-            problems.append(f"--policies: unknown {', '.join(map(repr, bad))}; known: {', '.join(POLICIES)}, each "
-                            f"also as NAME{HOST_DECODE} or NAME{NO_BANK}, and {PLAIN}")
+        for name in args.policies:
+            try:
+                policy = PLAIN if name == PLAIN else split_label(name)[0]
+            except ValueError as error:
+                problems.append(f"--policies: {error}")
+                continue
+            if policy not in POLICIES and name != PLAIN:
+                problems.append(f"--policies: unknown {name!r}; known: {', '.join(POLICIES)}, each with any of the "
+                                f"suffixes {', '.join(SUFFIXES)}, {COPY_SHARE}F, and {PLAIN}")
     checks.check_ints(problems, "--prompt-lens", args.prompt_lens)
     checks.check_ints(problems, "--batch", args.batch)
     for flag, value, low in (("--new-tokens", args.new_tokens, 1), ("--prefill-chunk", args.prefill_chunk, 1),

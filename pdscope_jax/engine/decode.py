@@ -34,7 +34,8 @@ def choose(engine, batch: int, steps: int):
     picks = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
     on_device = (steps > 0 and rc.device_decode and rc.async_io and rc.batched_gpu
                  and engine.planner.decodes_on_device
-                 and device_decode.fits(engine.pool.num_slots + engine.decode_slots, picks))
+                 and device_decode.fits(engine.pool.num_slots + engine.decode_slots, picks)
+                 and (engine.planner.decode_copies or engine.decode_host(batch) is not None))
     return DeviceDecode if on_device else HostDecode
 
 
@@ -70,6 +71,7 @@ class DeviceDecode:
         e.pool.open_decode_bank(e.decode_slots)
         self.table = device_decode.upload(e.pool, moe, decode_bonus(e, b), accel)
         self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
+        self.host = e.decode_host(b)
         self.graphs = tuple(layer.graph for layer in e._layers)
         self.states = tuple(layer.state for layer in e._layers)
         self.token, self.caches = token, tuple(cache)
@@ -83,7 +85,8 @@ class DeviceDecode:
     def step(self, n: int) -> None:
         e, pool = self.engine, self.engine.pool
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
-         self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.states, e._state, self.experts,
+         self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.host, self.states, e._state,
+                                      self.experts,
                                       self.token, self.positions, self.caches, self.sampling, self.step_no,
                                       pool.banks, self.table)
         self.token = picked.token
@@ -104,7 +107,7 @@ class DeviceDecode:
         e.pool.close_decode_bank()
         for layer, routed in zip(moe, np.asarray(self.table.routed)):
             e.activation_counts["decode"][layer] += routed
-        misses = counts["activated"] - counts["hits"]
+        misses = counts["activated"] - counts["hits"] - counts["on_host"]  # copied
         # every routed expert has one size: the misses' bytes are those of as many copies of one expert
         nbytes = e.store.count_moved(moe[0], np.zeros(misses, np.int64))
         stats = e.phase_stats["decode"]
@@ -115,7 +118,8 @@ class DeviceDecode:
         stats.activated += counts["activated"]
         stats.hits += counts["hits"]
         stats.experts_loaded_now += misses
-        stats.gpu_experts += counts["activated"]  # every activated expert ran on the accelerator
+        stats.gpu_experts += counts["activated"] - counts["on_host"]
+        stats.cpu_experts += counts["on_host"]
         stats.bytes_moved += nbytes
         return tokens
 

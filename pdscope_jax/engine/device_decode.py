@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
+from pdscope_jax.kernels import host_experts
 from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, stacked_experts_ffn, weighted_sum
 from pdscope_jax.engine.programs import dense_layer, moe_route
 from pdscope_jax.store.expert_store import pull_traced
@@ -56,8 +57,50 @@ class PoolTable:
     keep: jax.Array  # [S] int32
     bonus: jax.Array  # [Lm, E] int32
     clock: jax.Array  # [] int32
-    counts: jax.Array  # [3] int32: activated, hits, evictions
+    counts: jax.Array  # [4] int32: activated, hits, evictions, computed by the host
     routed: jax.Array  # [Lm, E] int32: rows routed to each expert
+
+
+@dataclasses.dataclass(frozen=True)
+class HostExperts:
+    """How a step's misses split between copies and the host's CPU (a static argument of the step):
+    `copy_share` of a layer's misses (rounded), the most worth keeping, are copied, and with `fill_free` at
+    least as many as there are free slots (a copy into a free slot evicts nothing and serves later steps); the
+    rest are computed by the host through `bridge` (`kernels.host_experts`), or by XLA ops on the pinned
+    weights where it is None."""
+    copy_share: float
+    bridge: host_experts.Bridge | None = None
+    fill_free: bool = True
+
+
+def _host_begin(host: HostExperts, m, h, ids, coef, picks):
+    """Start the host's experts of MoE position m; -> (h, picks) to compute the GPU's part from, and what
+    `_host_end` needs."""
+    if host.bridge is not None:
+        h, picks = host_experts.begin(host.bridge, m, h, ids, coef, picks)
+        return h, picks, None
+    return h, picks, (h, ids, coef)
+
+
+def _host_end(host: HostExperts, pending, dep, experts):
+    """The host's part [N, D] float32, after `dep` (the GPU's part)."""
+    if host.bridge is not None:
+        return host_experts.end(host.bridge, dep, dep.shape[0], dep.shape[1])
+    h, ids, coef = pending
+    u = ids.shape[0]
+    gate_ups, downs = pull_traced(experts, jnp.maximum(ids, 0), u, lambda at: _no_rows(experts, at.shape[0]))
+    outputs = stacked_experts_ffn(jnp.broadcast_to(h, (u, *h.shape)), gate_ups, downs)  # [U, N, D]
+    return jnp.sum(jnp.where((ids >= 0)[:, None, None], coef[:, :, None] * outputs.astype(F32), 0.0), axis=0)
+
+
+def _no_rows(experts, n: int):
+    """Zeros of n experts' weights in `experts`' structure (pull_traced's resident rows; none is read)."""
+    gate_ups, downs = experts
+    per_expert = isinstance(gate_ups, (tuple, list))
+
+    def zeros(a):
+        return jnp.zeros((n, *(a.shape if per_expert else a.shape[1:])), a.dtype)
+    return tuple(jax.tree.map(zeros, part[0] if per_expert else part) for part in (gate_ups, downs))
 
 
 def fits(slots: int, picks: int) -> bool:
@@ -81,7 +124,7 @@ def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None
     owner, keep = np.pad(owner, (0, free), constant_values=-1), np.pad(keep, (0, free), constant_values=-1)
     clock = int(pool.last_use.max(initial=0))
     table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), bonus, np.int32(clock),
-                      np.zeros(3, np.int32), np.zeros(slot_of.shape, np.int32))
+                      np.zeros(4, np.int32), np.zeros(slot_of.shape, np.int32))
     return jax.device_put(table, device)
 
 
@@ -94,9 +137,9 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
     last_use = keep - np.asarray(table.bonus).reshape(-1)[np.maximum(owner, 0)]
     pool.set_table(np.where(owner >= 0, np.asarray(moe_layers)[np.maximum(owner, 0) // e], -1),
                    np.where(owner >= 0, owner % e, -1), np.where(owner >= 0, last_use, 0), clock)
-    activated, hits, evictions = (int(v) for v in np.asarray(table.counts))
+    activated, hits, evictions, on_host = (int(v) for v in np.asarray(table.counts))
     pool.evictions += evictions
-    return {"activated": activated, "hits": hits, "evictions": evictions}
+    return {"activated": activated, "hits": hits, "evictions": evictions, "on_host": on_host}
 
 
 def _slots(gate_up) -> int:
@@ -132,7 +175,7 @@ def _put(banks, target, parts):
     return tuple(out)
 
 
-def _routed_experts(m, h, weights, ids, experts, banks, table):
+def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
     (see the module docstring); -> (y, banks, table). Straight-line code, no loop over the picks (a
     loop costs a kernel chain per pick and copies of the pool): the layer's misses are copied at once and every
@@ -152,23 +195,38 @@ def _routed_experts(m, h, weights, ids, experts, banks, table):
     order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
     picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
     resident = jnp.maximum(slots, 0)  # after the misses: hits (and pads) from their slots
-    gate_ups, downs = pull_traced(experts, picks, jnp.sum(miss, dtype=jnp.int32),
-                                  lambda at: _take(banks, resident[at]))
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
+    n_miss = jnp.sum(miss, dtype=jnp.int32)
+    if host is None:
+        copied, on_cpu = miss, jnp.zeros_like(miss)
+    else:  # the misses most worth keeping are copied, the rest computed by the host at the same time
+        n_copy = jnp.round(n_miss * host.copy_share).astype(jnp.int32)
+        if host.fill_free:
+            n_copy = jnp.maximum(n_copy, jnp.minimum(n_miss, jnp.sum(table.keep < 0, dtype=jnp.int32)))
+        copied = miss & (jnp.arange(picks.shape[0]) < n_copy)  # misses come first, most worth first
+        on_cpu = miss & ~copied
+        h, picks, pending = _host_begin(host, m, h, jnp.where(on_cpu, picks, -1),
+                                        jnp.where(on_cpu[:, None], coeff, 0.0), picks)
+        n_miss = jnp.sum(copied, dtype=jnp.int32)
+    gate_ups, downs = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
     outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
         pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
-        y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, jnp.any(chose, axis=0))
+        on_gpu = jnp.any(chose & ~on_cpu[:, None, None], axis=0)
+        y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, on_gpu)
     else:  # the plain model's sorted path adds each row's experts in ascending order, as this sum does
-        y = jnp.sum(jnp.where(valid[:, None, None], coeff[:, :, None] * outputs.astype(F32), 0.0), axis=0)
+        gpu = valid & ~on_cpu
+        y = jnp.sum(jnp.where(gpu[:, None, None], coeff[:, :, None] * outputs.astype(F32), 0.0), axis=0)
+    if host is not None:
+        y = y + _host_end(host, pending, y, experts)
 
     hit = valid & ~miss
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
     keep = table.keep.at[parked].set(PROTECTED, mode="drop")
     victims = jax.lax.top_k(-keep, picks.shape[0])[1]  # the slots least worth keeping, least first
-    kept = miss & (worth > keep[victims])  # the i-th miss against the i-th victim
+    kept = copied & (worth > keep[victims])  # the i-th miss against the i-th victim
     target = jnp.where(kept, victims, num_slots + jnp.arange(picks.shape[0]))  # distinct; out of range: dropped
     evicted = jnp.where(kept, table.owner[victims], -1)
     slot_of = table.slot_of.at[jnp.where(evicted >= 0, evicted // num_experts, num_layers),
@@ -178,12 +236,13 @@ def _routed_experts(m, h, weights, ids, experts, banks, table):
     keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
     banks = _put(banks, target, (gate_ups, downs))
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
-    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0)]).astype(jnp.int32)
+    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0),
+                                       jnp.sum(on_cpu)]).astype(jnp.int32)
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
 
 
-def decode_step(graphs, model_graph, moe_layers, states, model_state, experts, token, positions, caches, sampling,
-                step, banks, table):
+def decode_step(graphs, model_graph, moe_layers, host, states, model_state, experts, token, positions, caches,
+                sampling, step, banks, table):
     model = nnx.merge(model_graph.graphdef, model_state)
     x = model.embed(token[:, None])  # [B, 1, D]
     rows = token.shape[0]
@@ -194,7 +253,7 @@ def decode_step(graphs, model_graph, moe_layers, states, model_state, experts, t
             continue
         m = moe_layers.index(i)
         x, h, weights, ids, _, shared, caches[i] = moe_route(graph, state, x, positions, caches[i], rows, False)
-        y, banks, table = _routed_experts(m, h, weights, ids, experts[m], banks, table)
+        y, banks, table = _routed_experts(m, h, weights, ids, experts[m], banks, table, host)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
     picked, sampling = sample(logits, sampling, step)
@@ -202,6 +261,6 @@ def decode_step(graphs, model_graph, moe_layers, states, model_state, experts, t
 
 
 def build_decode_step():
-    """`decode_step` jitted: graphs, model graph and MoE layer indices static; caches, sampling state, banks and
-    table donated."""
-    return jax.jit(decode_step, static_argnums=(0, 1, 2), donate_argnums=(8, 9, 11, 12))
+    """`decode_step` jitted: graphs, model graph, MoE layer indices and host split static; caches, sampling
+    state, banks and table donated."""
+    return jax.jit(decode_step, static_argnums=(0, 1, 2, 3), donate_argnums=(9, 10, 12, 13))

@@ -39,6 +39,7 @@ from pdscope_jax.engine.build import (analytic_costs, param_dtype, place_non_exp
 from pdscope_jax.engine.calibration import CpuCalibration
 from pdscope_jax.engine.cpu_experts import CpuExperts
 from pdscope_jax.engine.execute import PlanExecutor
+from pdscope_jax.engine.host_split import HostSplit
 from pdscope_jax.engine.loop import HostLoop
 from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, cache_size
 from pdscope_jax.engine.route import Router
@@ -90,6 +91,7 @@ class OffloadRunner:
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows, kernel=rc.cpu_kernel)
         self._programs = build_programs()
         self._decode_step = device_decode.build_decode_step()
+        self.host_split = HostSplit(self.store, cfg, self.devices.accel, expert_dtype)
         self._calibration = CpuCalibration(self.costs)
         self._transfers = Transfers(self.pool, self.store)
         next_moe = dict(zip(self._moe_layers[:-1], self._moe_layers[1:]))
@@ -111,7 +113,8 @@ class OffloadRunner:
         `decode_bank` at the same time; a different policy also forgets the CPU calibration (learned under another's load).
         Planners with hot slots (`Capabilities.hot_slots`) get the hot table's `activation_counts` and, unless
         given, `hot_per_layer` = their hot slots split evenly over the MoE layers."""
-        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank"}
+        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank",
+                                 "decode_cpu_experts", "decode_copy_share"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -164,6 +167,16 @@ class OffloadRunner:
         self.device_peak_bytes: int | None = None  # the allocator's peak, on devices that report one
         self.pool.evictions = 0
 
+    def decode_host(self, batch: int):
+        """How device decode splits a batch of `batch` rows' misses between copies and the host
+        (`engine.host_split`): a `device_decode.HostExperts`, or None when every miss is copied."""
+        return self.host_split.for_step(self.runtime, self.planner, self.costs, batch)
+
+    def _host_stats(self) -> dict[str, Any]:
+        """The host split's bridges: per batch, layers served, faults and seconds computing; or why none runs."""
+        bridges = {str(b): bridge.stats() for b, bridge in self.host_split.bridges.items() if bridge is not None}
+        return {"bridges": bridges, "why_not": self.host_split.why_not}
+
     @property
     def decode_slots(self) -> int:
         """Slots device decode adds in its bank (the budget's `decode_slots`; 0 with `decode_bank` off)."""
@@ -194,6 +207,8 @@ class OffloadRunner:
             "slots": self.pool.num_slots,
             "decode_bank": self.runtime.decode_bank,
             "decode_slots": self.decode_slots,
+            "decode_cpu_experts": self.runtime.decode_cpu_experts,
+            "decode_host": self._host_stats(),
             "double_buffering": self.pool.can_double_buffer,
             "evictions": self.pool.evictions,
             # the in-situ CPU calibration the planners see now, per "phase rows" (absent: 1)

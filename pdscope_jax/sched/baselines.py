@@ -45,6 +45,9 @@ class StaticPlanner(Capabilities):
     table, which the engine preloads; the planner itself only reads residency."""
 
     name = "static"
+    decodes_on_device = True  # where the host computes the misses (it never copies one)
+    decode_host_experts = True
+    decode_copies = False
 
     @classmethod
     def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int:

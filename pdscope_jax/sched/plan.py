@@ -56,6 +56,8 @@ class Capabilities:
     keeps_all_resident = False
     decodes_on_device = False
     decode_popularity = False
+    decode_host_experts = False
+    decode_copies = True
 
     @classmethod
     def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:

@@ -13,6 +13,9 @@ Contract:
   `keeps_all_resident` every expert stays in the pool (the budget must hold them all);
   `decodes_on_device` its decode plan keeps every activated expert on the accelerator, so decode may run as one
   accelerator program per step; `decode_popularity` that program weighs cached experts by the hot table;
+  `decode_host_experts` that program may have the host's CPU compute part of a layer's misses
+  (`engine.host_split`); `decode_copies` False: it never copies a miss in decode (so it runs on the device only
+  where the host computes them);
   `hot_slots(pool_slots, num_experts, layer_buffers_fit, have_table)` how many pool slots its hot-expert table
   gets (None: it has none).
 """

@@ -245,6 +245,19 @@ class ExpertStore:
         gus, dns = self._host[layer]
         return tuple(gus), tuple(dns)
 
+    def host_addresses(self, layer: int) -> tuple[list[int], list[int]] | None:
+        """(gate_up addresses [E], down addresses [E]): where each expert's pinned bytes of `layer` lie, for native
+        code that reads them in place; None where an expert is quantized or has no host address."""
+        gus, dns = self._host[layer]
+        out = ([], [])
+        for part, arrays in zip(out, (gus, dns)):
+            for array in arrays:
+                view = host_view(array) if isinstance(array, jax.Array) else None
+                if view is None:
+                    return None
+                part.append(view.ctypes.data)
+        return out
+
     def host_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
         """(gate_up, down) of one expert in pinned_host memory."""
         gus, dns = self._host[layer]

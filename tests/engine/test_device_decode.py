@@ -71,7 +71,7 @@ def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, e
     h = np.random.default_rng(1).standard_normal((1, D)).astype(np.float32)
     pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, bonus, {3: 0.5, 1: 0.3, 2: 0.2}, h)
     kept = {2, 3} if bonus is None else {0, 3}
-    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if bonus is None else 0}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if bonus is None else 0, "on_host": 0}
     assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept | {1}
     for expert in kept | {1}:  # every resident slot holds its expert's weights
         slot = pool.slot_of(5)[expert]
@@ -180,7 +180,8 @@ def test_host_decode_still_matches_plain_model(ds, policy):
 def test_decode_runs_on_device_exactly_when_the_planner_and_the_switches_allow(ds, policy):
     """The step executor follows the planner's capability `decodes_on_device` with RuntimeConfig.device_decode
     on, and the host-planned loop otherwise; tokens are the plain model's either way."""
-    on_device = planner_class(policy).decodes_on_device
+    planner = planner_class(policy)
+    on_device = planner.decodes_on_device and planner.decode_copies  # no CUDA bridge here: `static` stays on the host
     runner = ds.runner(policy, _slots(ds, "all" if planner_class(policy).keeps_all_resident else "small"))
     np.testing.assert_array_equal(runner.generate(ds.ids, 3).tokens, ds.tokens[:, :3])
     decode_stats = runner.stats["decode"]
@@ -207,7 +208,7 @@ def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
     expert 2 (4 + 5)."""
     pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1, 3: 2}, [[900, 10, 5, 800]], {2: 0.6, 1: 0.3, 3: 0.1},
                                  np.ones((1, D), np.float32))
-    assert counts == {"activated": 3, "hits": 2, "evictions": 0}
+    assert counts == {"activated": 3, "hits": 2, "evictions": 0, "on_host": 0}
     assert pool.slot_of(5).tolist() == [0, 1, -1, 2]
     np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), experts[0][0])  # its weights untouched
 

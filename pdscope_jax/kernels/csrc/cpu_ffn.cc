@@ -471,6 +471,26 @@ int pdscope_cpu_ffn_set_threads(int n) {
   return g_pool->size();
 }
 
+// One bf16 call from outside XLA (the CUDA bridge's worker, host_experts_cuda.cc): h [n, d], coef [k, n], k
+// gate_up [d, 2f] and k down [f, d] addresses, out [n, d] float32; the math of pdscope_cpu_ffn_list. Returns 0,
+// or 1 when d or f is not a multiple of 32.
+int pdscope_cpu_ffn_run_bf16(const uint16_t* h, const float* coef, int n, int d, int f, int k,
+                             const void* const* gate_up, const void* const* down, float* out) {
+  Call c;
+  c.n = n;
+  c.d = d;
+  c.f = f;
+  c.k = k;
+  c.h = h;
+  c.coef = coef;
+  c.out = out;
+  c.gate_up.assign(gate_up, gate_up + k);
+  c.down.assign(down, down + k);
+  if (check_shapes(c).failure()) return 1;
+  run_call(c);
+  return 0;
+}
+
 // Read `bytes` at `data` once with the pool (one 8-byte load per 64-byte line): a memory bandwidth probe.
 void pdscope_cpu_ffn_read(const void* data, size_t bytes) {
   ReadArgs args{static_cast<const uint8_t*>(data), bytes};

@@ -1,0 +1,432 @@
+// Routed experts computed by the host's CPU from inside a CUDA program, while the GPU goes on with its own work.
+//
+// Two XLA FFI handlers (platform CUDA) bracket a layer's GPU-side expert work in one program:
+//   begin(h [N, D] bf16, ids [U] s32, coef [U, N] f32, picks [U] s32) -> (h', picks')
+//     enqueues on the program's stream: copies of h, ids and coef into pinned host staging, copies of h and
+//     picks into h' and picks' (the GPU work that follows reads those, so it is ordered after begin), and a
+//     write of the call's sequence number into a pinned "go" word;
+//   end(dep: any buffer) -> y [N, D] f32
+//     enqueues a wait until the pinned "done" word reaches that sequence number, then a copy of the host's
+//     result into y (`dep` is the GPU work end must follow).
+// A worker thread per bridge sees "go", computes out[n] = sum_u coef[u, n] * expert(ids[u])(h[n]) over the
+// valid ids (>= 0) of that layer with the CPU expert kernel (cpu_ffn.cc's pdscope_cpu_ffn_run_bf16, passed in
+// as a function pointer), and writes "done". Handlers only enqueue: no host thread ever waits for the GPU, and
+// the GPU waits for the CPU only where the program needs its result.
+// Ordering: begin and end alternate in program order and a program's handlers run in order on one host thread,
+// so each end waits for the latest begin. The staging is reused by the next begin only after the stream passed
+// this end. The worker serves begins in sequence; each begin's (layer, N, U) sit in a ring read by sequence
+// number. A worker that sees no "go" for kWatchdogNs after its begin was enqueued writes "done" anyway and
+// counts a fault (the program's result is then wrong, and `pdscope_host_experts_faults` says so) rather than
+// leave the GPU waiting forever.
+// CUDA is reached through the driver library (libcuda.so.1, dlopen), so this builds without the CUDA toolkit;
+// creating a bridge fails (returns -1, with a reason) where no driver or no stream memory operations exist.
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+struct CUstream_st;
+struct CUctx_st;
+
+namespace {
+
+using CUstream = CUstream_st*;
+using CUcontext = CUctx_st*;
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+
+constexpr unsigned kHostAllocPortable = 1, kHostAllocDeviceMap = 2;
+constexpr unsigned kWaitGeq = 1;  // CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
+constexpr unsigned kWriteDefault = 0;
+constexpr uint64_t kRing = 4096;
+constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
+
+// The driver entry points used, looked up once.
+struct Driver {
+  CUresult (*init)(unsigned) = nullptr;
+  CUresult (*device_get)(int*, int) = nullptr;
+  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
+  CUresult (*ctx_push)(CUcontext) = nullptr;
+  CUresult (*ctx_pop)(CUcontext*) = nullptr;
+  CUresult (*host_alloc)(void**, size_t, unsigned) = nullptr;
+  CUresult (*host_free)(void*) = nullptr;
+  CUresult (*host_device_pointer)(CUdeviceptr*, void*, unsigned) = nullptr;
+  CUresult (*dtoh)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*htod)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*dtod)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*write32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  CUresult (*wait32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+  std::string problem;  // empty when every entry point was found
+};
+
+template <typename F>
+void find(void* lib, F& fn, std::initializer_list<const char*> names, std::string& problem) {
+  for (const char* name : names)
+    if (void* sym = dlsym(lib, name)) {
+      fn = reinterpret_cast<F>(sym);
+      return;
+    }
+  if (problem.empty()) problem = std::string("libcuda.so.1 has no ") + *names.begin();
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver d;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+      d.problem = "no CUDA driver (libcuda.so.1)";
+      return d;
+    }
+    std::string& p = d.problem;
+    find(lib, d.init, {"cuInit"}, p);
+    find(lib, d.device_get, {"cuDeviceGet"}, p);
+    find(lib, d.primary_ctx_retain, {"cuDevicePrimaryCtxRetain"}, p);
+    find(lib, d.ctx_push, {"cuCtxPushCurrent_v2", "cuCtxPushCurrent"}, p);
+    find(lib, d.ctx_pop, {"cuCtxPopCurrent_v2", "cuCtxPopCurrent"}, p);
+    find(lib, d.host_alloc, {"cuMemHostAlloc"}, p);
+    find(lib, d.host_free, {"cuMemFreeHost"}, p);
+    find(lib, d.host_device_pointer, {"cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"}, p);
+    find(lib, d.dtoh, {"cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync"}, p);
+    find(lib, d.htod, {"cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"}, p);
+    find(lib, d.dtod, {"cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"}, p);
+    find(lib, d.write32, {"cuStreamWriteValue32_v2", "cuStreamWriteValue32"}, p);
+    find(lib, d.wait32, {"cuStreamWaitValue32_v2", "cuStreamWaitValue32"}, p);
+    find(lib, d.error_string, {"cuGetErrorString"}, p);
+    return d;
+  }();
+  return d;
+}
+
+std::string cu_message(CUresult r) {
+  const char* s = nullptr;
+  if (driver().error_string) driver().error_string(r, &s);
+  return s ? s : ("CUDA error " + std::to_string(r));
+}
+
+using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, const void* const*, const void* const*,
+                      float*);
+
+struct Desc {
+  int64_t layer = 0;
+  int n = 0, u = 0;
+};
+
+// Host memory the GPU reads and writes: staging for one layer's inputs and output, and the two words.
+struct Staging {
+  uint16_t* h = nullptr;
+  int32_t* ids = nullptr;
+  float* coef = nullptr;
+  float* out = nullptr;
+  volatile uint32_t* go = nullptr;
+  volatile uint32_t* done = nullptr;
+  CUdeviceptr h_dev = 0, ids_dev = 0, coef_dev = 0, out_dev = 0, go_dev = 0, done_dev = 0;
+};
+
+class Bridge {
+ public:
+  Bridge(int layers, int experts, int d, int f, int max_rows, int max_picks, std::vector<const void*> gate_up,
+         std::vector<const void*> down, RunFn run)
+      : layers_(layers), experts_(experts), d_(d), f_(f), max_rows_(max_rows), max_picks_(max_picks),
+        gate_up_(std::move(gate_up)), down_(std::move(down)), run_(run) {}
+
+  ~Bridge() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+    if (block_) driver().host_free(block_);
+  }
+
+  // Allocate the mapped staging under the device's primary context and start the worker. "" on success.
+  std::string Start(int ordinal) {
+    const Driver& dv = driver();
+    if (!dv.problem.empty()) return dv.problem;
+    CUresult r = dv.init(0);
+    int device = 0;
+    CUcontext ctx = nullptr;
+    if (r == 0) r = dv.device_get(&device, ordinal);
+    if (r == 0) r = dv.primary_ctx_retain(&ctx, device);
+    if (r == 0) r = dv.ctx_push(ctx);
+    if (r != 0) return "CUDA context: " + cu_message(r);
+    const size_t h_bytes = align(sizeof(uint16_t) * max_rows_ * d_), ids_bytes = align(sizeof(int32_t) * max_picks_);
+    const size_t coef_bytes = align(sizeof(float) * max_picks_ * max_rows_), out_bytes = align(sizeof(float) * max_rows_ * d_);
+    const size_t total = h_bytes + ids_bytes + coef_bytes + out_bytes + 2 * 64;
+    r = dv.host_alloc(&block_, total, kHostAllocPortable | kHostAllocDeviceMap);
+    CUdeviceptr base = 0;
+    if (r == 0) r = dv.host_device_pointer(&base, block_, 0);
+    CUcontext popped;
+    dv.ctx_pop(&popped);
+    if (r != 0) return "pinned staging: " + cu_message(r);
+    std::memset(block_, 0, total);
+    char* host = static_cast<char*>(block_);
+    size_t at = 0;
+    auto take = [&](size_t bytes, CUdeviceptr& dev) {
+      char* p = host + at;
+      dev = base + at;
+      at += bytes;
+      return p;
+    };
+    s_.h = reinterpret_cast<uint16_t*>(take(h_bytes, s_.h_dev));
+    s_.ids = reinterpret_cast<int32_t*>(take(ids_bytes, s_.ids_dev));
+    s_.coef = reinterpret_cast<float*>(take(coef_bytes, s_.coef_dev));
+    s_.out = reinterpret_cast<float*>(take(out_bytes, s_.out_dev));
+    s_.go = reinterpret_cast<volatile uint32_t*>(take(64, s_.go_dev));
+    s_.done = reinterpret_cast<volatile uint32_t*>(take(64, s_.done_dev));
+    worker_ = std::thread([this] { Work(); });
+    return "";
+  }
+
+  ffi::Error Begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
+                   ffi::AnyBuffer picks, ffi::Result<ffi::AnyBuffer> h_out, ffi::Result<ffi::AnyBuffer> picks_out,
+                   int64_t layer) {
+    auto hd = h.dimensions(), cd = coef.dimensions();
+    if (h.element_type() != ffi::DataType::BF16 || hd.size() != 2 || hd[1] != d_ || hd[0] > max_rows_ ||
+        cd.size() != 2 || cd[1] != hd[0] || cd[0] != int64_t(ids.element_count()) || cd[0] > max_picks_ ||
+        layer < 0 || layer >= layers_)
+      return ffi::Error::InvalidArgument("pdscope_host_experts_begin: h [N<=" + std::to_string(max_rows_) + ", " +
+                                         std::to_string(d_) + "] bf16, ids [U<=" + std::to_string(max_picks_) +
+                                         "], coef [U, N], a layer of the bridge");
+    uint64_t seq;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return enqueued_ - served_ < kRing || stop_; });
+      seq = ++enqueued_;
+      ring_[seq % kRing] = Desc{layer, int(hd[0]), int(cd[0])};
+      enqueued_at_ns_ = now_ns();
+    }
+    cv_.notify_all();
+    last_begin_ = seq;
+    const Driver& dv = driver();
+    CUresult r = dv.dtoh(s_.h, dev(h), h.size_bytes(), stream);
+    if (r == 0 && ids.size_bytes()) r = dv.dtoh(s_.ids, dev(ids), ids.size_bytes(), stream);
+    if (r == 0 && coef.size_bytes()) r = dv.dtoh(s_.coef, dev(coef), coef.size_bytes(), stream);
+    if (r == 0) r = dv.dtod(dev(*h_out), dev(h), h.size_bytes(), stream);
+    if (r == 0 && picks.size_bytes()) r = dv.dtod(dev(*picks_out), dev(picks), picks.size_bytes(), stream);
+    if (r == 0) r = dv.write32(stream, s_.go_dev, uint32_t(seq), kWriteDefault);
+    if (r != 0) return ffi::Error::Internal("pdscope_host_experts_begin: " + cu_message(r));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error End(CUstream stream, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+    auto yd = y->dimensions();
+    if (yd.size() != 2 || yd[1] != d_ || yd[0] > max_rows_ || last_begin_ == 0)
+      return ffi::Error::InvalidArgument("pdscope_host_experts_end: y [N, D] f32 after a begin");
+    const Driver& dv = driver();
+    CUresult r = dv.wait32(stream, s_.done_dev, uint32_t(last_begin_), kWaitGeq);
+    if (r == 0) r = dv.htod(dev(*y), s_.out, y->size_bytes(), stream);
+    if (r != 0) return ffi::Error::Internal("pdscope_host_experts_end: " + cu_message(r));
+    return ffi::Error::Success();
+  }
+
+  int64_t faults() const { return faults_.load(); }
+  int64_t served() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return int64_t(served_);
+  }
+  double busy_seconds() const { return busy_ns_.load() * 1e-9; }
+
+ private:
+  static size_t align(size_t bytes) { return (bytes + 63) / 64 * 64; }
+  static int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  template <typename B>
+  static CUdeviceptr dev(const B& buffer) {
+    return CUdeviceptr(reinterpret_cast<uintptr_t>(buffer.untyped_data()));
+  }
+
+  void Work() {
+    for (;;) {
+      uint64_t want;
+      Desc desc;
+      int64_t since;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return stop_ || enqueued_ > served_; });
+        if (stop_) return;
+        want = served_ + 1;
+        desc = ring_[want % kRing];
+        since = enqueued_at_ns_;
+      }
+      // Spin on "go" (the GPU reaches this layer within microseconds to milliseconds), then back off.
+      bool seen = false;
+      for (int64_t spins = 0;; ++spins) {
+        if (int32_t(*s_.go - uint32_t(want)) >= 0) {
+          seen = true;
+          break;
+        }
+        if (spins < 200000) {
+#if defined(__x86_64__)
+          _mm_pause();
+#endif
+        } else {
+          if (stop_requested()) return;
+          if (now_ns() - since > kWatchdogNs) break;
+          std::this_thread::sleep_for(std::chrono::microseconds(20));
+        }
+      }
+      const int64_t t0 = now_ns();
+      if (seen) {
+        Compute(desc);
+      } else {
+        faults_.fetch_add(1);
+        std::memset(s_.out, 0, sizeof(float) * size_t(desc.n) * d_);
+      }
+      std::atomic_thread_fence(std::memory_order_seq_cst);
+      *s_.done = uint32_t(want);
+      busy_ns_.fetch_add(now_ns() - t0);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        served_ = want;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  bool stop_requested() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stop_;
+  }
+
+  void Compute(const Desc& desc) {
+    std::vector<const void*> gu, dn;
+    std::vector<float> coef;
+    for (int u = 0; u < desc.u; ++u) {
+      const int32_t id = s_.ids[u];
+      if (id < 0 || id >= experts_) continue;
+      gu.push_back(gate_up_[size_t(desc.layer) * experts_ + id]);
+      dn.push_back(down_[size_t(desc.layer) * experts_ + id]);
+      coef.insert(coef.end(), s_.coef + size_t(u) * desc.n, s_.coef + size_t(u + 1) * desc.n);
+    }
+    if (gu.empty() || run_(s_.h, coef.data(), desc.n, d_, f_, int(gu.size()), gu.data(), dn.data(), s_.out) != 0) {
+      if (!gu.empty()) faults_.fetch_add(1);
+      std::memset(s_.out, 0, sizeof(float) * size_t(desc.n) * d_);
+    }
+  }
+
+  const int layers_, experts_, d_, f_, max_rows_, max_picks_;
+  const std::vector<const void*> gate_up_, down_;  // [layer * experts + expert] host addresses
+  const RunFn run_;
+  void* block_ = nullptr;
+  Staging s_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;
+  uint64_t enqueued_ = 0, served_ = 0;
+  int64_t enqueued_at_ns_ = 0;
+  Desc ring_[kRing];
+  uint64_t last_begin_ = 0;  // touched by the handlers' thread only
+  std::atomic<int64_t> faults_{0}, busy_ns_{0};
+  std::thread worker_;
+};
+
+std::mutex g_mu;
+std::vector<std::unique_ptr<Bridge>> g_bridges;
+std::string g_problem;
+
+Bridge* bridge(int64_t handle) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return handle >= 0 && size_t(handle) < g_bridges.size() ? g_bridges[handle].get() : nullptr;
+}
+
+ffi::Error begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
+                 ffi::AnyBuffer picks, ffi::Result<ffi::AnyBuffer> h_out, ffi::Result<ffi::AnyBuffer> picks_out,
+                 int64_t handle, int64_t layer) {
+  Bridge* b = bridge(handle);
+  if (!b) return ffi::Error::InvalidArgument("pdscope_host_experts_begin: no bridge " + std::to_string(handle));
+  return b->Begin(stream, h, ids, coef, picks, h_out, picks_out, layer);
+}
+
+ffi::Error end(CUstream stream, ffi::AnyBuffer, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t handle) {
+  Bridge* b = bridge(handle);
+  if (!b) return ffi::Error::InvalidArgument("pdscope_host_experts_end: no bridge " + std::to_string(handle));
+  return b->End(stream, y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_begin, begin,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("handle")
+                                  .Attr<int64_t>("layer"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_end, end,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("handle"));
+
+extern "C" {
+
+// A bridge for `layers` MoE layers of `experts` experts (hidden d, intermediate f), at most max_rows rows and
+// max_picks picks a layer; gate_up / down: layers * experts host addresses of bf16 [d, 2f] / [f, d] weights that
+// outlive the bridge; run: pdscope_cpu_ffn_run_bf16; ordinal: the CUDA device. Returns its handle, or -1
+// (`pdscope_host_experts_problem` says why).
+int64_t pdscope_host_experts_create(int layers, int experts, int d, int f, int max_rows, int max_picks,
+                                    const void* const* gate_up, const void* const* down, void* run, int ordinal) {
+  const size_t n = size_t(layers) * experts;
+  auto b = std::make_unique<Bridge>(layers, experts, d, f, max_rows, max_picks,
+                                    std::vector<const void*>(gate_up, gate_up + n),
+                                    std::vector<const void*>(down, down + n), reinterpret_cast<RunFn>(run));
+  std::string problem = b->Start(ordinal);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_problem = problem;
+  if (!problem.empty()) return -1;
+  g_bridges.push_back(std::move(b));
+  return int64_t(g_bridges.size() - 1);
+}
+
+// Why the last create failed ("" if it did not).
+const char* pdscope_host_experts_problem() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_problem.c_str();
+}
+
+// Stop the bridge's worker and free its staging (no program using it may be pending).
+void pdscope_host_experts_destroy(int64_t handle) {
+  std::unique_ptr<Bridge> gone;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (handle >= 0 && size_t(handle) < g_bridges.size()) gone = std::move(g_bridges[handle]);
+  }
+}
+
+// Layers served, layers the watchdog or a kernel error failed, and seconds the worker spent computing.
+void pdscope_host_experts_stats(int64_t handle, int64_t* served, int64_t* faults, double* busy) {
+  Bridge* b = bridge(handle);
+  *served = b ? b->served() : 0;
+  *faults = b ? b->faults() : 0;
+  *busy = b ? b->busy_seconds() : 0.0;
+}
+
+}  // extern "C"

@@ -1,0 +1,125 @@
+"""Routed experts computed by the host's CPU from inside a CUDA program (the bridge), with an XLA stand-in.
+
+Contract:
+- `Bridge.create(addresses, dims, device, max_rows, max_picks)` -> a Bridge, or None with `why_not()` saying why:
+  `addresses` [(gate_up addresses [E], down addresses [E])] per MoE position of bf16 experts in host memory
+  that outlive the bridge; `dims` (D, F). Needs a CUDA `device`, the bridge library (csrc/host_experts_cuda.cc)
+  and the CPU expert kernel (`cpu_ffn`) built and using AVX-512 BF16. `close()` stops its worker (no program
+  using it may be pending); `stats()` -> {layers served, faults, seconds computing}.
+- Inside a program jitted for that device, per MoE position m: `begin(bridge, m, h, ids, coef, picks)` ->
+  (h', picks'): the host starts y_cpu[n] = sum_u coef[u, n] * expert(m, ids[u])(h[n]) over ids[u] >= 0
+  (h [N, D] bf16, ids [U] int32, coef [U, N] float32); `end(bridge, dep, rows)` -> y_cpu [N, D] float32, after
+  `dep`. The caller reads h' and picks' for its own expert work, so that work is ordered after begin and runs
+  while the host computes; end's wait holds the GPU only where the program needs y_cpu.
+`engine.device_decode` computes the same sum with XLA ops where there is no bridge. The kernel's arithmetic (float32 sums, the activation rounded to bf16 after scaling) agrees with XLA's to bf16
+rounding. `PDSCOPE_HOST_EXPERTS=0` disables the bridge.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pdscope_jax.kernels import cpu_ffn
+from pdscope_jax.kernels.build import SOURCES, shared_library
+
+SOURCE = SOURCES / "host_experts_cuda.cc"
+BEGIN, END = f"{__name__}.begin", f"{__name__}.end"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _load()
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def _load() -> ctypes.CDLL | None:
+    if os.environ.get("PDSCOPE_HOST_EXPERTS", "1") == "0":
+        _state["why"] = "disabled by PDSCOPE_HOST_EXPERTS=0"
+        return None
+    path = shared_library(SOURCE)
+    if path is None:
+        _state["why"] = f"{SOURCE.name} could not be built"
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.pdscope_host_experts_create.restype = ctypes.c_int64
+    lib.pdscope_host_experts_create.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    lib.pdscope_host_experts_problem.restype = ctypes.c_char_p
+    lib.pdscope_host_experts_destroy.argtypes = [ctypes.c_int64]
+    lib.pdscope_host_experts_stats.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
+                                               ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)]
+    try:
+        for name, symbol in ((BEGIN, "pdscope_host_experts_begin"), (END, "pdscope_host_experts_end")):
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+    except Exception as error:  # noqa: BLE001 (a jax without the CUDA plugin refuses the platform)
+        _state["why"] = f"no CUDA platform to register the bridge with ({type(error).__name__}: {error})"
+        return None
+    return lib
+
+
+def why_not() -> str:
+    """Why the last `Bridge.create` returned None ("" when it did not)."""
+    return str(_state.get("why", ""))
+
+
+@dataclasses.dataclass(frozen=True)
+class Bridge:
+    handle: int
+    rows: int  # the most rows a layer may send (the program's batch)
+
+    @classmethod
+    def create(cls, addresses, dims: tuple[int, int], device: jax.Device, max_rows: int,
+               max_picks: int) -> "Bridge | None":
+        _state["why"] = ""
+        if device.platform != "gpu" or "cuda" not in device.client.platform_version.lower():
+            _state["why"] = f"the accelerator is {device.platform}, not a CUDA GPU"
+            return None
+        if not cpu_ffn.available():
+            _state["why"] = "the CPU expert kernel is not built or this CPU lacks AVX-512 BF16"
+            return None
+        lib = _library()
+        if lib is None:
+            return None
+        d, f = dims
+        gate_up = np.array([a for gu, _ in addresses for a in gu], np.uint64)
+        down = np.array([a for _, dn in addresses for a in dn], np.uint64)
+        run = ctypes.cast(cpu_ffn.library().pdscope_cpu_ffn_run_bf16, ctypes.c_void_p)
+        handle = lib.pdscope_host_experts_create(len(addresses), len(addresses[0][0]), d, f, max_rows, max_picks,
+                                                 gate_up.ctypes.data, down.ctypes.data, run,
+                                                 device.local_hardware_id or 0)
+        if handle < 0:
+            _state["why"] = lib.pdscope_host_experts_problem().decode()
+            return None
+        return cls(int(handle), max_rows)
+
+    def close(self) -> None:
+        _library().pdscope_host_experts_destroy(self.handle)
+
+    def stats(self) -> dict[str, float]:
+        served, faults, busy = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_double()
+        _library().pdscope_host_experts_stats(self.handle, served, faults, busy)
+        return {"served": served.value, "faults": faults.value, "seconds": busy.value}
+
+
+def begin(bridge: Bridge, m: int, h, ids, coef, picks):
+    """See the module docstring; h' and picks' are copies of h and picks made after the host was told to start."""
+    call = jax.ffi.ffi_call(BEGIN, (jax.ShapeDtypeStruct(h.shape, h.dtype),
+                                    jax.ShapeDtypeStruct(picks.shape, picks.dtype)), has_side_effect=True)
+    return call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks,
+                handle=np.int64(bridge.handle), layer=np.int64(m))
+
+
+def end(bridge: Bridge, dep, rows: int, hidden: int):
+    """y_cpu [rows, hidden] float32 of the latest begin, ordered after `dep`."""
+    call = jax.ffi.ffi_call(END, jax.ShapeDtypeStruct((rows, hidden), jnp.float32), has_side_effect=True)
+    return call(dep, handle=np.int64(bridge.handle))
