@@ -40,8 +40,41 @@ def parse() -> argparse.Namespace:
     p.add_argument("--host-counts", type=int, nargs="+", default=[0, 1, 2, 4, 6])
     p.add_argument("--gpu-matmuls", type=int, nargs="+", default=[1, 16])
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--alloc", nargs="+", default=["numpy"], choices=["numpy", "torch", "registered"],
+                   help="where the host experts lie: numpy arrays (NumPy asks for transparent huge pages), torch "
+                        "pinned memory (the expert store's), numpy arrays page-locked with cudaHostRegister")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
+
+
+def placed(arrays, alloc: str, keep: list):
+    """`arrays` copied into memory of kind `alloc` (see --alloc); `keep` holds what must outlive the bridge."""
+    if alloc == "numpy":
+        return arrays
+    import torch
+
+    out = []
+    for a in arrays:
+        if alloc == "torch":
+            buffer = torch.empty(a.nbytes, dtype=torch.uint8, pin_memory=True)
+            view = buffer.numpy().view(a.dtype).reshape(a.shape)
+            keep.append(buffer)
+        else:
+            view = np.empty_like(a)
+            code = torch.cuda.cudart().cudaHostRegister(view.ctypes.data, view.nbytes, 0)
+            if int(code) != 0:
+                raise RuntimeError(f"cudaHostRegister: {code}")
+            keep.append(view)
+        view[...] = a
+        out.append(view)
+    return out
+
+
+def huge_pages_kb() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return -1
 
 
 def main() -> None:
@@ -54,13 +87,29 @@ def main() -> None:
                 for _ in range(layers)]
     downs = [[(rng.standard_normal((f, d), np.float32) * 0.03).astype(jnp.bfloat16) for _ in range(e)]
              for _ in range(layers)]
+    records: list[dict] = []
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    emit(records, {"transparent_hugepage": thp.read_text().strip() if thp.exists() else None,
+                   "anon_huge_pages_kb": huge_pages_kb()})
+    for alloc in args.alloc:
+        keep: list = []
+        gus = [placed(layer, alloc, keep) for layer in gate_ups]
+        dns = [placed(layer, alloc, keep) for layer in downs]
+        emit(records, {"alloc": alloc, "anon_huge_pages_kb": huge_pages_kb()})
+        measure(args, records, devices, gus, dns, alloc)
+    probe_result("host_experts_bridge", devices, records, args.out, hidden=d, intermediate=f, layers=layers,
+                 experts=e, picks=args.picks)
+
+
+def measure(args, records, devices, gate_ups, downs, alloc: str) -> None:
+    accel = devices.accel
+    d, f, layers, e = args.hidden, args.intermediate, args.layers, args.experts
+    rng = np.random.default_rng(0)
     addresses = [([a.ctypes.data for a in gu], [a.ctypes.data for a in dn]) for gu, dn in zip(gate_ups, downs)]
     bridge = host_experts.Bridge.create(addresses, (d, f), accel, 1, args.picks)
-    records: list[dict] = []
-    emit(records, {"bridge_created": bridge is not None, "why_not": host_experts.why_not(),
+    emit(records, {"alloc": alloc, "bridge_created": bridge is not None, "why_not": host_experts.why_not(),
                    "cpu_kernel_isa": cpu_ffn.isa(), "cpu_kernel_threads": cpu_ffn.threads()})
     if bridge is None:
-        probe_result("host_experts_bridge", devices, records, args.out)
         return
     mix = jax.device_put((rng.standard_normal((d, d), np.float32) / np.sqrt(d)).astype(jnp.bfloat16), accel)
 
@@ -107,7 +156,7 @@ def main() -> None:
         g = h
         g = jnp.dot(g, mix, preferred_element_type=F32).astype(jnp.bfloat16).astype(F32)
         xcur = xcur + 0.1 * (jnp.asarray(ys_h[m]) + g)
-    emit(records, {"check": "host sum vs XLA on the GPU", "max_abs": max(errs), "max_ref": max(scale),
+    emit(records, {"alloc": alloc, "check": "host sum vs XLA on the GPU", "max_abs": max(errs), "max_ref": max(scale),
                    "relative": max(errs) / max(max(scale), 1e-30), "stats": bridge.stats()})
     del xs
 
@@ -127,12 +176,10 @@ def main() -> None:
                 if not use_bridge:
                     base = ms
                 nbytes = n_host * (gate_ups[0][0].nbytes + downs[0][0].nbytes)
-                emit(records, {"bridge": use_bridge, "host_experts": n_host, "gpu_matmuls": matmuls,
+                emit(records, {"alloc": alloc, "bridge": use_bridge, "host_experts": n_host, "gpu_matmuls": matmuls,
                                "ms_per_layer": round(ms, 4), "over_gpu_alone_ms": round(ms - base, 4),
                                "host_GBps": round(nbytes / (ms * 1e-3) / 1e9, 1) if n_host else None})
-    emit(records, {"stats": bridge.stats()})
-    probe_result("host_experts_bridge", devices, records, args.out, hidden=d, intermediate=f, layers=layers,
-                 experts=e, picks=args.picks)
+    emit(records, {"alloc": alloc, "stats": bridge.stats()})
     bridge.close()
 
 
