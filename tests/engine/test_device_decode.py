@@ -1,6 +1,8 @@
 """Decode as one accelerator program per step (offload.device_decode): its residency rules on a hand-made pool,
 and the engine's tokens against the plain model's for both ways of copying experts, batches, and the fallback."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.engine import decode, device_decode
 from pdscope_jax.store import expert_store
 from pdscope_jax.store.slot_pool import SlotPool
-from pdscope_jax.runtime import select_devices
+from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError, select_devices
 from pdscope_jax.sched import planner_class
 from pdscope_jax.sched.registry import POLICIES
 from test_offload_engine import Reference, _slots
@@ -37,9 +39,11 @@ def _pool(devices, gate_up, down, resident: dict[int, int]) -> SlotPool:
     return pool
 
 
-def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: dict[int, float], h: np.ndarray):
+def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: dict[int, float], h: np.ndarray,
+               host=None):
     """One MoE layer of one row through `_routed_experts` on a `_pool` holding `resident`; the row routes to
-    `picks` {expert: weight}. Checks its output against the experts' weighted sum. -> (pool, counts, table)."""
+    `picks` {expert: weight}; `host` the step's `HostExperts`. Checks its output against the experts' weighted
+    sum. -> (pool, counts, table)."""
     devices = select_devices()
     gate_up, down = experts
     pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
@@ -51,7 +55,7 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: di
     table = device_decode.upload(pool, (5,), None if bonus is None else np.array(bonus), devices.accel)
     on_accel = lambda a: jax.device_put(a, devices.accel)  # noqa: E731
     ids, weights = on_accel(np.array([list(picks)], np.int32)), on_accel(np.array([list(picks.values())], np.float32))
-    y, pool.banks, table = jax.jit(device_decode._routed_experts, static_argnums=0)(
+    y, pool.banks, table = jax.jit(functools.partial(device_decode._routed_experts, host=host), static_argnums=0)(
         0, on_accel(h), weights, ids, layer, pool.banks, table)
     want = sum(w * expert_ffn(jnp.asarray(h), gate_up[e], down[e]) for e, w in picks.items())
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -259,7 +263,7 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         slot_of[owner[owner >= 0]] = np.flatnonzero(owner >= 0)
         ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(4)]).astype(np.int32)
         table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), bonus[None], np.int32(4),
-                                        np.zeros(3, np.int32), np.zeros((1, e), np.int32))
+                                        np.zeros(4, np.int32), np.zeros((1, e), np.int32))
         _, _, after = step(0, zeros(4, d), zeros(4, 2), ids, layer, ((zeros(slots, d, 2 * f), zeros(slots, f, d)),),
                            jax.device_put(table, devices.accel))
         picked = set(ids.reshape(-1).tolist())
@@ -270,3 +274,54 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         got_slot_of = np.asarray(after.slot_of)[0]
         assert all(got_slot_of[x] == s for s, x in enumerate(want_owner) if x >= 0), case
         assert sorted(np.flatnonzero(got_slot_of >= 0).tolist()) == sorted(x for x in want_owner if x >= 0), case
+
+
+@pytest.mark.parametrize("stacks", [True, False])
+@pytest.mark.parametrize("fill_free, on_host", [(False, {2, 3}), (True, {2})])
+def test_the_host_computes_the_misses_not_copied(experts, stacks, fill_free, on_host):
+    """Experts 0 and 1 resident in 3 slots; the row picks 1, 2, 3 (misses 3 then 2, most worth first). With no
+    share copied the host computes both misses and the pool keeps what it held; filling free slots, the first
+    miss takes the free slot and only the second goes to the host. The sum is exact either way."""
+    h = np.random.default_rng(2).standard_normal((1, D)).astype(np.float32)
+    host = device_decode.HostExperts(0.0, None, fill_free)
+    pool, counts, _ = _run_layer(experts, stacks, {0: 0, 1: 1}, [[0, 0, 0, 800]], {3: 0.5, 1: 0.3, 2: 0.2}, h, host)
+    assert counts == {"activated": 3, "hits": 1, "evictions": 0, "on_host": len(on_host)}
+    assert set(pool.owner_expert[pool.owner_expert >= 0]) == {0, 1, 2, 3} - on_host
+
+
+def test_a_full_copy_share_is_the_step_without_the_host(experts):
+    h = np.random.default_rng(3).standard_normal((1, D)).astype(np.float32)
+    runs = [_run_layer(experts, True, {0: 0, 1: 1}, None, {3: 0.5, 1: 0.3, 2: 0.2}, h, host)
+            for host in (None, device_decode.HostExperts(1.0, None, True))]
+    (pool_a, counts_a, _), (pool_b, counts_b, _) = runs
+    assert counts_a == counts_b and counts_b["on_host"] == 0
+    np.testing.assert_array_equal(pool_a.owner_expert, pool_b.owner_expert)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_misses_split_with_the_host_still_give_the_plain_model(ds, share):
+    """pdscope with the host's part computed by XLA ops (RuntimeConfig.decode_cpu_experts="xla", the stand-in
+    for the CUDA bridge): the plain model's tokens, some experts computed by the host."""
+    runner = ds.runner("pdscope", _slots(ds, "small"), decode_cpu_experts="xla", decode_copy_share=share)
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    decode_stats = runner.stats["decode"]
+    assert decode_stats["device_steps"] == ds.new - 1 and decode_stats["cpu_experts"] > 0
+    assert decode_stats["gpu_experts"] + decode_stats["cpu_experts"] == decode_stats["activated"]
+    assert decode_stats["bytes_moved"] == decode_stats["experts_loaded_now"] * ds.cfg.expert_bytes(4)
+
+
+def test_static_decodes_on_device_only_where_the_host_computes_and_never_copies(ds):
+    runner = ds.runner("static", _slots(ds, "small"))
+    assert decode.choose(runner, 1, 5) is decode.HostDecode  # "auto": no CUDA bridge on this machine
+    runner = ds.runner("static", _slots(ds, "small"), decode_cpu_experts="xla")
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    decode_stats = runner.stats["decode"]
+    assert decode_stats["device_steps"] == ds.new - 1 and decode_stats["bytes_moved"] == 0
+    assert decode_stats["cpu_experts"] > 0 and decode_stats["experts_loaded_now"] == 0
+
+
+@pytest.mark.parametrize("field, value", [("decode_cpu_experts", "gpu"), ("decode_copy_share", 1.5),
+                                          ("decode_copy_share", "half")])
+def test_bad_host_split_settings_are_named(field, value):
+    with pytest.raises(RuntimeConfigError, match=field):
+        RuntimeConfig(**{field: value})
