@@ -16,8 +16,9 @@ Contract:
 - `held(call)` -> (call's result, seconds the caller was held); `issue_and_done(fn, reps)` -> median (issue, done)
   seconds of `fn() -> (result, held seconds)`, the result waited for, after 2 untimed runs;
 - `emit(records, record)` prints a record as one JSON line and appends it;
-- `probe_result(what, devices, records, out, **extra)` -> the result dict (the command line, accelerator and jax
-  version, then `extra`, e.g. the expert shape, then the records), also written as JSON to `out` when given.
+- `probe_result(what, devices, records, out, **extra)` -> the result dict (the command line, the commit,
+  accelerator and jax version, then `extra`, e.g. the expert shape, then the records), also written as JSON to
+  `out` when given.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.provenance import source_commit
 
 
 def expert_shape_parser(description: str, reps: int, **int_options: int) -> argparse.ArgumentParser:
@@ -118,6 +120,7 @@ def emit(records: list[dict], record: dict) -> dict:
 
 def probe_result(what: str, devices, records: list[dict], out: Path | None, **extra) -> dict:
     result = {"what": what, "command": "python3 " + " ".join(shlex.quote(a) for a in sys.argv),
+              "commit": source_commit(),
               "accelerator": str(devices.accel), "jax": jax.__version__, **extra, "records": records}
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

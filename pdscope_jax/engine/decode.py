@@ -2,8 +2,8 @@
 
 Contract: `choose(engine, batch, steps)` -> the executor class for a generate's `steps` decode steps:
 `DeviceDecode` when the planner's capability `decodes_on_device` holds, RuntimeConfig's `device_decode`,
-`async_io` and `batched_gpu` are on and the pool can serve a layer's distinct experts (`device_decode.fits`);
-else `HostDecode`. The choice depends on nothing that changes between steps, so it holds for the whole decode
+`async_io` and `batched_gpu` are on, the pool can serve a layer's distinct experts (`device_decode.fits`) and
+the planner copies misses or the host can compute them (`engine.host_split`); else `HostDecode`. The choice depends on nothing that changes between steps, so it holds for the whole decode
 (the device executor keeps the pool's table on the accelerator from its first step to its last).
 Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
 `generation.sampling.SamplingState` on the accelerator, donated step by step)); `step(n)` runs decode step n
@@ -16,7 +16,8 @@ counted to the decode statistics.
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
   engine's `decode_slots`, closed again by `finish()`, so the next prefill has its memory back), uploads the
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
-  dispatched. Its steps count in `device_steps`, `seconds`, hits, bytes and gpu_experts, not in the time splits.
+  dispatched. Its steps count in `device_steps`, `seconds`, hits, bytes, gpu_experts and cpu_experts (misses the
+  host computed), not in the time splits.
 """
 
 from __future__ import annotations

@@ -1,26 +1,30 @@
 """Decode as ONE accelerator program per step: the program routes each MoE layer, takes every activated expert
-from the slot pool or copies it from pinned host memory itself, and keeps the pool a cache of them.
+from the slot pool, copies misses from pinned host memory itself or has the host's CPU compute them, and keeps
+the pool a cache of the ones it copies.
 
 Why: host-driven decode holds the host per MoE layer (fetch the routing, plan, dispatch) longer than the copies
 need; a jitted program can index pinned host memory with an index it computed, so a step needs no host round
-trip. It runs no expert on the CPU (a host callback costs more than the copy), so only planners whose decode
-keeps every activated expert on the accelerator use it (`engine.decode.choose`).
+trip. With a `HostExperts` split a layer's misses beyond its copy share go to the host while the copies and the
+GPU's experts run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt in through
+`decodes_on_device`, `decode_host_experts` and `decode_copies` (`engine.decode.choose`).
 Contract:
 - `PoolTable`: the pool's table on the accelerator: `slot_of` [Lm, E] (-1: not resident), `owner` [S] (MoE
   position * E + expert; -1: free), `keep` [S] (worth keeping; -1: free), `bonus` [Lm, E] >= 0 (ticks an expert's
-  popularity adds to its worth; zeros: LRU), `clock` [] (one tick per MoE layer), `counts` [3] (activated, hits,
-  evictions), `routed` [Lm, E] (rows routed), all int32, counted since `upload(pool, moe_layers, bonus, device)`;
-  `download(table, pool, moe_layers)` writes it back into the `SlotPool` -> {activated, hits, evictions}.
+  popularity adds to its worth; zeros: LRU), `clock` [] (one tick per MoE layer), `counts` [4] (activated, hits,
+  evictions, computed by the host), `routed` [Lm, E] (rows routed), all int32, counted since `upload(pool, moe_layers, bonus, device)`;
+  `download(table, pool, moe_layers)` writes it back into the `SlotPool` -> {activated, hits, evictions, on_host}.
 - Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit
   refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
-  (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept.
-- `decode_step(graphs, model_graph, moe_layers, states, model_state, experts, token, positions, caches,
+  (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept; a miss
+  the host computes is never kept.
+- `decode_step(graphs, model_graph, moe_layers, host, states, model_state, experts, token, positions, caches,
   sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one
   model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's experts in pinned host
   memory, whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`:
   `SlotPool.banks`, the pool and the decode bank while open, whose slots the table numbers one after the other.
-  Sampling is `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()`
-  jits it (graphs, model graph and MoE layers static; caches, sampling state, banks and table donated).
+  `host`: None (every miss copied) or the `HostExperts` split. Sampling is `programs.next_token`'s
+  (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs, model graph, MoE layers
+  and host static; caches, sampling state, banks and table donated).
 - `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a victim that
   is not one of the layer's hits.
 Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32

@@ -21,7 +21,8 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`
 - RuntimeConfig switches: `cost_table` (a name or path; else `build.analytic_costs`), seen by the planners with
   the in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot
   table, preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU
-  program per expert); `device_decode` (allow the one-program decode step).
+  program per expert); `device_decode` (allow the one-program decode step); `decode_cpu_experts` and
+  `decode_copy_share` (which misses of that step the host's CPU computes: `engine.host_split`).
 """
 
 from __future__ import annotations
