@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
         slot_of.reshape(-1)[:owners] = np.arange(owners)
         owner = np.where(np.arange(slots) < owners, np.arange(slots), -1).astype(np.int32)
         table = device_decode.PoolTable(slot_of, owner, np.where(owner >= 0, 0, -1).astype(np.int32),
-                                        np.full((layers, e), -1, np.int32), np.int32(1), np.zeros(3, np.int32),
+                                        np.full((layers, e), -1, np.int32), np.int32(1), np.zeros(4, np.int32),
                                         np.zeros((layers, e), np.int32))
         experts_of = np.arange(slots) % e
         pool = tuple(jax.device_put(np.asarray(a)[experts_of], accel) for a in stack)
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
                 counts.append(np.asarray(table.counts) - before)
-        activated, hits, _ = np.sum(counts, axis=0) / len(counts)
+        activated, hits = (np.sum(counts, axis=0) / len(counts))[:2]
         hlo = compiled.as_text()
         record = {"variant": variant, "slots": slots, "layers": layers, "compile_s": round(compile_s, 2),
                   "ms_per_step": 1e3 * statistics.median(times), "ms_min": 1e3 * min(times),

@@ -227,7 +227,10 @@ def test_capabilities_say_what_the_engine_provides():
     assert {n for n, p in POLICIES.items() if p.planner.reads_next_scores} == {"fate", "pdscope"}
     assert {n for n, p in POLICIES.items() if p.planner.predictor_scores} == {"pdscope"}
     assert {n for n, p in POLICIES.items() if p.planner.keeps_all_resident} == {"gpu"}
-    assert {n for n, p in POLICIES.items() if p.planner.decodes_on_device} == {"gpu", "ondemand", "pdscope"}
+    assert {n for n, p in POLICIES.items() if p.planner.decodes_on_device} == {"gpu", "ondemand", "pdscope",
+                                                                                "static"}
+    assert {n for n, p in POLICIES.items() if p.planner.decode_host_experts} == {"pdscope", "static"}
+    assert {n for n, p in POLICIES.items() if not p.planner.decode_copies} == {"static"}
     assert set(COMPARED) == set(POLICIES) - {"gpu"} and PLAIN not in POLICIES
     # hot tables: static always holds the whole pool; greedy and pdscope only with counts given
     assert POLICIES["static"].planner.hot_slots(100, 8, True, False) == 100
