@@ -89,7 +89,7 @@ def headline(d) -> str:
         for r in points:
             if r.get("prompt_len", 0) != longest:
                 continue
-            label = r.get("variant") if d.get("ablation") else r.get("policy")
+            label = r.get("variant") or r.get("policy")  # the variant: NAME with its suffixes, or an ablation step
             if r.get("batch", 1) != 1:
                 label = f"{label} batch {r['batch']}"
             cells.append(f"{label} {fmt(r.get('prefill_tok_s'))} / {fmt(r.get('decode_tok_s'))}")
