@@ -166,7 +166,9 @@ void run_call(Call& c) {
   }
   std::lock_guard<std::mutex> lock(g_call_mu);  // the group buffers are shared by calls
   Pool& p = pool();
-  const int groups = p.size();
+  // More groups than threads: a thread the OS preempts holds up the call by one small group, not a 1/threads
+  // share (the GPU runtime's and the host's own threads share the cores with the pool).
+  const int groups = int(std::min<int64_t>(int64_t(c.unit_expert.size()), int64_t(p.size()) * kGroupsPerThread));
   if (g_partials.size() < size_t(groups)) g_partials.resize(groups);
   for (int g = 0; g < groups; ++g) {
     g_partials[g].resize(std::max(g_partials[g].size(), size_t(c.n) * c.d));
