@@ -15,6 +15,9 @@ functions on them:
   gives their host copies.
 A float32 model runs its matmuls at full float32 precision also on GPUs (whose default is TF32), so that
 float32 results match the CPU's and the reference's.
+`Generator(model, input_sharding)`: where the inputs go (None: the default device); a model whose weights lie
+on a mesh (`parallel.expert_parallel`) passes the mesh's replicated `NamedSharding`, and results spanning
+several processes come back from this process's replica.
 Inputs must be rectangular int32 [B, T] (see `tokenizer.token_batch`). `check_request` checks one call's
 arguments at once (ids, sampling settings, batch and length limits) before any compilation, raising one
 `errors.InputError` that names every problem; `Generator` runs it on every call too.
@@ -153,9 +156,15 @@ decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=(3, 4, 5, 6))
 _compiled: dict[tuple, jax.stages.Compiled] = {}
 
 
+def host_copy(x: jax.Array) -> np.ndarray:
+    """x on the host; a replicated array over several processes' devices from this process's first replica."""
+    return np.asarray(x if x.is_fully_addressable else x.addressable_data(0))
+
+
 class Generator:
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, input_sharding: jax.sharding.Sharding | None = None):
         self.config = model.config
+        self.input_sharding = input_sharding
         self.cache_dtype = model.embed.embedding.dtype
         self._init_cache = model.init_cache
         self.graphdef, self.state = nnx.split(model)
@@ -166,11 +175,16 @@ class Generator:
 
     def logits(self, input_ids: np.ndarray) -> np.ndarray:
         input_ids = check_request(input_ids, None, self.config.vocab_size, what="logits")
-        b, t = input_ids.shape
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        ids, positions = self._inputs(input_ids)
         with self._precision():
-            out = forward_jit(self._graph, self._leaves, jnp.asarray(input_ids, jnp.int32), positions)
-        return np.asarray(out, dtype=np.float32)
+            out = forward_jit(self._graph, self._leaves, ids, positions)
+        return np.asarray(host_copy(out), dtype=np.float32)
+
+    def _inputs(self, input_ids: np.ndarray) -> tuple[jax.Array, jax.Array]:
+        """ids and their positions [B, T] int32, where `input_sharding` says."""
+        b, t = input_ids.shape
+        positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+        return jax.device_put((np.asarray(input_ids, np.int32), positions), self.input_sharding)
 
     def _program(self, name: str, jitted, args: tuple):
         """AOT-compile once per shape so that timings exclude compilation (sampling settings are arrays: a new
@@ -194,7 +208,7 @@ class Generator:
         tokens += [picked.token for picked in steps]
         tokens[-1].block_until_ready()
         decode_seconds = time.perf_counter() - start
-        return GenerationResult.timed(np.stack([np.asarray(x) for x in tokens], axis=1), steps.prompt_len,
+        return GenerationResult.timed(np.stack([host_copy(x) for x in tokens], axis=1), steps.prompt_len,
                                       prefill_seconds, decode_seconds)
 
     def steps(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
@@ -207,8 +221,7 @@ class Generator:
         params, _ = sampling_params(temperature, top_k, seed, **sampling)
         b, t = input_ids.shape
         max_len = -(-(t + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
-        ids = jnp.asarray(input_ids, jnp.int32)
-        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        ids, positions = self._inputs(input_ids)
         cache = self._init_cache(b, max_len, self.cache_dtype)
         state = SamplingState.create(params, input_ids, self.config.vocab_size, ids.sharding)
 
