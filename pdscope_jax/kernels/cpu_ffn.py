@@ -69,7 +69,7 @@ def _load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name in ("pdscope_cpu_ffn_isa", "pdscope_cpu_ffn_best_isa", "pdscope_cpu_ffn_threads"):
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads"):
+    for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads", "pdscope_cpu_ffn_set_stream"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
     lib.pdscope_cpu_ffn_read.restype = None
@@ -110,6 +110,13 @@ def set_isa(name: str | None) -> str | None:
     _state["forced"] = name == "portable"
     lib.pdscope_cpu_ffn_set_isa(-1 if name is None else ISAS[name])
     return isa()
+
+
+def set_stream(on: bool) -> bool:
+    """Use the streamed few-row bf16 path (csrc/ffn_stream.h: each task reads contiguous weight rows; for calls
+    of at most 4 routed rows per expert) or not (the default). Returns the setting (False where not built)."""
+    lib = library()
+    return lib is not None and bool(lib.pdscope_cpu_ffn_set_stream(int(on)))
 
 
 def threads() -> int:

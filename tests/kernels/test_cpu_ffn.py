@@ -140,3 +140,25 @@ def test_profile_splits_each_call_into_phases(kernel, weights):
     assert got["slowest_group"] <= got["groups"] + 1e-9
     cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel").block_until_ready()
     assert cpu_ffn.profile_read()["calls"] == 3  # stopped: later calls are not counted
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+@pytest.mark.parametrize("k", [1, 6])
+def test_streamed_path_matches_the_exact_sum(kernel, weights, rows, k):
+    """The streamed few-row path (on only when asked): within bf16 rounding of the exact sum, close to the unit
+    path, unrouted rows exactly 0; a call with more than 4 rows routed to an expert takes the unit path."""
+    if cpu_ffn.isa() != "avx512_bf16":
+        pytest.skip("the streamed path runs with the AVX-512 kernels only")
+    gate_up, down = weights
+    h, coef, ids = case(rows, k, seed=100 + rows * 10 + k)
+    units = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    try:
+        assert cpu_ffn.set_stream(True)
+        streamed = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    finally:
+        cpu_ffn.set_stream(False)
+    assert rel(streamed, exact(h, coef, gate_up, down, ids)) < 5e-3
+    assert rel(streamed, units) < 5e-3
+    assert np.all(streamed[~(coef != 0).any(axis=0)] == 0.0)
+    if rows == 5 and (coef != 0).sum(axis=1).max() > 4:
+        np.testing.assert_array_equal(streamed, units)

@@ -23,9 +23,10 @@
 // (h, coef, ids [k] int32, gate_up [E, D, 2F], down [E, F, D] -> out); pdscope_cpu_ffn_quant_list (h, coef,
 // k gate_up q, k gate_up scales, k down q, k down scales; attribute bits 8 or 4) and
 // pdscope_cpu_ffn_quant_stacked (h, coef, ids, the four stacks; bits). Exported controls: threads, ISA,
-// phase profile. Parts: ffn_types.h (the call, scratch, tunables), ffn_weights.h (the formats),
-// ffn_units.h (one unit: portable and AVX-512 BF16 kernels), thread_pool.h; this file plans a call, runs its
-// groups and reduces them.
+// phase profile, the streamed few-row path (off by default), and pdscope_cpu_ffn_run_bf16 for the CUDA bridge.
+// Parts: ffn_types.h (the call, scratch, tunables), ffn_weights.h (the formats), ffn_units.h (one unit:
+// portable and AVX-512 BF16 kernels), ffn_stream.h (few rows, contiguous passes), thread_pool.h; this file
+// plans a call, runs its groups and reduces them.
 
 #include <algorithm>
 #include <atomic>
@@ -48,6 +49,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "ffn_stream.h"
 #include "ffn_types.h"
 #include "ffn_units.h"
 #include "thread_pool.h"
@@ -146,6 +148,27 @@ void reduce_chunk(void* ctx, int chunk) {
   }
 }
 
+// The streamed path (ffn_stream.h): four passes over the pool, buffers kept across calls (under g_call_mu).
+void run_streamed(Call& c, Pool& p) {
+#if defined(__x86_64__)
+  static Stream s;
+  s.c = &c;
+  s.expert.clear();
+  for (int j = 0; j < c.k; ++j)
+    if (c.row_off[j + 1] > c.row_off[j]) s.expert.push_back(j);
+  const size_t e = s.expert.size();
+  s.gu_chunks = (c.d + kStreamChunk - 1) / kStreamChunk;
+  s.dn_chunks = (c.f + kStreamChunk - 1) / kStreamChunk;
+  s.gu.resize(std::max(s.gu.size(), e * s.gu_chunks * kStreamRows * 2 * size_t(c.f)));
+  s.act.resize(std::max(s.act.size(), e * kStreamRows * size_t(c.f)));
+  s.dn.resize(std::max(s.dn.size(), e * s.dn_chunks * kStreamRows * size_t(c.d)));
+  p.Run(stream_gate_up, &s, int(e) * s.gu_chunks);
+  p.Run(stream_activation, &s, int(e) * (c.f / kBlock));
+  p.Run(stream_down, &s, int(e) * s.dn_chunks);
+  p.Run(stream_sum, &s, (c.d + 255) / 256);
+#endif
+}
+
 void run_call(Call& c) {
   const int64_t t0 = now_ns();
   c.isa = current_isa();
@@ -166,6 +189,10 @@ void run_call(Call& c) {
   }
   std::lock_guard<std::mutex> lock(g_call_mu);  // the group buffers are shared by calls
   Pool& p = pool();
+  if (streams(c)) {
+    run_streamed(c, p);
+    return;
+  }
   // More groups than threads: a thread the OS preempts holds up the call by one small group, not a 1/threads
   // share (the GPU runtime's and the host's own threads share the cores with the pool).
   const int groups = int(std::min<int64_t>(int64_t(c.unit_expert.size()), int64_t(p.size()) * kGroupsPerThread));
@@ -449,6 +476,12 @@ int pdscope_cpu_ffn_set_isa(int isa) {
 }
 
 int pdscope_cpu_ffn_threads() { return pool().size(); }
+
+// Use the streamed few-row bf16 path (ffn_stream.h) for calls it takes (1) or never (0); returns the setting.
+int pdscope_cpu_ffn_set_stream(int on) {
+  g_stream.store(on != 0);
+  return g_stream.load() ? 1 : 0;
+}
 
 // Start (1, totals reset) or stop (0) the phase profile of later calls.
 void pdscope_cpu_ffn_profile(int on) {
