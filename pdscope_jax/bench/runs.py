@@ -5,8 +5,8 @@ Contract
 - `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
   name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
   `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`. A label is a policy NAME with
-  suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off), `:nocpu`
-  (`decode_cpu_experts` off), `:copy=F` (`decode_copy_share` F). With `args.ablation` the runs are `ABLATION`
+  suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off), `:cpu` / `:nocpu`
+  (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F). With `args.ablation` the runs are `ABLATION`
   then the plain run.
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
@@ -29,8 +29,9 @@ from pdscope_jax.sched import PLAIN, planner_class
 HOST_DECODE = ":host"  # a policy name's suffix: RuntimeConfig.device_decode off
 NO_BANK = ":nobank"  # a policy name's suffix: RuntimeConfig.decode_bank off (decode in the pool alone)
 NO_CPU = ":nocpu"  # a policy name's suffix: RuntimeConfig.decode_cpu_experts off (device decode copies every miss)
+WITH_CPU = ":cpu"  # a policy name's suffix: decode_cpu_experts "auto" (the host computes part, through the bridge)
 COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
-SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU)
+SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU)
 
 
 def split_label(label: str) -> tuple[str, dict]:
@@ -45,6 +46,8 @@ def split_label(label: str) -> tuple[str, dict]:
             switches["decode_bank"] = False
         elif f":{part}" == NO_CPU:
             switches["decode_cpu_experts"] = "off"
+        elif f":{part}" == WITH_CPU:
+            switches["decode_cpu_experts"] = "auto"
         elif f":{part}".startswith(COPY_SHARE):
             try:
                 share = float(part[len(COPY_SHARE) - 1:])
@@ -81,7 +84,7 @@ def plan_runs(args) -> list[dict]:
     for label in args.policies:
         policy, switches = split_label(label)
         runs.append({"label": label, "policy": policy, "hot": args.hot_table is not None, "async_io": True,
-                     "batched_gpu": True, "device_decode": True, "decode_bank": True, "decode_cpu_experts": "auto",
+                     "batched_gpu": True, "device_decode": True, "decode_bank": True, "decode_cpu_experts": "off",
                      "decode_copy_share": None, **switches})
     return runs
 
@@ -90,7 +93,7 @@ def engine_switches(run: dict, hot_table) -> dict:
     """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
             "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
-            "decode_bank": run["decode_bank"], "decode_cpu_experts": run.get("decode_cpu_experts", "auto"),
+            "decode_bank": run["decode_bank"], "decode_cpu_experts": run.get("decode_cpu_experts", "off"),
             "decode_copy_share": run.get("decode_copy_share")}
 
 

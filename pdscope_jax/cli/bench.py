@@ -22,7 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdscope_jax.bench.runs import COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, SUFFIXES, split_label
+from pdscope_jax.bench.runs import COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, SUFFIXES, WITH_CPU, split_label
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
 
@@ -35,9 +35,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=[*COMPARED, PLAIN], metavar="POLICY",
                    help=f"policy names (below), each also as NAME{HOST_DECODE} (decode planned by the host layer "
                         f"by layer, never as one accelerator program per step), NAME{NO_BANK} (device decode in "
-                        f"the slot pool alone, without the decode bank), NAME{NO_CPU} (device decode copies every "
-                        f"miss, the host computes none), NAME{COPY_SHARE}F (the share of misses copied), and "
-                        f"'{PLAIN}' for the whole model without offloading")
+                        f"the slot pool alone, without the decode bank), NAME{WITH_CPU} (device decode has the "
+                        f"host's CPU compute part of the misses through the CUDA bridge), NAME{NO_CPU} (it copies "
+                        f"every miss, the default), NAME{COPY_SHARE}F (the share of misses copied), and '{PLAIN}' "
+                        "for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
                    help="routing of random-weight models (pdscope_jax.workloads.routing)")
