@@ -148,27 +148,6 @@ void reduce_chunk(void* ctx, int chunk) {
   }
 }
 
-// The streamed path (ffn_stream.h): four passes over the pool, buffers kept across calls (under g_call_mu).
-void run_streamed(Call& c, Pool& p) {
-#if defined(__x86_64__)
-  static Stream s;
-  s.c = &c;
-  s.expert.clear();
-  for (int j = 0; j < c.k; ++j)
-    if (c.row_off[j + 1] > c.row_off[j]) s.expert.push_back(j);
-  const size_t e = s.expert.size();
-  s.gu_chunks = (c.d + kStreamChunk - 1) / kStreamChunk;
-  s.dn_chunks = (c.f + kStreamChunk - 1) / kStreamChunk;
-  s.gu.resize(std::max(s.gu.size(), e * s.gu_chunks * kStreamRows * 2 * size_t(c.f)));
-  s.act.resize(std::max(s.act.size(), e * kStreamRows * size_t(c.f)));
-  s.dn.resize(std::max(s.dn.size(), e * s.dn_chunks * kStreamRows * size_t(c.d)));
-  p.Run(stream_gate_up, &s, int(e) * s.gu_chunks);
-  p.Run(stream_activation, &s, int(e) * (c.f / kBlock));
-  p.Run(stream_down, &s, int(e) * s.dn_chunks);
-  p.Run(stream_sum, &s, (c.d + 255) / 256);
-#endif
-}
-
 void run_call(Call& c) {
   const int64_t t0 = now_ns();
   c.isa = current_isa();
@@ -512,13 +491,7 @@ int pdscope_cpu_ffn_set_threads(int n) {
 int pdscope_cpu_ffn_run_bf16(const uint16_t* h, const float* coef, int n, int d, int f, int k,
                              const void* const* gate_up, const void* const* down, float* out) {
   Call c;
-  c.n = n;
-  c.d = d;
-  c.f = f;
-  c.k = k;
-  c.h = h;
-  c.coef = coef;
-  c.out = out;
+  c.n = n, c.d = d, c.f = f, c.k = k, c.h = h, c.coef = coef, c.out = out;
   c.gate_up.assign(gate_up, gate_up + k);
   c.down.assign(down, down + k);
   if (check_shapes(c).failure()) return 1;

@@ -22,6 +22,7 @@
 
 #include "ffn_types.h"
 #include "ffn_units.h"
+#include "thread_pool.h"
 
 namespace pdscope_cpu_ffn {
 
@@ -152,7 +153,28 @@ void stream_sum(void* ctx, int t) {  // t: a block of 256 output columns, every 
   }
 }
 
+// The streamed call: four passes over the pool, its buffers kept across calls (the caller holds the call lock).
+void run_streamed(Call& c, Pool& p) {
+  static Stream s;
+  s.c = &c;
+  s.expert.clear();
+  for (int j = 0; j < c.k; ++j)
+    if (c.row_off[j + 1] > c.row_off[j]) s.expert.push_back(j);
+  const size_t e = s.expert.size();
+  s.gu_chunks = (c.d + kStreamChunk - 1) / kStreamChunk;
+  s.dn_chunks = (c.f + kStreamChunk - 1) / kStreamChunk;
+  s.gu.resize(std::max(s.gu.size(), e * s.gu_chunks * kStreamRows * 2 * size_t(c.f)));
+  s.act.resize(std::max(s.act.size(), e * kStreamRows * size_t(c.f)));
+  s.dn.resize(std::max(s.dn.size(), e * s.dn_chunks * kStreamRows * size_t(c.d)));
+  p.Run(stream_gate_up, &s, int(e) * s.gu_chunks);
+  p.Run(stream_activation, &s, int(e) * (c.f / kBlock));
+  p.Run(stream_down, &s, int(e) * s.dn_chunks);
+  p.Run(stream_sum, &s, (c.d + 255) / 256);
+}
+
 #pragma GCC pop_options
+#else
+inline void run_streamed(Call&, Pool&) {}  // never called: streams() is false off x86-64
 #endif
 
 // Whether the streamed path takes this call: bf16 weights, the AVX-512 kernels, at most kStreamRows routed rows
