@@ -7,10 +7,13 @@ CUDA GPU, experts not bf16, no kernel). The share of a layer's misses copied: 0 
 in decode (`decode_copies` False), else RuntimeConfig.decode_copy_share, else from the costs: the host's time
 for one expert over the host's and the link's together, so that the two parts of a layer take about as long;
 a planner that copies also fills free slots first (`HostExperts.fill_free`).
-A bridge is made once per batch size and kept (a new one would compile a new step); `close()` stops them.
+A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
+engine's collection, stops them.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import jax.numpy as jnp
 
@@ -23,6 +26,7 @@ class HostSplit:
         self.store, self.config, self.device, self.dtype = store, config, device, expert_dtype
         self.bridges: dict[int, host_experts.Bridge | None] = {}
         self.why_not = ""
+        weakref.finalize(self, _close, self.bridges)  # the engine gone: stop its workers, free their staging
 
     def for_step(self, runtime, planner, costs, batch: int) -> HostExperts | None:
         mode = runtime.decode_cpu_experts
@@ -56,7 +60,11 @@ class HostSplit:
         return bridge
 
     def close(self) -> None:
-        for bridge in self.bridges.values():
-            if bridge is not None:
-                bridge.close()
-        self.bridges.clear()
+        _close(self.bridges)
+
+
+def _close(bridges: dict) -> None:
+    for bridge in bridges.values():
+        if bridge is not None:
+            bridge.close()
+    bridges.clear()

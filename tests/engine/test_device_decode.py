@@ -325,3 +325,20 @@ def test_static_decodes_on_device_only_where_the_host_computes_and_never_copies(
 def test_bad_host_split_settings_are_named(field, value):
     with pytest.raises(RuntimeConfigError, match=field):
         RuntimeConfig(**{field: value})
+
+
+def test_an_engines_bridges_stop_when_it_is_collected():
+    from pdscope_jax.engine.host_split import HostSplit
+
+    closed = []
+
+    class Bridge:
+        def close(self):
+            closed.append(self)
+
+    split = HostSplit(None, None, None, None)
+    split.bridges.update({1: Bridge(), 2: None})
+    del split
+    import gc
+    gc.collect()
+    assert len(closed) == 1
