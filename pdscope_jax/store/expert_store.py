@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import mmap
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -98,19 +96,6 @@ def _torch_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-def huge_page_buffer(nbytes: int) -> np.ndarray:
-    """A zeroed uint8 array of `nbytes` in an anonymous mapping aligned to 2 MiB and advised to use transparent
-    huge pages: a CPU kernel that walks an expert's rows a page apart misses the TLB on nearly every row with
-    4 KiB pages (cudaHostAlloc's)."""
-    huge = 2 << 20
-    mapping = mmap.mmap(-1, nbytes + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = np.frombuffer(mapping, np.uint8)
-    start = (-raw.ctypes.data) % huge
-    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    return raw[start:start + nbytes]  # the view keeps the mapping alive
-
-
 def host_view(array: jax.Array) -> np.ndarray | None:
     """A numpy view of a single-buffer host-memory array's bytes, or None when its address is unavailable."""
     try:
@@ -125,18 +110,18 @@ class ExpertStore:
     def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "auto", stacks: bool = False):
         if cpu_view not in ("alias", "copy"):
             raise ValueError(f"cpu_view must be 'alias' or 'copy', got {cpu_view!r}")
-        if host_alloc not in ("auto", "jax", "torch", "registered"):
-            raise ValueError(f"host_alloc must be 'auto', 'jax', 'torch' or 'registered', got {host_alloc!r}")
+        if host_alloc not in ("auto", "jax", "torch"):
+            raise ValueError(f"host_alloc must be 'auto', 'jax' or 'torch', got {host_alloc!r}")
         if host_alloc == "auto":
             host_alloc = "torch" if devices.accel.platform == "gpu" and _torch_cuda() else "jax"
-        if host_alloc in ("torch", "registered") and not _torch_cuda():
-            raise ValueError(f"host_alloc={host_alloc!r} needs torch with CUDA (it pins memory with torch, then imports it "
+        if host_alloc == "torch" and not _torch_cuda():
+            raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
                              "through dlpack): pip install 'pdscope_jax[torch]' (a CUDA build of torch) on a GPU "
                              "machine, or use host_alloc='jax'")
         self.devices = devices
         self.cpu_view = cpu_view
         self.host_alloc = host_alloc
-        self.stacks = stacks or host_alloc in ("torch", "registered")
+        self.stacks = stacks or host_alloc == "torch"
         self._stacks: dict[int, tuple[jax.Array, jax.Array]] = {}  # layer -> (gate_up, down) stacks, pinned
         self.stack_copy_bytes = 0  # bytes of stacks that are a second copy (host_alloc='jax')
         self._torch_buffers: list = []  # host_alloc='torch': the pinned allocations every view points into
@@ -159,7 +144,7 @@ class ExpertStore:
         host, cpu, stacks = ([], []), ([], []), []
         for part, stack in enumerate((gate_up, down)):
             views = None
-            if self.host_alloc in ("torch", "registered"):  # one allocation per layer: stack and experts alias it
+            if self.host_alloc == "torch":  # one allocation per layer: the stack and its experts alias it
                 whole, experts, views = self._torch_pinned_parts(stack)
                 stacks.append(whole)
             else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
@@ -192,14 +177,7 @@ class ExpertStore:
         zero-copy through dlpack. -> (the stack, the experts, the numpy view)."""
         import torch
 
-        if self.host_alloc == "registered":
-            buffer = torch.from_numpy(huge_page_buffer(src.nbytes))
-            code = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), src.nbytes, 0)
-            if int(code) != 0:
-                raise RuntimeError(f"cudaHostRegister of {src.nbytes} bytes failed ({code}); use host_alloc='torch'")
-            weakref.finalize(buffer, torch.cuda.cudart().cudaHostUnregister, buffer.data_ptr())
-        else:
-            buffer = torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=True)
+        buffer = torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=True)
         view = buffer.numpy().view(src.dtype).reshape(src.shape)
         view[...] = src
         typed = buffer.view(getattr(torch, src.dtype.name)).reshape(src.shape)
