@@ -94,7 +94,12 @@ def _host_end(host: HostExperts, pending, dep, experts):
     u = ids.shape[0]
     gate_ups, downs = pull_traced(experts, jnp.maximum(ids, 0), u, lambda at: _no_rows(experts, at.shape[0]))
     outputs = stacked_experts_ffn(jnp.broadcast_to(h, (u, *h.shape)), gate_ups, downs)  # [U, N, D]
-    return jnp.sum(jnp.where((ids >= 0)[:, None, None], coef[:, :, None] * outputs.astype(F32), 0.0), axis=0)
+    return _weighted_picks(ids >= 0, coef, outputs)
+
+
+def _weighted_picks(use, coef, outputs):
+    """sum over picks u with use[u] of coef[u, n] * outputs[u, n] in float32, in pick order -> [N, D]."""
+    return jnp.sum(jnp.where(use[:, None, None], coef[:, :, None] * outputs.astype(F32), 0.0), axis=0)
 
 
 def _no_rows(experts, n: int):
@@ -221,8 +226,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
         on_gpu = jnp.any(chose & ~on_cpu[:, None, None], axis=0)
         y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, on_gpu)
     else:  # the plain model's sorted path adds each row's experts in ascending order, as this sum does
-        gpu = valid & ~on_cpu
-        y = jnp.sum(jnp.where(gpu[:, None, None], coeff[:, :, None] * outputs.astype(F32), 0.0), axis=0)
+        y = _weighted_picks(valid & ~on_cpu, coeff, outputs)
     if host is not None:
         y = y + _host_end(host, pending, y, experts)
 
