@@ -69,7 +69,8 @@ def _load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name in ("pdscope_cpu_ffn_isa", "pdscope_cpu_ffn_best_isa", "pdscope_cpu_ffn_threads"):
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads", "pdscope_cpu_ffn_set_stream"):
+    for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads", "pdscope_cpu_ffn_set_stream",
+                 "pdscope_cpu_ffn_set_groups"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
     lib.pdscope_cpu_ffn_read.restype = None
@@ -117,6 +118,13 @@ def set_stream(on: bool) -> bool:
     of at most 4 routed rows per expert) or not (the default). Returns the setting (False where not built)."""
     lib = library()
     return lib is not None and bool(lib.pdscope_cpu_ffn_set_stream(int(on)))
+
+
+def set_groups(n: int) -> int:
+    """Cut a call's work into n groups per pool thread (n >= 1; more groups: a preempted thread holds up less of
+    the call; n <= 0 keeps the setting). Returns the setting (0 where not built)."""
+    lib = library()
+    return 0 if lib is None else lib.pdscope_cpu_ffn_set_groups(n)
 
 
 def threads() -> int:

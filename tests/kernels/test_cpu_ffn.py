@@ -162,3 +162,19 @@ def test_streamed_path_matches_the_exact_sum(kernel, weights, rows, k):
     assert np.all(streamed[~(coef != 0).any(axis=0)] == 0.0)
     if rows == 5 and (coef != 0).sum(axis=1).max() > 4:
         np.testing.assert_array_equal(streamed, units)
+
+
+def test_more_groups_per_thread_change_only_the_summation_order(kernel, weights):
+    """Cutting a call into more groups per thread moves where partial sums split, nothing else: the output
+    agrees with one group per thread to float32 rounding; a setting <= 0 keeps the current one."""
+    gate_up, down = weights
+    h, coef, ids = case(4, 3, seed=21)
+    one = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    try:
+        assert cpu_ffn.set_groups(5) == 5
+        assert cpu_ffn.set_groups(0) == 5
+        five = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    finally:
+        cpu_ffn.set_groups(1)
+    assert rel(five, one) < 1e-5
+    assert np.any(one != 0)

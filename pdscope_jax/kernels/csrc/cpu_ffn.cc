@@ -174,7 +174,7 @@ void run_call(Call& c) {
   }
   // More groups than threads: a thread the OS preempts holds up the call by one small group, not a 1/threads
   // share (the GPU runtime's and the host's own threads share the cores with the pool).
-  const int groups = int(std::min<int64_t>(int64_t(c.unit_expert.size()), int64_t(p.size()) * kGroupsPerThread));
+  const int groups = int(std::min<int64_t>(int64_t(c.unit_expert.size()), int64_t(p.size()) * g_groups_per_thread.load()));
   if (g_partials.size() < size_t(groups)) g_partials.resize(groups);
   for (int g = 0; g < groups; ++g) {
     g_partials[g].resize(std::max(g_partials[g].size(), size_t(c.n) * c.d));
@@ -460,6 +460,12 @@ int pdscope_cpu_ffn_threads() { return pool().size(); }
 int pdscope_cpu_ffn_set_stream(int on) {
   g_stream.store(on != 0);
   return g_stream.load() ? 1 : 0;
+}
+
+// Groups of units per pool thread in later calls (n >= 1; n <= 0 keeps it); returns the setting.
+int pdscope_cpu_ffn_set_groups(int n) {
+  if (n > 0) g_groups_per_thread.store(n);
+  return g_groups_per_thread.load();
 }
 
 // Start (1, totals reset) or stop (0) the phase profile of later calls.

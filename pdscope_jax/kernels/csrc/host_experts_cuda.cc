@@ -22,6 +22,7 @@
 // creating a bridge fails (returns -1, with a reason) where no driver or no stream memory operations exist.
 
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <algorithm>
 #include <atomic>
@@ -258,6 +259,7 @@ class Bridge {
   }
 
   void Work() {
+    pthread_setname_np(pthread_self(), "pdscope-bridge");
     for (;;) {
       uint64_t want;
       Desc desc;

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <mutex>
 #include <thread>
+
+#include <pthread.h>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -79,6 +81,7 @@ class Pool {
   }
 
   void Work() {
+    pthread_setname_np(pthread_self(), "pdscope-ffn");  // named in top -H and /proc/<pid>/task
     uint64_t seen = 0;
     for (;;) {
       uint64_t g = gen_.load();

@@ -1,0 +1,200 @@
+"""Where the host experts' time goes inside the engine's one-program decode step (the CUDA bridge), per kernel setting.
+
+Builds the offloaded model once (`--model` with seeded random weights, `--workload`, the bench's budget, device
+decode), then for every kernel setting `THREADS/GROUPS/SPIN_US/STREAM` (`--settings`, e.g. `16/1/200/0`: the
+pool's threads, groups per thread, microseconds an idle pool thread spins before it sleeps, the streamed few-row
+path) and every run label (`--runs`, the bench's labels: `pdscope:copy=0` sends every miss to the host) runs one
+warm-up generation and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
+Reports per (setting, run): decode tok/s (median), host experts per step, the bridge worker's ms per host expert,
+and the kernel's profile over the decode steps only (ms per call: wall time of the compute, the mean and the
+slowest group; the slowest far above the mean means threads that started late or were preempted), the CPU
+seconds of the process's busiest threads (by name) and the cgroup's CPU throttling over the decode.
+Outside the engine, in the same process, per setting: the kernel alone on the store's own experts (one row,
+k = 1, 2, 6 experts of random layers, no GPU work) in GB/s of expert bytes, and the pool's read bandwidth.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_host_experts_engine.py --out F.json`.
+Random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="deepseek-v2-lite")
+    p.add_argument("--runs", nargs="+", default=["pdscope:copy=0", "pdscope:cpu", "pdscope:nocpu"])
+    p.add_argument("--settings", nargs="+", default=["16/1/200/0"])
+    p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"])
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--gpu-memory", default="24GB")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+CPU_STAT = (Path("/sys/fs/cgroup/cpu.stat"), Path("/sys/fs/cgroup/cpu/cpu.stat"),
+            Path("/sys/fs/cgroup/cpu,cpuacct/cpu.stat"))
+
+
+def cpu_limits() -> dict:
+    """This process's CPUs, and its cgroup's CPU quota (a quota throttles spinning threads) where readable."""
+    out = {"affinity": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count()}
+    for path in (Path("/sys/fs/cgroup/cpu.max"), Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us")):
+        if path.exists():
+            out[path.name] = path.read_text().strip()
+    return out
+
+
+def throttling() -> dict:
+    """The cgroup's throttling counters ({} where none is readable)."""
+    for path in CPU_STAT:
+        if path.exists():
+            pairs = (line.split() for line in path.read_text().splitlines())
+            return {k: int(v) for k, v in pairs if k.startswith(("nr_throttled", "throttled", "nr_periods"))}
+    return {}
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds used so far by this process's threads, summed per thread name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def apply_setting(setting: str) -> dict:
+    """Set the kernel's pool (threads, spin), groups per thread and streamed path; -> the setting as a dict."""
+    from pdscope_jax.kernels import cpu_ffn
+
+    threads, groups, spin_us, stream = (int(v) for v in setting.split("/"))
+    os.environ["PDSCOPE_CPU_FFN_SPIN_US"] = str(spin_us)  # read when the pool is made
+    return {"threads": cpu_ffn.set_threads(threads), "groups": cpu_ffn.set_groups(groups), "spin_us": spin_us,
+            "stream": cpu_ffn.set_stream(bool(stream))}
+
+
+def kernel_alone(store, cfg, reps: int = 30) -> dict:
+    """GB/s of expert bytes of the kernel on the store's experts, one row, no GPU work: median over `reps` calls
+    of k random experts of a random layer, per k."""
+    from pdscope_jax.kernels import cpu_ffn
+
+    lib = cpu_ffn.library()
+    run = lib.pdscope_cpu_ffn_run_bf16
+    run.restype = ctypes.c_int
+    run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    expert_bytes = 3 * d * f * 2
+    rng = np.random.default_rng(1)
+    h = (rng.standard_normal(d) * 0.1).astype(np.float32).view(np.uint32) >> 16
+    h = h.astype(np.uint16)
+    out = np.zeros(d, np.float32)
+    figures = {}
+    for k in (1, 2, 6):
+        coef = np.full(k, 1.0 / k, np.float32)
+        times = []
+        for _ in range(reps):
+            layer = int(rng.choice(cfg.moe_layers))
+            gus, dns = store.host_addresses(layer)
+            ids = rng.choice(len(gus), k, replace=False)
+            gu = np.array([gus[i] for i in ids], np.uint64)
+            dn = np.array([dns[i] for i in ids], np.uint64)
+            start = time.perf_counter()
+            assert run(h.ctypes.data, coef.ctypes.data, 1, d, f, k, gu.ctypes.data, dn.ctypes.data,
+                       out.ctypes.data) == 0
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times[2:])
+        figures[f"k{k}"] = {"ms": 1e3 * seconds, "gb_s": k * expert_bytes / seconds / 1e9}
+    figures["read_gb_s"] = cpu_ffn.read_bandwidth(1 << 30, 3)
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    import jax.numpy as jnp
+
+    from _common import probe_result, random_loader
+    from pdscope_jax import models
+    from pdscope_jax.api import resolve
+    from pdscope_jax.bench.runs import split_label
+    from pdscope_jax.engine.runner import OffloadRunner
+    from pdscope_jax.kernels import cpu_ffn
+    from pdscope_jax.runtime import RuntimeConfig
+    from pdscope_jax.workloads import routing as workloads
+
+    cfg, _ = resolve(args.model)
+    dtype = jnp.bfloat16
+    shapes = models.abstract_state(cfg, dtype)
+    loader = random_loader(shapes, 0, workloads.design(cfg, args.workload, seed=0))
+    rc = RuntimeConfig(gpu_memory=args.gpu_memory, policy="ondemand", max_seq_len=args.prompt_len + args.tokens + 1)
+    runner = OffloadRunner(models.abstract_model(cfg, dtype), rc, loader)
+    print(json.dumps({"budget": runner.budget.describe(), "slots": runner.pool.num_slots,
+                      "host_alloc": runner.store.host_alloc, "cpu": cpu_limits()}), flush=True)
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.prompt_len)).astype(np.int32)
+    records = []
+    for setting in args.settings:
+        applied = apply_setting(setting)
+        alone = kernel_alone(runner.store, cfg)
+        print(json.dumps({"setting": setting, **applied, "kernel_alone": alone}), flush=True)
+        for label in args.runs:
+            policy, switches = split_label(label)
+            runner.set_policy(policy, **{"decode_cpu_experts": "off", "decode_copy_share": None, **switches})
+            runner.warmup(1, args.prompt_len, args.tokens)
+            tok_s, profiles, host = [], [], []
+            for _ in range(args.repeats):
+                runner.reset_stats()
+                before = {b: s["seconds"] for b, s in runner._host_stats()["bridges"].items()}
+                steps = runner.steps(prompt, args.tokens)
+                next(steps)  # prefill and the first token
+                throttled, threads_before = throttling(), thread_cpu()
+                cpu_ffn.profile(True)
+                start = time.perf_counter()
+                for _ in steps:
+                    pass
+                seconds = time.perf_counter() - start
+                cpu_ffn.profile(False)
+                throttled = {k: v - throttled[k] for k, v in throttling().items()}
+                busiest = sorted(((v - threads_before.get(k, 0.0), k) for k, v in thread_cpu().items()), reverse=True)
+                profiles.append(cpu_ffn.profile_read())
+                decode = runner.phase_stats["decode"]
+                busy = sum(s["seconds"] - before.get(b, 0.0) for b, s in runner._host_stats()["bridges"].items())
+                tok_s.append((args.tokens - 1) / seconds)
+                host.append({"host_experts": decode.cpu_experts, "gpu_experts": decode.gpu_experts,
+                             "hit_rate": decode.hit_rate, "bridge_seconds": busy,
+                             "throttled": throttled, "decode_seconds": seconds,
+                             "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]}})
+            last = host[-1]
+            record = {"setting": setting, **applied, "run": label, "decode_tok_s": statistics.median(tok_s),
+                      "decode_tok_s_repeats": tok_s,
+                      "host_experts_per_step": last["host_experts"] / (args.tokens - 1),
+                      "ms_per_host_expert": (1e3 * last["bridge_seconds"] / last["host_experts"]
+                                             if last["host_experts"] else None),
+                      "hit_rate": last["hit_rate"], "kernel_profile_ms": profiles[-1], "throttled": last["throttled"],
+                      "thread_cpu_seconds": last["thread_cpu_seconds"], "repeats": host,
+                      "kernel_alone": alone, "why_not": runner.host_split.why_not}
+            print(json.dumps({k: v for k, v in record.items() if k not in ("repeats", "kernel_alone")}), flush=True)
+            records.append(record)
+    return probe_result("host experts inside the one-program decode step, per kernel setting (random weights)",
+                        runner.devices, records, args.out, model=cfg.name, weights="random (seeded, seed 0)",
+                        workload=args.workload, prompt_len=args.prompt_len, tokens=args.tokens,
+                        budget={"gpu_memory": args.gpu_memory, "slots": runner.pool.num_slots}, cpu=cpu_limits())
+
+
+if __name__ == "__main__":
+    main()
