@@ -7,7 +7,8 @@ path) and every run label (`--runs`, the bench's labels: `pdscope:copy=0` sends 
 warm-up generation and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
 Reports per (setting, run): decode tok/s (median), host experts per step, the bridge worker's ms per host expert,
 and the kernel's profile over the decode steps only (ms per call: wall time of the compute, the mean and the
-slowest group; the slowest far above the mean means threads that started late or were preempted), the CPU
+slowest group; the slowest far above the mean means threads that started late or were preempted), the bridge's
+per-layer timeline (host compute, and the GPU's part between two host parts), the CPU
 seconds of the process's busiest threads (by name) and the cgroup's CPU throttling over the decode.
 Outside the engine, in the same process, per setting: the kernel alone on the store's own experts (one row,
 k = 1, 2, 6 experts of random layers, no GPU work) in GB/s of expert bytes, and the pool's read bandwidth.
@@ -77,6 +78,31 @@ def thread_cpu() -> dict[str, float]:
         fields = stat[stat.rindex(")") + 2:].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def layer_timeline(runner, since_ns: int) -> dict | None:
+    """The bridge's layers served since `since_ns` (time.monotonic_ns), summarised: per MoE position the median
+    ms the host computed (go -> done) and the median ms from the previous layer's done to this layer's go (the
+    GPU's part between two host parts: combining, the next layer's attention and routing, and both waits; for
+    position 0, across the step boundary); the medians over all layers; experts per layer."""
+    bridges = [b for b in runner.host_split.bridges.values() if b is not None]
+    if not bridges:
+        return None
+    rows = bridges[0].timeline()
+    rows = rows[rows[:, 2] >= since_ns]
+    if len(rows) < 2:
+        return None
+    layer, experts, go, done = rows.T
+    compute = (done - go) / 1e6
+    gap = np.r_[np.nan, (go[1:] - done[:-1]) / 1e6]
+    positions = sorted(set(layer.tolist()))
+    per = {"compute_ms": [float(np.median(compute[layer == m])) for m in positions],
+           "gap_before_ms": [float(np.nanmedian(gap[layer == m])) for m in positions],
+           "experts": [float(np.mean(experts[layer == m])) for m in positions]}
+    inner = gap[1:][layer[1:] != positions[0]]
+    return {"layers": int(len(rows)), "compute_ms_median": float(np.median(compute)),
+            "gap_ms_median": float(np.median(inner)), "step_boundary_ms_median": float(np.nanmedian(
+                gap[layer == positions[0]])), "experts_per_layer": float(np.mean(experts)), "per_position": per}
 
 
 def apply_setting(setting: str) -> dict:
@@ -162,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict:
                 before = {b: s["seconds"] for b, s in runner._host_stats()["bridges"].items()}
                 steps = runner.steps(prompt, args.tokens)
                 next(steps)  # prefill and the first token
-                throttled, threads_before = throttling(), thread_cpu()
+                throttled, threads_before, since = throttling(), thread_cpu(), time.monotonic_ns()
                 cpu_ffn.profile(True)
                 start = time.perf_counter()
                 for _ in steps:
@@ -178,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict:
                 host.append({"host_experts": decode.cpu_experts, "gpu_experts": decode.gpu_experts,
                              "hit_rate": decode.hit_rate, "bridge_seconds": busy,
                              "throttled": throttled, "decode_seconds": seconds,
-                             "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]}})
+                             "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]},
+                             "timeline": layer_timeline(runner, since)})
             last = host[-1]
             record = {"setting": setting, **applied, "run": label, "decode_tok_s": statistics.median(tok_s),
                       "decode_tok_s_repeats": tok_s,
@@ -186,7 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
                       "ms_per_host_expert": (1e3 * last["bridge_seconds"] / last["host_experts"]
                                              if last["host_experts"] else None),
                       "hit_rate": last["hit_rate"], "kernel_profile_ms": profiles[-1], "throttled": last["throttled"],
-                      "thread_cpu_seconds": last["thread_cpu_seconds"], "repeats": host,
+                      "thread_cpu_seconds": last["thread_cpu_seconds"],
+                      "timeline": {k: v for k, v in (last["timeline"] or {}).items() if k != "per_position"},
+                      "repeats": host,
                       "kernel_alone": alone, "why_not": runner.host_split.why_not}
             print(json.dumps({k: v for k, v in record.items() if k not in ("repeats", "kernel_alone")}), flush=True)
             records.append(record)

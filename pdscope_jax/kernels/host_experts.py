@@ -5,7 +5,8 @@ Contract:
   `addresses` [(gate_up addresses [E], down addresses [E])] per MoE position of bf16 experts in host memory
   that outlive the bridge; `dims` (D, F). Needs a CUDA `device`, the bridge library (csrc/host_experts_cuda.cc)
   and the CPU expert kernel (`cpu_ffn`) built and using AVX-512 BF16. `close()` stops its worker (no program
-  using it may be pending); `stats()` -> {layers served, faults, seconds computing}.
+  using it may be pending); `stats()` -> {layers served, faults, seconds computing}; `timeline()` -> per served
+  layer, its MoE position, experts computed, and when the worker saw "go" and wrote "done".
 - Inside a program jitted for that device, per MoE position m: `begin(bridge, m, h, ids, coef, picks)` ->
   (h', picks'): the host starts y_cpu[n] = sum_u coef[u, n] * expert(m, ids[u])(h[n]) over ids[u] >= 0
   (h [N, D] bf16, ids [U] int32, coef [U, N] float32); `end(bridge, dep, rows)` -> y_cpu [N, D] float32, after
@@ -31,6 +32,7 @@ from pdscope_jax.kernels.build import SOURCES, shared_library
 
 SOURCE = SOURCES / "host_experts_cuda.cc"
 BEGIN, END = f"{__name__}.begin", f"{__name__}.end"
+TIMELINE = 8192  # layers a bridge's timeline keeps (kTimeline)
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -58,6 +60,8 @@ def _load() -> ctypes.CDLL | None:
     lib.pdscope_host_experts_destroy.argtypes = [ctypes.c_int64]
     lib.pdscope_host_experts_stats.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
                                                ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_double)]
+    lib.pdscope_host_experts_timeline.restype = ctypes.c_int64
+    lib.pdscope_host_experts_timeline.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     try:
         for name, symbol in ((BEGIN, "pdscope_host_experts_begin"), (END, "pdscope_host_experts_end")):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
@@ -109,6 +113,13 @@ class Bridge:
         served, faults, busy = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_double()
         _library().pdscope_host_experts_stats(self.handle, served, faults, busy)
         return {"served": served.value, "faults": faults.value, "seconds": busy.value}
+
+    def timeline(self, last: int = TIMELINE) -> np.ndarray:
+        """The latest `last` (at most TIMELINE) layers served, oldest first: int64 [n, 4] of MoE position,
+        experts computed, and when the worker saw "go" and wrote "done" (`time.monotonic_ns` clock on Linux)."""
+        out = np.zeros((max(min(last, TIMELINE), 0), 4), np.int64)
+        n = _library().pdscope_host_experts_timeline(self.handle, out.ctypes.data, out.shape[0])
+        return out[:n]
 
 
 def begin(bridge: Bridge, m: int, h, ids, coef, picks):

@@ -58,6 +58,7 @@ constexpr unsigned kHostAllocPortable = 1, kHostAllocDeviceMap = 2;
 constexpr unsigned kWaitGeq = 1;  // CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
 constexpr unsigned kWriteDefault = 0;
 constexpr uint64_t kRing = 4096;
+constexpr size_t kTimeline = 8192;  // layers the timeline keeps (the latest)
 constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
 
 // The driver entry points used, looked up once.
@@ -129,6 +130,11 @@ using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, const v
 struct Desc {
   int64_t layer = 0;
   int n = 0, u = 0;
+};
+
+// One served layer in the timeline: when the worker saw "go" and when it wrote "done" (steady clock, ns).
+struct Served {
+  int64_t layer = 0, experts = 0, go_ns = 0, done_ns = 0;
 };
 
 // Host memory the GPU reads and writes: staging for one layer's inputs and output, and the two words.
@@ -247,6 +253,17 @@ class Bridge {
   }
   double busy_seconds() const { return busy_ns_.load() * 1e-9; }
 
+  // The latest served layers, oldest first, as (layer, experts, go ns, done ns) into out[4 * i ..]; -> count.
+  int64_t timeline(int64_t* out, int64_t max) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t n = std::min<uint64_t>({served_, kTimeline, uint64_t(std::max<int64_t>(max, 0))});
+    for (uint64_t i = 0; i < n; ++i) {
+      const Served& e = timeline_[(served_ - n + i + 1) % kTimeline];
+      out[4 * i] = e.layer, out[4 * i + 1] = e.experts, out[4 * i + 2] = e.go_ns, out[4 * i + 3] = e.done_ns;
+    }
+    return int64_t(n);
+  }
+
  private:
   static size_t align(size_t bytes) { return (bytes + 63) / 64 * 64; }
   static int64_t now_ns() {
@@ -290,18 +307,21 @@ class Bridge {
         }
       }
       const int64_t t0 = now_ns();
+      int experts = 0;
       if (seen) {
-        Compute(desc);
+        experts = Compute(desc);
       } else {
         faults_.fetch_add(1);
         std::memset(s_.out, 0, sizeof(float) * size_t(desc.n) * d_);
       }
       std::atomic_thread_fence(std::memory_order_seq_cst);
       *s_.done = uint32_t(want);
-      busy_ns_.fetch_add(now_ns() - t0);
+      const int64_t t1 = now_ns();
+      busy_ns_.fetch_add(t1 - t0);
       {
         std::lock_guard<std::mutex> lock(mu_);
         served_ = want;
+        timeline_[want % kTimeline] = Served{desc.layer, experts, t0, t1};
       }
       cv_.notify_all();
     }
@@ -312,7 +332,8 @@ class Bridge {
     return stop_;
   }
 
-  void Compute(const Desc& desc) {
+  // -> the experts computed.
+  int Compute(const Desc& desc) {
     std::vector<const void*> gu, dn;
     std::vector<float> coef;
     for (int u = 0; u < desc.u; ++u) {
@@ -326,6 +347,7 @@ class Bridge {
       if (!gu.empty()) faults_.fetch_add(1);
       std::memset(s_.out, 0, sizeof(float) * size_t(desc.n) * d_);
     }
+    return int(gu.size());
   }
 
   const int layers_, experts_, d_, f_, max_rows_, max_picks_;
@@ -339,6 +361,7 @@ class Bridge {
   uint64_t enqueued_ = 0, served_ = 0;
   int64_t enqueued_at_ns_ = 0;
   Desc ring_[kRing];
+  Served timeline_[kTimeline];  // guarded by mu_
   uint64_t last_begin_ = 0;  // touched by the handlers' thread only
   std::atomic<int64_t> faults_{0}, busy_ns_{0};
   std::thread worker_;
@@ -429,6 +452,13 @@ void pdscope_host_experts_stats(int64_t handle, int64_t* served, int64_t* faults
   *served = b ? b->served() : 0;
   *faults = b ? b->faults() : 0;
   *busy = b ? b->busy_seconds() : 0.0;
+}
+
+// The bridge's latest served layers (at most max), oldest first, 4 int64 each: MoE position, experts computed,
+// and the steady-clock ns when the worker saw "go" and wrote "done". Returns how many were written.
+int64_t pdscope_host_experts_timeline(int64_t handle, int64_t* out, int64_t max) {
+  Bridge* b = bridge(handle);
+  return b ? b->timeline(out, max) : 0;
 }
 
 }  // extern "C"
