@@ -5,7 +5,8 @@ decode), then for every kernel setting `THREADS/GROUPS/SPIN_US/STREAM` (`--setti
 pool's threads, groups per thread, microseconds an idle pool thread spins before it sleeps, the streamed few-row
 path) and every run label (`--runs`, the bench's labels: `pdscope:copy=0` sends every miss to the host) runs one
 warm-up generation and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
-Reports per (setting, run): decode tok/s (median), host experts per step, the bridge worker's ms per host expert,
+With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not.
+Reports per (setting, run): decode tok/s (median), the host's ms inside one step's dispatch (median), host experts per step, the bridge worker's ms per host expert,
 and the kernel's profile over the decode steps only (ms per call: wall time of the compute, the mean and the
 slowest group; the slowest far above the mean means threads that started late or were preempted), the bridge's
 per-layer timeline (host compute, and the GPU's part between two host parts), the CPU
@@ -34,6 +35,8 @@ def parse_args(argv):
     p.add_argument("--model", default="deepseek-v2-lite")
     p.add_argument("--runs", nargs="+", default=["pdscope:copy=0", "pdscope:cpu", "pdscope:nocpu"])
     p.add_argument("--settings", nargs="+", default=["16/1/200/0"])
+    p.add_argument("--side-effects", nargs="+", type=int, default=[0],
+                   help="1: the bridge's calls declared side-effecting (jax's Python dispatch path); 0: not")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--tokens", type=int, default=32)
@@ -153,14 +156,16 @@ def kernel_alone(store, cfg, reps: int = 30) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    import jax
     import jax.numpy as jnp
 
     from _common import probe_result, random_loader
     from pdscope_jax import models
     from pdscope_jax.api import resolve
     from pdscope_jax.bench.runs import split_label
+    from pdscope_jax.engine.decode import DeviceDecode
     from pdscope_jax.engine.runner import OffloadRunner
-    from pdscope_jax.kernels import cpu_ffn
+    from pdscope_jax.kernels import cpu_ffn, host_experts
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.workloads import routing as workloads
 
@@ -174,7 +179,19 @@ def main(argv: list[str] | None = None) -> dict:
                       "host_alloc": runner.store.host_alloc, "cpu": cpu_limits()}), flush=True)
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.prompt_len)).astype(np.int32)
     records = []
-    for setting in args.settings:
+    step_host: list[float] = []
+    run_step = DeviceDecode.step
+
+    def timed_step(self, n):  # host seconds inside one decode step's dispatch
+        start = time.perf_counter()
+        run_step(self, n)
+        step_host.append(time.perf_counter() - start)
+
+    DeviceDecode.step = timed_step
+    for side_effect, setting in ((e, s) for e in args.side_effects for s in args.settings):
+        if host_experts.SIDE_EFFECT != bool(side_effect):
+            host_experts.SIDE_EFFECT = bool(side_effect)
+            jax.clear_caches()  # the decode step is traced again with the other declaration
         applied = apply_setting(setting)
         alone = kernel_alone(runner.store, cfg)
         print(json.dumps({"setting": setting, **applied, "kernel_alone": alone}), flush=True)
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
                 next(steps)  # prefill and the first token
                 throttled, threads_before, since = throttling(), thread_cpu(), time.monotonic_ns()
                 cpu_ffn.profile(True)
+                step_host.clear()
                 start = time.perf_counter()
                 for _ in steps:
                     pass
@@ -205,9 +223,11 @@ def main(argv: list[str] | None = None) -> dict:
                              "hit_rate": decode.hit_rate, "bridge_seconds": busy,
                              "throttled": throttled, "decode_seconds": seconds,
                              "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]},
+                             "dispatch_ms_median": 1e3 * statistics.median(step_host) if step_host else None,
                              "timeline": layer_timeline(runner, since)})
             last = host[-1]
-            record = {"setting": setting, **applied, "run": label, "decode_tok_s": statistics.median(tok_s),
+            record = {"setting": setting, **applied, "side_effect": bool(side_effect), "run": label,
+                      "dispatch_ms_median": last["dispatch_ms_median"], "decode_tok_s": statistics.median(tok_s),
                       "decode_tok_s_repeats": tok_s,
                       "host_experts_per_step": last["host_experts"] / (args.tokens - 1),
                       "ms_per_host_expert": (1e3 * last["bridge_seconds"] / last["host_experts"]
