@@ -20,7 +20,8 @@ to bf16 rounding. Eager or inside `jax.jit`; the path is chosen at trace time by
 `available()`: the library is built and loaded, its targets registered, and the CPU has AVX-512 BF16 (the
 kernel's portable path is correct but not fast, so "auto" uses it only when forced with `set_isa("portable")`).
 The library is compiled on first use (`kernels.build`); `PDSCOPE_CPU_KERNEL=0` disables it. Threads:
-`PDSCOPE_CPU_FFN_THREADS` or `set_threads(n)`, by default the CPUs this process may run on.
+`PDSCOPE_CPU_FFN_THREADS` or `set_threads(n)`, by default the CPUs this process may run on (less two where there
+are 8 or more); a call is cut into `set_groups(n)` groups per thread (`PDSCOPE_CPU_FFN_GROUPS`, 4 by default).
 """
 
 from __future__ import annotations

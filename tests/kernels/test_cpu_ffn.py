@@ -169,12 +169,14 @@ def test_more_groups_per_thread_change_only_the_summation_order(kernel, weights)
     agrees with one group per thread to float32 rounding; a setting <= 0 keeps the current one."""
     gate_up, down = weights
     h, coef, ids = case(4, 3, seed=21)
-    one = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    before = cpu_ffn.set_groups(0)
     try:
+        assert cpu_ffn.set_groups(1) == 1
+        one = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
         assert cpu_ffn.set_groups(5) == 5
         assert cpu_ffn.set_groups(0) == 5
         five = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
     finally:
-        cpu_ffn.set_groups(1)
+        cpu_ffn.set_groups(before)
     assert rel(five, one) < 1e-5
     assert np.any(one != 0)

@@ -66,8 +66,11 @@ int default_threads() {
     if (n > 0) return n;
   }
   cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(CPU_COUNT(&set), 1);
-  return std::max(int(std::thread::hardware_concurrency()), 1);
+  int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                           : int(std::thread::hardware_concurrency());
+  // Leave two cores to the process's other busy threads (the one launching the GPU's work, the bridge's worker)
+  // where there are many: a pool thread that shares a core with them holds up every call.
+  return cpus >= 8 ? cpus - 2 : std::max(cpus, 1);
 }
 
 std::mutex g_pool_mu;

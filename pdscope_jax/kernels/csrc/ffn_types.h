@@ -27,7 +27,7 @@ int env_int(const char* name, int fallback) {
 const int kGuPrefetch = env_int("PDSCOPE_CPU_FFN_PF_GU", 12);
 const int kDownPrefetch = env_int("PDSCOPE_CPU_FFN_PF_DOWN", 4);
 // Groups of units per pool thread in a call (see run_call; pdscope_cpu_ffn_set_groups changes it).
-std::atomic<int> g_groups_per_thread{std::max(env_int("PDSCOPE_CPU_FFN_GROUPS", 1), 1)};
+std::atomic<int> g_groups_per_thread{std::max(env_int("PDSCOPE_CPU_FFN_GROUPS", 4), 1)};
 
 enum Isa : int { kScalar = 0, kAvx512Bf16 = 2 };
 enum Format : int { kBf16 = 16, kInt8 = 8, kInt4 = 4 };  // the weights' stored format (its bits)
