@@ -8,11 +8,32 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 os.environ["PDSCOPE_JAX_COMPILE_CACHE"] = "0"  # runtime.COMPILE_CACHE_ENV; subprocesses inherit it
-# and off in this process whatever sets a cache directory: full runs crashed in XLA compiles made with it on
+# and off in this process whatever sets a cache directory
 jax.config.update("jax_enable_compilation_cache", False)
+# Every program XLA:CPU compiles maps about five memory regions until it is freed; a worker that keeps them all
+# crosses the kernel's limit on mappings (vm.max_map_count, 65,530 by default), and the next compile segfaults.
+MAPPINGS_BEFORE_CLEARING = 20_000
 
+
+import gc  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+
+def _mappings() -> int:
+    with open(Path("/proc/self/maps"), "rb") as maps:
+        return sum(1 for _ in maps)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _compiled_programs_stay_bounded():
+    """After a test module, past MAPPINGS_BEFORE_CLEARING mappings in this process, jax drops the programs it
+    compiled (the next module compiles what it runs), so a long run stays far below the kernel's limit."""
+    yield
+    if Path("/proc/self/maps").exists() and _mappings() > MAPPINGS_BEFORE_CLEARING:
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(autouse=True)
