@@ -20,7 +20,6 @@ Random weights.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -118,38 +117,20 @@ def apply_setting(setting: str) -> dict:
             "stream": cpu_ffn.set_stream(bool(stream))}
 
 
-def kernel_alone(store, cfg, reps: int = 30) -> dict:
-    """GB/s of expert bytes of the kernel on the store's experts, one row, no GPU work: median over `reps` calls
-    of k random experts of a random layer, per k."""
+def kernel_alone(store, cfg) -> dict:
+    """GB/s of expert bytes of the kernel alone (no GPU work), one row, on the store's experts of three layers
+    (more than the caches hold), per experts in a call; and the pool's read bandwidth."""
     from pdscope_jax.kernels import cpu_ffn
 
-    lib = cpu_ffn.library()
-    run = lib.pdscope_cpu_ffn_run_bf16
-    run.restype = ctypes.c_int
-    run.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    expert_bytes = 3 * d * f * 2
-    rng = np.random.default_rng(1)
-    h = (rng.standard_normal(d) * 0.1).astype(np.float32).view(np.uint32) >> 16
-    h = h.astype(np.uint16)
-    out = np.zeros(d, np.float32)
+    gate_ups, downs = [], []
+    for layer in cfg.moe_layers[:3]:
+        gus, dns = store.host_addresses(layer)
+        gate_ups, downs = gate_ups + gus, downs + dns
     figures = {}
     for k in (1, 2, 6):
-        coef = np.full(k, 1.0 / k, np.float32)
-        times = []
-        for _ in range(reps):
-            layer = int(rng.choice(cfg.moe_layers))
-            gus, dns = store.host_addresses(layer)
-            ids = rng.choice(len(gus), k, replace=False)
-            gu = np.array([gus[i] for i in ids], np.uint64)
-            dn = np.array([dns[i] for i in ids], np.uint64)
-            start = time.perf_counter()
-            assert run(h.ctypes.data, coef.ctypes.data, 1, d, f, k, gu.ctypes.data, dn.ctypes.data,
-                       out.ctypes.data) == 0
-            times.append(time.perf_counter() - start)
-        seconds = statistics.median(times[2:])
-        figures[f"k{k}"] = {"ms": 1e3 * seconds, "gb_s": k * expert_bytes / seconds / 1e9}
+        seconds = cpu_ffn.seconds_per_expert(gate_ups, downs, (d, f), per_call=k, repeats=30)
+        figures[f"k{k}"] = {"ms": 1e3 * seconds * k, "gb_s": 3 * d * f * 2 / seconds / 1e9}
     figures["read_gb_s"] = cpu_ffn.read_bandwidth(1 << 30, 3)
     return figures
 

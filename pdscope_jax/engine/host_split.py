@@ -4,8 +4,9 @@ Contract: `HostSplit(store, config, device, expert_dtype)`; `for_step(runtime, p
 `device_decode.HostExperts`, or None (every miss is copied) with decode_cpu_experts "off", for a planner without
 the `decode_host_experts` capability, or with "auto" where the bridge cannot run (`why_not` then says why: not a
 CUDA GPU, experts not bf16, no kernel). The share of a layer's misses copied: 0 for a planner that never copies
-in decode (`decode_copies` False), else RuntimeConfig.decode_copy_share, else from the costs: the host's time
-for one expert over the host's and the link's together, so that the two parts of a layer take about as long;
+in decode (`decode_copies` False), else RuntimeConfig.decode_copy_share, else the host's time for one expert over
+the host's and the link's (the cost table's) together, so that the two parts of a layer take about as long; the
+host's time is the bridge's kernel timed once on the store's experts (the cost table's CPU time without a bridge);
 a planner that copies also fills free slots first (`HostExperts.fill_free`).
 A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
 engine's collection, stops them.
@@ -18,13 +19,14 @@ import weakref
 import jax.numpy as jnp
 
 from pdscope_jax.engine.device_decode import HostExperts
-from pdscope_jax.kernels import host_experts
+from pdscope_jax.kernels import cpu_ffn, host_experts
 
 
 class HostSplit:
     def __init__(self, store, config, device, expert_dtype):
         self.store, self.config, self.device, self.dtype = store, config, device, expert_dtype
         self.bridges: dict[int, host_experts.Bridge | None] = {}
+        self.host_seconds: dict[int, float] = {}  # per batch: the bridge's kernel time for one expert, measured
         self.why_not = ""
         weakref.finalize(self, _close, self.bridges)  # the engine gone: stop its workers, free their staging
 
@@ -32,17 +34,37 @@ class HostSplit:
         mode = runtime.decode_cpu_experts
         if mode == "off" or not planner.decode_host_experts:
             return None
+        bridge = None
+        if mode != "xla":
+            bridge = self.bridges[batch] if batch in self.bridges else self._bridge(batch)
+            if bridge is None:
+                return None
         if not planner.decode_copies:
             share = 0.0
         elif runtime.decode_copy_share is not None:
             share = float(runtime.decode_copy_share)
         else:
-            host, link = costs.t_cpu(batch), costs.t_transfer(1)
+            host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
             share = round(host / (host + link), 2)
-        if mode == "xla":
-            return HostExperts(share, None, planner.decode_copies)
-        bridge = self.bridges[batch] if batch in self.bridges else self._bridge(batch)
-        return None if bridge is None else HostExperts(share, bridge, planner.decode_copies)
+        return HostExperts(share, bridge, planner.decode_copies)
+
+    def _host_seconds(self, costs, batch: int, bridge) -> float:
+        """The host's seconds for one expert of a decode step: with a bridge, its kernel timed once on the
+        store's own experts (read where they lie, as the bridge reads them); else the cost table's CPU time."""
+        if bridge is None:
+            return costs.t_cpu(batch)
+        if batch not in self.host_seconds:
+            cfg = self.config
+            gate_ups, downs = [], []
+            for layer in cfg.moe_layers[:3]:  # more bytes than a CPU's caches hold
+                gus, dns = self.store.host_addresses(layer)
+                gate_ups += gus
+                downs += dns
+            per_call = max(1, min(batch * cfg.num_experts_per_tok, cfg.num_experts) // 2)
+            measured = cpu_ffn.seconds_per_expert(gate_ups, downs, (cfg.hidden_size, cfg.moe_intermediate_size),
+                                                  per_call, batch)
+            self.host_seconds[batch] = costs.t_cpu(batch) if measured is None else measured
+        return self.host_seconds[batch]
 
     def _bridge(self, batch: int) -> host_experts.Bridge | None:
         cfg = self.config

@@ -74,6 +74,9 @@ def _load() -> ctypes.CDLL | None:
                  "pdscope_cpu_ffn_set_groups"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
+    lib.pdscope_cpu_ffn_run_bf16.restype = ctypes.c_int
+    lib.pdscope_cpu_ffn_run_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [
+        ctypes.c_void_p] * 3
     lib.pdscope_cpu_ffn_read.restype = None
     lib.pdscope_cpu_ffn_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.pdscope_cpu_ffn_profile.restype = None
@@ -155,6 +158,35 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
         lib.pdscope_cpu_ffn_read(buffer.ctypes.data, buffer.nbytes)
         times.append(time.perf_counter() - start)
     return buffer.nbytes / float(np.median(times[1:])) / 1e9
+
+
+def seconds_per_expert(gate_ups: Sequence[int], downs: Sequence[int], dims: tuple[int, int], per_call: int = 2,
+                       rows: int = 1, repeats: int = 12) -> float | None:
+    """Seconds the kernel takes per expert: the median of `repeats` calls (after one untimed), each of `rows` rows
+    routed to the next `per_call` experts of those whose bf16 weights lie at the host addresses gate_ups[i]
+    ([D, 2F]) and downs[i] ([F, D]), read where they lie; dims (D, F). Give more experts than the CPU's caches hold
+    (calls cycle through them) for the time of weights that come from memory. None where not built."""
+    import time
+
+    lib = library()
+    if lib is None or not gate_ups:
+        return None
+    d, f = dims
+    k = min(per_call, len(gate_ups))
+    h = np.full((rows, d), 0x3C00, np.uint16)  # bf16 0.0078125: the values do not change the time
+    coef = np.full((k, rows), 1.0 / k, np.float32)
+    out = np.empty((rows, d), np.float32)
+    gu, dn = np.asarray(gate_ups, np.uint64), np.asarray(downs, np.uint64)
+    times = []
+    for rep in range(repeats + 1):
+        at = (np.arange(k) + rep * k) % len(gu)
+        gu_call, dn_call = np.ascontiguousarray(gu[at]), np.ascontiguousarray(dn[at])
+        start = time.perf_counter()
+        if lib.pdscope_cpu_ffn_run_bf16(h.ctypes.data, coef.ctypes.data, rows, d, f, k, gu_call.ctypes.data,
+                                        dn_call.ctypes.data, out.ctypes.data) != 0:
+            raise ValueError(f"the kernel takes hidden and intermediate sizes that are multiples of 32, not {dims}")
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:])) / k
 
 
 PROFILE_FIELDS = ("setup", "compute", "reduce", "gate_up", "act", "down", "groups", "slowest_group")

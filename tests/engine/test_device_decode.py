@@ -342,3 +342,21 @@ def test_an_engines_bridges_stop_when_it_is_collected():
     import gc
     gc.collect()
     assert len(closed) == 1
+
+
+def test_the_copy_share_with_a_bridge_comes_from_its_kernel_timed_on_the_stores_experts(ds):
+    """With a bridge (a stand-in here: only its presence matters), the host's time for one expert is the CPU
+    kernel timed once on the store's own experts, not the cost table's CPU time, and the share balances it
+    against the link's time for one expert."""
+    from pdscope_jax.kernels import cpu_ffn
+
+    if not cpu_ffn.built():
+        pytest.skip("the CPU expert kernel is not built here")
+    runner = ds.runner("pdscope", _slots(ds, "small"), decode_cpu_experts="auto")
+    split, bridge = runner.host_split, object()
+    split._bridge = lambda batch: split.bridges.setdefault(batch, bridge)
+    host = split.for_step(runner.runtime, runner.planner, runner.costs, 1)
+    measured, link = split.host_seconds[1], runner.costs.t_transfer(1)
+    assert host.bridge is bridge and 0 < measured < 0.1 and measured != runner.costs.t_cpu(1)
+    assert host.copy_share == round(measured / (measured + link), 2)
+    split.bridges.clear()  # the stand-in has nothing to close

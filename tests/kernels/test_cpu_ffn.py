@@ -180,3 +180,19 @@ def test_more_groups_per_thread_change_only_the_summation_order(kernel, weights)
         cpu_ffn.set_groups(before)
     assert rel(five, one) < 1e-5
     assert np.any(one != 0)
+
+
+def test_seconds_per_expert_times_the_kernel_on_weights_where_they_lie(kernel):
+    """The calibration the host split uses: a positive time per expert from weights read in place, and twice the
+    rows of a call never make it cheaper per expert than half (the time grows with the work)."""
+    rng = np.random.default_rng(3)
+    experts = [(np.asarray(rng.standard_normal((D, 2 * F)) * 0.05, jnp.bfloat16),
+                np.asarray(rng.standard_normal((F, D)) * 0.05, jnp.bfloat16)) for _ in range(6)]
+    gate_ups = [gu.ctypes.data for gu, _ in experts]
+    downs = [dn.ctypes.data for _, dn in experts]
+    one = cpu_ffn.seconds_per_expert(gate_ups, downs, (D, F), per_call=2, rows=1, repeats=5)
+    many = cpu_ffn.seconds_per_expert(gate_ups, downs, (D, F), per_call=2, rows=64, repeats=5)
+    assert one is not None and 0 < one < 1.0
+    assert many > one / 2
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu_ffn.seconds_per_expert(gate_ups, downs, (D, F + 1))
