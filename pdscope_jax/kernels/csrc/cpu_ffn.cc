@@ -45,7 +45,6 @@
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
-#include <sched.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -60,19 +59,6 @@ namespace {
 
 using namespace pdscope_cpu_ffn;
 
-int default_threads() {
-  if (const char* env = std::getenv("PDSCOPE_CPU_FFN_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  cpu_set_t set;
-  int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
-                                                           : int(std::thread::hardware_concurrency());
-  // Leave two cores to the process's other busy threads (the one launching the GPU's work, the bridge's worker)
-  // where there are many: a pool thread that shares a core with them holds up every call.
-  return cpus >= 8 ? cpus - 2 : std::max(cpus, 1);
-}
-
 std::mutex g_pool_mu;
 std::unique_ptr<Pool> g_pool;
 std::atomic<int> g_isa{-1};  // -1: not chosen yet
@@ -86,7 +72,7 @@ double g_profile_totals[kProfileFields] = {0};
 
 Pool& pool() {
   std::lock_guard<std::mutex> lock(g_pool_mu);
-  if (!g_pool) g_pool = std::make_unique<Pool>(default_threads());
+  if (!g_pool) g_pool = std::make_unique<Pool>(default_pool_size());
   return *g_pool;
 }
 
@@ -384,25 +370,6 @@ ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coe
   return checked_run(c, h, coef, out);
 }
 
-struct ReadArgs {
-  const uint8_t* data;
-  size_t bytes;
-};
-constexpr size_t kReadTask = size_t(1) << 20;
-
-void read_task(void* ctx, int task) {
-  auto* args = static_cast<ReadArgs*>(ctx);
-  const size_t lo = size_t(task) * kReadTask, hi = std::min(args->bytes, lo + kReadTask);
-  uint64_t acc = 0;
-  for (size_t i = lo; i + 8 <= hi; i += 64) {
-    uint64_t v;
-    std::memcpy(&v, args->data + i, 8);
-    acc += v;
-  }
-  static std::atomic<uint64_t> sink;
-  sink.fetch_add(acc, std::memory_order_relaxed);
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_cpu_ffn_list, ffn_list,
@@ -490,7 +457,7 @@ int pdscope_cpu_ffn_profile_read(double* out, int n) {
 int pdscope_cpu_ffn_set_threads(int n) {
   std::lock_guard<std::mutex> lock(g_pool_mu);
   g_pool.reset();
-  g_pool = std::make_unique<Pool>(n > 0 ? n : default_threads());
+  g_pool = std::make_unique<Pool>(n > 0 ? n : default_pool_size());
   return g_pool->size();
 }
 
@@ -510,8 +477,7 @@ int pdscope_cpu_ffn_run_bf16(const uint16_t* h, const float* coef, int n, int d,
 
 // Read `bytes` at `data` once with the pool (one 8-byte load per 64-byte line): a memory bandwidth probe.
 void pdscope_cpu_ffn_read(const void* data, size_t bytes) {
-  ReadArgs args{static_cast<const uint8_t*>(data), bytes};
-  pool().Run(read_task, &args, int((bytes + kReadTask - 1) / kReadTask));
+  read_once(pool(), static_cast<const uint8_t*>(data), bytes);
 }
 
 }  // extern "C"

@@ -1,4 +1,4 @@
-// The kernel's thread pool, kept across calls.
+// The kernel's thread pool, kept across calls; its default size; a memory bandwidth probe run on it.
 // Part of cpu_ffn.cc (one translation unit); see its header comment for the contract.
 #pragma once
 
@@ -11,6 +11,10 @@
 #include <thread>
 
 #include <pthread.h>
+#include <sched.h>
+
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -122,5 +126,44 @@ class Pool {
   void* ctx_ = nullptr;
   int tasks_ = 0;
 };
+
+// The pool's size unless told: PDSCOPE_CPU_FFN_THREADS, else the CPUs this process may run on.
+inline int default_pool_size() {
+  if (const char* env = std::getenv("PDSCOPE_CPU_FFN_THREADS")) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  cpu_set_t set;
+  int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                           : int(std::thread::hardware_concurrency());
+  // Leave two cores to the process's other busy threads (the one launching the GPU's work, the bridge's worker)
+  // where there are many: a pool thread that shares a core with them holds up every call.
+  return cpus >= 8 ? cpus - 2 : std::max(cpus, 1);
+}
+
+struct ReadArgs {
+  const uint8_t* data;
+  size_t bytes;
+};
+constexpr size_t kReadTask = size_t(1) << 20;
+
+inline void read_task(void* ctx, int task) {
+  auto* args = static_cast<ReadArgs*>(ctx);
+  const size_t lo = size_t(task) * kReadTask, hi = std::min(args->bytes, lo + kReadTask);
+  uint64_t acc = 0;
+  for (size_t i = lo; i + 8 <= hi; i += 64) {
+    uint64_t v;
+    std::memcpy(&v, args->data + i, 8);
+    acc += v;
+  }
+  static std::atomic<uint64_t> sink;
+  sink.fetch_add(acc, std::memory_order_relaxed);
+}
+
+// Read `bytes` at `data` once with the pool's threads (one 8-byte load per 64-byte line): a bandwidth probe.
+inline void read_once(Pool& pool, const uint8_t* data, size_t bytes) {
+  ReadArgs args{data, bytes};
+  pool.Run(read_task, &args, int((bytes + kReadTask - 1) / kReadTask));
+}
 
 }  // namespace pdscope_cpu_ffn
