@@ -1,7 +1,7 @@
 """`load()` and the `Runner`: the public entry point.
 
 Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, revision=None,
-compile_cache=True, quantize=None, quant_cache=True, **runtime)`
+compile_cache=True, quantize=None, quant_cache=True, accelerators=None, **runtime)`
 resolves
 1. a preset name (`pdscope_jax.presets`): random weights (`weights=None` or "random"), or `weights=<directory>`
    holding that architecture's safetensors;
@@ -11,7 +11,9 @@ resolves
    ~/.cache/huggingface/hub; the snapshot `refs/main` names, or `revision=`); nothing is downloaded here
    (`pdscope-jax download NAME` fetches);
 otherwise it raises `UnknownModelError` listing the known names.
-Without `policy` the model runs whole on the default device (`Runner`). With a policy name (`gpu`, `static`,
+Without `policy` the model runs whole on the default device (`Runner`), or with `accelerators=N` on this
+process's first N devices, each MoE layer's routed experts split E/N per device (`parallel.expert_parallel`; N
+must divide E; the offload engine runs on one accelerator). With a policy name (`gpu`, `static`,
 `ondemand`, `greedy`, `fate`, `pdscope`) the offload engine runs it (`engine.runner.OffloadRunner`, same
 `logits`/`generate` calls; same numbers: float32 logits within 1e-4 of the plain model's; bfloat16 logits and
 greedy tokens identical where XLA runs with `XLA_FLAGS=--xla_allow_excess_precision=false` and the CPU expert
@@ -64,11 +66,12 @@ EMBEDDED = {"reference-moe": ASSETS / "reference-moe"}  # checkpoints shipped in
 
 
 class Runner:
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None):
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer | None = None,
+                 input_sharding: jax.sharding.Sharding | None = None):
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
-        self._generator = Generator(model)
+        self._generator = Generator(model, input_sharding)
 
     _limits: dict = {}  # max_batch / max_seq_len the engine was sized for (none for the whole model)
 
@@ -157,11 +160,12 @@ def resolve(name_or_path: str, revision: str | None = None) -> tuple[ModelConfig
 def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: str = "bfloat16",
          policy: str | None = None, predictors: str | Path | None = None, revision: str | None = None,
          compile_cache: bool | str | Path = True, quantize: str | None = None,
-         quant_cache: bool | str | Path = True, **runtime):
-    rc = check_load(dtype, seed, policy, predictors, runtime, quantize)  # before anything is read or built
+         quant_cache: bool | str | Path = True, accelerators: int | None = None, **runtime):
+    rc = check_load(dtype, seed, policy, predictors, runtime, quantize, accelerators)  # before anything is read
     cfg, checkpoint = resolve(str(name_or_path), revision)
     if quantize is not None:
         check_quantizable(cfg, quantize)  # the config alone tells: before any weight is opened
+    mesh = accelerator_mesh(cfg, accelerators) if accelerators not in (None, 1) else None
     from pdscope_jax.runtime import enable_compile_cache
 
     enable_compile_cache(compile_cache)
@@ -190,7 +194,13 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     if rc is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         model = models.from_flat(cfg, jdtype, loader(list(shapes), lambda path: device))
-        runner = Runner(model, tokenizer)
+        inputs = None
+        if mesh is not None:  # the experts split over the mesh, everything else and the inputs replicated
+            from pdscope_jax.parallel import expert_parallel
+
+            model = expert_parallel(model, mesh)
+            inputs = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        runner = Runner(model, tokenizer, inputs)
         runner.checkpoint = checkpoint
         return runner
     from pdscope_jax.engine.runner import OffloadRunner
@@ -220,7 +230,34 @@ def check_quantizable(cfg: ModelConfig, quantize: str) -> None:
     raise_problems(quantize_problems(cfg, quantize), "load")
 
 
-def check_load(dtype, seed, policy, predictors, runtime: dict, quantize=None):
+def accelerator_mesh(cfg: ModelConfig, accelerators: int):
+    """The expert-parallel mesh over this process's first `accelerators` devices; `parallel.ExpertParallelError`
+    where they do not split the model's routed experts evenly."""
+    from pdscope_jax.parallel import check_split, expert_mesh
+
+    mesh = expert_mesh(jax.devices()[:accelerators])
+    check_split(cfg.num_experts, mesh)
+    return mesh
+
+
+def accelerator_problems(accelerators, policy) -> list[str]:
+    """Why `accelerators` cannot be used as given (empty when it can; None means one device, unsplit)."""
+    if accelerators is None:
+        return []
+    if isinstance(accelerators, bool) or not isinstance(accelerators, int) or accelerators < 1:
+        return [f"accelerators must be a positive integer (devices to split the experts over), got {accelerators!r}"]
+    available = len(jax.devices())
+    problems = []
+    if accelerators > available:
+        problems.append(f"accelerators={accelerators}, but this process sees {available} device(s) "
+                        f"({jax.devices()[0].platform}); use at most {available}")
+    if policy is not None and accelerators > 1:
+        problems.append(f"accelerators={accelerators} splits the whole model's experts over devices (policy=None); "
+                        f"the offload engine (policy={policy!r}) runs on one accelerator: drop one of the two")
+    return problems
+
+
+def check_load(dtype, seed, policy, predictors, runtime: dict, quantize=None, accelerators=None):
     """The RuntimeConfig of a `load` call (None without a policy), after checking every setting at once."""
     import dataclasses
 
@@ -234,6 +271,7 @@ def check_load(dtype, seed, policy, predictors, runtime: dict, quantize=None):
     if not isinstance(dtype, str) or dtype not in DTYPES:
         problems.append(f"dtype {dtype!r} is not supported; supported: {', '.join(DTYPES)}")
     problems += seed_problems(seed)
+    problems += accelerator_problems(accelerators, policy)
     if policy is None:
         if runtime or predictors is not None:
             problems.append(f"{', '.join([*runtime, *(['predictors'] if predictors else [])])} only apply with a "

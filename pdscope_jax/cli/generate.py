@@ -1,7 +1,8 @@
 """`pdscope-jax generate`: generate from a prompt (text or token ids) with any model and policy.
 
 Contract: `main(argv)` loads MODEL through `pdscope_jax.load` (preset names use seeded random weights unless
-`--weights DIR`; `--revision` picks a Hugging Face cache snapshot), runs the model whole or under `--policy` with
+`--weights DIR`; `--revision` picks a Hugging Face cache snapshot), runs the model whole (on `--accelerators N`
+devices, the routed experts split over them) or under `--policy` with
 `--gpu-memory` / `--expert-pool` (and the KV cache sized by `--max-seq-len` / `--max-batch`), prints the
 continuation (text when the checkpoint has a tokenizer, token ids otherwise) and the per-phase throughput.
 Every argument that can be checked without weights (ids, sampling settings, policy, sizes, lengths) is checked
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
                              "default 4096)")
     parser.add_argument("--max-batch", type=int, help="sequences the offloaded KV cache holds (with --policy; default 1)")
     parser.add_argument("--revision", help="branch, tag or commit of a Hugging Face cache model (default: refs/main)")
+    parser.add_argument("--accelerators", type=int,
+                        help="run the whole model (no --policy) on N devices, each MoE layer's routed experts split "
+                             "E/N per device (default: one device)")
     args = parser.parse_args(argv)
 
     import pdscope_jax
@@ -57,14 +61,15 @@ def main(argv: list[str] | None = None) -> int:
             ids = [[int(token) for token in args.ids.split(",")]]
         except ValueError:
             problems.append(f"--ids: expected comma-separated integers such as 1,2,3, got {args.ids!r}")
-    rc = collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize)
+    rc = collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize,
+                 args.accelerators)
     limits = {} if rc is None else {"max_batch": rc.max_batch, "max_seq_len": rc.max_seq_len}
     collect(problems, check_request, ids if ids is not None else [[0]], None, resolve(args.model, args.revision)[0].vocab_size,
             args.new_tokens, args.temperature, args.top_k, args.seed, **limits)
     raise_problems(problems, "bad arguments")
     runner = pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
                               policy=args.policy, predictors=args.predictors, revision=args.revision,
-                              quantize=args.quantize, **runtime)
+                              quantize=args.quantize, accelerators=args.accelerators, **runtime)
     if ids is not None:
         prompt = ids
     elif args.prompt is not None:
