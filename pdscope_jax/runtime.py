@@ -118,9 +118,9 @@ class RuntimeConfig:
     decode_cpu_experts: str = "off"  # device decode computes part of a layer's misses on the host's CPU while
     # the rest are copied: "auto" through the CUDA bridge (kernels.host_experts) where it runs, else none;
     # "xla": XLA ops on the pinned weights on any backend (tests); "off": every miss is copied (the default
-    # until the host's part is faster than copying in the engine: docs/MEASUREMENTS.md, call 80)
+    # until the host's part is measured faster than copying in the engine: docs/MEASUREMENTS.md)
     decode_copy_share: float | None = None  # share of a layer's misses copied when the host computes the rest
-    # (None: from the cost table, the host's time for an expert over the host's and the link's together)
+    # (None: the host's time for an expert over the host's and the link's together: engine.host_split)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)

@@ -2,7 +2,9 @@
 no persistent compilation cache unless a test turns one on (tests must not fill the user's cache directory, and
 every test compiles what it runs)."""
 
+import gc
 import os
+from pathlib import Path
 
 import jax
 
@@ -13,16 +15,13 @@ jax.config.update("jax_enable_compilation_cache", False)
 # Every program XLA:CPU compiles maps about five memory regions until it is freed; a worker that keeps them all
 # crosses the kernel's limit on mappings (vm.max_map_count, 65,530 by default), and the next compile segfaults.
 MAPPINGS_BEFORE_CLEARING = 20_000
-
-
-import gc  # noqa: E402
-from pathlib import Path  # noqa: E402
+MAPS = Path("/proc/self/maps")
 
 import pytest  # noqa: E402
 
 
 def _mappings() -> int:
-    with open(Path("/proc/self/maps"), "rb") as maps:
+    with open(MAPS, "rb") as maps:
         return sum(1 for _ in maps)
 
 
@@ -31,7 +30,7 @@ def _compiled_programs_stay_bounded():
     """After a test module, past MAPPINGS_BEFORE_CLEARING mappings in this process, jax drops the programs it
     compiled (the next module compiles what it runs), so a long run stays far below the kernel's limit."""
     yield
-    if Path("/proc/self/maps").exists() and _mappings() > MAPPINGS_BEFORE_CLEARING:
+    if MAPS.exists() and _mappings() > MAPPINGS_BEFORE_CLEARING:
         jax.clear_caches()
         gc.collect()
 

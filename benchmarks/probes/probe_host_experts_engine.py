@@ -118,19 +118,15 @@ def apply_setting(setting: str) -> dict:
 
 
 def kernel_alone(store, cfg) -> dict:
-    """GB/s of expert bytes of the kernel alone (no GPU work), one row, on the store's experts of three layers
-    (more than the caches hold), per experts in a call; and the pool's read bandwidth."""
+    """GB/s of expert bytes of the kernel alone (no GPU work), one row, on the store's experts (those the host split
+    times), per experts in a call; and the pool's read bandwidth."""
+    from pdscope_jax.engine.host_split import kernel_seconds_per_expert
     from pdscope_jax.kernels import cpu_ffn
 
-    d, f = cfg.hidden_size, cfg.moe_intermediate_size
-    gate_ups, downs = [], []
-    for layer in cfg.moe_layers[:3]:
-        gus, dns = store.host_addresses(layer)
-        gate_ups, downs = gate_ups + gus, downs + dns
     figures = {}
     for k in (1, 2, 6):
-        seconds = cpu_ffn.seconds_per_expert(gate_ups, downs, (d, f), per_call=k, repeats=30)
-        figures[f"k{k}"] = {"ms": 1e3 * seconds * k, "gb_s": 3 * d * f * 2 / seconds / 1e9}
+        seconds = kernel_seconds_per_expert(store, cfg, k, repeats=30)
+        figures[f"k{k}"] = {"ms": 1e3 * seconds * k, "gb_s": cfg.expert_bytes(2) / seconds / 1e9}
     figures["read_gb_s"] = cpu_ffn.read_bandwidth(1 << 30, 3)
     return figures
 

@@ -55,14 +55,8 @@ class HostSplit:
             return costs.t_cpu(batch)
         if batch not in self.host_seconds:
             cfg = self.config
-            gate_ups, downs = [], []
-            for layer in cfg.moe_layers[:3]:  # more bytes than a CPU's caches hold
-                gus, dns = self.store.host_addresses(layer)
-                gate_ups += gus
-                downs += dns
             per_call = max(1, min(batch * cfg.num_experts_per_tok, cfg.num_experts) // 2)
-            measured = cpu_ffn.seconds_per_expert(gate_ups, downs, (cfg.hidden_size, cfg.moe_intermediate_size),
-                                                  per_call, batch)
+            measured = kernel_seconds_per_expert(self.store, cfg, per_call, batch)
             self.host_seconds[batch] = costs.t_cpu(batch) if measured is None else measured
         return self.host_seconds[batch]
 
@@ -83,6 +77,18 @@ class HostSplit:
 
     def close(self) -> None:
         _close(self.bridges)
+
+
+def kernel_seconds_per_expert(store, config, per_call: int, rows: int = 1, repeats: int = 12) -> float | None:
+    """`cpu_ffn.seconds_per_expert` on the store's own bf16 experts of the first three MoE layers (more bytes than
+    a CPU's caches hold), read where they lie as the bridge reads them; None where the kernel is not built."""
+    gate_ups, downs = [], []
+    for layer in config.moe_layers[:3]:
+        gus, dns = store.host_addresses(layer)
+        gate_ups += gus
+        downs += dns
+    return cpu_ffn.seconds_per_expert(gate_ups, downs, (config.hidden_size, config.moe_intermediate_size),
+                                      per_call, rows, repeats)
 
 
 def _close(bridges: dict) -> None:

@@ -7,15 +7,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include <pthread.h>
 #include <sched.h>
-
-#include <cstdlib>
-#include <cstring>
-#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
