@@ -12,8 +12,8 @@ Contract:
 - Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"torch"` (one pinned buffer per layer
   imported zero-copy through dlpack; the `torch` extra, a CUDA build); `"auto"`: torch on a GPU where it has
   CUDA, else jax. Torch because only one allocation per layer gives stacks the experts alias (one host copy), and
-  device decode copies a layer's misses from a stack at once (H200, MEASUREMENTS.md call 25: 6 experts 2.58 ms,
-  2.87 one by one from per-expert arrays); the cited GPU results ran so. `store.host_alloc` says which ran.
+  device decode copies a layer's misses from a stack at once (faster than one by one from per-expert arrays:
+  docs/MEASUREMENTS.md); the cited GPU results ran so. `store.host_alloc` says which ran.
 - Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts
   by a computed index (`engine.device_decode`, `pull_traced`): free with torch; with jax only when `stacks=True`,
   as a second pinned copy (counted in host_bytes_per_model_byte).
