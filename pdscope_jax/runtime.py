@@ -121,6 +121,8 @@ class RuntimeConfig:
     # until the host's part is measured faster than copying in the engine: docs/MEASUREMENTS.md)
     decode_copy_share: float | None = None  # share of a layer's misses copied when the host computes the rest
     # (None: the host's time for an expert over the host's and the link's together: engine.host_split)
+    decode_bridge_copies: bool = True  # device decode's copies are made by the CUDA bridge's worker (DMA) where
+    # the bridge runs, so the step has no conditional per layer and the host runs ahead; False: by the program
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)

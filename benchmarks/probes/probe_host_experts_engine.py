@@ -6,7 +6,8 @@ pool's threads, groups per thread, microseconds an idle pool thread spins before
 path) and every run label (`--runs`, the bench's labels: `pdscope:copy=0` sends every miss to the host) runs one
 warm-up generation and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
 With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not.
-Reports per (setting, run): decode tok/s (median), the host's ms inside one step's dispatch (median), host experts per step, the bridge worker's ms per host expert,
+Reports per (setting, run): decode tok/s (median), the greedy tokens and whether they equal the first run's,
+bridge faults, the host's ms inside one step's dispatch (median), host experts per step, the bridge worker's ms per host expert,
 and the kernel's profile over the decode steps only (ms per call: wall time of the compute, the mean and the
 slowest group; the slowest far above the mean means threads that started late or were preempted), the bridge's
 per-layer timeline (host compute, and the GPU's part between two host parts), the CPU
@@ -174,20 +175,21 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"setting": setting, **applied, "kernel_alone": alone}), flush=True)
         for label in args.runs:
             policy, switches = split_label(label)
-            runner.set_policy(policy, **{"decode_cpu_experts": "off", "decode_copy_share": None, **switches})
+            runner.set_policy(policy, **{"decode_cpu_experts": "off", "decode_copy_share": None,
+                                         "decode_bridge_copies": True, **switches})
             runner.warmup(1, args.prompt_len, args.tokens)
             tok_s, profiles, host = [], [], []
             for _ in range(args.repeats):
                 runner.reset_stats()
                 before = {b: s["seconds"] for b, s in runner._host_stats()["bridges"].items()}
                 steps = runner.steps(prompt, args.tokens)
-                next(steps)  # prefill and the first token
+                tokens = [int(np.asarray(next(steps).token)[0])]  # prefill and the first token
                 throttled, threads_before, since = throttling(), thread_cpu(), time.monotonic_ns()
                 cpu_ffn.profile(True)
                 step_host.clear()
                 start = time.perf_counter()
-                for _ in steps:
-                    pass
+                for sampled in steps:
+                    tokens.append(int(np.asarray(sampled.token)[0]))
                 seconds = time.perf_counter() - start
                 cpu_ffn.profile(False)
                 throttled = {k: v - throttled[k] for k, v in throttling().items()}
@@ -197,7 +199,7 @@ def main(argv: list[str] | None = None) -> dict:
                 busy = sum(s["seconds"] - before.get(b, 0.0) for b, s in runner._host_stats()["bridges"].items())
                 tok_s.append((args.tokens - 1) / seconds)
                 host.append({"host_experts": decode.cpu_experts, "gpu_experts": decode.gpu_experts,
-                             "hit_rate": decode.hit_rate, "bridge_seconds": busy,
+                             "hit_rate": decode.hit_rate, "bridge_seconds": busy, "tokens": tokens,
                              "throttled": throttled, "decode_seconds": seconds,
                              "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]},
                              "dispatch_ms_median": 1e3 * statistics.median(step_host) if step_host else None,
@@ -213,8 +215,12 @@ def main(argv: list[str] | None = None) -> dict:
                       "thread_cpu_seconds": last["thread_cpu_seconds"],
                       "timeline": {k: v for k, v in (last["timeline"] or {}).items() if k != "per_position"},
                       "repeats": host,
-                      "kernel_alone": alone, "why_not": runner.host_split.why_not}
-            print(json.dumps({k: v for k, v in record.items() if k not in ("repeats", "kernel_alone")}), flush=True)
+                      "kernel_alone": alone, "why_not": runner.host_split.why_not,
+                      "bridge_faults": sum(s["faults"] for s in runner._host_stats()["bridges"].values()),
+                      "tokens": last["tokens"],
+                      "same_tokens_as_first_run": records[0]["tokens"] == last["tokens"] if records else True}
+            print(json.dumps({k: v for k, v in record.items() if k not in ("repeats", "kernel_alone", "tokens")}),
+                  flush=True)
             records.append(record)
     return probe_result("host experts inside the one-program decode step, per kernel setting (random weights)",
                         runner.devices, records, args.out, model=cfg.name, weights="random (seeded, seed 0)",

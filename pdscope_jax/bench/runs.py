@@ -4,9 +4,10 @@ reference run and token parity, the hot table, the host profile.
 Contract
 - `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
   name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
-  `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`. A label is a policy NAME with
-  suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off), `:cpu` / `:nocpu`
-  (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F). With `args.ablation` the runs are `ABLATION`
+  `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`. A label
+  is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
+  `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
+  (`decode_bridge_copies` off). With `args.ablation` the runs are `ABLATION`
   then the plain run.
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
@@ -31,7 +32,8 @@ NO_BANK = ":nobank"  # a policy name's suffix: RuntimeConfig.decode_bank off (de
 NO_CPU = ":nocpu"  # a policy name's suffix: RuntimeConfig.decode_cpu_experts off (device decode copies every miss)
 WITH_CPU = ":cpu"  # a policy name's suffix: decode_cpu_experts "auto" (the host computes part, through the bridge)
 COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
-SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU)
+PROGRAM_COPIES = ":progcopy"  # a policy name's suffix: RuntimeConfig.decode_bridge_copies off (the program copies)
+SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES)
 
 
 def split_label(label: str) -> tuple[str, dict]:
@@ -48,6 +50,8 @@ def split_label(label: str) -> tuple[str, dict]:
             switches["decode_cpu_experts"] = "off"
         elif f":{part}" == WITH_CPU:
             switches["decode_cpu_experts"] = "auto"
+        elif f":{part}" == PROGRAM_COPIES:
+            switches["decode_bridge_copies"] = False
         elif f":{part}".startswith(COPY_SHARE):
             try:
                 share = float(part[len(COPY_SHARE) - 1:])
@@ -94,7 +98,8 @@ def engine_switches(run: dict, hot_table) -> dict:
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
             "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
             "decode_bank": run["decode_bank"], "decode_cpu_experts": run.get("decode_cpu_experts", "off"),
-            "decode_copy_share": run.get("decode_copy_share")}
+            "decode_copy_share": run.get("decode_copy_share"),
+            "decode_bridge_copies": run.get("decode_bridge_copies", True)}
 
 
 def planner_options(runner, policy: str, hot_per_layer: int | None) -> dict:

@@ -22,7 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdscope_jax.bench.runs import COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, SUFFIXES, WITH_CPU, split_label
+from pdscope_jax.bench.runs import (COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, SUFFIXES, WITH_CPU,
+                                    split_label)
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
 
@@ -37,7 +38,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"by layer, never as one accelerator program per step), NAME{NO_BANK} (device decode in "
                         f"the slot pool alone, without the decode bank), NAME{WITH_CPU} (device decode has the "
                         f"host's CPU compute part of the misses through the CUDA bridge), NAME{NO_CPU} (it copies "
-                        f"every miss, the default), NAME{COPY_SHARE}F (the share of misses copied), and '{PLAIN}' "
+                        f"every miss, the default), NAME{COPY_SHARE}F (the share of misses copied), "
+                        f"NAME{PROGRAM_COPIES} (the decode program copies its misses itself, not the bridge's "
+                        f"worker), and '{PLAIN}' "
                         "for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],

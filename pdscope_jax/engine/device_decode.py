@@ -71,10 +71,22 @@ class HostExperts:
     `copy_share` of a layer's misses (rounded), the most worth keeping, are copied, and with `fill_free` at
     least as many as there are free slots (a copy into a free slot evicts nothing and serves later steps); the
     rest are computed by the host through `bridge` (`kernels.host_experts`), or by XLA ops on the pinned
-    weights where it is None."""
+    weights where it is None. With `bridge_copies` the bridge's worker makes the copies (DMA), so the step has
+    no conditional per layer and its launching thread runs ahead of the GPU; else the program copies them."""
     copy_share: float
     bridge: host_experts.Bridge | None = None
     fill_free: bool = True
+    bridge_copies: bool = False
+
+    @property
+    def computes(self) -> bool:
+        """Whether the host may compute any miss (a share of 1 copies every one)."""
+        return self.copy_share < 1
+
+    @property
+    def copies(self) -> bool:
+        """Whether any miss may be copied."""
+        return self.copy_share > 0 or self.fill_free
 
 
 def _host_begin(host: HostExperts, m, h, ids, coef, picks):
@@ -84,6 +96,21 @@ def _host_begin(host: HostExperts, m, h, ids, coef, picks):
         h, picks = host_experts.begin(host.bridge, m, h, ids, coef, picks)
         return h, picks, None
     return h, picks, (h, ids, coef)
+
+
+def _bridge_pull(host: HostExperts, m, h, ids, coef, picks, copied, take):
+    """The bridge's begin with its copies: the host starts its experts (ids, coef; none where it computes
+    none) and its worker copies the `copied` picks by DMA. -> (h, picks, (gate_ups [U, D, 2F], downs [U, F, D]))
+    with row u the copy where copied[u], else take()'s row u (the pool's)."""
+    if not host.computes:
+        ids, coef = ids[:0], coef[:0]
+    h, picks, gate_ups, downs = host_experts.begin(host.bridge, m, h, ids, coef, picks,
+                                                   jnp.where(copied, picks, -1))
+    fetched = host_experts.fetched(host.bridge, gate_ups, downs)
+    u = copied.shape[0]
+    rows = jnp.where(copied, u, jnp.arange(u))  # out of range: the copy stays
+    return h, picks, tuple(jax.tree.map(lambda got, kept: got.at[rows].set(kept, mode="drop", unique_indices=True),
+                                        part, pooled) for part, pooled in zip(fetched, take()))
 
 
 def _host_end(host: HostExperts, pending, dep, experts):
@@ -207,6 +234,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
     n_miss = jnp.sum(miss, dtype=jnp.int32)
+    pulled = None
     if host is None:
         copied, on_cpu = miss, jnp.zeros_like(miss)
     else:  # the misses most worth keeping are copied, the rest computed by the host at the same time
@@ -215,10 +243,17 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
             n_copy = jnp.maximum(n_copy, jnp.minimum(n_miss, jnp.sum(table.keep < 0, dtype=jnp.int32)))
         copied = miss & (jnp.arange(picks.shape[0]) < n_copy)  # misses come first, most worth first
         on_cpu = miss & ~copied
-        h, picks, pending = _host_begin(host, m, h, jnp.where(on_cpu, picks, -1),
-                                        jnp.where(on_cpu[:, None], coeff, 0.0), picks)
+        host_ids, host_coef = jnp.where(on_cpu, picks, -1), jnp.where(on_cpu[:, None], coeff, 0.0)
+        pending = None
+        if host.bridge_copies and host.copies:
+            h, picks, pulled = _bridge_pull(host, m, h, host_ids, host_coef, picks, copied,
+                                            lambda: _take(banks, resident))
+        elif host.computes:
+            h, picks, pending = _host_begin(host, m, h, host_ids, host_coef, picks)
+        if not host.copies:  # nothing to copy: every row from the pool, with no conditional
+            pulled = _take(banks, resident)
         n_miss = jnp.sum(copied, dtype=jnp.int32)
-    gate_ups, downs = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
+    gate_ups, downs = pulled or pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
     outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
@@ -227,7 +262,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
         y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, on_gpu)
     else:  # the plain model's sorted path adds each row's experts in ascending order, as this sum does
         y = _weighted_picks(valid & ~on_cpu, coeff, outputs)
-    if host is not None:
+    if host is not None and host.computes:
         y = y + _host_end(host, pending, y, experts)
 
     hit = valid & ~miss

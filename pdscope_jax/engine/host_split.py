@@ -1,13 +1,17 @@
-"""Which of device decode's misses the host's CPU computes (RuntimeConfig.decode_cpu_experts), and the bridges.
+"""Which of device decode's misses the host's CPU computes (RuntimeConfig.decode_cpu_experts), who copies the
+rest, and the bridges.
 
 Contract: `HostSplit(store, config, device, expert_dtype)`; `for_step(runtime, planner, costs, batch)` -> a
-`device_decode.HostExperts`, or None (every miss is copied) with decode_cpu_experts "off", for a planner without
-the `decode_host_experts` capability, or with "auto" where the bridge cannot run (`why_not` then says why: not a
-CUDA GPU, experts not bf16, no kernel). The share of a layer's misses copied: 0 for a planner that never copies
-in decode (`decode_copies` False), else RuntimeConfig.decode_copy_share, else the host's time for one expert over
-the host's and the link's (the cost table's) together, so that the two parts of a layer take about as long; the
-host's time is the bridge's kernel timed once on the store's experts (the cost table's CPU time without a bridge);
-a planner that copies also fills free slots first (`HostExperts.fill_free`).
+`device_decode.HostExperts`, or None (every miss is copied by the program itself). The host computes misses
+with decode_cpu_experts "auto" (through the bridge) or "xla" for a planner with the `decode_host_experts`
+capability; with "auto" or "off", RuntimeConfig.decode_bridge_copies and a planner that copies
+(`decode_copies`), the bridge's worker makes the copies. None where neither applies or the bridge cannot run
+(`why_not` then says why: not a CUDA GPU, experts not bf16, no kernel). The share of a layer's misses copied:
+1 where the host computes none, 0 for a planner that never copies in decode, else
+RuntimeConfig.decode_copy_share, else the host's time for one expert over the host's and the link's (the cost
+table's) together, so that the two parts of a layer take about as long; the host's time is the bridge's kernel
+timed once on the store's experts (the cost table's CPU time without a bridge); a planner that copies also
+fills free slots first (`HostExperts.fill_free`).
 A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
 engine's collection, stops them.
 """
@@ -31,14 +35,17 @@ class HostSplit:
         weakref.finalize(self, _close, self.bridges)  # the engine gone: stop its workers, free their staging
 
     def for_step(self, runtime, planner, costs, batch: int) -> HostExperts | None:
-        mode = runtime.decode_cpu_experts
-        if mode == "off" or not planner.decode_host_experts:
+        computes = runtime.decode_cpu_experts != "off" and planner.decode_host_experts
+        dma = runtime.decode_bridge_copies and planner.decode_copies and runtime.decode_cpu_experts != "xla"
+        if not computes and not dma:
             return None
         bridge = None
-        if mode != "xla":
+        if runtime.decode_cpu_experts != "xla":
             bridge = self.bridges[batch] if batch in self.bridges else self._bridge(batch)
             if bridge is None:
                 return None
+        if not computes:  # every miss copied, by the bridge's worker
+            return HostExperts(1.0, bridge, True, bridge_copies=True)
         if not planner.decode_copies:
             share = 0.0
         elif runtime.decode_copy_share is not None:
@@ -46,7 +53,7 @@ class HostSplit:
         else:
             host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
             share = round(host / (host + link), 2)
-        return HostExperts(share, bridge, planner.decode_copies)
+        return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma and bridge is not None)
 
     def _host_seconds(self, costs, batch: int, bridge) -> float:
         """The host's seconds for one expert of a decode step: with a bridge, its kernel timed once on the

@@ -9,9 +9,13 @@ Contract:
   layer, its MoE position, experts computed, and when the worker saw "go" and wrote "done".
 - Inside a program jitted for that device, per MoE position m: `begin(bridge, m, h, ids, coef, picks)` ->
   (h', picks'): the host starts y_cpu[n] = sum_u coef[u, n] * expert(m, ids[u])(h[n]) over ids[u] >= 0
-  (h [N, D] bf16, ids [U] int32, coef [U, N] float32); `end(bridge, dep, rows)` -> y_cpu [N, D] float32, after
-  `dep`. The caller reads h' and picks' for its own expert work, so that work is ordered after begin and runs
-  while the host computes; end's wait holds the GPU only where the program needs y_cpu.
+  (h [N, D] bf16, ids [U] int32, coef [U, N] float32; U = 0: nothing, and no end follows); `end(bridge, dep,
+  rows, hidden)` -> y_cpu [N, D] float32, after `dep`. The caller reads h' and picks' for its own expert work,
+  so that work is ordered after begin and runs while the host computes; end's wait holds the GPU only where the
+  program needs y_cpu. With `copy_ids` [C] int32, begin also returns (gate_ups [C, D, 2F], downs [C, F, D]),
+  into whose row c the worker copies expert copy_ids[c] (where >= 0) from the host by DMA; `fetched(bridge,
+  gate_ups, downs)` returns them once the copies are done. The program then needs no conditional to size its
+  copies, so the thread that launches it never waits for the GPU.
 `engine.device_decode` computes the same sum with XLA ops where there is no bridge. The kernel's arithmetic (float32 sums, the activation rounded to bf16 after scaling) agrees with XLA's to bf16
 rounding. `PDSCOPE_HOST_EXPERTS=0` disables the bridge.
 """
@@ -31,7 +35,7 @@ from pdscope_jax.kernels import cpu_ffn
 from pdscope_jax.kernels.build import SOURCES, shared_library
 
 SOURCE = SOURCES / "host_experts_cuda.cc"
-BEGIN, END = f"{__name__}.begin", f"{__name__}.end"
+BEGIN, FETCHED, END = f"{__name__}.begin", f"{__name__}.fetched", f"{__name__}.end"
 TIMELINE = 8192  # layers a bridge's timeline keeps (kTimeline)
 # Declared effect-free: data order alone keeps begin -> the GPU's part -> end (end reads the part, the part reads
 # begin's outputs, the next layer reads end's), and a program with a side effect leaves jax's C++ dispatch path
@@ -67,7 +71,8 @@ def _load() -> ctypes.CDLL | None:
     lib.pdscope_host_experts_timeline.restype = ctypes.c_int64
     lib.pdscope_host_experts_timeline.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     try:
-        for name, symbol in ((BEGIN, "pdscope_host_experts_begin"), (END, "pdscope_host_experts_end")):
+        for name, symbol in ((BEGIN, "pdscope_host_experts_begin"), (FETCHED, "pdscope_host_experts_fetched"),
+                             (END, "pdscope_host_experts_end")):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
     except Exception as error:  # noqa: BLE001 (a jax without the CUDA plugin refuses the platform)
         _state["why"] = f"no CUDA platform to register the bridge with ({type(error).__name__}: {error})"
@@ -84,6 +89,7 @@ def why_not() -> str:
 class Bridge:
     handle: int
     rows: int  # the most rows a layer may send (the program's batch)
+    dims: tuple[int, int]  # (D, F) of the experts
 
     @classmethod
     def create(cls, addresses, dims: tuple[int, int], device: jax.Device, max_rows: int,
@@ -108,7 +114,7 @@ class Bridge:
         if handle < 0:
             _state["why"] = lib.pdscope_host_experts_problem().decode()
             return None
-        return cls(int(handle), max_rows)
+        return cls(int(handle), max_rows, (d, f))
 
     def close(self) -> None:
         _library().pdscope_host_experts_destroy(self.handle)
@@ -126,12 +132,26 @@ class Bridge:
         return out[:n]
 
 
-def begin(bridge: Bridge, m: int, h, ids, coef, picks):
-    """See the module docstring; h' and picks' are copies of h and picks made after the host was told to start."""
-    call = jax.ffi.ffi_call(BEGIN, (jax.ShapeDtypeStruct(h.shape, h.dtype),
-                                    jax.ShapeDtypeStruct(picks.shape, picks.dtype)), has_side_effect=SIDE_EFFECT)
-    return call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks,
-                handle=np.int64(bridge.handle), layer=np.int64(m))
+def begin(bridge: Bridge, m: int, h, ids, coef, picks, copy_ids=None):
+    """See the module docstring; h' and picks' are copies of h and picks made after the host was told to start.
+    -> (h', picks'), or with `copy_ids` (h', picks', gate_ups, downs) for `fetched`."""
+    d, f = bridge.dims
+    c = 0 if copy_ids is None else copy_ids.shape[0]
+    outputs = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(picks.shape, picks.dtype),
+               jax.ShapeDtypeStruct((c, d, 2 * f), jnp.bfloat16), jax.ShapeDtypeStruct((c, f, d), jnp.bfloat16))
+    call = jax.ffi.ffi_call(BEGIN, outputs, has_side_effect=SIDE_EFFECT)
+    copy_ids = jnp.zeros((0,), jnp.int32) if copy_ids is None else copy_ids.astype(jnp.int32)
+    out = call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks, copy_ids,
+               handle=np.int64(bridge.handle), layer=np.int64(m))
+    return out if c else out[:2]
+
+
+def fetched(bridge: Bridge, gate_ups, downs):
+    """(gate_ups, downs) of the latest begin, once the worker's copies into them are done (the same buffers)."""
+    call = jax.ffi.ffi_call(FETCHED, (jax.ShapeDtypeStruct(gate_ups.shape, gate_ups.dtype),
+                                      jax.ShapeDtypeStruct(downs.shape, downs.dtype)),
+                            has_side_effect=SIDE_EFFECT, input_output_aliases={0: 0, 1: 1})
+    return call(gate_ups, downs, handle=np.int64(bridge.handle))
 
 
 def end(bridge: Bridge, dep, rows: int, hidden: int):

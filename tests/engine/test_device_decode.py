@@ -298,6 +298,63 @@ def test_a_full_copy_share_is_the_step_without_the_host(experts):
     np.testing.assert_array_equal(pool_a.owner_expert, pool_b.owner_expert)
 
 
+class _StandInBridge:
+    """The CUDA bridge's contract in XLA ops (`kernels.host_experts`: begin, fetched, end), for the program's side
+    of the bridge's copies: begin's copy rows are gathered from the layer's weights, end returns the host's sum."""
+
+    def __init__(self, experts):
+        self.gate_up, self.down = (jnp.asarray(a) for a in experts)
+        self.pending, self.copies = None, []
+
+    def begin(self, bridge, m, h, ids, coef, picks, copy_ids=None):
+        self.pending = (h, ids, coef)
+        if copy_ids is None:
+            return h, picks
+        self.copies.append(copy_ids)
+        at = jnp.maximum(copy_ids, 0)
+        return h, picks, self.gate_up[at], self.down[at]
+
+    def fetched(self, bridge, gate_ups, downs):
+        return gate_ups, downs
+
+    def end(self, bridge, dep, rows, hidden):
+        h, ids, coef = self.pending
+        outs = jax.vmap(lambda g, d: expert_ffn(h, g, d))(self.gate_up[jnp.maximum(ids, 0)],
+                                                           self.down[jnp.maximum(ids, 0)])
+        return jnp.sum(jnp.where((ids >= 0)[:, None, None], coef[:, :, None] * outs, 0.0), axis=0)
+
+
+@pytest.mark.parametrize("share, fill_free, on_host, kept", [(1.0, True, set(), {1, 2, 3}), (0.0, True, {2}, {0, 1, 3}),
+                                                             (0.5, False, {2}, {0, 1, 3}), (0.0, False, {2, 3}, {0, 1})])
+def test_the_bridges_copies_give_the_exact_sum_and_the_same_pool(experts, share, fill_free, on_host, kept,
+                                                                  monkeypatch):
+    """The bridge's worker copying the misses (`HostExperts.bridge_copies`, a stand-in bridge here): the same row
+    layout as the program's own copies, so the same exact sum, the same counts and the same pool; the program
+    holds no conditional to size its copies; the host computes the misses not copied, and none at a share of 1.
+    Experts 0 and 1 resident in 3 slots; the row picks 1, 2, 3 (misses 3 then 2, most worth first); all copied,
+    2 is worth more than expert 0's slot (LRU ticks) and takes it."""
+    from pdscope_jax.kernels import host_experts
+
+    stand_in = _StandInBridge(experts)
+    for name in ("begin", "fetched", "end"):
+        monkeypatch.setattr(host_experts, name, getattr(stand_in, name))
+    h = np.random.default_rng(2).standard_normal((1, D)).astype(np.float32)
+    host = device_decode.HostExperts(share, stand_in, fill_free, bridge_copies=True)
+    bonus, picks = [[0, 0, 0, 800]], {3: 0.5, 1: 0.3, 2: 0.2}
+    pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1}, bonus, picks, h, host)
+    assert counts == {"activated": 3, "hits": 1, "evictions": 0 if 0 in kept else 1, "on_host": len(on_host)}
+    assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept
+    for expert in kept:  # every resident slot holds its expert's weights
+        np.testing.assert_array_equal(np.asarray(pool.gate_up[pool.slot_of(5)[expert]]), experts[0][expert])
+    assert len(stand_in.copies) == (1 if host.copies else 0)
+    program = jax.make_jaxpr(functools.partial(device_decode._routed_experts, host=host), static_argnums=0)
+    table = device_decode.upload(_pool(select_devices(), *experts, {0: 0, 1: 1}), (5,), np.array(bonus),
+                                 select_devices().accel)
+    jaxpr = program(0, jnp.asarray(h), jnp.ones((1, 3)), jnp.array([[3, 1, 2]], jnp.int32),
+                    tuple(jnp.asarray(a) for a in experts), _pool(select_devices(), *experts, {}).banks, table)
+    assert "cond" not in {eqn.primitive.name for eqn in jaxpr.eqns}
+
+
 @pytest.mark.parametrize("share", [0.0, 0.5])
 def test_misses_split_with_the_host_still_give_the_plain_model(ds, share):
     """pdscope with the host's part computed by XLA ops (RuntimeConfig.decode_cpu_experts="xla", the stand-in

@@ -1,27 +1,33 @@
 // Routed experts computed by the host's CPU from inside a CUDA program, while the GPU goes on with its own work.
 //
-// Two XLA FFI handlers (platform CUDA) bracket a layer's GPU-side expert work in one program:
-//   begin(h [N, D] bf16, ids [U] s32, coef [U, N] f32, picks [U] s32) -> (h', picks')
-//     enqueues on the program's stream: copies of h, ids and coef into pinned host staging, copies of h and
-//     picks into h' and picks' (the GPU work that follows reads those, so it is ordered after begin), and a
-//     write of the call's sequence number into a pinned "go" word;
+// Three XLA FFI handlers (platform CUDA) bracket a layer's GPU-side expert work in one program:
+//   begin(h [N, D] bf16, ids [U] s32, coef [U, N] f32, picks [P] s32, copy_ids [C] s32)
+//       -> (h', picks', gate_ups [C, D, 2F] bf16, downs [C, F, D] bf16)
+//     enqueues on the program's stream: copies of h, ids, coef and copy_ids into pinned host staging, copies
+//     of h and picks into h' and picks' (the GPU work that follows reads those, so it is ordered after begin),
+//     and a write of the call's sequence number into a pinned "go" word (U = 0: the host computes nothing;
+//     C = 0: nothing is copied);
+//   fetched(gate_ups, downs) -> (gate_ups, downs), aliased: a wait until the pinned "copied" word reaches
+//     that sequence number (begin's outputs hold expert copy_ids[c] in row c where copy_ids[c] >= 0);
 //   end(dep: any buffer) -> y [N, D] f32
 //     enqueues a wait until the pinned "done" word reaches that sequence number, then a copy of the host's
 //     result into y (`dep` is the GPU work end must follow).
-// A worker thread per bridge sees "go", computes out[n] = sum_u coef[u, n] * expert(ids[u])(h[n]) over the
-// valid ids (>= 0) of that layer with the CPU expert kernel (cpu_ffn.cc's pdscope_cpu_ffn_run_bf16, passed in
-// as a function pointer), and writes "done". Handlers only enqueue: no host thread ever waits for the GPU, and
-// the GPU waits for the CPU only where the program needs its result.
+// A worker thread per bridge sees "go", issues the copies of the experts copy_ids from the host's copy into
+// begin's outputs on its own stream followed by a write of "copied" (DMA: the program has no conditional to
+// size its copies, so the host thread that launches it never waits for the GPU), then computes out[n] =
+// sum_u coef[u, n] * expert(ids[u])(h[n]) over the valid ids (>= 0) of that layer with the CPU expert kernel
+// (cpu_ffn.cc's pdscope_cpu_ffn_run_bf16, passed in as a function pointer), and writes "done". Handlers only
+// enqueue: no host thread ever waits for the GPU, and the GPU waits where the program needs a result.
 // Ordering: begin and end alternate in program order and a program's handlers run in order on one host thread,
-// so each end waits for the latest begin. The staging is reused by the next begin only after the stream passed
-// this end. The worker serves begins in sequence; each begin's (layer, N, U) sit in a ring read by sequence
+// so each fetched and end waits for the latest begin. The staging is reused by the next begin only after the
+// stream passed this layer's fetched (the worker reads copy_ids before it issues the copies) and end (h, ids and
+// coef are read while computing); a layer with no host experts needs no end. The worker serves begins in sequence; each begin's (layer, N, U) sit in a ring read by sequence
 // number. A worker that sees no "go" for kWatchdogNs after its begin was enqueued writes "done" anyway and
 // counts a fault (the program's result is then wrong, and `pdscope_host_experts_faults` says so) rather than
 // leave the GPU waiting forever.
 // CUDA is reached through the driver library (libcuda.so.1, dlopen), so this builds without the CUDA toolkit;
 // creating a bridge fails (returns -1, with a reason) where no driver or no stream memory operations exist.
 
-#include <dlfcn.h>
 #include <pthread.h>
 
 #include <algorithm>
@@ -40,96 +46,26 @@
 #include <immintrin.h>
 #endif
 
+#include "cuda_driver.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-struct CUstream_st;
-struct CUctx_st;
-
 namespace {
 
-using CUstream = CUstream_st*;
-using CUcontext = CUctx_st*;
-using CUresult = int;
-using CUdeviceptr = unsigned long long;
+using namespace pdscope_cuda;
 
-constexpr unsigned kHostAllocPortable = 1, kHostAllocDeviceMap = 2;
-constexpr unsigned kWaitGeq = 1;  // CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
-constexpr unsigned kWriteDefault = 0;
 constexpr uint64_t kRing = 4096;
 constexpr size_t kTimeline = 8192;  // layers the timeline keeps (the latest)
 constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
-
-// The driver entry points used, looked up once.
-struct Driver {
-  CUresult (*init)(unsigned) = nullptr;
-  CUresult (*device_get)(int*, int) = nullptr;
-  CUresult (*primary_ctx_retain)(CUcontext*, int) = nullptr;
-  CUresult (*ctx_push)(CUcontext) = nullptr;
-  CUresult (*ctx_pop)(CUcontext*) = nullptr;
-  CUresult (*host_alloc)(void**, size_t, unsigned) = nullptr;
-  CUresult (*host_free)(void*) = nullptr;
-  CUresult (*host_device_pointer)(CUdeviceptr*, void*, unsigned) = nullptr;
-  CUresult (*dtoh)(void*, CUdeviceptr, size_t, CUstream) = nullptr;
-  CUresult (*htod)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
-  CUresult (*dtod)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
-  CUresult (*write32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
-  CUresult (*wait32)(CUstream, CUdeviceptr, uint32_t, unsigned) = nullptr;
-  CUresult (*error_string)(CUresult, const char**) = nullptr;
-  std::string problem;  // empty when every entry point was found
-};
-
-template <typename F>
-void find(void* lib, F& fn, std::initializer_list<const char*> names, std::string& problem) {
-  for (const char* name : names)
-    if (void* sym = dlsym(lib, name)) {
-      fn = reinterpret_cast<F>(sym);
-      return;
-    }
-  if (problem.empty()) problem = std::string("libcuda.so.1 has no ") + *names.begin();
-}
-
-const Driver& driver() {
-  static const Driver d = [] {
-    Driver d;
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      d.problem = "no CUDA driver (libcuda.so.1)";
-      return d;
-    }
-    std::string& p = d.problem;
-    find(lib, d.init, {"cuInit"}, p);
-    find(lib, d.device_get, {"cuDeviceGet"}, p);
-    find(lib, d.primary_ctx_retain, {"cuDevicePrimaryCtxRetain"}, p);
-    find(lib, d.ctx_push, {"cuCtxPushCurrent_v2", "cuCtxPushCurrent"}, p);
-    find(lib, d.ctx_pop, {"cuCtxPopCurrent_v2", "cuCtxPopCurrent"}, p);
-    find(lib, d.host_alloc, {"cuMemHostAlloc"}, p);
-    find(lib, d.host_free, {"cuMemFreeHost"}, p);
-    find(lib, d.host_device_pointer, {"cuMemHostGetDevicePointer_v2", "cuMemHostGetDevicePointer"}, p);
-    find(lib, d.dtoh, {"cuMemcpyDtoHAsync_v2", "cuMemcpyDtoHAsync"}, p);
-    find(lib, d.htod, {"cuMemcpyHtoDAsync_v2", "cuMemcpyHtoDAsync"}, p);
-    find(lib, d.dtod, {"cuMemcpyDtoDAsync_v2", "cuMemcpyDtoDAsync"}, p);
-    find(lib, d.write32, {"cuStreamWriteValue32_v2", "cuStreamWriteValue32"}, p);
-    find(lib, d.wait32, {"cuStreamWaitValue32_v2", "cuStreamWaitValue32"}, p);
-    find(lib, d.error_string, {"cuGetErrorString"}, p);
-    return d;
-  }();
-  return d;
-}
-
-std::string cu_message(CUresult r) {
-  const char* s = nullptr;
-  if (driver().error_string) driver().error_string(r, &s);
-  return s ? s : ("CUDA error " + std::to_string(r));
-}
 
 using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, const void* const*, const void* const*,
                       float*);
 
 struct Desc {
   int64_t layer = 0;
-  int n = 0, u = 0;
+  int n = 0, u = 0, c = 0;  // rows, host picks, copy rows
+  CUdeviceptr gate_up_dst = 0, down_dst = 0;  // begin's outputs the copies fill
 };
 
 // One served layer in the timeline: when the worker saw "go" and when it wrote "done" (steady clock, ns).
@@ -141,11 +77,14 @@ struct Served {
 struct Staging {
   uint16_t* h = nullptr;
   int32_t* ids = nullptr;
+  int32_t* copy_ids = nullptr;
   float* coef = nullptr;
   float* out = nullptr;
   volatile uint32_t* go = nullptr;
   volatile uint32_t* done = nullptr;
-  CUdeviceptr h_dev = 0, ids_dev = 0, coef_dev = 0, out_dev = 0, go_dev = 0, done_dev = 0;
+  volatile uint32_t* copied = nullptr;
+  CUdeviceptr h_dev = 0, ids_dev = 0, copy_ids_dev = 0, coef_dev = 0, out_dev = 0, go_dev = 0, done_dev = 0,
+              copied_dev = 0;
 };
 
 class Bridge {
@@ -162,6 +101,11 @@ class Bridge {
     }
     cv_.notify_all();
     if (worker_.joinable()) worker_.join();
+    if (copy_stream_ && ctx_ && driver().ctx_push(ctx_) == 0) {
+      driver().stream_destroy(copy_stream_);
+      CUcontext popped;
+      driver().ctx_pop(&popped);
+    }
     if (block_) driver().host_free(block_);
   }
 
@@ -178,13 +122,15 @@ class Bridge {
     if (r != 0) return "CUDA context: " + cu_message(r);
     const size_t h_bytes = align(sizeof(uint16_t) * max_rows_ * d_), ids_bytes = align(sizeof(int32_t) * max_picks_);
     const size_t coef_bytes = align(sizeof(float) * max_picks_ * max_rows_), out_bytes = align(sizeof(float) * max_rows_ * d_);
-    const size_t total = h_bytes + ids_bytes + coef_bytes + out_bytes + 2 * 64;
+    const size_t total = h_bytes + 2 * ids_bytes + coef_bytes + out_bytes + 3 * 64;
     r = dv.host_alloc(&block_, total, kHostAllocPortable | kHostAllocDeviceMap);
     CUdeviceptr base = 0;
     if (r == 0) r = dv.host_device_pointer(&base, block_, 0);
+    if (r == 0) r = dv.stream_create(&copy_stream_, kStreamNonBlocking);
+    ctx_ = ctx;
     CUcontext popped;
     dv.ctx_pop(&popped);
-    if (r != 0) return "pinned staging: " + cu_message(r);
+    if (r != 0) return "pinned staging and copy stream: " + cu_message(r);
     std::memset(block_, 0, total);
     char* host = static_cast<char*>(block_);
     size_t at = 0;
@@ -196,42 +142,68 @@ class Bridge {
     };
     s_.h = reinterpret_cast<uint16_t*>(take(h_bytes, s_.h_dev));
     s_.ids = reinterpret_cast<int32_t*>(take(ids_bytes, s_.ids_dev));
+    s_.copy_ids = reinterpret_cast<int32_t*>(take(ids_bytes, s_.copy_ids_dev));
     s_.coef = reinterpret_cast<float*>(take(coef_bytes, s_.coef_dev));
     s_.out = reinterpret_cast<float*>(take(out_bytes, s_.out_dev));
     s_.go = reinterpret_cast<volatile uint32_t*>(take(64, s_.go_dev));
     s_.done = reinterpret_cast<volatile uint32_t*>(take(64, s_.done_dev));
+    s_.copied = reinterpret_cast<volatile uint32_t*>(take(64, s_.copied_dev));
     worker_ = std::thread([this] { Work(); });
     return "";
   }
 
   ffi::Error Begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
-                   ffi::AnyBuffer picks, ffi::Result<ffi::AnyBuffer> h_out, ffi::Result<ffi::AnyBuffer> picks_out,
-                   int64_t layer) {
-    auto hd = h.dimensions(), cd = coef.dimensions();
+                   ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Result<ffi::AnyBuffer> h_out,
+                   ffi::Result<ffi::AnyBuffer> picks_out, ffi::Result<ffi::AnyBuffer> gate_ups,
+                   ffi::Result<ffi::AnyBuffer> downs, int64_t layer) {
+    auto hd = h.dimensions(), cd = coef.dimensions(), gd = gate_ups->dimensions(), dd = downs->dimensions();
+    const int64_t c = int64_t(copy_ids.element_count());
     if (h.element_type() != ffi::DataType::BF16 || hd.size() != 2 || hd[1] != d_ || hd[0] > max_rows_ ||
-        cd.size() != 2 || cd[1] != hd[0] || cd[0] != int64_t(ids.element_count()) || cd[0] > max_picks_ ||
-        layer < 0 || layer >= layers_)
+        cd.size() != 2 || (cd[0] > 0 && cd[1] != hd[0]) || cd[0] != int64_t(ids.element_count()) ||
+        cd[0] > max_picks_ || c > max_picks_ || layer < 0 || layer >= layers_ ||
+        gate_ups->element_type() != ffi::DataType::BF16 || downs->element_type() != ffi::DataType::BF16 ||
+        gd.size() != 3 || gd[0] != c || gd[1] != d_ || gd[2] != 2 * f_ || dd.size() != 3 || dd[0] != c ||
+        dd[1] != f_ || dd[2] != d_)
       return ffi::Error::InvalidArgument("pdscope_host_experts_begin: h [N<=" + std::to_string(max_rows_) + ", " +
                                          std::to_string(d_) + "] bf16, ids [U<=" + std::to_string(max_picks_) +
-                                         "], coef [U, N], a layer of the bridge");
+                                         "], coef [U, N], copy_ids [C], outputs [C, D, 2F] and [C, F, D] bf16, "
+                                         "a layer of the bridge");
     uint64_t seq;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return enqueued_ - served_ < kRing || stop_; });
       seq = ++enqueued_;
-      ring_[seq % kRing] = Desc{layer, int(hd[0]), int(cd[0])};
+      ring_[seq % kRing] = Desc{layer, int(hd[0]), int(cd[0]), int(c), dev(*gate_ups), dev(*downs)};
       enqueued_at_ns_ = now_ns();
     }
     cv_.notify_all();
     last_begin_ = seq;
     const Driver& dv = driver();
-    CUresult r = dv.dtoh(s_.h, dev(h), h.size_bytes(), stream);
+    CUresult r = 0;
+    if (cd[0] > 0) r = dv.dtoh(s_.h, dev(h), h.size_bytes(), stream);
     if (r == 0 && ids.size_bytes()) r = dv.dtoh(s_.ids, dev(ids), ids.size_bytes(), stream);
     if (r == 0 && coef.size_bytes()) r = dv.dtoh(s_.coef, dev(coef), coef.size_bytes(), stream);
+    if (r == 0 && c > 0) r = dv.dtoh(s_.copy_ids, dev(copy_ids), copy_ids.size_bytes(), stream);
     if (r == 0) r = dv.dtod(dev(*h_out), dev(h), h.size_bytes(), stream);
     if (r == 0 && picks.size_bytes()) r = dv.dtod(dev(*picks_out), dev(picks), picks.size_bytes(), stream);
     if (r == 0) r = dv.write32(stream, s_.go_dev, uint32_t(seq), kWriteDefault);
     if (r != 0) return ffi::Error::Internal("pdscope_host_experts_begin: " + cu_message(r));
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Fetched(CUstream stream, ffi::AnyBuffer gate_ups, ffi::AnyBuffer downs,
+                     ffi::Result<ffi::AnyBuffer> gate_ups_out, ffi::Result<ffi::AnyBuffer> downs_out) {
+    if (last_begin_ == 0 || gate_ups.size_bytes() != gate_ups_out->size_bytes() ||
+        downs.size_bytes() != downs_out->size_bytes())
+      return ffi::Error::InvalidArgument("pdscope_host_experts_fetched: begin's copy outputs, after a begin");
+    const Driver& dv = driver();
+    CUresult r = dv.wait32(stream, s_.copied_dev, uint32_t(last_begin_), kWaitGeq);
+    // XLA aliases the outputs to the inputs; where it did not, the rows are copied over
+    if (r == 0 && dev(*gate_ups_out) != dev(gate_ups) && gate_ups.size_bytes())
+      r = dv.dtod(dev(*gate_ups_out), dev(gate_ups), gate_ups.size_bytes(), stream);
+    if (r == 0 && dev(*downs_out) != dev(downs) && downs.size_bytes())
+      r = dv.dtod(dev(*downs_out), dev(downs), downs.size_bytes(), stream);
+    if (r != 0) return ffi::Error::Internal("pdscope_host_experts_fetched: " + cu_message(r));
     return ffi::Error::Success();
   }
 
@@ -277,6 +249,7 @@ class Bridge {
 
   void Work() {
     pthread_setname_np(pthread_self(), "pdscope-bridge");
+    driver().ctx_set_current(ctx_);  // the copies are issued from this thread
     for (;;) {
       uint64_t want;
       Desc desc;
@@ -308,6 +281,7 @@ class Bridge {
       }
       const int64_t t0 = now_ns();
       int experts = 0;
+      if (desc.c > 0) Copy(desc, want, seen);
       if (seen) {
         experts = Compute(desc);
       } else {
@@ -332,6 +306,26 @@ class Bridge {
     return stop_;
   }
 
+  // Issue the copies of the layer's copy_ids into begin's outputs on the copy stream, then the write of "copied"
+  // (ordered after them by the stream); with no "go" seen (a fault), only the write, so the GPU goes on.
+  void Copy(const Desc& desc, uint64_t want, bool seen) {
+    const Driver& dv = driver();
+    const size_t gu_bytes = sizeof(uint16_t) * size_t(d_) * 2 * f_, dn_bytes = sizeof(uint16_t) * size_t(f_) * d_;
+    CUresult r = 0;
+    for (int c = 0; seen && r == 0 && c < desc.c; ++c) {
+      const int32_t id = s_.copy_ids[c];
+      if (id < 0 || id >= experts_) continue;
+      const size_t at = size_t(desc.layer) * experts_ + id;
+      r = dv.htod(desc.gate_up_dst + c * gu_bytes, gate_up_[at], gu_bytes, copy_stream_);
+      if (r == 0) r = dv.htod(desc.down_dst + c * dn_bytes, down_[at], dn_bytes, copy_stream_);
+    }
+    if (r != 0) faults_.fetch_add(1);
+    if (dv.write32(copy_stream_, s_.copied_dev, uint32_t(want), kWriteDefault) != 0) {
+      faults_.fetch_add(1);
+      *s_.copied = uint32_t(want);  // the GPU must not wait forever; the rows are then wrong (a fault)
+    }
+  }
+
   // -> the experts computed.
   int Compute(const Desc& desc) {
     std::vector<const void*> gu, dn;
@@ -343,6 +337,7 @@ class Bridge {
       dn.push_back(down_[size_t(desc.layer) * experts_ + id]);
       coef.insert(coef.end(), s_.coef + size_t(u) * desc.n, s_.coef + size_t(u + 1) * desc.n);
     }
+    if (desc.u == 0) return 0;  // this layer's host part is nothing (no end waits for it)
     if (gu.empty() || run_(s_.h, coef.data(), desc.n, d_, f_, int(gu.size()), gu.data(), dn.data(), s_.out) != 0) {
       if (!gu.empty()) faults_.fetch_add(1);
       std::memset(s_.out, 0, sizeof(float) * size_t(desc.n) * d_);
@@ -354,6 +349,8 @@ class Bridge {
   const std::vector<const void*> gate_up_, down_;  // [layer * experts + expert] host addresses
   const RunFn run_;
   void* block_ = nullptr;
+  CUcontext ctx_ = nullptr;
+  CUstream copy_stream_ = nullptr;  // the worker's: the copies of begin's copy_ids and the "copied" writes
   Staging s_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -377,11 +374,19 @@ Bridge* bridge(int64_t handle) {
 }
 
 ffi::Error begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
-                 ffi::AnyBuffer picks, ffi::Result<ffi::AnyBuffer> h_out, ffi::Result<ffi::AnyBuffer> picks_out,
-                 int64_t handle, int64_t layer) {
+                 ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Result<ffi::AnyBuffer> h_out,
+                 ffi::Result<ffi::AnyBuffer> picks_out, ffi::Result<ffi::AnyBuffer> gate_ups,
+                 ffi::Result<ffi::AnyBuffer> downs, int64_t handle, int64_t layer) {
   Bridge* b = bridge(handle);
   if (!b) return ffi::Error::InvalidArgument("pdscope_host_experts_begin: no bridge " + std::to_string(handle));
-  return b->Begin(stream, h, ids, coef, picks, h_out, picks_out, layer);
+  return b->Begin(stream, h, ids, coef, picks, copy_ids, h_out, picks_out, gate_ups, downs, layer);
+}
+
+ffi::Error fetched(CUstream stream, ffi::AnyBuffer gate_ups, ffi::AnyBuffer downs,
+                   ffi::Result<ffi::AnyBuffer> gate_ups_out, ffi::Result<ffi::AnyBuffer> downs_out, int64_t handle) {
+  Bridge* b = bridge(handle);
+  if (!b) return ffi::Error::InvalidArgument("pdscope_host_experts_fetched: no bridge " + std::to_string(handle));
+  return b->Fetched(stream, gate_ups, downs, gate_ups_out, downs_out);
 }
 
 ffi::Error end(CUstream stream, ffi::AnyBuffer, ffi::Result<ffi::Buffer<ffi::F32>> y, int64_t handle) {
@@ -399,10 +404,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_begin, begin,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("handle")
                                   .Attr<int64_t>("layer"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_fetched, fetched,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("handle"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_end, end,
                               ffi::Ffi::Bind()
