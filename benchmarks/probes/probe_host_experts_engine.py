@@ -5,7 +5,8 @@ decode), then for every kernel setting `THREADS/GROUPS/SPIN_US/STREAM` (`--setti
 pool's threads, groups per thread, microseconds an idle pool thread spins before it sleeps, the streamed few-row
 path) and every run label (`--runs`, the bench's labels: `pdscope:copy=0` sends every miss to the host) runs one
 warm-up generation and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
-With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not.
+With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not; with
+`--samplers select conditional`, once with the package's sampler, once with one holding conditionals.
 Reports per (setting, run): decode tok/s (median), the greedy tokens and whether they equal the first run's,
 bridge faults, the host's ms inside one step's dispatch (median), host experts per step, the bridge worker's ms per host expert,
 and the kernel's profile over the decode steps only (ms per call: wall time of the compute, the mean and the
@@ -37,6 +38,9 @@ def parse_args(argv):
     p.add_argument("--settings", nargs="+", default=["16/1/200/0"])
     p.add_argument("--side-effects", nargs="+", type=int, default=[0],
                    help="1: the bridge's calls declared side-effecting (jax's Python dispatch path); 0: not")
+    p.add_argument("--samplers", nargs="+", default=["select"], choices=["select", "conditional"],
+                   help="the decode step's sampler: the package's branch-free one, or one with conditionals "
+                        "(sampler_variants)")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--tokens", type=int, default=32)
@@ -166,7 +170,11 @@ def main(argv: list[str] | None = None) -> dict:
         step_host.append(time.perf_counter() - start)
 
     DeviceDecode.step = timed_step
-    for side_effect, setting in ((e, s) for e in args.side_effects for s in args.settings):
+    import sampler_variants
+
+    for sampler, side_effect, setting in ((k, e, s) for k in args.samplers for e in args.side_effects
+                                          for s in args.settings):
+        sampler_variants.use(sampler)  # clears jax's caches: the decode step is traced again
         if host_experts.SIDE_EFFECT != bool(side_effect):
             host_experts.SIDE_EFFECT = bool(side_effect)
             jax.clear_caches()  # the decode step is traced again with the other declaration
@@ -205,7 +213,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "dispatch_ms_median": 1e3 * statistics.median(step_host) if step_host else None,
                              "timeline": layer_timeline(runner, since)})
             last = host[-1]
-            record = {"setting": setting, **applied, "side_effect": bool(side_effect), "run": label,
+            record = {"setting": setting, **applied, "side_effect": bool(side_effect), "sampler": sampler,
+                      "run": label,
                       "dispatch_ms_median": last["dispatch_ms_median"], "decode_tok_s": statistics.median(tok_s),
                       "decode_tok_s_repeats": tok_s,
                       "host_experts_per_step": last["host_experts"] / (args.tokens - 1),

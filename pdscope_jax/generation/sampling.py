@@ -132,7 +132,7 @@ def _truncated(logits, s: SamplingState):
     v = logits.shape[-1]
     logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
 
-    def nucleus(x):  # one sort serves top_k and top_p; skipped at run time when no row uses either
+    def nucleus(x):  # one sort serves top_k and top_p
         ordered = jnp.sort(x, axis=-1)[:, ::-1]
         k = jnp.where(s.top_k > 0, s.top_k, v)
         kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
@@ -145,8 +145,9 @@ def _truncated(logits, s: SamplingState):
         floor = jnp.min(jnp.where(keep & (ordered > -jnp.inf), ordered, jnp.inf), axis=-1, keepdims=True)
         return jnp.where(x < floor, -jnp.inf, x)
 
-    needed = jnp.any(s.top_k > 0) | jnp.any(s.top_p < 1)
-    logits = jax.lax.cond(needed, nucleus, lambda x: x, logits)
+    # computed whether or not a row uses it: a conditional would make the thread launching the program wait for
+    # the GPU at every step (XLA's GPU runtime reads the predicate back), which costs more than one sort
+    logits = jnp.where(((s.top_k > 0) | (s.top_p < 1))[:, None], nucleus(logits), logits)
     probs = jax.nn.softmax(logits, axis=-1)
     floor = s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(probs < floor, -jnp.inf, logits)
@@ -165,8 +166,7 @@ def sample(logits: jax.Array, state: SamplingState, step) -> tuple[Sampled, Samp
         keys = jax.vmap(lambda seed, k: jax.random.fold_in(jax.random.key(seed), k))(state.seed, steps)
         return jax.vmap(jax.random.categorical)(keys, _truncated(x, state)).astype(jnp.int32)
 
-    drawn = jax.lax.cond(jnp.all(state.temperature == 0), lambda x: greedy, draw, penalized)
-    token = jnp.where(state.temperature == 0, greedy, drawn)
+    token = jnp.where(state.temperature == 0, greedy, draw(penalized))  # no conditional: see `_truncated`
     top_logprobs, top_ids = jax.lax.top_k(raw, min(TOP_LOGPROBS, raw.shape[-1]))
     picked = Sampled(token, jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32),
                      top_logprobs)
