@@ -1,21 +1,27 @@
 """Two trees of the package in ONE process, their generations interleaved: a throughput comparison free of the
 spread between processes.
 
-    PYTHONPATH=. python3 benchmarks/compare_trees_inprocess.py --old-tree OLD --model deepseek-v2-lite \
-        --policies pdscope ondemand fate greedy static --prompt-lens 128 4096 --new-tokens 32 --repeats 4 \
-        --gpu-memory 24GB --expert-pool 8GB [--cost-table PATH] --out OUT.json
+    PYTHONPATH=. python3 benchmarks/compare_trees_inprocess.py --old-tree OLD [--new-tree NEW] --model \
+        deepseek-v2-lite --policies pdscope ondemand fate greedy static --prompt-lens 128 4096 --new-tokens 32 \
+        --repeats 4 --gpu-memory 24GB --expert-pool 8GB [--cost-table PATH] [--pin-cpu-scale S] --out OUT.json
 
-OLD is a folder holding an earlier `pdscope_jax/` package (for example `git worktree add OLD <commit>`). It is
-copied under a temporary folder as the package `pdscope_jax_old` (every `pdscope_jax` name in it rewritten), so
-both trees import side by side. Each tree loads the model once (`load(..., weights="random", seed=0)`: the same
-weights); per policy both switch to it (`set_policy`) and warm up every prompt length, then each repeat runs one
-generation per tree on the same random prompt, the tree that goes first alternating between repeats. The tree
-loaded second runs JAX's sharding-keyed caches on objects equal to, not identical with, the first tree's, which
-costs it a little on every staged array (docs/MEASUREMENTS.md): `--new-first` swaps the load order (run both and
-take the geometric mean of the ratios); OLD set to a copy of the new tree gives the noise floor.
-Output: JSON with `command`, `commit` (of this tree: `_shared.commit`), `old_commit` (--old-commit), `weights`,
-per (policy, prompt, tree) every repeat's prefill / decode tok/s and their medians, new / old of the medians,
-and whether both trees generated the same tokens in every repeat (they must: same weights, same prompt).
+OLD (and NEW; default: this checkout's `pdscope_jax`) is a folder holding a `pdscope_jax/` package, copied under a
+temporary folder as `pdscope_jax_old` (`pdscope_jax_new`), every `pdscope_jax` name in it rewritten, so both trees
+import side by side. Each tree loads the model once (`load(..., weights="random", seed=0)`: the same weights); per
+policy both switch to it (`set_policy`) and warm up every prompt length, then each repeat runs one generation per
+tree on the same random prompt, the tree going first alternating. The tree loaded second pays a little on every
+staged array (JAX's sharding-keyed caches; docs/MEASUREMENTS.md): `--new-first` swaps the load order.
+`--pin-cpu-scale S` holds the in-situ CPU calibration of both trees at S (a multiple of 0.1, >= 1) for every
+(phase, step rows): the planners see the cost table's CPU times times S, and nothing measured changes that. Why:
+planners that weigh CPU costs (`greedy`, `pdscope`) plan from a calibration learned live, so two trees (as two
+copies of one) make different plans from timing noise; comparing the code needs it held equal. Either layout
+(`offload.engine.OffloadRunner._cpu_scale` or `engine.calibration.CpuCalibration`) is patched after `load`; a tree
+with neither stops the run. Each row records the scales each runner reports; pinned, they must all be S.
+Output: JSON with `command`, `commit` (the new tree's: --new-commit, else this checkout's), `script_commit`,
+`old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every repeat's prefill / decode tok/s and
+their medians, new / old of the medians, `cpu_cost_scale` and `plans` (loads, prefetches, GPU / CPU experts,
+bytes since the policy was set) per tree, `same_plans`, and whether both trees generated the same tokens in every
+repeat. A line per generation goes to stderr (a run cut short shows where it was).
 """
 
 from __future__ import annotations
@@ -23,52 +29,126 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import re
 import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
 from _shared import commit
 
-OLD_NAME = "pdscope_jax_old"
+OLD_NAME, NEW_NAME = "pdscope_jax_old", "pdscope_jax_new"
 
 
-def import_old(tree: Path, into: Path):
-    """Copy `tree/pdscope_jax` to `into/pdscope_jax_old`, rewriting the package name, and import it."""
-    target = into / OLD_NAME
+def import_tree(tree: Path, into: Path, name: str):
+    """Copy `tree/pdscope_jax` to `into/name`, rewriting the package name, and import it as `name`."""
+    target = into / name
     shutil.copytree(tree / "pdscope_jax", target, ignore=shutil.ignore_patterns("__pycache__", "assets"))
     for path in target.rglob("*.py"):
-        path.write_text(re.sub(r"\bpdscope_jax\b", OLD_NAME, path.read_text()))
-    sys.path.insert(0, str(into))
-    return importlib.import_module(OLD_NAME)
+        path.write_text(re.sub(r"\bpdscope_jax\b", name, path.read_text()))
+    if str(into) not in sys.path:
+        sys.path.insert(0, str(into))
+    return importlib.import_module(name)
+
+
+class PinnedScale(dict):
+    """A calibration's scale table held at `value`: every key looked up reads `value` (and is recorded, so the
+    runner's report names each (phase, rows) its planners used); whatever is stored becomes `value`."""
+
+    def __init__(self, value: float):
+        super().__init__()
+        self.value = value
+
+    def get(self, key, default=None):
+        dict.__setitem__(self, key, self.value)
+        return self.value
+
+    def __setitem__(self, key, value):
+        dict.__setitem__(self, key, self.value)
+
+
+def _calibration(engine):
+    """-> (layout, owner, scale attribute, learning method, costs lookup, base table, reported scales) of
+    `engine`'s in-situ CPU calibration; SystemExit where it has neither known layout."""
+    cal = getattr(engine, "_calibration", None)
+    if cal is not None and all(hasattr(cal, a) for a in ("scale", "observe", "costs_for", "as_stats")):
+        return "engine.calibration.CpuCalibration", cal, "scale", "observe", cal.costs_for, cal.costs, cal.as_stats
+    if all(hasattr(engine, a) for a in ("_cpu_scale", "_calibrate_cpu", "_planner_costs")):
+        return ("offload.engine.OffloadRunner._cpu_scale", engine, "_cpu_scale", "_calibrate_cpu",
+                engine._planner_costs, engine.costs, lambda: engine.stats["cpu_cost_scale"])
+    raise SystemExit(f"--pin-cpu-scale: {type(engine).__module__}.{type(engine).__name__} has neither "
+                     "`_calibration` (CpuCalibration: scale, observe, costs_for, as_stats) nor `_cpu_scale`, "
+                     "`_calibrate_cpu`, `_planner_costs`: this tree's CPU calibration cannot be pinned")
+
+
+def pin_cpu_scale(engine, scale: float) -> str:
+    """Hold `engine`'s CPU calibration at `scale`, check that its planners now see the CPU times times `scale`;
+    -> the layout patched."""
+    layout, owner, attr, learn, lookup, base, _ = _calibration(engine)
+    pinned = PinnedScale(scale)
+    setattr(owner, attr, pinned)
+    setattr(owner, learn, lambda *args, **kwargs: None)  # nothing measured reaches the scale
+    seen = tuple(lookup("prefill", -1).cpu_expert_seconds)
+    if seen != tuple(v * scale for v in base.cpu_expert_seconds):
+        raise SystemExit(f"--pin-cpu-scale {scale}: the planners of {layout} see CPU times {seen[:3]}..., not "
+                         f"the table's times {scale}")
+    pinned.clear()  # forget the check's key
+    return layout
+
+
+def reported_scales(engine) -> dict[str, float]:
+    return dict(_calibration(engine)[-1]())
+
+
+PLAN_COUNTS = ("experts_loaded_now", "experts_prefetched", "gpu_experts", "cpu_experts", "bytes_moved")
+
+
+def plan_counts(engine) -> dict[str, dict[str, int]]:
+    """What the planners decided since the policy was set, per phase (both layouts' `stats`)."""
+    stats = engine.stats
+    return {phase: {k: stats[phase][k] for k in PLAN_COUNTS} for phase in ("prefill", "decode")}
 
 
 def run(args, report: dict) -> dict:
     """Fill `report["rows"]`, writing the report to `args.out` after every row (a run cut short keeps its rows)."""
-    import pdscope_jax as new
-
     with tempfile.TemporaryDirectory() as tmp:
-        old = import_old(Path(args.old_tree), Path(tmp))
+        old = import_tree(Path(args.old_tree), Path(tmp), OLD_NAME)
+        new = importlib.import_module("pdscope_jax") if args.new_tree is None else \
+            import_tree(Path(args.new_tree), Path(tmp), NEW_NAME)
+        report["packages"] = {"old": old.__name__, "new": new.__name__}
+        report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
         runtime = {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool,
                    "max_seq_len": max(args.prompt_lens) + args.new_tokens}
         if args.cost_table:
             runtime["cost_table"] = args.cost_table
         order = (("new", new), ("old", old)) if args.new_first else (("old", old), ("new", new))
-        trees = {name: module.load(args.model, weights="random", seed=0, dtype=args.dtype, policy=args.policies[0],
-                                   **runtime) for name, module in order}  # loaded, and warmed up, in this order
+        trees, report["load_seconds"] = {}, {}
+        for name, module in order:  # loaded, and warmed up, in this order
+            start = time.perf_counter()
+            trees[name] = module.load(args.model, weights="random", seed=0, dtype=args.dtype,
+                                      policy=args.policies[0], **runtime)
+            report["load_seconds"][name] = round(time.perf_counter() - start, 1)
+            print(f"loaded {name} ({module.__name__}) in {report['load_seconds'][name]} s", file=sys.stderr,
+                  flush=True)
         report["load_order"] = list(trees)
+        if args.pin_cpu_scale is not None:
+            report["pinned_layout"] = {name: pin_cpu_scale(r.engine, args.pin_cpu_scale) for name, r in trees.items()}
         rng = np.random.default_rng(0)
         vocab = trees["new"].config.vocab_size
         rows = report.setdefault("rows", [])
         for policy in args.policies:
-            for runner in trees.values():
+            for name, runner in trees.items():
+                start = time.perf_counter()
                 runner.engine.set_policy(policy)
                 for t in args.prompt_lens:
                     runner.engine.warmup(1, t, args.new_tokens)
+                print(f"{policy} {name}: set and warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr,
+                      flush=True)
             for t in args.prompt_lens:
                 times = {"old": [], "new": []}
                 same_tokens = True
@@ -80,6 +160,9 @@ def run(args, report: dict) -> dict:
                         out = trees[name].generate(ids, max_new_tokens=args.new_tokens)
                         tokens[name] = np.asarray(out.tokens)
                         times[name].append((out.prefill_tokens_per_s, out.decode_tokens_per_s))
+                        print(f"{policy} {t} repeat {rep + 1}/{args.repeats} {name}: prefill "
+                              f"{out.prefill_tokens_per_s:.1f} decode {out.decode_tokens_per_s:.2f} tok/s",
+                              file=sys.stderr, flush=True)
                     same_tokens &= bool(np.array_equal(tokens["old"], tokens["new"]))
                 row = {"policy": policy, "prompt_len": t, "same_tokens": same_tokens}
                 for name, reps in times.items():
@@ -88,18 +171,35 @@ def run(args, report: dict) -> dict:
                                  "decode_median": statistics.median(d for _, d in reps)}
                 for phase in ("prefill", "decode"):
                     row[f"{phase}_ratio"] = row["new"][f"{phase}_median"] / row["old"][f"{phase}_median"]
+                # the calibration each runner reports after the row (learned, or pinned), and its decisions
+                row["cpu_cost_scale"] = {name: reported_scales(r.engine) for name, r in trees.items()}
+                row["plans"] = {name: plan_counts(r.engine) for name, r in trees.items()}
+                row["same_plans"] = row["plans"]["old"] == row["plans"]["new"]
                 rows.append(row)
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1) + "\n")
                 print(f"{policy:9s} {t:6d} prefill new/old {row['prefill_ratio']:.3f}  decode new/old "
-                      f"{row['decode_ratio']:.3f}  same tokens: {same_tokens}", flush=True)
+                      f"{row['decode_ratio']:.3f}  same tokens: {same_tokens}  same plans: {row['same_plans']}",
+                      flush=True)
+                if args.pin_cpu_scale is not None:
+                    check_pinned(row["cpu_cost_scale"], args.pin_cpu_scale)
     return report
+
+
+def check_pinned(scales: dict[str, dict[str, float]], pin: float) -> None:
+    """Every tree reports at least one scale, and every scale is `pin`; else SystemExit."""
+    for name, tree in scales.items():
+        if not tree or any(s != pin for s in tree.values()):
+            raise SystemExit(f"--pin-cpu-scale {pin}: the {name} tree reports {tree or 'no scale'}")
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old-tree", required=True, help="folder holding the earlier pdscope_jax/ package")
     ap.add_argument("--old-commit", default="?")
+    ap.add_argument("--new-tree", default=None,
+                    help="folder holding the later pdscope_jax/ package (default: this checkout's)")
+    ap.add_argument("--new-commit", default=None, help="the --new-tree's commit, recorded as `commit`")
     ap.add_argument("--model", default="deepseek-v2-lite")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--policies", nargs="+", default=["pdscope", "ondemand"])
@@ -109,16 +209,28 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--gpu-memory", default="24GB")
     ap.add_argument("--expert-pool", default="8GB")
     ap.add_argument("--cost-table", default=None)
+    ap.add_argument("--pin-cpu-scale", type=float, default=None, metavar="S",
+                    help="hold both trees' in-situ CPU calibration at S (>= 1, a multiple of 0.1) for every "
+                         "phase and step size")
     ap.add_argument("--new-first", action="store_true",
                     help="load and warm up the new tree first (the tree loaded second pays for JAX's caches keyed "
                          "by the first tree's sharding objects: run both orders)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    pin = args.pin_cpu_scale
+    if pin is not None and not (pin >= 1 and round(pin, 1) == pin):
+        ap.error(f"--pin-cpu-scale {pin}: must be >= 1 and a multiple of 0.1 (the trees round their scale to a "
+                 "tenth before scaling the table)")
+    if args.new_commit is not None and args.new_tree is None:
+        ap.error("--new-commit names the --new-tree's commit; without --new-tree the new tree is this checkout")
+    script_commit = commit()
     report = {"what": "old and new tree in one process, generations interleaved",
               "command": " ".join(["python3", "benchmarks/compare_trees_inprocess.py",
                                    *(sys.argv[1:] if argv is None else argv)]),
-              "commit": commit(), "old_commit": args.old_commit, "model": args.model,
-              "weights": "random (seeded; both trees the same)", "rows": []}
+              "commit": script_commit if args.new_tree is None else (args.new_commit or "?"),
+              "script_commit": script_commit, "old_commit": args.old_commit,
+              "old_tree": args.old_tree, "new_tree": args.new_tree or "(this checkout)", "model": args.model,
+              "pin_cpu_scale": pin, "weights": "random (seeded; both trees the same)", "rows": []}
     return run(args, report)
 
 
