@@ -115,10 +115,10 @@ class RuntimeConfig:
     decode_bank: bool = True  # device decode adds slots in the memory prefill's activations and staging hold
     activation_memory: str = "measured"  # "measured": XLA's buffer assignment for the largest prefill step's
     # programs (engine.activations); "estimated": the formula of store.budget.activation_bytes (an upper bound)
-    decode_cpu_experts: str = "off"  # device decode computes part of a layer's misses on the host's CPU while
-    # the rest are copied: "auto" through the CUDA bridge (kernels.host_experts) where it runs, else none;
-    # "xla": XLA ops on the pinned weights on any backend (tests); "off": every miss is copied (the default
-    # until the host's part is measured faster than copying in the engine: docs/MEASUREMENTS.md)
+    decode_cpu_experts: str = "auto"  # device decode computes part of a layer's misses on the host's CPU while
+    # the rest are copied: "auto" through the CUDA bridge (kernels.host_experts) where it runs, else none (it
+    # decoded faster than copying every miss on the H200: docs/MEASUREMENTS.md); "xla": XLA ops on the pinned
+    # weights on any backend (tests); "off": every miss is copied
     decode_copy_share: float | None = None  # share of a layer's misses copied when the host computes the rest
     # (None: the host's time for an expert over the host's and the link's together: engine.host_split)
     decode_bridge_copies: bool = True  # device decode's copies are made by the CUDA bridge's worker (DMA) where

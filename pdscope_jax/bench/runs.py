@@ -88,16 +88,24 @@ def plan_runs(args) -> list[dict]:
     for label in args.policies:
         policy, switches = split_label(label)
         runs.append({"label": label, "policy": policy, "hot": args.hot_table is not None, "async_io": True,
-                     "batched_gpu": True, "device_decode": True, "decode_bank": True, "decode_cpu_experts": "off",
-                     "decode_copy_share": None, **switches})
+                     "batched_gpu": True, "device_decode": True, "decode_bank": True,
+                     "decode_cpu_experts": None, "decode_copy_share": None, **switches})
     return runs
+
+
+def default_cpu_experts() -> str:
+    """RuntimeConfig's decode_cpu_experts, what a label without :cpu / :nocpu runs (imported here: `--help` stays
+    without jax)."""
+    from pdscope_jax.runtime import RuntimeConfig
+
+    return RuntimeConfig.decode_cpu_experts
 
 
 def engine_switches(run: dict, hot_table) -> dict:
     """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
             "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
-            "decode_bank": run["decode_bank"], "decode_cpu_experts": run.get("decode_cpu_experts", "off"),
+            "decode_bank": run["decode_bank"], "decode_cpu_experts": run.get("decode_cpu_experts") or default_cpu_experts(),
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True)}
 

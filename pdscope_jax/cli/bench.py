@@ -37,8 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"policy names (below), each also as NAME{HOST_DECODE} (decode planned by the host layer "
                         f"by layer, never as one accelerator program per step), NAME{NO_BANK} (device decode in "
                         f"the slot pool alone, without the decode bank), NAME{WITH_CPU} (device decode has the "
-                        f"host's CPU compute part of the misses through the CUDA bridge), NAME{NO_CPU} (it copies "
-                        f"every miss, the default), NAME{COPY_SHARE}F (the share of misses copied), "
+                        f"host's CPU compute part of the misses through the CUDA bridge, the default), NAME{NO_CPU} "
+                        f"(it copies every miss), NAME{COPY_SHARE}F (the share of misses copied), "
                         f"NAME{PROGRAM_COPIES} (the decode program copies its misses itself, not the bridge's "
                         f"worker), and '{PLAIN}' "
                         "for the whole model without offloading")

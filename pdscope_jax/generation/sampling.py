@@ -127,51 +127,62 @@ def _penalized(logits, s: SamplingState):
     return logits - s.frequency[:, None] * s.counts - s.presence[:, None] * generated
 
 
-def _truncated(logits, s: SamplingState):
-    """Scaled logits with -inf outside each row's top_k / top_p / min_p set (the top token always stays)."""
-    v = logits.shape[-1]
-    logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+def _nucleus(x, s: SamplingState):
+    """x [B, V] with -inf outside each row's top_k / top_p set (the top token always stays); one sort serves both.
+    A row using neither keeps x."""
+    v = x.shape[-1]
+    ordered = jnp.sort(x, axis=-1)[:, ::-1]
+    k = jnp.where(s.top_k > 0, s.top_k, v)
+    kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
+    ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
+    probs = jax.nn.softmax(ordered, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+    # the most likely token always stays; top_p 1 keeps every token top_k kept (a sum of probabilities may
+    # round below 1, which must not bring back the tokens top_k removed)
+    keep = (before < s.top_p[:, None]) | (s.top_p[:, None] >= 1) | (jnp.arange(v) == 0)
+    floor = jnp.min(jnp.where(keep & (ordered > -jnp.inf), ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(x < floor, -jnp.inf, x)
 
-    def nucleus(x):  # one sort serves top_k and top_p
-        ordered = jnp.sort(x, axis=-1)[:, ::-1]
-        k = jnp.where(s.top_k > 0, s.top_k, v)
-        kth = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=-1)
-        ordered = jnp.where(ordered < kth, -jnp.inf, ordered)
-        probs = jax.nn.softmax(ordered, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-        # the most likely token always stays; top_p 1 keeps every token top_k kept (a sum of probabilities may
-        # round below 1, which must not bring back the tokens top_k removed)
-        keep = (before < s.top_p[:, None]) | (s.top_p[:, None] >= 1) | (jnp.arange(v) == 0)
-        floor = jnp.min(jnp.where(keep & (ordered > -jnp.inf), ordered, jnp.inf), axis=-1, keepdims=True)
-        return jnp.where(x < floor, -jnp.inf, x)
 
-    # computed whether or not a row uses it: a conditional would make the thread launching the program wait for
-    # the GPU at every step (XLA's GPU runtime reads the predicate back), which costs more than one sort
-    logits = jnp.where(((s.top_k > 0) | (s.top_p < 1))[:, None], nucleus(logits), logits)
+def _min_p(logits, s: SamplingState):
     probs = jax.nn.softmax(logits, axis=-1)
     floor = s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
     return jnp.where(probs < floor, -jnp.inf, logits)
+
+
+def _truncated(logits, s: SamplingState):
+    """Scaled logits with -inf outside each row's top_k / top_p / min_p set (the top token always stays)."""
+    logits = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
+    # computed whether or not a row uses it: a conditional would make the thread launching the program wait for
+    # the GPU at every step (XLA's GPU runtime reads the predicate back), which costs more than one sort
+    logits = jnp.where(((s.top_k > 0) | (s.top_p < 1))[:, None], _nucleus(logits, s), logits)
+    return _min_p(logits, s)
+
+
+def _draw(x, state: SamplingState, step, truncated=_truncated):
+    """One token per row of x [B, V], drawn from `truncated(x, state)` with each row's seed folded with its step."""
+    steps = jnp.broadcast_to(jnp.asarray(step), state.seed.shape)  # one step per row (batching: ragged)
+    keys = jax.vmap(lambda seed, k: jax.random.fold_in(jax.random.key(seed), k))(state.seed, steps)
+    return jax.vmap(jax.random.categorical)(keys, truncated(x, state)).astype(jnp.int32)
+
+
+def _picked(raw, token, state: SamplingState) -> tuple[Sampled, SamplingState]:
+    """The `Sampled` of `token` [B] under log-probabilities raw [B, V], and the state with the token counted."""
+    top_logprobs, top_ids = jax.lax.top_k(raw, min(TOP_LOGPROBS, raw.shape[-1]))
+    picked = Sampled(token, jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32),
+                     top_logprobs)
+    counts = state.counts.at[jnp.arange(token.shape[0]), token].add(1)
+    return picked, dataclasses.replace(state, counts=counts)
 
 
 def sample(logits: jax.Array, state: SamplingState, step) -> tuple[Sampled, SamplingState]:
     """See the module docstring. logits [B, V] (any float dtype); step: int, int32 scalar array, or int32 [B]
     (each row's own step, as continuous batching needs)."""
     logits = logits.astype(F32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
     penalized = _penalized(logits, state)
     greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
-
-    def draw(x):
-        steps = jnp.broadcast_to(jnp.asarray(step), state.seed.shape)  # one step per row (batching: ragged)
-        keys = jax.vmap(lambda seed, k: jax.random.fold_in(jax.random.key(seed), k))(state.seed, steps)
-        return jax.vmap(jax.random.categorical)(keys, _truncated(x, state)).astype(jnp.int32)
-
-    token = jnp.where(state.temperature == 0, greedy, draw(penalized))  # no conditional: see `_truncated`
-    top_logprobs, top_ids = jax.lax.top_k(raw, min(TOP_LOGPROBS, raw.shape[-1]))
-    picked = Sampled(token, jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32),
-                     top_logprobs)
-    counts = state.counts.at[jnp.arange(token.shape[0]), token].add(1)
-    return picked, dataclasses.replace(state, counts=counts)
+    token = jnp.where(state.temperature == 0, greedy, _draw(penalized, state, step))  # no conditional: `_truncated`
+    return _picked(jax.nn.log_softmax(logits, axis=-1), token, state)
 
 
 sample_jit = jax.jit(sample, donate_argnums=1)

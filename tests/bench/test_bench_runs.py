@@ -31,7 +31,7 @@ def test_runs_for_policies_host_decode_and_plain():
     assert [(r["device_decode"], r["decode_bank"]) for r in runs[:3]] == [(True, True), (False, True), (True, False)]
     assert engine_switches(runs[0], "t.json") == {"hot_table": "t.json", "async_io": True, "batched_gpu": True,
                                                   "device_decode": True, "decode_bank": True,
-                                                  "decode_cpu_experts": "off", "decode_copy_share": None,
+                                                  "decode_cpu_experts": "auto", "decode_copy_share": None,
                                                   "decode_bridge_copies": True}
     no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
     assert engine_switches(no_table, "t.json")["hot_table"] is None
@@ -42,7 +42,7 @@ def test_suffixes_combine_and_unknown_ones_are_named():
                                 f"fate{PROGRAM_COPIES}"]))
     switches = [engine_switches(r, None) for r in run]
     assert [(s["decode_bank"], s["decode_cpu_experts"], s["decode_copy_share"], s["decode_bridge_copies"])
-            for s in switches] == [(False, "off", None, True), (True, "auto", 0.25, True), (True, "off", None, False)]
+            for s in switches] == [(False, "off", None, True), (True, "auto", 0.25, True), (True, "auto", None, False)]
     assert split_label("ondemand") == ("ondemand", {})
     for bad, named in (("pdscope:fast", "':fast'"), ("pdscope:copy=2", ":copy=F"), ("pdscope:copy=x", ":copy=F")):
         with pytest.raises(ValueError, match=named):
