@@ -7,8 +7,10 @@ path) and every run label (`--runs`, the bench's labels: `pdscope:copy=0` sends 
 warm-up generation and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
 With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not; with
 `--samplers select conditional`, once with the package's sampler, once with one holding conditionals.
-Reports per (setting, run): decode tok/s (median), the greedy tokens and whether they equal the first run's,
-bridge faults, the host's ms inside one step's dispatch (median), host experts per step, the bridge worker's ms per host expert,
+Reports per (setting, run): decode tok/s (median), the host's ms in the decode step's jitted call alone
+(`launch_ms_median`: arguments, launches and any wait inside the program; `dispatch_ms_median` also holds the
+wait for the token two steps back, so it equals the step whenever the GPU is the bottleneck), the greedy tokens
+and whether they equal the first run's, bridge faults, host experts per step, the bridge worker's ms per host expert,
 and the kernel's profile over the decode steps only (ms per call: wall time of the compute, the mean and the
 slowest group; the slowest far above the mean means threads that started late or were preempted), the bridge's
 per-layer timeline (host compute, and the GPU's part between two host parts), the CPU
@@ -170,6 +172,19 @@ def main(argv: list[str] | None = None) -> dict:
         step_host.append(time.perf_counter() - start)
 
     DeviceDecode.step = timed_step
+    step_launch: list[float] = []
+
+    class TimedLaunch:  # host seconds in the decode step's jitted call alone (arguments, launches, in-program waits)
+        def __init__(self, jitted):
+            self.jitted, self._cache_size = jitted, jitted._cache_size
+
+        def __call__(self, *args):
+            start = time.perf_counter()
+            out = self.jitted(*args)
+            step_launch.append(time.perf_counter() - start)
+            return out
+
+    runner._decode_step = TimedLaunch(runner._decode_step)
     import sampler_variants
 
     for sampler, side_effect, setting in ((k, e, s) for k in args.samplers for e in args.side_effects
@@ -195,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
                 throttled, threads_before, since = throttling(), thread_cpu(), time.monotonic_ns()
                 cpu_ffn.profile(True)
                 step_host.clear()
+                step_launch.clear()
                 start = time.perf_counter()
                 for sampled in steps:
                     tokens.append(int(np.asarray(sampled.token)[0]))
@@ -211,11 +227,13 @@ def main(argv: list[str] | None = None) -> dict:
                              "throttled": throttled, "decode_seconds": seconds,
                              "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]},
                              "dispatch_ms_median": 1e3 * statistics.median(step_host) if step_host else None,
+                             "launch_ms_median": 1e3 * statistics.median(step_launch) if step_launch else None,
                              "timeline": layer_timeline(runner, since)})
             last = host[-1]
             record = {"setting": setting, **applied, "side_effect": bool(side_effect), "sampler": sampler,
                       "run": label,
-                      "dispatch_ms_median": last["dispatch_ms_median"], "decode_tok_s": statistics.median(tok_s),
+                      "dispatch_ms_median": last["dispatch_ms_median"], "launch_ms_median": last["launch_ms_median"],
+                      "decode_tok_s": statistics.median(tok_s),
                       "decode_tok_s_repeats": tok_s,
                       "host_experts_per_step": last["host_experts"] / (args.tokens - 1),
                       "ms_per_host_expert": (1e3 * last["bridge_seconds"] / last["host_experts"]
