@@ -25,7 +25,8 @@ from _common import emit, probe_result
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="deepseek-v2-lite")
-    parser.add_argument("--samplers", nargs="+", default=["select", "conditional"], choices=list(sampler_variants.KINDS))
+    parser.add_argument("--samplers", nargs="+", default=["select", "conditional"],
+                        choices=list(sampler_variants.KINDS))
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)

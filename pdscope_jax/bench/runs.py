@@ -105,7 +105,8 @@ def engine_switches(run: dict, hot_table) -> dict:
     """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
             "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
-            "decode_bank": run["decode_bank"], "decode_cpu_experts": run.get("decode_cpu_experts") or default_cpu_experts(),
+            "decode_bank": run["decode_bank"],
+            "decode_cpu_experts": run.get("decode_cpu_experts") or default_cpu_experts(),
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True)}
 

@@ -253,7 +253,9 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
         if not host.copies:  # nothing to copy: every row from the pool, with no conditional
             pulled = _take(banks, resident)
         n_miss = jnp.sum(copied, dtype=jnp.int32)
-    gate_ups, downs = pulled or pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
+    if pulled is None:  # the program copies the misses itself
+        pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
+    gate_ups, downs = pulled
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
     outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order

@@ -324,8 +324,9 @@ class _StandInBridge:
         return jnp.sum(jnp.where((ids >= 0)[:, None, None], coef[:, :, None] * outs, 0.0), axis=0)
 
 
-@pytest.mark.parametrize("share, fill_free, on_host, kept", [(1.0, True, set(), {1, 2, 3}), (0.0, True, {2}, {0, 1, 3}),
-                                                             (0.5, False, {2}, {0, 1, 3}), (0.0, False, {2, 3}, {0, 1})])
+@pytest.mark.parametrize("share, fill_free, on_host, kept", [
+    (1.0, True, set(), {1, 2, 3}), (0.0, True, {2}, {0, 1, 3}),
+    (0.5, False, {2}, {0, 1, 3}), (0.0, False, {2, 3}, {0, 1})])
 def test_the_bridges_copies_give_the_exact_sum_and_the_same_pool(experts, share, fill_free, on_host, kept,
                                                                   monkeypatch):
     """The bridge's worker copying the misses (`HostExperts.bridge_copies`, a stand-in bridge here): the same row
