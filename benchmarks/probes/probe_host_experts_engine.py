@@ -17,6 +17,8 @@ per-layer timeline (host compute, and the GPU's part between two host parts), th
 seconds of the process's busiest threads (by name) and the cgroup's CPU throttling over the decode.
 Outside the engine, in the same process, per setting: the kernel alone on the store's own experts (one row,
 k = 1, 2, 6 experts of random layers, no GPU work) in GB/s of expert bytes, and the pool's read bandwidth.
+With `--trace DIR`, each run's decode of `--trace-tokens` more tokens is recorded by jax's profiler (Perfetto
+trace per run: the GPU's kernels and idle gaps beside the launching thread).
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_host_experts_engine.py --out F.json`.
 Random weights.
 """
@@ -48,6 +50,10 @@ def parse_args(argv):
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--gpu-memory", default="24GB")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="after each run's repeats, one more decode of --trace-tokens tokens under jax's profiler; "
+                        "its Perfetto trace is written to TRACE/<run>.trace.json.gz")
+    p.add_argument("--trace-tokens", type=int, default=6)
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
 
@@ -136,6 +142,28 @@ def kernel_alone(store, cfg) -> dict:
         figures[f"k{k}"] = {"ms": 1e3 * seconds * k, "gb_s": cfg.expert_bytes(2) / seconds / 1e9}
     figures["read_gb_s"] = cpu_ffn.read_bandwidth(1 << 30, 3)
     return figures
+
+
+def trace_decode(runner, prompt, tokens: int, out: Path) -> None:
+    """One generation of `tokens` tokens whose decode steps (prefill excluded) run under jax's profiler; the
+    Perfetto trace is moved to `out` and the profiler's other files are dropped."""
+    import glob
+    import shutil
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as where:
+        steps = runner.steps(prompt, tokens)
+        next(steps)  # prefill and the first token, outside the trace
+        jax.profiler.start_trace(where, create_perfetto_trace=True)
+        for sampled in steps:
+            np.asarray(sampled.token)
+        jax.profiler.stop_trace()
+        found = glob.glob(f"{where}/**/perfetto_trace.json.gz", recursive=True)
+        if found:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(found[0], out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -229,6 +257,8 @@ def main(argv: list[str] | None = None) -> dict:
                              "dispatch_ms_median": 1e3 * statistics.median(step_host) if step_host else None,
                              "launch_ms_median": 1e3 * statistics.median(step_launch) if step_launch else None,
                              "timeline": layer_timeline(runner, since)})
+            if args.trace is not None:
+                trace_decode(runner, prompt, args.trace_tokens, args.trace / f"{label.replace(':', '_')}.trace.json.gz")
             last = host[-1]
             record = {"setting": setting, **applied, "side_effect": bool(side_effect), "sampler": sampler,
                       "run": label,
