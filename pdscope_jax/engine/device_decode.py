@@ -269,6 +269,12 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
 
     hit = valid & ~miss
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
+    routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
+    if host is not None and not host.copies:  # nothing enters the pool: no victims, no writes (each would read
+        # every pick's weights), only the hits' worth and the counts change
+        counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), 0, jnp.sum(on_cpu)]).astype(jnp.int32)
+        keep = table.keep.at[parked].set(worth, mode="drop")
+        return y, banks, PoolTable(table.slot_of, table.owner, keep, table.bonus, clock, counts, routed)
     keep = table.keep.at[parked].set(PROTECTED, mode="drop")
     victims = jax.lax.top_k(-keep, picks.shape[0])[1]  # the slots least worth keeping, least first
     kept = copied & (worth > keep[victims])  # the i-th miss against the i-th victim
@@ -280,7 +286,6 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     owner = table.owner.at[target].set(m * num_experts + picks, mode="drop")
     keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
     banks = _put(banks, target, (gate_ups, downs))
-    routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0),
                                        jnp.sum(on_cpu)]).astype(jnp.int32)
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)

@@ -331,7 +331,8 @@ def test_the_bridges_copies_give_the_exact_sum_and_the_same_pool(experts, share,
                                                                   monkeypatch):
     """The bridge's worker copying the misses (`HostExperts.bridge_copies`, a stand-in bridge here): the same row
     layout as the program's own copies, so the same exact sum, the same counts and the same pool; the program
-    holds no conditional to size its copies; the host computes the misses not copied, and none at a share of 1.
+    holds no conditional to size its copies, and writes no weights where it copies nothing; the host computes
+    the misses not copied, and none at a share of 1.
     Experts 0 and 1 resident in 3 slots; the row picks 1, 2, 3 (misses 3 then 2, most worth first); all copied,
     2 is worth more than expert 0's slot (LRU ticks) and takes it."""
     from pdscope_jax.kernels import host_experts
@@ -354,6 +355,9 @@ def test_the_bridges_copies_give_the_exact_sum_and_the_same_pool(experts, share,
     jaxpr = program(0, jnp.asarray(h), jnp.ones((1, 3)), jnp.array([[3, 1, 2]], jnp.int32),
                     tuple(jnp.asarray(a) for a in experts), _pool(select_devices(), *experts, {}).banks, table)
     assert "cond" not in {eqn.primitive.name for eqn in jaxpr.eqns}
+    weight_writes = [eqn for eqn in jaxpr.eqns
+                     if eqn.primitive.name.startswith("scatter") and eqn.invars[0].aval.shape[1:] == (D, 2 * F)]
+    assert bool(weight_writes) == host.copies  # a step that copies nothing writes no expert's weights anywhere
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5])
