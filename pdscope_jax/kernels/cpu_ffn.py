@@ -11,9 +11,9 @@ Contract: `moe_ffn_cpu(h, coef, gate_up, down, ids=None)` -> out [N, D] float32 
   integers once and uses the weights q * scale exactly (float32 sums scaled per column and group), the XLA path
   dequantizes them in the program to bf16 (`dequantize()`): the two agree to that bf16 rounding.
 The kernel reads each weight where it lies (no gather, no copy), once per call, on every thread of its pool,
-with AVX-512 BF16 dot products and float32 accumulation; the activation is rounded to bf16 after scaling by
-coef, and the output is float32 (the XLA path rounds each expert's output to h's dtype first): the two agree
-to bf16 rounding. Eager or inside `jax.jit`; the path is chosen at trace time by `impl`:
+with AVX-512 BF16 dot products (AMX-BF16 tiles for bf16 experts of several rows, where the CPU has them) and
+float32 accumulation; the activation is rounded to bf16 after scaling by coef, and the output is float32 (the
+XLA path rounds each expert's output to h's dtype first): the two agree to bf16 rounding. Eager or inside `jax.jit`; the path is chosen at trace time by `impl`:
 - "auto": the kernel where `available()` and `kernel_supports(...)`, else "xla";
 - "kernel": the kernel, or an error where it cannot run; "xla": XLA ops, rows zero-padded to `min_rows`
   (XLA:CPU is pathologically slow on bf16 matmuls of one row), as the engine's dense path computes them.
@@ -46,7 +46,7 @@ SYMBOLS = {"list": "pdscope_cpu_ffn_list", "stacked": "pdscope_cpu_ffn_stacked",
 # tree imported beside this one to compare them) registers its own library's handlers under its own names.
 TARGETS = {kind: f"{__name__}.{kind}" for kind in SYMBOLS}
 BLOCK = 32  # the kernel needs D and F to be multiples of this
-ISAS = {"portable": 0, "avx512_bf16": 2}
+ISAS = {"portable": 0, "avx512_bf16": 2, "amx_bf16": 3}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded ctypes library or None, once tried
@@ -71,7 +71,7 @@ def _load() -> ctypes.CDLL | None:
     for name in ("pdscope_cpu_ffn_isa", "pdscope_cpu_ffn_best_isa", "pdscope_cpu_ffn_threads"):
         getattr(lib, name).restype = ctypes.c_int
     for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads", "pdscope_cpu_ffn_set_stream",
-                 "pdscope_cpu_ffn_set_groups"):
+                 "pdscope_cpu_ffn_set_groups", "pdscope_cpu_ffn_set_amx_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
     lib.pdscope_cpu_ffn_run_bf16.restype = ctypes.c_int
@@ -96,19 +96,21 @@ def built() -> bool:
 def available() -> bool:
     """The kernel is what "auto" uses: built, and running its AVX-512 BF16 path (or forced to portable)."""
     lib = library()
-    return lib is not None and (lib.pdscope_cpu_ffn_best_isa() == ISAS["avx512_bf16"] or _state.get("forced", False))
+    return lib is not None and (lib.pdscope_cpu_ffn_best_isa() >= ISAS["avx512_bf16"]
+                                or _state.get("forced", False))
 
 
 def isa() -> str | None:
-    """The kernel's instruction set in use ("avx512_bf16" or "portable"), None where not built."""
+    """The kernel's instruction set in use ("amx_bf16", "avx512_bf16" or "portable"), None where not built."""
     lib = library()
     return None if lib is None else {v: k for k, v in ISAS.items()}[lib.pdscope_cpu_ffn_isa()]
 
 
 def set_isa(name: str | None) -> str | None:
-    """Force the kernel's instruction set ("portable", or "avx512_bf16" where supported), None for the best.
-    Returns the one in use (None where not built). A call reads it when it runs, not when it is dispatched:
-    finish pending calls (`jax.block_until_ready`) before changing it."""
+    """Force the kernel's instruction set ("portable", or "avx512_bf16" or "amx_bf16" where supported), None for the
+    best. "amx_bf16" runs bf16 experts with at least `set_amx_rows` routed rows on AMX tiles and the rest as
+    "avx512_bf16". Returns the one in use (None where not built). A call reads it when it runs, not when it is
+    dispatched: finish pending calls (`jax.block_until_ready`) before changing it."""
     lib = library()
     if lib is None:
         return None
@@ -122,6 +124,13 @@ def set_stream(on: bool) -> bool:
     of at most 4 routed rows per expert) or not (the default). Returns the setting (False where not built)."""
     lib = library()
     return lib is not None and bool(lib.pdscope_cpu_ffn_set_stream(int(on)))
+
+
+def set_amx_rows(n: int) -> int:
+    """Where AMX is in use: the fewest routed rows of an expert for its bf16 weights to run on AMX tiles (n >= 1;
+    n <= 0 keeps the setting; `PDSCOPE_CPU_FFN_AMX_ROWS`, 2 by default). Returns the setting (0 where not built)."""
+    lib = library()
+    return 0 if lib is None else lib.pdscope_cpu_ffn_set_amx_rows(n)
 
 
 def set_groups(n: int) -> int:

@@ -34,6 +34,77 @@ def kernel():
     cpu_ffn.set_isa(None)
 
 
+def fast_paths():
+    """The fast instruction sets this CPU runs: AMX-BF16 (bf16 experts of several rows) and AVX-512 BF16."""
+    best = cpu_ffn.set_isa(None) if cpu_ffn.built() else None
+    return [isa for isa in ("amx_bf16", "avx512_bf16") if best == "amx_bf16" or (best, isa) == ("avx512_bf16",) * 2]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 13, 16, 17, 33, 64])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])
+@pytest.mark.parametrize("isa", ["amx_bf16", "avx512_bf16"])
+def test_each_fast_path_matches_the_exact_sum(kernel, weights, isa, rows, k):
+    """AMX tiles (every expert of at least one row on them) and AVX-512 alone: within bf16 rounding of the exact
+    sum and of each other, unrouted rows exactly 0, any row count (one or several blocks of 16) and k."""
+    if isa not in fast_paths():
+        pytest.skip(f"this CPU has no {isa}")
+    gate_up, down = weights
+    h, coef, ids = case(rows, k, seed=1000 + rows * 10 + k)
+    before = cpu_ffn.set_amx_rows(0)
+    try:
+        assert cpu_ffn.set_isa(isa) == isa and cpu_ffn.set_amx_rows(1) == 1
+        out = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+        assert cpu_ffn.set_isa("avx512_bf16") == "avx512_bf16"
+        avx = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    finally:
+        cpu_ffn.set_isa(None)
+        cpu_ffn.set_amx_rows(before)
+    assert out.shape == (rows, D) and np.all(out[~(coef != 0).any(axis=0)] == 0.0)
+    if not (coef != 0).any():  # no row routed to any expert (a case of one row)
+        assert not np.any(out) and not np.any(avx)
+        return
+    assert rel(out, exact(h, coef, gate_up, down, ids)) < 5e-3
+    # another order of float32 sums can round an activation to the neighbouring bf16 value (2^-8 relative)
+    assert rel(out, avx) < 2e-3
+
+
+@pytest.mark.parametrize("amx_rows", [2, 4, 40])
+def test_amx_and_avx_experts_in_one_call(kernel, weights, amx_rows):
+    """With AMX in use, experts of fewer than `set_amx_rows` routed rows take the AVX-512 kernels in the same
+    call; the sum agrees with AVX-512 alone within bf16 rounding of the activations, whatever the threshold."""
+    if "amx_bf16" not in fast_paths():
+        pytest.skip("this CPU has no AMX-BF16")
+    gate_up, down = weights
+    h, coef, ids = case(7, 6, seed=77)
+    coef[0, 1:] = 0.0  # expert 0: one row; the others several
+    before = cpu_ffn.set_amx_rows(0)
+    try:
+        assert cpu_ffn.set_isa("avx512_bf16") == "avx512_bf16"
+        avx = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+        assert cpu_ffn.set_isa("amx_bf16") == "amx_bf16"
+        assert cpu_ffn.set_amx_rows(amx_rows) == amx_rows and cpu_ffn.set_amx_rows(0) == amx_rows
+        mixed = np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    finally:
+        cpu_ffn.set_isa(None)
+        cpu_ffn.set_amx_rows(before)
+    assert rel(mixed, avx) < 2e-3
+    assert rel(mixed, exact(h, coef, gate_up, down, ids)) < 5e-3
+
+
+def test_set_isa_keeps_to_what_the_cpu_has(kernel):
+    """Asking for an instruction set the CPU lacks gives the best one it has; None gives the best."""
+    best = cpu_ffn.set_isa(None)
+    try:
+        for name in ("amx_bf16", "avx512_bf16", "portable"):
+            got = cpu_ffn.set_isa(name)
+            order = list(cpu_ffn.ISAS)  # portable, avx512_bf16, amx_bf16: each includes the one before
+            assert got == (name if order.index(name) <= order.index(best) else best)
+            assert cpu_ffn.isa() == got
+    finally:
+        cpu_ffn.set_isa(None)
+    assert cpu_ffn.isa() == best
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64])
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_kernel_matches_xla(kernel, weights, rows, k):
@@ -147,7 +218,7 @@ def test_profile_splits_each_call_into_phases(kernel, weights):
 def test_streamed_path_matches_the_exact_sum(kernel, weights, rows, k):
     """The streamed few-row path (on only when asked): within bf16 rounding of the exact sum, close to the unit
     path, unrouted rows exactly 0; a call with more than 4 rows routed to an expert takes the unit path."""
-    if cpu_ffn.isa() != "avx512_bf16":
+    if cpu_ffn.isa() not in ("avx512_bf16", "amx_bf16"):
         pytest.skip("the streamed path runs with the AVX-512 kernels only")
     gate_up, down = weights
     h, coef, ids = case(rows, k, seed=100 + rows * 10 + k)

@@ -25,8 +25,8 @@
 // pdscope_cpu_ffn_quant_stacked (h, coef, ids, the four stacks; bits). Exported controls: threads, ISA,
 // phase profile, the streamed few-row path (off by default), and pdscope_cpu_ffn_run_bf16 for the CUDA bridge.
 // Parts: ffn_types.h (the call, scratch, tunables), ffn_weights.h (the formats), ffn_units.h (one unit:
-// portable and AVX-512 BF16 kernels), ffn_stream.h (few rows, contiguous passes), thread_pool.h; this file
-// plans a call, runs its groups and reduces them.
+// portable and AVX-512 BF16 kernels), ffn_amx.h (bf16 units of several rows on AMX-BF16 tiles), ffn_stream.h
+// (few rows, contiguous passes), thread_pool.h; this file plans a call, runs its groups and reduces them.
 
 #include <algorithm>
 #include <atomic>
@@ -48,6 +48,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
+#include "ffn_amx.h"
 #include "ffn_stream.h"
 #include "ffn_types.h"
 #include "ffn_units.h"
@@ -76,7 +77,7 @@ Pool& pool() {
   return *g_pool;
 }
 
-int best_isa() { return cpu_has_avx512bf16() ? kAvx512Bf16 : kScalar; }
+int best_isa() { return !cpu_has_avx512bf16() ? kScalar : amx_permitted() ? kAmxBf16 : kAvx512Bf16; }
 
 int current_isa() {
   int isa = g_isa.load();
@@ -101,6 +102,7 @@ void compute_group(void* ctx, int g) {
   float* partial = c.partials[g];
   std::memset(partial, 0, sizeof(float) * size_t(c.n) * c.d);
   c.used[g] = 1;
+  bool tiles = false;  // tiles configured on this thread for this group
   for (int u = lo; u < hi;) {
     const int j = c.unit_expert[u], b = c.unit_block[u];
     const int* rows = c.rows.data() + c.row_off[j];
@@ -108,6 +110,11 @@ void compute_group(void* ctx, int g) {
     // Quantized: an even block and the next one of its expert run together (a weight row's 64-byte line holds
     // both units' columns; see gate_up_many). The order of additions into the partial does not change.
     const int nb = (c.fmt != kBf16 && b % 2 == 0 && u + 1 < hi && c.unit_expert[u + 1] == j) ? 2 : 1;
+    if (c.hx[j]) {  // the group's units of expert j on tiles, together
+      tiles = tiles || amx_begin();
+      u = units_amx(c, u, hi, s, partial, ph);
+      continue;
+    }
     if (c.fmt == kInt8)
       run_units<Int8Mat>(c, j, b, nb, rows, m, s, partial, ph);
     else if (c.fmt == kInt4)
@@ -116,6 +123,7 @@ void compute_group(void* ctx, int g) {
       run_units<Bf16Mat>(c, j, b, nb, rows, m, s, partial, ph);
     u += nb;
   }
+  if (tiles) amx_end();
   if (ph) ph->total = now_ns() - start;
 }
 
@@ -161,6 +169,7 @@ void run_call(Call& c) {
     run_streamed(c, p);
     return;
   }
+  gather_rows(c);
   // More groups than threads: a thread the OS preempts holds up the call by one small group, not a 1/threads
   // share (the GPU runtime's and the host's own threads share the cores with the pool).
   const int groups = int(std::min<int64_t>(int64_t(c.unit_expert.size()), int64_t(p.size()) * g_groups_per_thread.load()));
@@ -410,16 +419,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_cpu_ffn_quant_stacked, ffn_quant_stacked,
 
 extern "C" {
 
-// The instruction set in use: 2 = AVX-512 BF16, 0 = portable.
+// The instruction set in use: 3 = AMX-BF16 and AVX-512 BF16, 2 = AVX-512 BF16, 0 = portable.
 int pdscope_cpu_ffn_isa() { return current_isa(); }
 
 // The best instruction set this CPU supports (what `isa` picks unless forced).
 int pdscope_cpu_ffn_best_isa() { return best_isa(); }
 
-// Force an instruction set (0 or 2; 2 only where supported), or -1 for the best one. Returns the one in use.
+// Force an instruction set (0, 2 or 3; 2 and 3 where supported), or -1 for the best one. Returns the one in use.
 int pdscope_cpu_ffn_set_isa(int isa) {
-  if (isa == kAvx512Bf16 && best_isa() != kAvx512Bf16) isa = -1;
-  if (isa != kScalar && isa != kAvx512Bf16) isa = best_isa();
+  if (isa != kScalar && isa != kAvx512Bf16 && isa != kAmxBf16) isa = -1;
+  if (isa > best_isa()) isa = -1;
+  if (isa < 0) isa = best_isa();
   g_isa.store(isa);
   return isa;
 }
@@ -430,6 +440,13 @@ int pdscope_cpu_ffn_threads() { return pool().size(); }
 int pdscope_cpu_ffn_set_stream(int on) {
   g_stream.store(on != 0);
   return g_stream.load() ? 1 : 0;
+}
+
+// The fewest routed rows of an expert for its bf16 units to run on AMX tiles, where AMX is in use (n >= 1;
+// n <= 0 keeps it); returns the setting.
+int pdscope_cpu_ffn_set_amx_rows(int n) {
+  if (n > 0) g_amx_rows.store(n);
+  return g_amx_rows.load();
 }
 
 // Groups of units per pool thread in later calls (n >= 1; n <= 0 keeps it); returns the setting.

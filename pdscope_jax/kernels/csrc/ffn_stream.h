@@ -181,7 +181,7 @@ inline void run_streamed(Call&, Pool&) {}  // never called: streams() is false o
 // per expert (row_off filled), and shapes the unit path takes too.
 inline bool streams(const Call& c) {
 #if defined(__x86_64__)
-  if (c.fmt != kBf16 || c.isa != kAvx512Bf16 || !g_stream.load()) return false;
+  if (c.fmt != kBf16 || c.isa < kAvx512Bf16 || !g_stream.load()) return false;
   for (int j = 0; j < c.k; ++j)
     if (c.row_off[j + 1] - c.row_off[j] > kStreamRows) return false;
   return true;

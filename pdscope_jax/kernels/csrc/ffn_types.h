@@ -28,8 +28,12 @@ const int kGuPrefetch = env_int("PDSCOPE_CPU_FFN_PF_GU", 12);
 const int kDownPrefetch = env_int("PDSCOPE_CPU_FFN_PF_DOWN", 4);
 // Groups of units per pool thread in a call (see run_call; pdscope_cpu_ffn_set_groups changes it).
 std::atomic<int> g_groups_per_thread{std::max(env_int("PDSCOPE_CPU_FFN_GROUPS", 4), 1)};
+// With AMX in use: the fewest routed rows for which an expert's bf16 units run on AMX tiles (ffn_amx.h);
+// fewer rows take the AVX-512 kernels (pdscope_cpu_ffn_set_amx_rows changes it).
+std::atomic<int> g_amx_rows{std::max(env_int("PDSCOPE_CPU_FFN_AMX_ROWS", 2), 1)};
 
-enum Isa : int { kScalar = 0, kAvx512Bf16 = 2 };
+// kAmxBf16: the AVX-512 BF16 kernels, and AMX-BF16 tiles for bf16 experts with at least g_amx_rows rows.
+enum Isa : int { kScalar = 0, kAvx512Bf16 = 2, kAmxBf16 = 3 };
 enum Format : int { kBf16 = 16, kInt8 = 8, kInt4 = 4 };  // the weights' stored format (its bits)
 
 inline float bf16_to_f32(bf16 v) {
@@ -73,6 +77,8 @@ struct Call {
   float* out = nullptr;                 // [n, d]
   std::vector<int> rows, row_off;       // routed rows of expert j: rows[row_off[j] .. row_off[j+1])
   std::vector<int> unit_expert, unit_block;
+  std::vector<const bf16*> hx;          // AMX: expert j's routed rows of h, [round_up(m_j, 16), d], else null
+  size_t hx_ld = 0;                     // elements between rows of hx
   std::vector<float*> partials;         // per group of units: its [n, d] partial sum
   std::vector<char> used;               // per group: it had units (its partial is meaningful)
   std::atomic<size_t> next_chunk{0};    // the reduction's chunks, claimed likewise
@@ -86,6 +92,7 @@ struct Scratch {
   std::vector<float> gu;       // [2, max(rows, kGuRows), kBlock]: gate then up
   std::vector<float> acc;      // [rows, 4, 16]: the chunked gate/up's accumulators between chunks
   std::vector<uint16_t> pairs; // one chunk's interleaved weight pairs (64-byte aligned inside)
+  std::vector<float> tiles;    // AMX: packed weight tiles, gate and up sums, one output tile (aligned inside)
 };
 
 thread_local Scratch tls_scratch;

@@ -351,7 +351,7 @@ void unit_scalar(const Call& c, int j, int b, const int* rows, int m, Scratch& s
 // Units (j, b) .. (j, b + nb - 1) in the call's format and instruction set.
 template <class M>
 void run_units(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
-  if (c.isa == kAvx512Bf16) {
+  if (c.isa >= kAvx512Bf16) {
     unit_avx<M>(c, j, b, nb, rows, m, s, partial, ph);
   } else {
     for (int k = 0; k < nb; ++k) unit_scalar<M>(c, j, b + k, rows, m, s, partial);
