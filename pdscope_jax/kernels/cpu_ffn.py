@@ -13,7 +13,8 @@ Contract: `moe_ffn_cpu(h, coef, gate_up, down, ids=None)` -> out [N, D] float32 
 The kernel reads each weight where it lies (no gather, no copy), once per call, on every thread of its pool,
 with AVX-512 BF16 dot products (AMX-BF16 tiles for bf16 experts of several rows, where the CPU has them) and
 float32 accumulation; the activation is rounded to bf16 after scaling by coef, and the output is float32 (the
-XLA path rounds each expert's output to h's dtype first): the two agree to bf16 rounding. Eager or inside `jax.jit`; the path is chosen at trace time by `impl`:
+XLA path rounds each expert's output to h's dtype first): the two agree to bf16 rounding. Eager or inside
+`jax.jit`; the path is chosen at trace time by `impl`:
 - "auto": the kernel where `available()` and `kernel_supports(...)`, else "xla";
 - "kernel": the kernel, or an error where it cannot run; "xla": XLA ops, rows zero-padded to `min_rows`
   (XLA:CPU is pathologically slow on bf16 matmuls of one row), as the engine's dense path computes them.
