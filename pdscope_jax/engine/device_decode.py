@@ -15,8 +15,9 @@ Contract:
   `download(table, pool, moe_layers)` writes it back into the `SlotPool` -> {activated, hits, evictions, on_host}.
 - Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit
   refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
-  (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept; a miss
-  the host computes is never kept.
+  (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept; at most
+  `kept_rows(picks)` misses of a layer (the most worth first) may be kept, the rest are used once; a miss the host
+  computes is never kept.
 - `decode_step(graphs, model_graph, moe_layers, host, states, model_state, experts, token, positions, caches,
   sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one
   model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's experts in pinned host
@@ -137,6 +138,12 @@ def _no_rows(experts, n: int):
     def zeros(a):
         return jnp.zeros((n, *(a.shape if per_expert else a.shape[1:])), a.dtype)
     return tuple(jax.tree.map(zeros, part[0] if per_expert else part) for part in (gate_ups, downs))
+
+
+def kept_rows(picks: int) -> int:
+    """The most misses of a layer of `picks` distinct experts that may enter the pool in one step (at least one):
+    writing into the pool reads every candidate row's weights, kept or not, so the candidates are few."""
+    return max(1, (picks + 1) // 2)
 
 
 def fits(slots: int, picks: int) -> bool:
@@ -276,16 +283,17 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
         keep = table.keep.at[parked].set(worth, mode="drop")
         return y, banks, PoolTable(table.slot_of, table.owner, keep, table.bonus, clock, counts, routed)
     keep = table.keep.at[parked].set(PROTECTED, mode="drop")
-    victims = jax.lax.top_k(-keep, picks.shape[0])[1]  # the slots least worth keeping, least first
-    kept = copied & (worth > keep[victims])  # the i-th miss against the i-th victim
-    target = jnp.where(kept, victims, num_slots + jnp.arange(picks.shape[0]))  # distinct; out of range: dropped
+    r = kept_rows(picks.shape[0])  # the candidates: the first r picks, the misses most worth keeping
+    victims = jax.lax.top_k(-keep, r)[1]  # the slots least worth keeping, least first
+    kept = copied[:r] & (worth[:r] > keep[victims])  # the i-th miss against the i-th victim
+    target = jnp.where(kept, victims, num_slots + jnp.arange(r))  # distinct; out of range: dropped
     evicted = jnp.where(kept, table.owner[victims], -1)
     slot_of = table.slot_of.at[jnp.where(evicted >= 0, evicted // num_experts, num_layers),
                                evicted % num_experts].set(-1, mode="drop")
-    slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks].set(victims, mode="drop")
-    owner = table.owner.at[target].set(m * num_experts + picks, mode="drop")
-    keep = keep.at[target].set(worth, mode="drop").at[parked].set(worth, mode="drop")  # hits: their own worth back
-    banks = _put(banks, target, (gate_ups, downs))
+    slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks[:r]].set(victims, mode="drop")
+    owner = table.owner.at[target].set(m * num_experts + picks[:r], mode="drop")
+    keep = keep.at[target].set(worth[:r], mode="drop").at[parked].set(worth, mode="drop")  # hits: their worth back
+    banks = _put(banks, target, (gate_ups[:r], downs[:r]))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0),
                                        jnp.sum(on_cpu)]).astype(jnp.int32)
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)

@@ -229,11 +229,12 @@ def test_a_favourite_outlives_its_last_use_by_its_bonus_only(experts, favourite_
     assert pool.last_use[pool.slot_of(5)[1]] == 2  # download gives back last uses, not worths
 
 
-def _claim_one_by_one(keep, owner, misses, worth):
-    """The residency rule as a loop: the misses, most worth first (then lowest id), each take the slot least worth
-    keeping (the lowest index among equals) when worth more than it. -> each slot's owner after the layer."""
+def _claim_one_by_one(keep, owner, misses, worth, rows):
+    """The residency rule as a loop: the first `rows` misses, most worth first (then lowest id), each take the slot
+    least worth keeping (the lowest index among equals) when worth more than it. -> each slot's owner after the
+    layer."""
     keep, owner = list(keep), list(owner)
-    for expert in sorted(misses, key=lambda e: (-worth[e], e)):
+    for expert in sorted(misses, key=lambda e: (-worth[e], e))[:rows]:
         victim = min(range(len(keep)), key=lambda s: (keep[s], s))
         if worth[expert] > keep[victim]:
             owner[victim], keep[victim] = expert, worth[expert]
@@ -242,8 +243,8 @@ def _claim_one_by_one(keep, owner, misses, worth):
 
 def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
     """Random pools of one MoE layer (12 experts, 9 slots, some free), random worths (ties included, and LRU),
-    4 rows of top-2 (at most 8 picks: `fits`): the table `_routed_experts` leaves equals the rule applied one miss
-    at a time."""
+    4 rows of top-2 (at most 8 picks: `fits`, of which 4 may be kept): the table `_routed_experts` leaves equals
+    the rule applied one miss at a time."""
     devices = select_devices()
     e, slots, d, f = 12, 9, 4, 2
     rng = np.random.default_rng(7)
@@ -269,7 +270,8 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         picked = set(ids.reshape(-1).tolist())
         worth = {x: 5 + int(bonus[x]) for x in picked}  # the layer's clock, 5, plus the expert's bonus
         protected = np.where(np.isin(owner, list(picked)), np.iinfo(np.int32).max, keep)
-        want_owner = _claim_one_by_one(protected, owner, sorted(picked - set(residents.tolist())), worth)
+        rows = device_decode.kept_rows(min(ids.size, e))
+        want_owner = _claim_one_by_one(protected, owner, sorted(picked - set(residents.tolist())), worth, rows)
         assert np.asarray(after.owner).tolist() == want_owner, case
         got_slot_of = np.asarray(after.slot_of)[0]
         assert all(got_slot_of[x] == s for s, x in enumerate(want_owner) if x >= 0), case
