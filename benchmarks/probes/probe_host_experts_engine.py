@@ -2,9 +2,10 @@
 
 Builds the offloaded model once (`--model` with seeded random weights, `--workload`, the bench's budget, device
 decode), then for every kernel setting `THREADS/GROUPS/SPIN_US/STREAM` (`--settings`, e.g. `16/1/200/0`: the
-pool's threads, groups per thread, microseconds an idle pool thread spins before it sleeps, the streamed few-row
-path) and every run label (`--runs`, the bench's labels: `pdscope:copy=0` sends every miss to the host) runs one
-warm-up generation and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
+pool's threads and groups per thread (0: the package's default), microseconds an idle pool thread spins before it
+sleeps, the streamed few-row path) and every run label (`--runs`, the bench's labels: a bare policy runs the
+package's defaults, `pdscope:copy=0` sends every miss to the host) runs one warm-up generation and `--repeats`
+generations of `--tokens` new tokens after a `--prompt-len` prompt.
 With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not; with
 `--samplers select conditional`, once with the package's sampler, once with one holding conditionals.
 Reports per (setting, run): decode tok/s (median), the host's ms in the decode step's jitted call alone
@@ -39,7 +40,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="deepseek-v2-lite")
     p.add_argument("--runs", nargs="+", default=["pdscope:copy=0", "pdscope:cpu", "pdscope:nocpu"])
-    p.add_argument("--settings", nargs="+", default=["16/1/200/0"])
+    p.add_argument("--settings", nargs="+", default=["0/0/200/0"],
+                   help="THREADS/GROUPS/SPIN_US/STREAM; 0 threads or groups: the package's default")
     p.add_argument("--side-effects", nargs="+", type=int, default=[0],
                    help="1: the bridge's calls declared side-effecting (jax's Python dispatch path); 0: not")
     p.add_argument("--samplers", nargs="+", default=["select"], choices=["select", "conditional"],
@@ -226,8 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps({"setting": setting, **applied, "kernel_alone": alone}), flush=True)
         for label in args.runs:
             policy, switches = split_label(label)
-            runner.set_policy(policy, **{"decode_cpu_experts": "off", "decode_copy_share": None,
-                                         "decode_bridge_copies": True, **switches})
+            defaults = {"decode_cpu_experts": RuntimeConfig.decode_cpu_experts, "decode_copy_share": None,
+                        "decode_bridge_copies": True}  # a label's switches only: nothing carries over from the last
+            runner.set_policy(policy, **{**defaults, **switches})
             runner.warmup(1, args.prompt_len, args.tokens)
             tok_s, profiles, host = [], [], []
             for _ in range(args.repeats):
