@@ -74,7 +74,7 @@ class DeviceDecode:
         self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
         self.host = e.decode_host(b)
         self.graphs = tuple(layer.graph for layer in e._layers)
-        self.states = tuple(layer.state for layer in e._layers)
+        self.state_tree, self.state_leaves = device_decode.flat_states((layer.state for layer in e._layers), e._state)
         self.token, self.caches = token, tuple(cache)
         self.positions = jax.device_put(np.full((b, 1), t, np.int32), accel)
         self.step_no = jax.device_put(np.int32(1), accel)  # the step counter lives on the accelerator
@@ -86,8 +86,8 @@ class DeviceDecode:
     def step(self, n: int) -> None:
         e, pool = self.engine, self.engine.pool
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
-         self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.host, self.states, e._state,
-                                      self.experts,
+         self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
+                                      self.state_leaves, self.experts,
                                       self.token, self.positions, self.caches, self.sampling, self.step_no,
                                       pool.banks, self.table)
         self.token = picked.token

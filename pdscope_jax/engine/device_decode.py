@@ -18,14 +18,16 @@ Contract:
   (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept; at most
   `kept_rows(picks)` misses of a layer (the most worth first) may be kept, the rest are used once; a miss the host
   computes is never kept.
-- `decode_step(graphs, model_graph, moe_layers, host, states, model_state, experts, token, positions, caches,
-  sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one
-  model step on token [B] at positions [B, 1]; `experts[m]`: the m-th MoE layer's experts in pinned host
-  memory, whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`:
-  `SlotPool.banks`, the pool and the decode bank while open, whose slots the table numbers one after the other.
-  `host`: None (every miss copied) or the `HostExperts` split. Sampling is `programs.next_token`'s
-  (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs, model graph, MoE layers
-  and host static; caches, sampling state, banks and table donated).
+- `decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
+  sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one model
+  step on token [B] at positions [B, 1]; `state_tree` and `state_leaves` are `flat_states(states, model_state)`: the
+  layers' and the model's parameters as one tuple of arrays (flattening nnx States in Python at every call cost the
+  launching thread about a microsecond an array); `experts[m]`: the m-th MoE layer's experts in pinned host memory,
+  whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks`, the
+  pool and the decode bank while open, whose slots the table numbers one after the other. `host`: None (every miss
+  copied) or the `HostExperts` split. Sampling is `programs.next_token`'s (`generation.sampling.sample`, settings
+  traced). `build_decode_step()` jits it (graphs, model graph, MoE layers, host and state tree static; caches,
+  sampling state, banks and table donated).
 - `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a victim that
   is not one of the layer's hits.
 Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32
@@ -299,8 +301,15 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
 
 
-def decode_step(graphs, model_graph, moe_layers, host, states, model_state, experts, token, positions, caches,
+def flat_states(states, model_state) -> tuple:
+    """(state_tree, state_leaves) of the layers' states and the model's (see the module docstring)."""
+    leaves, tree = jax.tree.flatten((tuple(states), model_state))
+    return tree, tuple(leaves)
+
+
+def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
                 sampling, step, banks, table):
+    states, model_state = jax.tree.unflatten(state_tree, state_leaves)
     model = nnx.merge(model_graph.graphdef, model_state)
     x = model.embed(token[:, None])  # [B, 1, D]
     rows = token.shape[0]
@@ -319,6 +328,6 @@ def decode_step(graphs, model_graph, moe_layers, host, states, model_state, expe
 
 
 def build_decode_step():
-    """`decode_step` jitted: graphs, model graph, MoE layer indices and host split static; caches, sampling
-    state, banks and table donated."""
-    return jax.jit(decode_step, static_argnums=(0, 1, 2, 3), donate_argnums=(9, 10, 12, 13))
+    """`decode_step` jitted: graphs, model graph, MoE layer indices, host split and state tree static; caches,
+    sampling state, banks and table donated."""
+    return jax.jit(decode_step, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(9, 10, 12, 13))
