@@ -16,7 +16,9 @@ layers mapped by relative depth, nearest index) the skewed workload reproduces:
 Every policy and the plain model see one and the same model (a routing channel in the residual stream, see
 `Workload`), so parity holds, nothing changes at run time, and a GGUF export of the weights routes the same.
 
-Contract: `design(cfg, workload, seed=0, stats=None, ..., predictability="reference") -> Workload`;
+Contract: `design(cfg, workload, seed=0, stats=None, ..., predictability="reference", cache=None) -> Workload`,
+kept on disk by `workloads.cache` (keyed by every input of the fit; `cache=False` or PDSCOPE_WORKLOAD_CACHE=0: fit
+afresh, write nothing; a missing, unreadable or mismatched file is fitted and written again);
 `Workload.transform(path, array) -> array` rewrites one parameter (others pass through), `.loader(loader)` wraps
 an `OffloadRunner` loader, `.apply(flat)` rewrites a flat parameter dict, `.experts(ids)` -> [M, N, K] the experts
 each token id picks per MoE layer, `.fate_experts(ids)` -> [M-1, N, K] what the Fate-style predictor at each
@@ -33,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pdscope_jax.workloads import cache as design_cache
 from pdscope_jax.workloads import predictability as pred
 
 WORKLOADS = ("uniform", "skewed")
@@ -55,15 +58,28 @@ def reference_stats(path: str | Path | None = None) -> dict:
 
 
 def design(cfg, workload: str, seed: int = 0, stats: dict | None = None, channel: int = 16,
-           calibration: int = 4096, predictability="reference", targets: dict | None = None) -> "Workload":
-    """The workload's model for `cfg`; `stats` / `targets` default to the package's reference data."""
+           calibration: int = 4096, predictability="reference", targets: dict | None = None,
+           cache: bool | str | Path | None = None) -> "Workload":
+    """The workload's model for `cfg`; `stats` / `targets` default to the package's reference data. `cache`: see
+    `workloads.cache.cache_folder` (None: the environment's setting or the user cache folder; False: none)."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     setting = pred.check_setting(predictability)
     if workload == "skewed" and stats is None:
         stats = reference_stats()
     fates = pred.pair_targets(setting, max(len(cfg.moe_layers) - 1, 0), targets)
-    return Workload.fit(cfg, workload, stats, seed, channel, calibration, setting, fates)
+    folder = design_cache.cache_folder(cache)
+    if folder is None:
+        return Workload.fit(cfg, workload, stats, seed, channel, calibration, setting, fates)
+    key = design_cache.design_key(cfg, workload, seed, channel, calibration, setting, fates,
+                                  stats if workload == "skewed" else None)  # uniform reads no statistics
+    path = design_cache.path_for(folder, cfg, key)
+    saved = design_cache.load(path, cfg)
+    if saved is not None:
+        return Workload(cfg=cfg, **saved)
+    fitted = Workload.fit(cfg, workload, stats, seed, channel, calibration, setting, fates)
+    design_cache.save(path, fitted)
+    return fitted
 
 
 def _resample_shares(counts, e: int, k: int) -> np.ndarray:

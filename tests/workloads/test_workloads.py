@@ -163,3 +163,53 @@ def test_the_reference_data_ships_inside_the_package():
         assert path.is_relative_to(package / "assets") and path.is_file()
     stats = reference_stats()
     assert len(stats["counts"]) == 12 and len(stats["counts"][0]) == 32  # the reference MoE: 12 MoE layers, 32 experts
+
+
+@pytest.mark.parametrize("workload_name, setting", [("skewed", "reference"), ("uniform", 0.5)])
+def test_a_cached_design_equals_a_fresh_one_and_a_corrupt_file_is_rebuilt(tmp_path, workload_name, setting):
+    from pdscope_jax.workloads import cache
+
+    cfg = preset(NAME)
+    fresh = design(cfg, workload_name, seed=3, predictability=setting, cache=False)
+    assert not list(tmp_path.iterdir())
+    first = design(cfg, workload_name, seed=3, predictability=setting, cache=tmp_path)
+    (path,) = tmp_path.iterdir()
+    stamp = path.stat().st_mtime_ns
+    cached = design(cfg, workload_name, seed=3, predictability=setting, cache=tmp_path)
+    assert path.stat().st_mtime_ns == stamp  # read, not written again
+    for got in (first, cached):
+        np.testing.assert_array_equal(got.codes, fresh.codes)
+        assert got.rows.keys() == fresh.rows.keys() and got.masks.keys() == fresh.masks.keys()
+        for layer in fresh.rows:
+            np.testing.assert_array_equal(got.rows[layer], fresh.rows[layer])
+        for layer in fresh.masks:
+            np.testing.assert_array_equal(got.masks[layer], fresh.masks[layer])
+        assert got.summary() == fresh.summary() and got.cfg is cfg
+    ids = np.arange(cfg.vocab_size)
+    np.testing.assert_array_equal(cached.experts(ids), fresh.experts(ids))
+    # every input of the fit is in the key: another seed or setting is another file
+    design(cfg, workload_name, seed=4, predictability=setting, cache=tmp_path)
+    design(cfg, workload_name, seed=3, predictability="oracle", cache=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3
+    for broken in (b"not a zip file", path.read_bytes()[: path.stat().st_size // 2]):
+        path.write_bytes(broken)
+        assert cache.load(path, cfg) is None
+        rebuilt = design(cfg, workload_name, seed=3, predictability=setting, cache=tmp_path)
+        np.testing.assert_array_equal(rebuilt.codes, fresh.codes)
+        assert rebuilt.summary() == fresh.summary()
+        assert cache.load(path, cfg) is not None  # written again, whole
+    assert not [p for p in tmp_path.iterdir() if p.suffix != ".npz"]  # no temporary file left behind
+
+
+def test_the_workload_cache_folder_follows_the_environment(tmp_path, monkeypatch):
+    from pdscope_jax.workloads import cache
+
+    monkeypatch.setenv(cache.ENV, "off")
+    assert cache.cache_folder() is None and cache.cache_folder(tmp_path) == tmp_path
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "designs"))
+    assert cache.cache_folder() == tmp_path / "designs" and cache.cache_folder(False) is None
+    monkeypatch.delenv(cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.cache_folder() == tmp_path / "pdscope_jax" / "workloads"
+    design(preset(NAME), "uniform", seed=0)
+    assert [p.suffix for p in (tmp_path / "pdscope_jax" / "workloads").iterdir()] == [".npz"]
