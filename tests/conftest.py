@@ -1,6 +1,6 @@
 """Test session setup: two CPU devices stand in for host and accelerator (must run before JAX is first used);
-no persistent compilation cache unless a test turns one on (tests must not fill the user's cache directory, and
-every test compiles what it runs)."""
+no persistent compilation or workload-design cache unless a test turns one on (tests must not fill the user's
+cache directory, and every test compiles what it runs and fits what it designs)."""
 
 import gc
 import os
@@ -10,6 +10,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 2)
 os.environ["PDSCOPE_JAX_COMPILE_CACHE"] = "0"  # runtime.COMPILE_CACHE_ENV; subprocesses inherit it
+os.environ["PDSCOPE_WORKLOAD_CACHE"] = "0"  # workloads.cache.ENV: designs are fitted, not kept, unless a test asks
 # and off in this process whatever sets a cache directory
 jax.config.update("jax_enable_compilation_cache", False)
 # Every program XLA:CPU compiles maps about five memory regions until it is freed; a worker that keeps them all

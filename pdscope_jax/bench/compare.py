@@ -1,22 +1,23 @@
 """Policies side by side (`pdscope-jax bench`): prefill and decode throughput under a GPU memory budget.
 
-Contract: `compare(args, command) -> dict` takes the options of `pdscope-jax bench` (attributes named as its
-flags) and the command line to record. It builds the model once (a preset with seeded random weights rewritten
-by `args.workload`, or a checkpoint directory read lazily; `skewed` rewrites the routers so that popularity and
-inter-layer affinity follow the trained reference MoE, `workloads.routing`), then for each run (`bench.runs.plan_runs`: a policy,
-a policy with host-planned decode, or the ablation sequence; switched with `OffloadRunner.set_policy`, so the
-weights are not rebuilt), batch size and prompt length times `args.repeats` generations of random prompts after
-`args.warmup` warm-ups (`bench.runs.time_point`). The plain run (`sched.PLAIN`) drops the offload engine and runs
-the whole model on the default device, ignoring the budget; every offload row then records
-`tokens_match_plain` and `tokens_before_divergence`. With `--hot-table auto` (or an ablation without a table)
-activation counts from one untimed generation are saved as `<out>/hot_<model>_<time>.json` first.
-Outputs, in `args.out`: `bench_<model>_<time>.json` (command, commit, jax version, devices, "weights": "random" |
-"checkpoint", "workload", runtime config, budget, every result row with its repeats, "errors", optional
-"memory" and "cprofile", "complete") and a PNG (`bench.report.plot`); a rich table on stderr; one JSON summary
-line last on stdout. After every point the JSON so far is written with `"complete": false`, and a point that
-raises is recorded under "errors" while the others still run; a policy the budget cannot hold is an error too.
-`args.track_memory N` records accelerator memory over N decode steps of the first run; `args.cprofile N`
-profiles one generation of N tokens per run (`bench.runs.profile_runs`). Returns the report dict.
+Contract: `compare(args, command) -> dict` takes the options of `pdscope-jax bench` (attributes named as its flags)
+and the command line to record. It builds the model once (a preset with seeded random weights rewritten by
+`args.workload` at `args.predictability`, or a checkpoint directory read lazily; `workloads.routing`: equal shares
+or the reference MoE's popularity and affinity, the next layer's predictability calibrated; the designed Fate-style
+recall@k is printed and recorded), then for each run (`bench.runs.plan_runs`: a policy, a policy with host-planned
+decode, or the ablation sequence; switched with `OffloadRunner.set_policy`, so the weights are not rebuilt), batch
+size and prompt length times `args.repeats` generations of random prompts after `args.warmup` warm-ups
+(`bench.runs.time_point`). The plain run (`sched.PLAIN`) drops the offload engine and runs the whole model on the
+default device, ignoring the budget; every offload row then records `tokens_match_plain` and
+`tokens_before_divergence`. With `--hot-table auto` (or an ablation without a table) activation counts from one
+untimed generation are saved as `<out>/hot_<model>_<time>.json` first. Outputs, in `args.out`:
+`bench_<model>_<time>.json` (command, commit, jax version, devices, "weights": "random" | "checkpoint", "workload",
+runtime config, budget, every result row with its repeats, "errors", optional "memory" and "cprofile", "complete")
+and a PNG (`bench.report.plot`); a rich table on stderr; one JSON summary line last on stdout. After every point the
+JSON so far is written with `"complete": false`, and a point that raises is recorded under "errors" while the others
+still run; a policy the budget cannot hold is an error too. `args.track_memory N` records accelerator memory over N
+decode steps of the first run; `args.cprofile N` profiles one generation of N tokens per run
+(`bench.runs.profile_runs`). Returns the report dict.
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ def compare(args, command: str) -> dict:
                        max_seq_len=max(args.prompt_lens) + max_new, cost_table=args.cost_table,
                        cpu_kernel=not args.no_cpu_kernel)
     shapes = models.abstract_state(cfg, dtype)
-    workload = workloads.design(cfg, args.workload, seed=args.seed) if checkpoint is None else None
+    predictability = getattr(args, "predictability", "reference")
+    workload = (workloads.design(cfg, args.workload, seed=args.seed, predictability=predictability)
+                if checkpoint is None else None)
+    if workload is not None and workload.summary()["fate_recall_mean"] is not None:
+        design = workload.summary()
+        console.print(f"workload {design['workload']}, predictability {design['predictability']}: next-layer gate "
+                      f"recall@k {design['fate_recall_mean']:.3f} (target {design['target_fate_recall_mean']})")
     loader = bench_runs.weights_loader(cfg, checkpoint, shapes, args.seed, workload)
     if args.quantize:  # the same weights, their experts quantized as they load (the plain run too)
         from pdscope_jax.quant.loader import quantizing_loader

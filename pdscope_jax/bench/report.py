@@ -2,9 +2,11 @@
 
 Contract: every function reads the result rows `bench.runs.summarise` / `bench.runs.run_plain` build (keys
 `variant`, `policy`, `batch`, `prompt_len`, `prefill_tok_s`, `decode_tok_s`, per phase the medians of
-`PHASE_TIMES`, `bytes_moved`, `hit_rate`, `prefetch_accuracy`, `planner_ms_per_layer`, `device_steps`, and the
-parity keys `tokens_match_plain` / `tokens_before_divergence`) and never changes them. A phase run as one
-accelerator program per step (`device_steps` > 0) has no time split and shows "one program/step".
+`PHASE_TIMES`, `bytes_moved`, `hit_rate`, `prefetch_accuracy`, `planner_ms_per_layer`, `device_steps`,
+`prediction_recall`, and the parity keys `tokens_match_plain` / `tokens_before_divergence`) and never changes them.
+A phase run as one accelerator program per step (`device_steps` > 0) has no time split and shows "one
+program/step"; its prediction recall, None (it predicts nothing), shows as "n/a (device)". The summary line
+carries each row's `prediction_recall` per phase (None: no prediction in that phase).
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ def table(results: list[dict]):
     """A rich Table of the medians, one row per result (the plain run shows only its throughput and parity)."""
     from rich.table import Table
 
-    out = Table(title="offload benchmark (medians; times summed over layers, seconds)")
-    for name in ("run", "batch", "prompt", "prefill tok/s", "decode tok/s", "prefill cpu/gpu/xfer/exposed",
+    out = Table(title="offload benchmark (medians; times summed over layers, seconds)",
+                caption="next-layer recall: recall@k of the scores the planner saw for the next MoE layer "
+                        "(engine.stats.prediction_hits); - without a predictor; n/a (device): device decode uses no "
+                        "prediction")
+    for name in ("run", "batch", "prompt", "prefill tok/s", "decode tok/s", "next-layer recall (p/d)",
+                 "prefill cpu/gpu/xfer/exposed",
                  "decode cpu/gpu/xfer/exposed", "GB moved (p/d)", "decode hit rate", "prefetch acc (p/d)",
                  "planner ms/layer (p/d)", "= plain (tokens)"):
         out.add_column(name, justify="right")
@@ -35,14 +41,18 @@ def table(results: list[dict]):
         head = (r["variant"], str(r["batch"]), str(r["prompt_len"]), f"{r['prefill_tok_s']:.1f}",
                 f"{r['decode_tok_s']:.2f}")
         if r["policy"] == PLAIN:
-            out.add_row(*head, *["-"] * 6, match)
+            out.add_row(*head, *["-"] * 7, match)
             continue
         p, d = r["prefill"], r["decode"]
 
         def split(s):  # a phase run as one accelerator program per step has no split
             return "one program/step" if s.get("device_steps") else "/".join(fmt(s[k], 3) for k in PHASE_TIMES)
 
-        out.add_row(*head, split(p), split(d),
+        def recall(s):
+            return "n/a (device)" if s.get("prediction_recall") is None and s.get("device_steps") else fmt(
+                s.get("prediction_recall"), 3)
+
+        out.add_row(*head, f"{recall(p)}/{recall(d)}", split(p), split(d),
                     f"{(p['bytes_moved'] or 0) / 1e9:.2f}/{(d['bytes_moved'] or 0) / 1e9:.2f}", fmt(d["hit_rate"]),
                     f"{fmt(p['prefetch_accuracy'])}/{fmt(d['prefetch_accuracy'])}",
                     f"{fmt(p['planner_ms_per_layer'], 3)}/{fmt(d['planner_ms_per_layer'], 3)}", match)
@@ -112,7 +122,10 @@ def summary_line(report: dict, json_path: Path, png_path: Path) -> str:
     """The one JSON line printed last: where the files are, and the headline figures of every result."""
     return json.dumps({"json": str(json_path), "png": str(png_path), "model": report["model"],
                        "device": report["device"], "workload": report["workload"],
-                       "results": [{k: r.get(k) for k in SUMMARY_KEYS} for r in report["results"]],
+                       "results": [{**{k: r.get(k) for k in SUMMARY_KEYS},
+                                    "prediction_recall": {phase: (r.get(phase) or {}).get("prediction_recall")
+                                                          for phase in ("prefill", "decode")}}
+                                   for r in report["results"]],
                        "errors": report["errors"]})
 
 

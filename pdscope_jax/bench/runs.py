@@ -75,7 +75,8 @@ ABLATION = (
     ("+g+c", "pdscope", True, True, True),
 )
 PHASE_KEYS = (*PHASE_TIMES, "seconds", "generate_seconds", "bytes_moved", "hit_rate", "prefetch_accuracy",
-              "cpu_experts", "gpu_experts", "planner_ms_per_layer", "device_steps", "handoff_seconds")
+              "cpu_experts", "gpu_experts", "planner_ms_per_layer", "device_steps", "handoff_seconds",
+              "prediction_recall")
 
 
 def plan_runs(args) -> list[dict]:

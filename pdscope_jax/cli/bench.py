@@ -27,6 +27,16 @@ from pdscope_jax.bench.runs import (COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PR
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
 
+def _predictability(text: str):
+    """--predictability's value: a setting name, or a float target recall@k."""
+    from pdscope_jax.workloads.predictability import check_setting
+
+    try:
+        return check_setting(text if text in ("reference", "oracle") else float(text))
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pdscope-jax bench", formatter_class=argparse.RawDescriptionHelpFormatter,
                                 description="Offload benchmark: prefill and decode throughput of each policy under "
@@ -44,7 +54,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
-                   help="routing of random-weight models (pdscope_jax.workloads.routing)")
+                   help="routing of random-weight models (pdscope_jax.workloads.routing): uniform (equal expert "
+                        "shares, independent layers) or skewed (the reference MoE's popularity and affinity)")
+    p.add_argument("--predictability", default="reference", type=_predictability,
+                   help="what the next layer's gate on this layer's state knows of the next layer's routing: "
+                        "'reference' (the reference MoE's Fate-style recall@k per layer pair), 'oracle' (exact) "
+                        "or a target recall@k in [0, 1] (docs/WORKLOADS.md)")
     p.add_argument("--hot-table", default=None, help="layer_stats.json, trace directory, or 'auto'")
     p.add_argument("--prompt-lens", nargs="+", type=int, default=[128, 512, 1024, 2048, 4096])
     p.add_argument("--new-tokens", type=int, default=64)

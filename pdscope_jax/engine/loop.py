@@ -4,13 +4,15 @@ Contract: `HostLoop.step(ids [B, T], positions [B, T], cache, phase, valid [B*T]
 Token counts are padded to buckets (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled
 programs is bounded; padded rows route but count in no statistic. Per MoE layer (`moe_layer`, Algorithm 1):
   route    `Router.route`: attention, router, shared experts, next-layer scores; the routing to the host;
-           then what it chose is counted (activation counts, the planner's observation, prefetch use);
+           then what it chose is counted (activation counts, the planner's observation, prefetch use, and how
+           well the scores the layer before gave its planner predicted it: `stats.prediction_hits`);
   plan     a `LayerDemand` -> the planner's `Plan` (costs with the in-situ CPU calibration), checked;
   execute  `PlanExecutor.execute`: loads, CPU experts, the next layer's transfers, GPU experts, the sum;
   record   the layer's `LayerTiming` waits for the end of the step (`settle`), so no layer waits for its own
            compute and the next layer's programs queue behind it.
 The loop reads the runner's session (`planner`, `runtime`, `phase_stats`, `activation_counts`, `timeline`) and
-owns only the step's unsettled timings and the step shapes run (for warm-up).
+owns only the step's unsettled timings, the scores planned with for layers not yet routed, and the step shapes run
+(for warm-up).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 from pdscope_jax.engine.calibration import CpuCalibration
 from pdscope_jax.engine.execute import PlanExecutor
 from pdscope_jax.engine.route import Routed, Router
-from pdscope_jax.engine.stats import LayerTiming
+from pdscope_jax.engine.stats import LayerTiming, prediction_hits
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.runtime import bucket
 from pdscope_jax.sched import LayerDemand, Plan, check_plan
@@ -40,6 +42,7 @@ class HostLoop:
         self._mark = engine._mark
         self.observing = False  # the planner learns from each layer's activated experts (set by set_policy)
         self.unsettled: list[LayerTiming] = []
+        self.predicted: dict[int, np.ndarray] = {}  # MoE layer -> the [E] scores its predecessor planned with
         self.step_shapes: set[tuple[int, int, int]] = set()  # (batch, tokens, padded rows) of steps run
 
     def step(self, ids, positions, cache: list, phase: str, valid: np.ndarray):
@@ -48,6 +51,7 @@ class HostLoop:
         n = valid.size
         n_pad = bucket(n, e.runtime.decode_buckets if phase == "decode" else e.runtime.prefill_buckets)
         self.step_shapes.add((*ids.shape, n_pad))
+        self.predicted.clear()  # a step that raised may have left some
         valid_pad = np.zeros(n_pad, bool)
         valid_pad[:n] = valid
         # the next-layer gate's row mask, on the accelerator once per step rather than once per layer
@@ -87,15 +91,22 @@ class HostLoop:
         return x, r.layer_cache
 
     def _count(self, i: int, phase: str, r: Routed) -> None:
-        """What routing chose: activation counts, the planner's observation, prefetches used."""
+        """What routing chose: activation counts, the planner's observation, prefetches used, and the hits of the
+        prediction made for this layer at the layer before (where its planner had scores)."""
         e = self.engine
+        stats = e.phase_stats[phase]
         e.activation_counts[phase][i] += r.tokens
         activated = np.flatnonzero(r.tokens)
         if self.observing and i in self._prev_moe:
             e.planner.observe(self._prev_moe[i], phase, activated)
         prefetched = self.transfers.take_prefetched(i)
         if prefetched is not None:
-            e.phase_stats[phase].prefetch_used += int(np.isin(prefetched, activated).sum())
+            stats.prefetch_used += int(np.isin(prefetched, activated).sum())
+        scores = self.predicted.pop(i, None)
+        if scores is not None:
+            hits, total = prediction_hits(scores, activated)
+            stats.predicted_hits += hits
+            stats.predicted_total += total
 
     def _plan(self, i: int, phase: str, r: Routed) -> Plan:
         e = self.engine
@@ -111,6 +122,8 @@ class HostLoop:
         planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
         self._mark(phase, "planned", i)
+        if demand.next_scores is not None:  # scored once the next layer has routed (`_count`)
+            self.predicted[nxt] = demand.next_scores
         if phase == "prefill" and nxt is not None:
             self.transfers.streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
         stats = e.phase_stats[phase]

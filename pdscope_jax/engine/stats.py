@@ -1,8 +1,9 @@
 """What the offload engine counts: per-phase statistics, and the timing of one MoE layer until its step settles.
 
 Contract: `PhaseStats` accumulates one phase's figures (wall time, CPU / GPU expert compute, transfer and
-exposed transfer seconds summed over layers, bytes moved, hits, prefetch use, planner time) and derives hit
-rate, prefetch accuracy, tokens/s and planner ms per layer (`to_dict` for JSON). A `LayerTiming` is made when a
+exposed transfer seconds summed over layers, bytes moved, hits, prefetch use, planner time, the next-layer
+prediction's hits) and derives hit rate, prefetch accuracy, prediction recall, tokens/s and planner ms per layer
+(`to_dict` for JSON). `prediction_hits(scores, activated)` scores one prediction. A `LayerTiming` is made when a
 layer's work has been dispatched; at the end of the step, once the helper threads have stamped when each part
 was done, `settle_into(stats, done)` adds it. Nothing here touches a device.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 from typing import Any
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -39,6 +42,9 @@ class PhaseStats:
     # prefill left queued on the accelerator (in `generate_seconds`, not in `seconds`)
     device_steps: int = 0  # steps run as one accelerator program (engine.device_decode): in `seconds`, hits,
     # bytes and gpu_experts, but in none of the CPU / GPU / transfer time splits, which such a step does not measure
+    predicted_hits: int = 0  # next-layer experts both predicted and activated (`prediction_hits`), summed over the
+    # (step, layer) pairs whose planner had next-layer scores; device decode steps predict nothing and add nothing
+    predicted_total: int = 0  # ... and the experts those next layers activated
 
     @property
     def planner_ms_per_layer(self) -> float | None:
@@ -53,14 +59,36 @@ class PhaseStats:
         return self.prefetch_used / self.experts_prefetched if self.experts_prefetched else None
 
     @property
+    def prediction_recall(self) -> float | None:
+        """Pooled recall@k of the next-layer scores the planner saw (`prediction_hits`); None where no planner
+        had scores in this phase (no predictor, or device decode, which plans nothing)."""
+        return self.predicted_hits / self.predicted_total if self.predicted_total else None
+
+    @property
     def tokens_per_s(self) -> float | None:
         return self.tokens / self.seconds if self.seconds else None
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s,
-                   planner_ms_per_layer=self.planner_ms_per_layer)
+                   planner_ms_per_layer=self.planner_ms_per_layer, prediction_recall=self.prediction_recall)
         return out
+
+
+def prediction_hits(scores: np.ndarray, activated: np.ndarray) -> tuple[int, int]:
+    """(hits, k) of one step's next-layer prediction: `scores` [E] the predicted activation scores of a MoE layer
+    (made at the layer before), `activated` the ids of the distinct experts that layer then activated on the
+    step's real tokens, k = their number, hits = |top-k(scores) ∩ activated| (ties in scores by lower id).
+
+    Recall@k is hits / k. For one token per step (decode at batch 1) k is the model's top-k and this is
+    `phaseper.train.recall_at_k` of that token (`benchmarks/eval_predictors.py`'s metric); with more tokens it is
+    the recall of the step's set of activated experts from the scores the planner saw (averaged over the step's
+    tokens), which rises towards 1 as a step activates most experts."""
+    k = int(activated.size)
+    if k == 0:
+        return 0, 0
+    top = np.argsort(-np.asarray(scores, np.float64), kind="stable")[:k]
+    return int(np.isin(top, activated).sum()), k
 
 
 @dataclasses.dataclass

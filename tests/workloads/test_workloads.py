@@ -1,5 +1,6 @@
-"""The skewed routing workload: exact designed routing in the real model, the intended popularity skew, and
-parity of the offload engine on the rewritten weights."""
+"""The routing workloads: exact designed routing in the real model, the intended popularity (skewed) or equal
+shares (uniform), the calibrated predictability of the next layer's routing, and parity of the offload engine on
+the rewritten weights."""
 
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from pdscope_jax.phaseper.collect import walk
 from pdscope_jax.presets import preset
 from pdscope_jax.runtime import RuntimeConfig
 from pdscope_jax.weights.random_init import random_state
-from pdscope_jax.workloads.routing import design, reference_stats, shares, top_quarter_share
+from pdscope_jax.workloads.predictability import PREDICTABILITY, reference_targets
+from pdscope_jax.workloads.routing import affinity_lift, design, reference_stats, shares, top_quarter_share
 
 NAME = "tiny-deepseek-v2-lite"
 
@@ -28,10 +30,30 @@ def setup():
     return cfg, shapes, flat, workload
 
 
-def _routing(cfg, flat, ids):
+def _walk(cfg, flat, ids):
+    """(model, walk) of the model with parameters `flat` over token ids [B, T]."""
     model = models.from_flat(cfg, jnp.float32, flat)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    return np.sort(np.asarray(walk(model, jnp.asarray(ids), positions).experts), axis=-1)  # [M, N, K]
+    return model, walk(model, jnp.asarray(ids), positions)
+
+
+def _routing(cfg, flat, ids):
+    return np.sort(np.asarray(_walk(cfg, flat, ids)[1].experts), axis=-1)  # [M, N, K]
+
+
+def _fate(cfg, flat, ids):
+    """[M-1, N, K] top-k of MoE layer j+1's router kernel on layer j's MoE input, in the model itself (what `fate`
+    and `pdscope`'s gate fallback score: the order of the logits is the order of the scores)."""
+    model, out = _walk(cfg, flat, ids)
+    kernels = [np.asarray(model.layers[i].mlp.gate.kernel[...]) for i in cfg.moe_layers]
+    a, k = np.asarray(out.a), cfg.num_experts_per_tok
+    return np.stack([np.sort(np.argpartition(-(a[m] @ kernels[m + 1]), k - 1, axis=1)[:, :k], axis=1)
+                     for m in range(len(kernels) - 1)])
+
+
+def _recall(guess, true, k):
+    """Mean over tokens of |guess ∩ true| / k, [N, K] each."""
+    return float((guess[:, :, None] == true[:, None, :]).any(axis=2).sum(axis=1).mean() / k)
 
 
 def test_model_routes_exactly_as_designed_with_the_intended_skew(setup):
@@ -39,12 +61,12 @@ def test_model_routes_exactly_as_designed_with_the_intended_skew(setup):
     ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 128)).astype(np.int32)
     experts = _routing(cfg, workload.apply(flat), ids)
     np.testing.assert_array_equal(experts, workload.experts(ids))  # a function of the token id, as designed
-    uniform = _routing(cfg, flat, ids)
+    random_weights = _routing(cfg, flat, ids)
     for m, entry in enumerate(workload.report):
         got = top_quarter_share(shares(experts[m], cfg.num_experts))
         # 512 tokens drawn from the 256-token vocabulary the design was fitted on
         assert got == pytest.approx(entry["target_top_quarter_share"], abs=0.06)
-        assert got > top_quarter_share(shares(uniform[m], cfg.num_experts)) + 0.05
+        assert got > top_quarter_share(shares(random_weights[m], cfg.num_experts)) + 0.05
         assert entry["max_share_error"] < 0.01
     for entry in workload.report[1:]:  # inter-layer affinity: a lift over popularity near the reference's
         assert entry["lift"] == pytest.approx(entry["target_lift"], abs=0.15)
@@ -53,13 +75,73 @@ def test_model_routes_exactly_as_designed_with_the_intended_skew(setup):
 def test_reference_targets_are_read_from_the_training_results():
     stats = reference_stats()
     assert np.asarray(stats["counts"]).shape == (12, 32)
-    assert design(preset(NAME), "uniform") is None
+    targets = reference_targets()
+    assert len(targets["pairs"]) == 11 and 0.7 < np.mean(targets["fate_recall_at_k"]["prefill"]) < 0.95
     with pytest.raises(ValueError, match="workload must be one of"):
         design(preset(NAME), "zipf")
+    for bad in ("always", 1.5, -0.1, None):
+        with pytest.raises(ValueError, match="predictability must"):
+            design(preset(NAME), "uniform", predictability=bad)
 
 
-def test_offload_engine_matches_plain_model_on_skewed_weights(setup):
+@pytest.mark.parametrize("name", ["tiny-deepseek-v2-lite", "tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b",
+                                  "tiny-moonlight-16b-a3b"])
+def test_uniform_has_equal_shares_and_independent_layers(name):
+    cfg = preset(name)
+    workload = design(cfg, "uniform", seed=0)
+    e = cfg.num_experts
+    experts = workload.experts(np.arange(cfg.vocab_size))
+    for m in range(len(experts)):  # the whole vocabulary, the population the benchmarks' prompts are drawn from
+        assert np.abs(shares(experts[m], e) - 1.0 / e).max() < 0.2 / e
+    # consecutive layers read disjoint parts of the code: on many fresh codes the affinity table lifts nothing
+    codes = np.random.default_rng(3).standard_normal((200_000, workload.channel)).astype(np.float32)
+    codes[:, -1] = 1.0
+    k, layers = cfg.num_experts_per_tok, list(cfg.moe_layers)
+    picks = [np.argpartition(-(codes @ workload.rows[i]), k - 1, axis=1)[:, :k] for i in layers]
+    for cur, nxt in zip(picks, picks[1:]):
+        assert abs(affinity_lift(cur, nxt, e)[2]) < 0.01
+
+
+def test_uniform_routes_in_the_model_as_designed():
+    cfg = preset("tiny-qwen3-30b-a3b")
+    flat = random_state(models.abstract_state(cfg, jnp.float32), 0, lambda path: None)
+    workload = design(cfg, "uniform", seed=0)
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (4, 128)).astype(np.int32)
+    experts = _routing(cfg, workload.apply(flat), ids)
+    np.testing.assert_array_equal(experts, workload.experts(ids))
+    assert workload.summary()["workload"] == "uniform" and workload.summary()["predictability"] == "reference"
+
+
+@pytest.mark.parametrize("workload_name", ["uniform", "skewed"])
+@pytest.mark.parametrize("setting", [*PREDICTABILITY, 0.0])
+def test_the_fate_style_predictor_in_the_model_has_the_calibrated_recall(setup, workload_name, setting):
+    """The next layer's gate on this layer's MoE input, run in the model: exactly the designed guess, and its
+    recall@k the setting's: oracle 1, reference the reference MoE's per pair within 2 points, 0 the popularity
+    guess (chance for uniform, the skew's top-k for skewed)."""
+    cfg, _, flat, _ = setup
+    workload = design(cfg, workload_name, seed=0, predictability=setting)
+    ids = np.arange(cfg.vocab_size, dtype=np.int32).reshape(4, -1)
+    rewritten = workload.apply(flat)
+    experts, fate = _routing(cfg, rewritten, ids), _fate(cfg, rewritten, ids)
+    np.testing.assert_array_equal(fate, workload.fate_experts(ids))
+    k, e = cfg.num_experts_per_tok, cfg.num_experts
+    recalls = [_recall(fate[m], experts[m + 1], k) for m in range(len(fate))]
+    pairs = workload.report[1:]
+    assert recalls == pytest.approx([entry["fate_recall"] for entry in pairs], abs=1e-9)
+    if setting == "oracle":
+        assert recalls == [1.0] * len(recalls)
+    elif setting == "reference":
+        assert recalls == pytest.approx([entry["target_fate_recall"] for entry in pairs], abs=0.02)
+    else:
+        popular = [np.argsort(-shares(experts[m + 1], e))[:k] for m in range(len(fate))]
+        chance = [_recall(np.tile(p, (experts.shape[1], 1)), experts[m + 1], k) for m, p in enumerate(popular)]
+        assert recalls == pytest.approx(chance, abs=0.03)
+
+
+@pytest.mark.parametrize("workload_name", ["uniform", "skewed"])
+def test_offload_engine_matches_plain_model_on_workload_weights(setup, workload_name):
     cfg, shapes, flat, workload = setup
+    workload = design(cfg, workload_name, seed=0) if workload_name == "uniform" else workload
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
     plain = Generator(models.from_flat(cfg, jnp.float32, workload.apply(flat)))
     loader = workload.loader(lambda paths, placement: random_state({p: shapes[p] for p in paths}, 0, placement))
@@ -81,3 +163,53 @@ def test_the_reference_data_ships_inside_the_package():
         assert path.is_relative_to(package / "assets") and path.is_file()
     stats = reference_stats()
     assert len(stats["counts"]) == 12 and len(stats["counts"][0]) == 32  # the reference MoE: 12 MoE layers, 32 experts
+
+
+@pytest.mark.parametrize("workload_name, setting", [("skewed", "reference"), ("uniform", 0.5)])
+def test_a_cached_design_equals_a_fresh_one_and_a_corrupt_file_is_rebuilt(tmp_path, workload_name, setting):
+    from pdscope_jax.workloads import cache
+
+    cfg = preset(NAME)
+    fresh = design(cfg, workload_name, seed=3, predictability=setting, cache=False)
+    assert not list(tmp_path.iterdir())
+    first = design(cfg, workload_name, seed=3, predictability=setting, cache=tmp_path)
+    (path,) = tmp_path.iterdir()
+    stamp = path.stat().st_mtime_ns
+    cached = design(cfg, workload_name, seed=3, predictability=setting, cache=tmp_path)
+    assert path.stat().st_mtime_ns == stamp  # read, not written again
+    for got in (first, cached):
+        np.testing.assert_array_equal(got.codes, fresh.codes)
+        assert got.rows.keys() == fresh.rows.keys() and got.masks.keys() == fresh.masks.keys()
+        for layer in fresh.rows:
+            np.testing.assert_array_equal(got.rows[layer], fresh.rows[layer])
+        for layer in fresh.masks:
+            np.testing.assert_array_equal(got.masks[layer], fresh.masks[layer])
+        assert got.summary() == fresh.summary() and got.cfg is cfg
+    ids = np.arange(cfg.vocab_size)
+    np.testing.assert_array_equal(cached.experts(ids), fresh.experts(ids))
+    # every input of the fit is in the key: another seed or setting is another file
+    design(cfg, workload_name, seed=4, predictability=setting, cache=tmp_path)
+    design(cfg, workload_name, seed=3, predictability="oracle", cache=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3
+    for broken in (b"not a zip file", path.read_bytes()[: path.stat().st_size // 2]):
+        path.write_bytes(broken)
+        assert cache.load(path, cfg) is None
+        rebuilt = design(cfg, workload_name, seed=3, predictability=setting, cache=tmp_path)
+        np.testing.assert_array_equal(rebuilt.codes, fresh.codes)
+        assert rebuilt.summary() == fresh.summary()
+        assert cache.load(path, cfg) is not None  # written again, whole
+    assert not [p for p in tmp_path.iterdir() if p.suffix != ".npz"]  # no temporary file left behind
+
+
+def test_the_workload_cache_folder_follows_the_environment(tmp_path, monkeypatch):
+    from pdscope_jax.workloads import cache
+
+    monkeypatch.setenv(cache.ENV, "off")
+    assert cache.cache_folder() is None and cache.cache_folder(tmp_path) == tmp_path
+    monkeypatch.setenv(cache.ENV, str(tmp_path / "designs"))
+    assert cache.cache_folder() == tmp_path / "designs" and cache.cache_folder(False) is None
+    monkeypatch.delenv(cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache.cache_folder() == tmp_path / "pdscope_jax" / "workloads"
+    design(preset(NAME), "uniform", seed=0)
+    assert [p.suffix for p in (tmp_path / "pdscope_jax" / "workloads").iterdir()] == [".npz"]
