@@ -230,7 +230,10 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
     size = min(ids.size, num_experts)
-    picks = jnp.unique(ids.reshape(-1), size=size, fill_value=-1)  # ascending; -1 pads the end
+    if ids.shape[0] == 1:  # one row's top-k are distinct: sorting them is their unique (one kernel, not several)
+        picks = jnp.sort(ids.reshape(-1))
+    else:
+        picks = jnp.unique(ids.reshape(-1), size=size, fill_value=-1)  # ascending; -1 pads the end
     valid = picks >= 0
     picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
     slots = table.slot_of[m, picks]
