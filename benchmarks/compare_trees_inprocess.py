@@ -3,7 +3,8 @@ spread between processes.
 
     PYTHONPATH=. python3 benchmarks/compare_trees_inprocess.py --old-tree OLD [--new-tree NEW] --model \
         deepseek-v2-lite --policies pdscope ondemand fate greedy static --prompt-lens 128 4096 --new-tokens 32 \
-        --repeats 4 --gpu-memory 24GB --expert-pool 8GB [--cost-table PATH] [--pin-cpu-scale S] --out OUT.json
+        --repeats 4 --gpu-memory 24GB --expert-pool 8GB [--cost-table PATH] [--pin-cpu-scale S] [--control] \
+        --out OUT.json
 
 OLD (and NEW; default: this checkout's `pdscope_jax`) is a folder holding a `pdscope_jax/` package, copied under a
 temporary folder as `pdscope_jax_old` (`pdscope_jax_new`), every `pdscope_jax` name in it rewritten, so both trees
@@ -17,10 +18,14 @@ planners that weigh CPU costs (`greedy`, `pdscope`) plan from a calibration lear
 copies of one) make different plans from timing noise; comparing the code needs it held equal. Either layout
 (`offload.engine.OffloadRunner._cpu_scale` or `engine.calibration.CpuCalibration`) is patched after `load`; a tree
 with neither stops the run. Each row records the scales each runner reports; pinned, they must all be S.
+`--control` loads the old tree a second time (`pdscope_jax_control`, right after the old one) and runs it in every
+repeat too: control / old is what the same code measures against itself in the same process, the noise floor that
+new / old is read against.
 Output: JSON with `command`, `commit` (the new tree's: --new-commit, else this checkout's), `script_commit`,
 `old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every repeat's prefill / decode tok/s and
-their medians, new / old of the medians, `cpu_cost_scale` and `plans` (loads, prefetches, GPU / CPU experts,
-bytes since the policy was set) per tree, `same_plans`, and whether both trees generated the same tokens in every
+their medians, new / old (and control / old) of the medians, `cpu_cost_scale` and `plans` (loads, prefetches,
+GPU / CPU experts,
+bytes since the policy was set) per tree, `same_plans`, and whether every tree generated the same tokens in every
 repeat. A line per generation goes to stderr (a run cut short shows where it was).
 """
 
@@ -42,7 +47,7 @@ import numpy as np
 
 from _shared import commit
 
-OLD_NAME, NEW_NAME = "pdscope_jax_old", "pdscope_jax_new"
+OLD_NAME, NEW_NAME, CONTROL_NAME = "pdscope_jax_old", "pdscope_jax_new", "pdscope_jax_control"
 
 
 def import_tree(tree: Path, into: Path, name: str):
@@ -120,13 +125,18 @@ def run(args, report: dict) -> dict:
         old = import_tree(Path(args.old_tree), Path(tmp), OLD_NAME)
         new = importlib.import_module("pdscope_jax") if args.new_tree is None else \
             import_tree(Path(args.new_tree), Path(tmp), NEW_NAME)
+        control = import_tree(Path(args.old_tree), Path(tmp), CONTROL_NAME) if args.control else None
         report["packages"] = {"old": old.__name__, "new": new.__name__}
+        if control is not None:
+            report["packages"]["control"] = control.__name__
         report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
         runtime = {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool,
                    "max_seq_len": max(args.prompt_lens) + args.new_tokens}
         if args.cost_table:
             runtime["cost_table"] = args.cost_table
-        order = (("new", new), ("old", old)) if args.new_first else (("old", old), ("new", new))
+        order = [("new", new), ("old", old)] if args.new_first else [("old", old), ("new", new)]
+        if control is not None:  # right after the old tree: the place in the load order matters (see above)
+            order.insert([name for name, _ in order].index("old") + 1, ("control", control))
         trees, report["load_seconds"] = {}, {}
         for name, module in order:  # loaded, and warmed up, in this order
             start = time.perf_counter()
@@ -149,12 +159,13 @@ def run(args, report: dict) -> dict:
                     runner.engine.warmup(1, t, args.new_tokens)
                 print(f"{policy} {name}: set and warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr,
                       flush=True)
+            names = list(trees)
             for t in args.prompt_lens:
-                times = {"old": [], "new": []}
+                times = {name: [] for name in names}
                 same_tokens = True
                 for rep in range(args.repeats):
                     ids = rng.integers(0, vocab, size=(1, t)).astype(np.int32)
-                    order = ("old", "new") if rep % 2 == 0 else ("new", "old")
+                    order = names[rep % len(names):] + names[:rep % len(names)]  # each tree first in turn
                     tokens = {}
                     for name in order:
                         out = trees[name].generate(ids, max_new_tokens=args.new_tokens)
@@ -163,7 +174,7 @@ def run(args, report: dict) -> dict:
                         print(f"{policy} {t} repeat {rep + 1}/{args.repeats} {name}: prefill "
                               f"{out.prefill_tokens_per_s:.1f} decode {out.decode_tokens_per_s:.2f} tok/s",
                               file=sys.stderr, flush=True)
-                    same_tokens &= bool(np.array_equal(tokens["old"], tokens["new"]))
+                    same_tokens &= all(np.array_equal(tokens["old"], tokens[name]) for name in names)
                 row = {"policy": policy, "prompt_len": t, "same_tokens": same_tokens}
                 for name, reps in times.items():
                     row[name] = {"prefill_tok_s": [p for p, _ in reps], "decode_tok_s": [d for _, d in reps],
@@ -171,16 +182,21 @@ def run(args, report: dict) -> dict:
                                  "decode_median": statistics.median(d for _, d in reps)}
                 for phase in ("prefill", "decode"):
                     row[f"{phase}_ratio"] = row["new"][f"{phase}_median"] / row["old"][f"{phase}_median"]
+                    if control is not None:
+                        row[f"{phase}_control_ratio"] = (row["control"][f"{phase}_median"]
+                                                         / row["old"][f"{phase}_median"])
                 # the calibration each runner reports after the row (learned, or pinned), and its decisions
                 row["cpu_cost_scale"] = {name: reported_scales(r.engine) for name, r in trees.items()}
                 row["plans"] = {name: plan_counts(r.engine) for name, r in trees.items()}
-                row["same_plans"] = row["plans"]["old"] == row["plans"]["new"]
+                row["same_plans"] = all(row["plans"]["old"] == plans for plans in row["plans"].values())
                 rows.append(row)
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1) + "\n")
+                control_note = "" if control is None else (f"  control/old {row['prefill_control_ratio']:.3f} / "
+                                                           f"{row['decode_control_ratio']:.3f}")
                 print(f"{policy:9s} {t:6d} prefill new/old {row['prefill_ratio']:.3f}  decode new/old "
-                      f"{row['decode_ratio']:.3f}  same tokens: {same_tokens}  same plans: {row['same_plans']}",
-                      flush=True)
+                      f"{row['decode_ratio']:.3f}{control_note}  same tokens: {same_tokens}  same plans: "
+                      f"{row['same_plans']}", flush=True)
                 if args.pin_cpu_scale is not None:
                     check_pinned(row["cpu_cost_scale"], args.pin_cpu_scale)
     return report
@@ -215,6 +231,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-first", action="store_true",
                     help="load and warm up the new tree first (the tree loaded second pays for JAX's caches keyed "
                          "by the first tree's sharding objects: run both orders)")
+    ap.add_argument("--control", action="store_true",
+                    help="load the old tree twice and run both: control / old, the same code against itself, is "
+                         "the noise floor for new / old")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     pin = args.pin_cpu_scale

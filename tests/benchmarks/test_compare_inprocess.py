@@ -1,4 +1,5 @@
-"""benchmarks/compare_trees_inprocess.py: two trees in one process give the same tokens and a ratio per phase.
+"""benchmarks/compare_trees_inprocess.py: two trees in one process (and the old one again, the control) give the
+same tokens and a ratio per phase.
 
 The script runs in a child process of its own, as it is used: it imports a second copy of the package (and of
 its CPU kernel library) beside the first, which must not share a process with the rest of the test session.
@@ -13,12 +14,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_same_tree_twice_gives_identical_tokens_and_both_ratios(tmp_path):
+def test_same_tree_thrice_gives_identical_tokens_and_every_ratio(tmp_path):
     out = tmp_path / "inprocess.json"
     argv = ["--old-tree", str(REPO), "--old-commit", "self", "--model", "tiny-deepseek-v2-lite",
             "--dtype", "float32", "--policies", "static", "--prompt-lens", "12",
             "--new-tokens", "3", "--repeats", "2", "--gpu-memory", "1GB", "--expert-pool", "200KB",
-            "--new-first", "--out", str(out)]
+            "--new-first", "--control", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_trees_inprocess.py"), *argv],
                           env=env, capture_output=True, text=True, timeout=900)
@@ -27,9 +28,11 @@ def test_same_tree_twice_gives_identical_tokens_and_both_ratios(tmp_path):
     assert [(r["policy"], r["prompt_len"]) for r in report["rows"]] == [("static", 12)]
     for row in report["rows"]:
         assert row["same_tokens"] is True  # same code, same seeded weights, same prompts
-        for tree in ("old", "new"):
+        for tree in ("old", "new", "control"):
             assert len(row[tree]["prefill_tok_s"]) == len(row[tree]["decode_tok_s"]) == 2
         assert row["prefill_ratio"] == row["new"]["prefill_median"] / row["old"]["prefill_median"]
+        assert row["decode_control_ratio"] == row["control"]["decode_median"] / row["old"]["decode_median"]
         assert f"{row['policy']:9s}" in done.stdout  # a line per row as it is measured
     assert report["old_commit"] == "self" and "--old-tree" in report["command"]
-    assert report["load_order"] == ["new", "old"]  # --new-first
+    assert report["load_order"] == ["new", "old", "control"]  # --new-first; the control right after the old
+    assert report["packages"]["control"] == "pdscope_jax_control"
