@@ -18,9 +18,8 @@ planners that weigh CPU costs (`greedy`, `pdscope`) plan from a calibration lear
 copies of one) make different plans from timing noise; comparing the code needs it held equal. Either layout
 (`offload.engine.OffloadRunner._cpu_scale` or `engine.calibration.CpuCalibration`) is patched after `load`; a tree
 with neither stops the run. Each row records the scales each runner reports; pinned, they must all be S.
-`--control` loads the old tree a second time (`pdscope_jax_control`, right after the old one) and runs it in every
-repeat too: control / old is what the same code measures against itself in the same process, the noise floor that
-new / old is read against.
+`--control` loads the old tree again (`pdscope_jax_control`, after the old one) and runs it in every repeat:
+control / old, the same code against itself, is the noise floor new / old is read against.
 Output: JSON with `command`, `commit` (the new tree's: --new-commit, else this checkout's), `script_commit`,
 `old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every repeat's prefill / decode tok/s and
 their medians, new / old (and control / old) of the medians, `cpu_cost_scale` and `plans` (loads, prefetches,
