@@ -227,12 +227,11 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     pick's weights come out of that copy's program as one array (hits read from their slots) before any slot is
     written, every distinct expert runs in one batched call, and the misses, most worth first, are paired with
     the slots least worth keeping (a hit slot never among them)."""
-    num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
-    size = min(ids.size, num_experts)
     if ids.shape[0] == 1:  # one row's top-k are distinct: sorting them is their unique (one kernel, not several)
         picks = jnp.sort(ids.reshape(-1))
     else:
+        size = min(ids.size, table.slot_of.shape[1])
         picks = jnp.unique(ids.reshape(-1), size=size, fill_value=-1)  # ascending; -1 pads the end
     valid = picks >= 0
     picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
@@ -283,10 +282,21 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     if host is not None and not host.copies:  # nothing enters the pool: no victims, no writes (each would read
-        # every pick's weights), only the hits' worth and the counts change
-        counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), 0, jnp.sum(on_cpu)]).astype(jnp.int32)
+        # every pick's weights), only the hits' worth changes
+        slot_of, owner, evictions = table.slot_of, table.owner, 0
         keep = table.keep.at[parked].set(worth, mode="drop")
-        return y, banks, PoolTable(table.slot_of, table.owner, keep, table.bonus, clock, counts, routed)
+    else:
+        slot_of, owner, keep, banks, evictions = _keep_copies(m, table, picks, worth, copied, parked,
+                                                              (gate_ups, downs), banks)
+    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, jnp.sum(on_cpu)]).astype(jnp.int32)
+    return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
+
+
+def _keep_copies(m, table, picks, worth, copied, parked, parts, banks):
+    """The copied misses of MoE position m that are worth their victims take their slots (see the module
+    docstring): the pool's table and banks after them. -> (slot_of, owner, keep, banks, evictions)."""
+    num_layers, num_experts = table.slot_of.shape
+    num_slots = table.keep.shape[0]
     keep = table.keep.at[parked].set(PROTECTED, mode="drop")
     r = kept_rows(picks.shape[0])  # the candidates: the first r picks, the misses most worth keeping
     victims = jax.lax.top_k(-keep, r)[1]  # the slots least worth keeping, least first
@@ -298,10 +308,8 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks[:r]].set(victims, mode="drop")
     owner = table.owner.at[target].set(m * num_experts + picks[:r], mode="drop")
     keep = keep.at[target].set(worth[:r], mode="drop").at[parked].set(worth, mode="drop")  # hits: their worth back
-    banks = _put(banks, target, (gate_ups[:r], downs[:r]))
-    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), jnp.sum(evicted >= 0),
-                                       jnp.sum(on_cpu)]).astype(jnp.int32)
-    return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
+    banks = _put(banks, target, tuple(part[:r] for part in parts))
+    return slot_of, owner, keep, banks, jnp.sum(evicted >= 0)
 
 
 def flat_states(states, model_state) -> tuple:
