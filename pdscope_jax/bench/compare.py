@@ -64,8 +64,8 @@ def compare(args, command: str) -> dict:
     predictability = getattr(args, "predictability", "reference")
     workload = (workloads.design(cfg, args.workload, seed=args.seed, predictability=predictability)
                 if checkpoint is None else None)
-    if workload is not None and workload.summary()["fate_recall_mean"] is not None:
-        design = workload.summary()
+    design = workload.summary() if workload is not None else {}
+    if design.get("fate_recall_mean") is not None:
         console.print(f"workload {design['workload']}, predictability {design['predictability']}: next-layer gate "
                       f"recall@k {design['fate_recall_mean']:.3f} (target {design['target_fate_recall_mean']})")
     loader = bench_runs.weights_loader(cfg, checkpoint, shapes, args.seed, workload)
@@ -96,7 +96,7 @@ def compare(args, command: str) -> dict:
         "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,
         "quantize": args.quantize,
         "workload": "checkpoint" if checkpoint else args.workload,
-        "workload_design": workload.summary() if workload else None,
+        "workload_design": design or None,
         "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "warmup": args.warmup,
         "runtime": {k: v for k, v in vars(rc).items() if k not in ("policy", "policy_options")},

@@ -32,7 +32,7 @@ def _predictability(text: str):
     from pdscope_jax.workloads.predictability import check_setting
 
     try:
-        return check_setting(text if text in ("reference", "oracle") else float(text))
+        return check_setting(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
