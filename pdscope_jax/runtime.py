@@ -16,9 +16,10 @@ backend: the first GPU and the first CPU device when a GPU exists; otherwise, wi
 CPU device both roles fall on it.
 
 `enable_compile_cache()` turns on JAX's persistent compilation cache (every compiled program, however small, is
-written to disk and read back by later processes): by default in `compile_cache_dir()` (`$XDG_CACHE_HOME`, else
-~/.cache, then pdscope_jax/xla); the environment variable PDSCOPE_JAX_COMPILE_CACHE=0 turns it off, a path there
-chooses the directory. `load()` and the CLI call it (`load(..., compile_cache=False)`, `--no-compile-cache`).
+written to disk and read back by later processes): by default in `compile_cache_dir()`, which is
+`user_cache_dir("xla")` (`$XDG_CACHE_HOME`, else ~/.cache, then pdscope_jax/NAME: the package's caches); the
+environment variable PDSCOPE_JAX_COMPILE_CACHE=0 turns it off, a path there chooses the directory. `load()` and the
+CLI call it (`load(..., compile_cache=False)`, `--no-compile-cache`).
 """
 
 from __future__ import annotations
@@ -234,10 +235,14 @@ COMPILE_CACHE_MAX_BYTES = 8 * 2**30  # least recently used programs go beyond th
 _OFF, _ON = {"0", "off", "false", "no"}, {"", "1", "on", "true", "yes"}
 
 
+def user_cache_dir(name: str) -> Path:
+    """The package's user cache folder `name`: $XDG_CACHE_HOME/pdscope_jax/name, else ~/.cache/pdscope_jax/name."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdscope_jax" / name
+
+
 def compile_cache_dir() -> Path:
-    """The default persistent compilation cache: $XDG_CACHE_HOME/pdscope_jax/xla, else ~/.cache/pdscope_jax/xla."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "pdscope_jax" / "xla"
+    """The default persistent compilation cache: `user_cache_dir("xla")`."""
+    return user_cache_dir("xla")
 
 
 def enable_compile_cache(enabled: bool | str | Path = True) -> str | None:

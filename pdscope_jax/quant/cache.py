@@ -42,6 +42,7 @@ from rich.progress import Progress
 from pdscope_jax import integrity
 from pdscope_jax.quant import formats
 from pdscope_jax.quant.loader import SCALE, dense_path, quantizing_loader
+from pdscope_jax.runtime import user_cache_dir
 from pdscope_jax.weights.checkpoint import INDEX_FILE, PROGRESS_BYTES, Checkpoint, empty_aligned, read_exact
 from pdscope_jax.weights.safetensors_check import read_header
 
@@ -64,7 +65,7 @@ def cache_root(root: str | Path | None = None) -> Path:
         return Path(root).expanduser()
     if os.environ.get(ENV):
         return Path(os.environ[ENV]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdscope_jax" / "quantized"
+    return user_cache_dir("quantized")
 
 
 def fingerprint(ckpt: Checkpoint) -> dict:

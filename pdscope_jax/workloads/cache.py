@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdscope_jax.runtime import user_cache_dir
+
 ENV = "PDSCOPE_WORKLOAD_CACHE"
 DESIGN_VERSION = 1
 CONFIG_FIELDS = ("num_experts", "num_experts_per_tok", "moe_layers", "hidden_size", "vocab_size")
@@ -45,7 +47,7 @@ def cache_folder(setting: bool | str | Path | None = None) -> Path | None:
         return None
     if configured:
         return Path(configured).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pdscope_jax" / "workloads"
+    return user_cache_dir("workloads")
 
 
 def design_key(cfg, name: str, seed: int, channel: int, calibration: int, setting, fates: list,
