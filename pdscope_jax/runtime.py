@@ -124,6 +124,8 @@ class RuntimeConfig:
     # (None: the host's time for an expert over the host's and the link's together: engine.host_split)
     decode_bridge_copies: bool = True  # device decode's copies are made by the CUDA bridge's worker (DMA) where
     # the bridge runs, so the step has no conditional per layer and the host runs ahead; False: by the program
+    decode_copies_ahead: bool = True  # with the bridge's copies and a planner that reads next-layer scores, each
+    # layer predicts the next one's experts (its router on this layer's input) and the worker copies them ahead
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
         slot_of.reshape(-1)[:owners] = np.arange(owners)
         owner = np.where(np.arange(slots) < owners, np.arange(slots), -1).astype(np.int32)
         table = device_decode.PoolTable(slot_of, owner, np.where(owner >= 0, 0, -1).astype(np.int32),
-                                        np.full((layers, e), -1, np.int32), np.int32(1), np.zeros(4, np.int32),
-                                        np.zeros((layers, e), np.int32))
+                                        np.full((layers, e), -1, np.int32), np.int32(1),
+                                        np.zeros(len(device_decode.COUNTS), np.int32), np.zeros((layers, e), np.int32))
         experts_of = np.arange(slots) % e
         pool = tuple(jax.device_put(np.asarray(a)[experts_of], accel) for a in stack)
         return pool, jax.device_put(table, accel)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
             for w in attention[m]:
                 h = jnp.tanh(jnp.dot(h, w, preferred_element_type=jnp.float32)).astype(x.dtype)
             weights, ids = jax.lax.top_k(jnp.dot(h, routers[m], preferred_element_type=jnp.float32), k)
-            y, ((pool_gu, pool_dn),), table = device_decode._routed_experts(m, h, jax.nn.softmax(weights), ids,
+            y, ((pool_gu, pool_dn),), table, _ = device_decode._routed_experts(m, h, jax.nn.softmax(weights), ids,
                                                                             stack, ((pool_gu, pool_dn),), table)
             x = (x + y).astype(x.dtype)
         return x, pool_gu, pool_dn, table

@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
         for label in args.runs:
             policy, switches = split_label(label)
             defaults = {"decode_cpu_experts": RuntimeConfig.decode_cpu_experts, "decode_copy_share": None,
-                        "decode_bridge_copies": True}  # a label's switches only: nothing carries over from the last
+                        "decode_bridge_copies": True, "decode_copies_ahead": RuntimeConfig.decode_copies_ahead}
+            # a label's switches only: nothing carries over from the last
             runner.set_policy(policy, **{**defaults, **switches})
             runner.warmup(1, args.prompt_len, args.tokens)
             tok_s, profiles, host = [], [], []
@@ -255,6 +256,9 @@ def main(argv: list[str] | None = None) -> dict:
                 tok_s.append((args.tokens - 1) / seconds)
                 host.append({"host_experts": decode.cpu_experts, "gpu_experts": decode.gpu_experts,
                              "hit_rate": decode.hit_rate, "bridge_seconds": busy, "tokens": tokens,
+                             "prediction_recall": decode.prediction_recall,
+                             "prefetch_accuracy": decode.prefetch_accuracy,
+                             "gb_moved_per_token": decode.bytes_moved / 1e9 / (args.tokens - 1),
                              "throttled": throttled, "decode_seconds": seconds,
                              "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]},
                              "dispatch_ms_median": 1e3 * statistics.median(step_host) if step_host else None,
@@ -268,6 +272,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "dispatch_ms_median": last["dispatch_ms_median"], "launch_ms_median": last["launch_ms_median"],
                       "decode_tok_s": statistics.median(tok_s),
                       "decode_tok_s_repeats": tok_s,
+                      **{k: last[k] for k in ("prediction_recall", "prefetch_accuracy", "gb_moved_per_token")},
                       "host_experts_per_step": last["host_experts"] / (args.tokens - 1),
                       "ms_per_host_expert": (1e3 * last["bridge_seconds"] / last["host_experts"]
                                              if last["host_experts"] else None),

@@ -5,7 +5,7 @@ Contract: every function reads the result rows `bench.runs.summarise` / `bench.r
 `PHASE_TIMES`, `bytes_moved`, `hit_rate`, `prefetch_accuracy`, `planner_ms_per_layer`, `device_steps`,
 `prediction_recall`, and the parity keys `tokens_match_plain` / `tokens_before_divergence`) and never changes them.
 A phase run as one accelerator program per step (`device_steps` > 0) has no time split and shows "one
-program/step"; its prediction recall, None (it predicts nothing), shows as "n/a (device)". The summary line
+program/step"; its prediction recall, None where it predicts nothing, shows as "n/a (device)". The summary line
 carries each row's `prediction_recall` per phase (None: no prediction in that phase).
 """
 
@@ -27,8 +27,8 @@ def table(results: list[dict]):
 
     out = Table(title="offload benchmark (medians; times summed over layers, seconds)",
                 caption="next-layer recall: recall@k of the scores the planner saw for the next MoE layer "
-                        "(engine.stats.prediction_hits); - without a predictor; n/a (device): device decode uses no "
-                        "prediction")
+                        "(engine.stats.prediction_hits); - without a predictor; n/a (device): device decode without "
+                        "copies ahead predicts nothing")
     for name in ("run", "batch", "prompt", "prefill tok/s", "decode tok/s", "next-layer recall (p/d)",
                  "prefill cpu/gpu/xfer/exposed",
                  "decode cpu/gpu/xfer/exposed", "GB moved (p/d)", "decode hit rate", "prefetch acc (p/d)",

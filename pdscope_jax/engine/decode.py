@@ -16,8 +16,9 @@ counted to the decode statistics.
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
   engine's `decode_slots`, closed again by `finish()`, so the next prefill has its memory back), uploads the
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
-  dispatched. Its steps count in `device_steps`, `seconds`, hits, bytes, gpu_experts and cpu_experts (misses the
-  host computed), not in the time splits.
+  dispatched. Its steps count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch
+  use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host computed), not in
+  the time splits.
 """
 
 from __future__ import annotations
@@ -108,17 +109,22 @@ class DeviceDecode:
         e.pool.close_decode_bank()
         for layer, routed in zip(moe, np.asarray(self.table.routed)):
             e.activation_counts["decode"][layer] += routed
-        misses = counts["activated"] - counts["hits"] - counts["on_host"]  # copied
-        # every routed expert has one size: the misses' bytes are those of as many copies of one expert
-        nbytes = e.store.count_moved(moe[0], np.zeros(misses, np.int64))
+        # copied when routed: neither resident, nor copied ahead, nor computed by the host
+        misses = counts["activated"] - counts["hits"] - counts["used_ahead"] - counts["on_host"]
+        # every routed expert has one size: the bytes are those of as many copies of one expert
+        nbytes = e.store.count_moved(moe[0], np.zeros(misses + counts["copied_ahead"], np.int64))
         stats = e.phase_stats["decode"]
         stats.steps += self.steps_run
         stats.device_steps += self.steps_run
         stats.tokens += self.token.shape[0] * self.steps_run
         stats.seconds += seconds
         stats.activated += counts["activated"]
-        stats.hits += counts["hits"]
+        stats.hits += counts["hits"] + counts["used_ahead"]  # as the host loop counts: resident or in flight
         stats.experts_loaded_now += misses
+        stats.experts_prefetched += counts["copied_ahead"]
+        stats.prefetch_used += counts["used_ahead"]
+        stats.predicted_hits += counts["predicted_hits"]
+        stats.predicted_total += counts["predicted_total"]
         stats.gpu_experts += counts["activated"] - counts["on_host"]
         stats.cpu_experts += counts["on_host"]
         stats.bytes_moved += nbytes

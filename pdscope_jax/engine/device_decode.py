@@ -10,9 +10,10 @@ GPU's experts run (`kernels.host_experts`: the CUDA bridge, no Python callback);
 Contract:
 - `PoolTable`: the pool's table on the accelerator: `slot_of` [Lm, E] (-1: not resident), `owner` [S] (MoE
   position * E + expert; -1: free), `keep` [S] (worth keeping; -1: free), `bonus` [Lm, E] >= 0 (ticks an expert's
-  popularity adds to its worth; zeros: LRU), `clock` [] (one tick per MoE layer), `counts` [4] (activated, hits,
-  evictions, computed by the host), `routed` [Lm, E] (rows routed), all int32, counted since `upload(pool, moe_layers, bonus, device)`;
-  `download(table, pool, moe_layers)` writes it back into the `SlotPool` -> {activated, hits, evictions, on_host}.
+  popularity adds to its worth; zeros: LRU), `clock` [] (one tick per MoE layer), `counts` [8] (`COUNTS`), `routed`
+  [Lm, E] (rows routed), all int32, counted since `upload(pool, moe_layers, bonus, device)`; `download(table, pool,
+  moe_layers)` writes it back into the `SlotPool` -> {name in COUNTS: count}. Copies ahead (`HostExperts.ahead`):
+  experts copied ahead, those a miss then used, and the next layer's activated experts predicted, of how many.
 - Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit
   refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
   (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept; at most
@@ -39,6 +40,7 @@ GATHER_MAX_ASSIGNMENTS assignments), rounded once.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,8 @@ from pdscope_jax.store.expert_store import pull_traced
 from pdscope_jax.store.slot_pool import SlotPool
 
 PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
+COUNTS = ("activated", "hits", "evictions", "on_host", "copied_ahead", "used_ahead", "predicted_hits",
+          "predicted_total")
 F32 = jnp.float32
 
 
@@ -64,7 +68,7 @@ class PoolTable:
     keep: jax.Array  # [S] int32
     bonus: jax.Array  # [Lm, E] int32
     clock: jax.Array  # [] int32
-    counts: jax.Array  # [4] int32: activated, hits, evictions, computed by the host
+    counts: jax.Array  # [8] int32: COUNTS
     routed: jax.Array  # [Lm, E] int32: rows routed to each expert
 
 
@@ -75,11 +79,15 @@ class HostExperts:
     least as many as there are free slots (a copy into a free slot evicts nothing and serves later steps); the
     rest are computed by the host through `bridge` (`kernels.host_experts`), or by XLA ops on the pinned
     weights where it is None. With `bridge_copies` the bridge's worker makes the copies (DMA), so the step has
-    no conditional per layer and its launching thread runs ahead of the GPU; else the program copies them."""
+    no conditional per layer and its launching thread runs ahead of the GPU; else the program copies them. With
+    `ahead` as well, each layer also predicts the next MoE layer's experts (its router on this layer's MoE input,
+    Fate's predictor) and the worker copies those not resident after this layer's copies; a miss of the next
+    layer among them is then neither copied again nor computed by the host."""
     copy_share: float
     bridge: host_experts.Bridge | None = None
     fill_free: bool = True
     bridge_copies: bool = False
+    ahead: bool = False
 
     @property
     def computes(self) -> bool:
@@ -91,6 +99,20 @@ class HostExperts:
         """Whether any miss may be copied."""
         return self.copy_share > 0 or self.fill_free
 
+    @property
+    def copies_ahead(self) -> bool:
+        """Whether the bridge's worker copies predicted experts a layer ahead."""
+        return self.ahead and self.bridge_copies and self.copies and self.bridge is not None
+
+
+class Ahead(NamedTuple):
+    """What a layer predicted for the next one: `predicted` [P] the experts its router picks for these rows
+    (ascending, -1 pads), `ids` [P] those of them copied ahead (not resident then; else -1), `rows` their copies
+    (gate_ups [P, D, 2F], downs [P, F, D]; row p holds expert ids[p] where ids[p] >= 0)."""
+    predicted: jax.Array
+    ids: jax.Array
+    rows: tuple
+
 
 def _host_begin(host: HostExperts, m, h, ids, coef, picks):
     """Start the host's experts of MoE position m; -> (h, picks) to compute the GPU's part from, and what
@@ -101,19 +123,40 @@ def _host_begin(host: HostExperts, m, h, ids, coef, picks):
     return h, picks, (h, ids, coef)
 
 
-def _bridge_pull(host: HostExperts, m, h, ids, coef, picks, copied, take):
+def _bridge_pull(host: HostExperts, m, h, ids, coef, picks, copy_ids, take, ahead=None, next_ids=None):
     """The bridge's begin with its copies: the host starts its experts (ids, coef; none where it computes
-    none) and its worker copies the `copied` picks by DMA. -> (h, picks, (gate_ups [U, D, 2F], downs [U, F, D]))
-    with row u the copy where copied[u], else take()'s row u (the pool's)."""
+    none), its worker copies row u by DMA where copy_ids[u] >= 0 (expert copy_ids[u]) or from `ahead.rows` where
+    copy_ids[u] <= -2 (row -2 - copy_ids[u]), then the next layer's `next_ids` a layer ahead.
+    -> (h, picks, (gate_ups [U, D, 2F], downs [U, F, D]), next rows or None) with row u the copy where
+    copy_ids[u] != -1, else take()'s row u (the pool's)."""
     if not host.computes:
         ids, coef = ids[:0], coef[:0]
-    h, picks, gate_ups, downs = host_experts.begin(host.bridge, m, h, ids, coef, picks,
-                                                   jnp.where(copied, picks, -1))
-    fetched = host_experts.fetched(host.bridge, gate_ups, downs)
-    u = copied.shape[0]
-    rows = jnp.where(copied, u, jnp.arange(u))  # out of range: the copy stays
-    return h, picks, tuple(jax.tree.map(lambda got, kept: got.at[rows].set(kept, mode="drop", unique_indices=True),
-                                        part, pooled) for part, pooled in zip(fetched, take()))
+    rows_before = None if ahead is None else ahead.rows
+    h, picks, gate_ups, downs, *next_rows = host_experts.begin(host.bridge, m, h, ids, coef, picks, copy_ids,
+                                                               next_ids, rows_before)
+    fetched = host_experts.fetched(host.bridge, gate_ups, downs, rows_before)
+    u = copy_ids.shape[0]
+    rows = jnp.where(copy_ids != -1, u, jnp.arange(u))  # out of range: the copy stays
+    pulled = tuple(jax.tree.map(lambda got, kept: got.at[rows].set(kept, mode="drop", unique_indices=True),
+                                part, pooled) for part, pooled in zip(fetched, take()))
+    return h, picks, pulled, tuple(next_rows) if next_rows else None
+
+
+def _distinct(ids, num_experts: int):
+    """The distinct experts of ids [N, K], ascending, -1 padding the end to min(N * K, num_experts)."""
+    if ids.shape[0] == 1:  # one row's top-k are distinct: sorting them is their unique (one kernel, not several)
+        return jnp.sort(ids.reshape(-1))
+    return jnp.unique(ids.reshape(-1), size=min(ids.size, num_experts), fill_value=-1)
+
+
+def _predict(router, m, h, table):
+    """MoE position m + 1's router (graph, state) on this layer's MoE input h [N, D]: -> (predicted [P], the
+    predicted experts not resident now, else -1 [P])."""
+    graph, state = router
+    _, ids = nnx.merge(graph.graphdef, state).mlp.route(h)
+    predicted = _distinct(ids, table.slot_of.shape[1])
+    absent = (predicted >= 0) & (table.slot_of[m + 1, jnp.maximum(predicted, 0)] < 0)
+    return predicted, jnp.where(absent, predicted, -1)
 
 
 def _host_end(host: HostExperts, pending, dep, experts):
@@ -169,22 +212,22 @@ def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None
     owner, keep = np.pad(owner, (0, free), constant_values=-1), np.pad(keep, (0, free), constant_values=-1)
     clock = int(pool.last_use.max(initial=0))
     table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), bonus, np.int32(clock),
-                      np.zeros(4, np.int32), np.zeros(slot_of.shape, np.int32))
+                      np.zeros(len(COUNTS), np.int32), np.zeros(slot_of.shape, np.int32))
     return jax.device_put(table, device)
 
 
 def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> dict[str, int]:
     """Write the table back into `pool`'s host bookkeeping (each resident's last use: its `keep` less its
-    bonus; residents of slots past the pool's are forgotten). -> {activated, hits, evictions} since upload."""
+    bonus; residents of slots past the pool's are forgotten). -> {name: count since upload} for `COUNTS`."""
     e, s = pool.num_experts, pool.num_slots
     owner, keep = np.asarray(table.owner)[:s], np.asarray(table.keep)[:s].astype(np.int64)
     clock = int(table.clock)
     last_use = keep - np.asarray(table.bonus).reshape(-1)[np.maximum(owner, 0)]
     pool.set_table(np.where(owner >= 0, np.asarray(moe_layers)[np.maximum(owner, 0) // e], -1),
                    np.where(owner >= 0, owner % e, -1), np.where(owner >= 0, last_use, 0), clock)
-    activated, hits, evictions, on_host = (int(v) for v in np.asarray(table.counts))
-    pool.evictions += evictions
-    return {"activated": activated, "hits": hits, "evictions": evictions, "on_host": on_host}
+    counts = dict(zip(COUNTS, (int(v) for v in np.asarray(table.counts))))
+    pool.evictions += counts["evictions"]
+    return counts
 
 
 def _slots(gate_up) -> int:
@@ -220,19 +263,17 @@ def _put(banks, target, parts):
     return tuple(out)
 
 
-def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
+def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router=None, ahead=None):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
-    (see the module docstring); -> (y, banks, table). Straight-line code, no loop over the picks (a
+    (see the module docstring); `router`: the next MoE layer's (graph, state) where this layer copies ahead for
+    it (`HostExperts.copies_ahead`), `ahead`: what the layer before copied ahead for this one (`Ahead`, or None).
+    -> (y, banks, table, this layer's `Ahead` or None). Straight-line code, no loop over the picks (a
     loop costs a kernel chain per pick and copies of the pool): the layer's misses are copied at once and every
     pick's weights come out of that copy's program as one array (hits read from their slots) before any slot is
     written, every distinct expert runs in one batched call, and the misses, most worth first, are paired with
     the slots least worth keeping (a hit slot never among them)."""
     num_slots = table.keep.shape[0]
-    if ids.shape[0] == 1:  # one row's top-k are distinct: sorting them is their unique (one kernel, not several)
-        picks = jnp.sort(ids.reshape(-1))
-    else:
-        size = min(ids.size, table.slot_of.shape[1])
-        picks = jnp.unique(ids.reshape(-1), size=size, fill_value=-1)  # ascending; -1 pads the end
+    picks = _distinct(ids, table.slot_of.shape[1])
     valid = picks >= 0
     picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
     slots = table.slot_of[m, picks]
@@ -245,20 +286,38 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
     n_miss = jnp.sum(miss, dtype=jnp.int32)
-    pulled = None
+    pulled, next_ahead = None, None
+    early = jnp.zeros_like(miss)  # misses the layer before copied ahead
+    ahead_counts = [0, 0, 0, 0]  # copied_ahead, used_ahead, predicted_hits, predicted_total
+    if ahead is not None:
+        match = picks[:, None] == ahead.ids[None, :]  # [U, P]; a -1 (nothing copied) matches no pick
+        early = miss & jnp.any(match, axis=1)
+        copy_ids = jnp.where(early, -2 - jnp.argmax(match, axis=1), -1)
+        predicted = jnp.any(picks[:, None] == ahead.predicted[None, :], axis=1) & valid
+        ahead_counts[1:] = [jnp.sum(early), jnp.sum(predicted), jnp.sum(valid)]
     if host is None:
         copied, on_cpu = miss, jnp.zeros_like(miss)
     else:  # the misses most worth keeping are copied, the rest computed by the host at the same time
-        n_copy = jnp.round(n_miss * host.copy_share).astype(jnp.int32)
+        rest = miss & ~early
+        n_rest = jnp.sum(rest, dtype=jnp.int32)
+        n_copy = jnp.round(n_rest * host.copy_share).astype(jnp.int32)
         if host.fill_free:
-            n_copy = jnp.maximum(n_copy, jnp.minimum(n_miss, jnp.sum(table.keep < 0, dtype=jnp.int32)))
-        copied = miss & (jnp.arange(picks.shape[0]) < n_copy)  # misses come first, most worth first
-        on_cpu = miss & ~copied
+            n_copy = jnp.maximum(n_copy, jnp.minimum(n_rest, jnp.sum(table.keep < 0, dtype=jnp.int32)))
+        copied = rest & (jnp.cumsum(rest) <= n_copy)  # misses come first, most worth first
+        on_cpu = rest & ~copied
         host_ids, host_coef = jnp.where(on_cpu, picks, -1), jnp.where(on_cpu[:, None], coeff, 0.0)
         pending = None
         if host.bridge_copies and host.copies:
-            h, picks, pulled = _bridge_pull(host, m, h, host_ids, host_coef, picks, copied,
-                                            lambda: _take(banks, resident))
+            next_ids = None
+            if router is not None:
+                next_predicted, next_ids = _predict(router, m, h, table)
+                ahead_counts[0] = jnp.sum(next_ids >= 0)
+            copy_ids = jnp.where(copied, picks, copy_ids if ahead is not None else -1)
+            h, picks, pulled, next_rows = _bridge_pull(host, m, h, host_ids, host_coef, picks, copy_ids,
+                                                       lambda: _take(banks, resident), ahead, next_ids)
+            if router is not None:
+                next_ahead = Ahead(next_predicted, next_ids, next_rows)
+            copied = copied | early
         elif host.computes:
             h, picks, pending = _host_begin(host, m, h, host_ids, host_coef, picks)
         if not host.copies:  # nothing to copy: every row from the pool, with no conditional
@@ -288,8 +347,9 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None):
     else:
         slot_of, owner, keep, banks, evictions = _keep_copies(m, table, picks, worth, copied, parked,
                                                               (gate_ups, downs), banks)
-    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, jnp.sum(on_cpu)]).astype(jnp.int32)
-    return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
+    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, jnp.sum(on_cpu), *ahead_counts]
+                                      ).astype(jnp.int32)
+    return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed), next_ahead
 
 
 def _keep_copies(m, table, picks, worth, copied, parked, parts, banks):
@@ -325,13 +385,17 @@ def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves,
     x = model.embed(token[:, None])  # [B, 1, D]
     rows = token.shape[0]
     caches = list(caches)
+    ahead = None
     for i, (graph, state) in enumerate(zip(graphs, states)):
         if i not in moe_layers:
             x, caches[i] = dense_layer(graph, state, x, positions, caches[i])
             continue
         m = moe_layers.index(i)
         x, h, weights, ids, _, shared, caches[i] = moe_route(graph, state, x, positions, caches[i], rows, False)
-        y, banks, table = _routed_experts(m, h, weights, ids, experts[m], banks, table, host)
+        router = None
+        if host is not None and host.copies_ahead and m + 1 < len(moe_layers):
+            router = (graphs[moe_layers[m + 1]], states[moe_layers[m + 1]])
+        y, banks, table, ahead = _routed_experts(m, h, weights, ids, experts[m], banks, table, host, router, ahead)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
     picked, sampling = sample(logits, sampling, step)

@@ -5,7 +5,9 @@ Contract: `HostSplit(store, config, device, expert_dtype)`; `for_step(runtime, p
 `device_decode.HostExperts`, or None (every miss is copied by the program itself). The host computes misses
 with decode_cpu_experts "auto" (through the bridge) or "xla" for a planner with the `decode_host_experts`
 capability; with "auto" or "off", RuntimeConfig.decode_bridge_copies and a planner that copies
-(`decode_copies`), the bridge's worker makes the copies. None where neither applies or the bridge cannot run
+(`decode_copies`), the bridge's worker makes the copies, and with RuntimeConfig.decode_copies_ahead and a
+planner that reads next-layer scores also copies predicted experts a layer ahead (`HostExperts.ahead`). None where
+neither applies or the bridge cannot run
 (`why_not` then says why: not a CUDA GPU, experts not bf16, no kernel). The share of a layer's misses copied:
 1 where the host computes none, 0 for a planner that never copies in decode, else
 RuntimeConfig.decode_copy_share, else the host's time for one expert over the host's and the link's (the cost
@@ -44,8 +46,9 @@ class HostSplit:
             bridge = self.bridges[batch] if batch in self.bridges else self._bridge(batch)
             if bridge is None:
                 return None
+        ahead = dma and runtime.decode_copies_ahead and planner.reads_next_scores
         if not computes:  # every miss copied, by the bridge's worker
-            return HostExperts(1.0, bridge, True, bridge_copies=True)
+            return HostExperts(1.0, bridge, True, bridge_copies=True, ahead=ahead)
         if not planner.decode_copies:
             share = 0.0
         elif runtime.decode_copy_share is not None:
@@ -53,7 +56,8 @@ class HostSplit:
         else:
             host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
             share = round(host / (host + link), 2)
-        return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma and bridge is not None)
+        dma = dma and bridge is not None
+        return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma, ahead=ahead and dma)
 
     def _host_seconds(self, costs, batch: int, bridge) -> float:
         """The host's seconds for one expert of a decode step: with a bridge, its kernel timed once on the

@@ -43,7 +43,7 @@ class PhaseStats:
     device_steps: int = 0  # steps run as one accelerator program (engine.device_decode): in `seconds`, hits,
     # bytes and gpu_experts, but in none of the CPU / GPU / transfer time splits, which such a step does not measure
     predicted_hits: int = 0  # next-layer experts both predicted and activated (`prediction_hits`), summed over the
-    # (step, layer) pairs whose planner had next-layer scores; device decode steps predict nothing and add nothing
+    # (step, layer) pairs whose planner had next-layer scores; device decode steps add theirs where they copy ahead
     predicted_total: int = 0  # ... and the experts those next layers activated
 
     @property
@@ -61,7 +61,7 @@ class PhaseStats:
     @property
     def prediction_recall(self) -> float | None:
         """Pooled recall@k of the next-layer scores the planner saw (`prediction_hits`); None where no planner
-        had scores in this phase (no predictor, or device decode, which plans nothing)."""
+        had scores in this phase (no predictor, or device decode without copies ahead)."""
         return self.predicted_hits / self.predicted_total if self.predicted_total else None
 
     @property

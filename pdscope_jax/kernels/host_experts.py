@@ -15,7 +15,10 @@ Contract:
   program needs y_cpu. With `copy_ids` [C] int32, begin also returns (gate_ups [C, D, 2F], downs [C, F, D]),
   into whose row c the worker copies expert copy_ids[c] (where >= 0) from the host by DMA; `fetched(bridge,
   gate_ups, downs)` returns them once the copies are done. The program then needs no conditional to size its
-  copies, so the thread that launches it never waits for the GPU.
+  copies, so the thread that launches it never waits for the GPU. With `ahead_ids` [A] int32 (experts of MoE
+  position m + 1, a prediction), begin also returns (ahead gate_ups [A, D, 2F], ahead downs [A, F, D]), which the
+  worker fills after this layer's copies, so they overlap this layer's work; the next layer passes them as
+  `ahead_rows` to its begin and fetched, and a copy id -2 - a there takes row a of them (moved on the GPU).
 `engine.device_decode` computes the same sum with XLA ops where there is no bridge. The kernel's arithmetic (float32 sums, the activation rounded to bf16 after scaling) agrees with XLA's to bf16
 rounding. `PDSCOPE_HOST_EXPERTS=0` disables the bridge.
 """
@@ -132,26 +135,35 @@ class Bridge:
         return out[:n]
 
 
-def begin(bridge: Bridge, m: int, h, ids, coef, picks, copy_ids=None):
+def begin(bridge: Bridge, m: int, h, ids, coef, picks, copy_ids=None, ahead_ids=None, ahead_rows=None):
     """See the module docstring; h' and picks' are copies of h and picks made after the host was told to start.
-    -> (h', picks'), or with `copy_ids` (h', picks', gate_ups, downs) for `fetched`."""
+    -> (h', picks'), then (gate_ups, downs) for `fetched` with `copy_ids`, then (ahead gate_ups, ahead downs) with
+    `ahead_ids`. `ahead_rows`: the layer before's ahead outputs, which copy ids -2 - a take rows from."""
     d, f = bridge.dims
-    c = 0 if copy_ids is None else copy_ids.shape[0]
-    outputs = (jax.ShapeDtypeStruct(h.shape, h.dtype), jax.ShapeDtypeStruct(picks.shape, picks.dtype),
-               jax.ShapeDtypeStruct((c, d, 2 * f), jnp.bfloat16), jax.ShapeDtypeStruct((c, f, d), jnp.bfloat16))
-    call = jax.ffi.ffi_call(BEGIN, outputs, has_side_effect=SIDE_EFFECT)
-    copy_ids = jnp.zeros((0,), jnp.int32) if copy_ids is None else copy_ids.astype(jnp.int32)
-    out = call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks, copy_ids,
+    lists = [jnp.zeros((0,), jnp.int32) if a is None else a.astype(jnp.int32) for a in (copy_ids, ahead_ids)]
+    rows = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for n in (a.shape[0] for a in lists)
+            for shape in ((n, d, 2 * f), (n, f, d))]
+    call = jax.ffi.ffi_call(BEGIN, (jax.ShapeDtypeStruct(h.shape, h.dtype),
+                                    jax.ShapeDtypeStruct(picks.shape, picks.dtype), *rows),
+                            has_side_effect=SIDE_EFFECT)
+    out = call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks, *lists, *_rows_or_none(bridge, ahead_rows),
                handle=np.int64(bridge.handle), layer=np.int64(m))
-    return out if c else out[:2]
+    return (*out[:2], *(out[2:4] if copy_ids is not None else ()), *(out[4:] if ahead_ids is not None else ()))
 
 
-def fetched(bridge: Bridge, gate_ups, downs):
-    """(gate_ups, downs) of the latest begin, once the worker's copies into them are done (the same buffers)."""
+def fetched(bridge: Bridge, gate_ups, downs, ahead_rows=None):
+    """(gate_ups, downs) of the latest begin, once the worker's copies into them are done (the same buffers);
+    `ahead_rows` as given to that begin (kept allocated until its rows are moved)."""
     call = jax.ffi.ffi_call(FETCHED, (jax.ShapeDtypeStruct(gate_ups.shape, gate_ups.dtype),
                                       jax.ShapeDtypeStruct(downs.shape, downs.dtype)),
                             has_side_effect=SIDE_EFFECT, input_output_aliases={0: 0, 1: 1})
-    return call(gate_ups, downs, handle=np.int64(bridge.handle))
+    return call(gate_ups, downs, *_rows_or_none(bridge, ahead_rows), handle=np.int64(bridge.handle))
+
+
+def _rows_or_none(bridge: Bridge, rows):
+    """`rows` (gate_ups, downs), or none of either shape."""
+    d, f = bridge.dims
+    return rows if rows is not None else (jnp.zeros((0, d, 2 * f), jnp.bfloat16), jnp.zeros((0, f, d), jnp.bfloat16))
 
 
 def end(bridge: Bridge, dep, rows: int, hidden: int):

@@ -15,9 +15,11 @@ from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError, select_devices
 from pdscope_jax.sched import planner_class
 from pdscope_jax.sched.registry import POLICIES
+from bridge_stand_in import StandInBridge
 from test_offload_engine import Reference, _slots
 
 E, D, F = 4, 8, 4
+NOTHING_AHEAD = {"copied_ahead": 0, "used_ahead": 0, "predicted_hits": 0, "predicted_total": 0}
 
 
 @pytest.fixture(scope="module")
@@ -40,10 +42,10 @@ def _pool(devices, gate_up, down, resident: dict[int, int]) -> SlotPool:
 
 
 def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: dict[int, float], h: np.ndarray,
-               host=None):
+               host=None, ahead=None):
     """One MoE layer of one row through `_routed_experts` on a `_pool` holding `resident`; the row routes to
-    `picks` {expert: weight}; `host` the step's `HostExperts`. Checks its output against the experts' weighted
-    sum. -> (pool, counts, table)."""
+    `picks` {expert: weight}; `host` the step's `HostExperts`, `ahead` what the layer before copied ahead. Checks
+    its output against the experts' weighted sum. -> (pool, counts, table)."""
     devices = select_devices()
     gate_up, down = experts
     pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
@@ -55,7 +57,8 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: di
     table = device_decode.upload(pool, (5,), None if bonus is None else np.array(bonus), devices.accel)
     on_accel = lambda a: jax.device_put(a, devices.accel)  # noqa: E731
     ids, weights = on_accel(np.array([list(picks)], np.int32)), on_accel(np.array([list(picks.values())], np.float32))
-    y, pool.banks, table = jax.jit(functools.partial(device_decode._routed_experts, host=host), static_argnums=0)(
+    y, pool.banks, table, _ = jax.jit(functools.partial(device_decode._routed_experts, host=host, ahead=ahead),
+                                     static_argnums=0)(
         0, on_accel(h), weights, ids, layer, pool.banks, table)
     want = sum(w * expert_ffn(jnp.asarray(h), gate_up[e], down[e]) for e, w in picks.items())
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -75,7 +78,7 @@ def test_a_layer_copies_its_misses_and_keeps_them_by_the_rule(experts, stacks, e
     h = np.random.default_rng(1).standard_normal((1, D)).astype(np.float32)
     pool, counts, table = _run_layer(experts, stacks, {0: 0, 1: 1}, bonus, {3: 0.5, 1: 0.3, 2: 0.2}, h)
     kept = {2, 3} if bonus is None else {0, 3}
-    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if bonus is None else 0, "on_host": 0}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 1 if bonus is None else 0, "on_host": 0, **NOTHING_AHEAD}
     assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept | {1}
     for expert in kept | {1}:  # every resident slot holds its expert's weights
         slot = pool.slot_of(5)[expert]
@@ -212,7 +215,7 @@ def test_a_miss_worth_less_than_every_evictable_resident_is_used_once(experts):
     expert 2 (4 + 5)."""
     pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1, 3: 2}, [[900, 10, 5, 800]], {2: 0.6, 1: 0.3, 3: 0.1},
                                  np.ones((1, D), np.float32))
-    assert counts == {"activated": 3, "hits": 2, "evictions": 0, "on_host": 0}
+    assert counts == {"activated": 3, "hits": 2, "evictions": 0, "on_host": 0, **NOTHING_AHEAD}
     assert pool.slot_of(5).tolist() == [0, 1, -1, 2]
     np.testing.assert_array_equal(np.asarray(pool.gate_up[0]), experts[0][0])  # its weights untouched
 
@@ -264,8 +267,8 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         slot_of[owner[owner >= 0]] = np.flatnonzero(owner >= 0)
         ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(4)]).astype(np.int32)
         table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), bonus[None], np.int32(4),
-                                        np.zeros(4, np.int32), np.zeros((1, e), np.int32))
-        _, _, after = step(0, zeros(4, d), zeros(4, 2), ids, layer, ((zeros(slots, d, 2 * f), zeros(slots, f, d)),),
+                                        np.zeros(len(device_decode.COUNTS), np.int32), np.zeros((1, e), np.int32))
+        _, _, after, _ = step(0, zeros(4, d), zeros(4, 2), ids, layer, ((zeros(slots, d, 2 * f), zeros(slots, f, d)),),
                            jax.device_put(table, devices.accel))
         picked = set(ids.reshape(-1).tolist())
         worth = {x: 5 + int(bonus[x]) for x in picked}  # the layer's clock, 5, plus the expert's bonus
@@ -287,7 +290,7 @@ def test_the_host_computes_the_misses_not_copied(experts, stacks, fill_free, on_
     h = np.random.default_rng(2).standard_normal((1, D)).astype(np.float32)
     host = device_decode.HostExperts(0.0, None, fill_free)
     pool, counts, _ = _run_layer(experts, stacks, {0: 0, 1: 1}, [[0, 0, 0, 800]], {3: 0.5, 1: 0.3, 2: 0.2}, h, host)
-    assert counts == {"activated": 3, "hits": 1, "evictions": 0, "on_host": len(on_host)}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 0, "on_host": len(on_host), **NOTHING_AHEAD}
     assert set(pool.owner_expert[pool.owner_expert >= 0]) == {0, 1, 2, 3} - on_host
 
 
@@ -298,32 +301,6 @@ def test_a_full_copy_share_is_the_step_without_the_host(experts):
     (pool_a, counts_a, _), (pool_b, counts_b, _) = runs
     assert counts_a == counts_b and counts_b["on_host"] == 0
     np.testing.assert_array_equal(pool_a.owner_expert, pool_b.owner_expert)
-
-
-class _StandInBridge:
-    """The CUDA bridge's contract in XLA ops (`kernels.host_experts`: begin, fetched, end), for the program's side
-    of the bridge's copies: begin's copy rows are gathered from the layer's weights, end returns the host's sum."""
-
-    def __init__(self, experts):
-        self.gate_up, self.down = (jnp.asarray(a) for a in experts)
-        self.pending, self.copies = None, []
-
-    def begin(self, bridge, m, h, ids, coef, picks, copy_ids=None):
-        self.pending = (h, ids, coef)
-        if copy_ids is None:
-            return h, picks
-        self.copies.append(copy_ids)
-        at = jnp.maximum(copy_ids, 0)
-        return h, picks, self.gate_up[at], self.down[at]
-
-    def fetched(self, bridge, gate_ups, downs):
-        return gate_ups, downs
-
-    def end(self, bridge, dep, rows, hidden):
-        h, ids, coef = self.pending
-        outs = jax.vmap(lambda g, d: expert_ffn(h, g, d))(self.gate_up[jnp.maximum(ids, 0)],
-                                                           self.down[jnp.maximum(ids, 0)])
-        return jnp.sum(jnp.where((ids >= 0)[:, None, None], coef[:, :, None] * outs, 0.0), axis=0)
 
 
 @pytest.mark.parametrize("share, fill_free, on_host, kept", [
@@ -337,16 +314,14 @@ def test_the_bridges_copies_give_the_exact_sum_and_the_same_pool(experts, share,
     the misses not copied, and none at a share of 1.
     Experts 0 and 1 resident in 3 slots; the row picks 1, 2, 3 (misses 3 then 2, most worth first); all copied,
     2 is worth more than expert 0's slot (LRU ticks) and takes it."""
-    from pdscope_jax.kernels import host_experts
-
-    stand_in = _StandInBridge(experts)
-    for name in ("begin", "fetched", "end"):
-        monkeypatch.setattr(host_experts, name, getattr(stand_in, name))
+    stand_in = StandInBridge([experts])
+    stand_in.install(monkeypatch)
     h = np.random.default_rng(2).standard_normal((1, D)).astype(np.float32)
     host = device_decode.HostExperts(share, stand_in, fill_free, bridge_copies=True)
     bonus, picks = [[0, 0, 0, 800]], {3: 0.5, 1: 0.3, 2: 0.2}
     pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1}, bonus, picks, h, host)
-    assert counts == {"activated": 3, "hits": 1, "evictions": 0 if 0 in kept else 1, "on_host": len(on_host)}
+    assert counts == {"activated": 3, "hits": 1, "evictions": 0 if 0 in kept else 1, "on_host": len(on_host),
+                      **NOTHING_AHEAD}
     assert set(pool.owner_expert[pool.owner_expert >= 0]) == kept
     for expert in kept:  # every resident slot holds its expert's weights
         np.testing.assert_array_equal(np.asarray(pool.gate_up[pool.slot_of(5)[expert]]), experts[0][expert])
@@ -360,6 +335,58 @@ def test_the_bridges_copies_give_the_exact_sum_and_the_same_pool(experts, share,
     weight_writes = [eqn for eqn in jaxpr.eqns
                      if eqn.primitive.name.startswith("scatter") and eqn.invars[0].aval.shape[1:] == (D, 2 * F)]
     assert bool(weight_writes) == host.copies  # a step that copies nothing writes no expert's weights anywhere
+
+
+def test_a_miss_copied_ahead_is_taken_from_there_and_neither_copied_again_nor_computed(experts, monkeypatch):
+    """Experts 0 and 1 resident in 3 slots (LRU); the layer before predicted 0, 1, 2 and copied 2 ahead (its
+    ahead rows: row 2 holds expert 2, rows 0 and 1 nothing). The row picks 1, 2, 3: miss 2 takes ahead row 2
+    (copy id -2 - 2), the other miss, 3, goes to the host (a copy share of 0.4 of one miss rounds to none, free
+    slots not filled); the sum
+    is exact although the stand-in's host copy of expert 2 is zeros (so its row came from ahead); 2 enters the
+    free slot like any copy; the counts say one used ahead and two of three predicted."""
+    gate_up, down = (jnp.asarray(a) for a in experts)
+    stand_in = StandInBridge([(gate_up.at[2].set(0.0), down.at[2].set(0.0))])
+    stand_in.install(monkeypatch)
+    rows = jnp.array([0, 0, 2])
+    ahead = device_decode.Ahead(jnp.array([0, 1, 2], jnp.int32), jnp.array([-1, -1, 2], jnp.int32),
+                                (gate_up[rows].at[:2].set(0.0), down[rows].at[:2].set(0.0)))
+    h = np.random.default_rng(4).standard_normal((1, D)).astype(np.float32)
+    host = device_decode.HostExperts(0.4, stand_in, False, bridge_copies=True, ahead=True)
+    pool, counts, _ = _run_layer(experts, True, {0: 0, 1: 1}, None, {3: 0.5, 1: 0.3, 2: 0.2}, h, host, ahead)
+    assert counts == {"activated": 3, "hits": 1, "evictions": 0, "on_host": 1, "copied_ahead": 0, "used_ahead": 1,
+                      "predicted_hits": 2, "predicted_total": 3}
+    assert set(pool.owner_expert[pool.owner_expert >= 0]) == {0, 1, 2}
+    np.testing.assert_array_equal(np.asarray(pool.gate_up[pool.slot_of(5)[2]]), experts[0][2])
+
+
+def test_copies_ahead_keep_the_plain_models_tokens_and_count_what_they_predicted(ds, monkeypatch):
+    """pdscope (it reads next-layer scores and decodes on the device), its misses copied by the bridge's worker (a
+    stand-in here): each
+    layer predicts the next one's experts and has them copied ahead. The plain model's tokens with and without
+    copies ahead; with them, predicted misses are served from the copies ahead (counted as hits, as the host
+    loop counts experts in flight), the bytes moved are the copies made when routed and those made ahead, and
+    the run reports its prediction recall; without them it predicts nothing."""
+    stats = {}
+    for ahead in (True, False):
+        runner = ds.runner("pdscope", _slots(ds, "small"), decode_cpu_experts="off", decode_copies_ahead=ahead)
+        layers = [tuple(np.stack([np.asarray(a) for a in part]) for part in runner.store.layer_experts(layer))
+                  for layer in runner.config.moe_layers]
+        stand_in = StandInBridge(layers)
+        stand_in.install(monkeypatch)
+        split = runner.host_split
+        split._bridge = lambda batch, split=split, stand_in=stand_in: split.bridges.setdefault(batch, stand_in)
+        assert runner.decode_host(1).copies_ahead == ahead
+        np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+        stats[ahead] = decode_stats = runner.stats["decode"]
+        assert decode_stats["device_steps"] == ds.new - 1 and decode_stats["cpu_experts"] == 0
+        copied = decode_stats["experts_loaded_now"] + decode_stats["experts_prefetched"]
+        assert decode_stats["bytes_moved"] == copied * ds.cfg.expert_bytes(4)
+        assert decode_stats["activated"] == decode_stats["hits"] + decode_stats["experts_loaded_now"]
+        split.bridges.clear()
+    assert stats[False]["experts_prefetched"] == 0 and stats[False]["prediction_recall"] is None
+    assert 0 < stats[True]["prefetch_used"] <= stats[True]["experts_prefetched"]
+    assert 0 < stats[True]["prediction_recall"] <= 1
+    assert stats[True]["experts_loaded_now"] < stats[False]["experts_loaded_now"]
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5])

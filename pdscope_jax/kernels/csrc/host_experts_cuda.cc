@@ -1,30 +1,38 @@
 // Routed experts computed by the host's CPU from inside a CUDA program, while the GPU goes on with its own work.
 //
 // Three XLA FFI handlers (platform CUDA) bracket a layer's GPU-side expert work in one program:
-//   begin(h [N, D] bf16, ids [U] s32, coef [U, N] f32, picks [P] s32, copy_ids [C] s32)
-//       -> (h', picks', gate_ups [C, D, 2F] bf16, downs [C, F, D] bf16)
+//   begin(h [N, D] bf16, ids [U] s32, coef [U, N] f32, picks [P] s32, copy_ids [C] s32, ahead_ids [A] s32,
+//         from_gate_ups [B, D, 2F] bf16, from_downs [B, F, D] bf16)
+//       -> (h', picks', gate_ups [C, D, 2F] bf16, downs [C, F, D] bf16, ahead gate_ups [A, ...], ahead downs)
 //     enqueues on the program's stream: copies of h, ids, coef and copy_ids into pinned host staging, copies
 //     of h and picks into h' and picks' (the GPU work that follows reads those, so it is ordered after begin),
 //     and a write of the call's sequence number into a pinned "go" word (U = 0: the host computes nothing;
 //     C = 0: nothing is copied);
-//   fetched(gate_ups, downs) -> (gate_ups, downs), aliased: a wait until the pinned "copied" word reaches
-//     that sequence number (begin's outputs hold expert copy_ids[c] in row c where copy_ids[c] >= 0);
+//   fetched(gate_ups, downs, from_gate_ups, from_downs) -> (gate_ups, downs), aliased: a wait until the pinned
+//     "copied" word reaches that sequence number. Then begin's outputs hold, in row c, expert copy_ids[c] where
+//     copy_ids[c] >= 0, and row -2 - copy_ids[c] of from_* where copy_ids[c] <= -2 (from_* are the ahead outputs
+//     of the layer before's begin: experts copied a layer ahead, moved on the GPU); from_* are passed again so
+//     that they stay allocated until those moves are done.
 //   end(dep: any buffer) -> y [N, D] f32
 //     enqueues a wait until the pinned "done" word reaches that sequence number, then a copy of the host's
 //     result into y (`dep` is the GPU work end must follow).
 // A worker thread per bridge sees "go", issues the copies of the experts copy_ids from the host's copy into
 // begin's outputs on its own stream followed by a write of "copied" (DMA: the program has no conditional to
-// size its copies, so the host thread that launches it never waits for the GPU), then computes out[n] =
+// size its copies, so the host thread that launches it never waits for the GPU), then those of the next layer's
+// ahead_ids into the ahead outputs (a prediction: they overlap this layer's work and the next one's routing; the
+// next layer's rows taken from them are moved on the same stream, so after them), then computes out[n] =
 // sum_u coef[u, n] * expert(ids[u])(h[n]) over the valid ids (>= 0) of that layer with the CPU expert kernel
 // (cpu_ffn.cc's pdscope_cpu_ffn_run_bf16, passed in as a function pointer), and writes "done". Handlers only
 // enqueue: no host thread ever waits for the GPU, and the GPU waits where the program needs a result.
 // Ordering: begin and end alternate in program order and a program's handlers run in order on one host thread,
 // so each fetched and end waits for the latest begin. The staging is reused by the next begin only after the
 // stream passed this layer's fetched (the worker reads copy_ids before it issues the copies) and end (h, ids and
-// coef are read while computing); a layer with no host experts needs no end. The worker serves begins in sequence; each begin's (layer, N, U) sit in a ring read by sequence
-// number. A worker that sees no "go" for kWatchdogNs after its begin was enqueued writes "done" anyway and
-// counts a fault (the program's result is then wrong, and `pdscope_host_experts_faults` says so) rather than
-// leave the GPU waiting forever.
+// coef are read while computing); a layer with no host experts needs no end. Ahead ids are staged in a ring of
+// kAheadRing slots by sequence number: the worker reads a begin's slot before it writes that begin's "copied",
+// which the next layer's fetched waits for before any later begin. The worker serves begins in sequence; each
+// begin's (layer, N, U, C, A) sit in a ring read by sequence number. A worker that sees no "go" for kWatchdogNs
+// after its begin was enqueued writes "done" anyway and counts a fault (the program's result is then wrong, and
+// `pdscope_host_experts_faults` says so) rather than leave the GPU waiting forever.
 // CUDA is reached through the driver library (libcuda.so.1, dlopen), so this builds without the CUDA toolkit;
 // creating a bridge fails (returns -1, with a reason) where no driver or no stream memory operations exist.
 
@@ -56,6 +64,7 @@ namespace {
 using namespace pdscope_cuda;
 
 constexpr uint64_t kRing = 4096;
+constexpr uint64_t kAheadRing = 4;  // begins whose ahead ids may be staged before the worker has read them
 constexpr size_t kTimeline = 8192;  // layers the timeline keeps (the latest)
 constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
 
@@ -64,8 +73,11 @@ using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, const v
 
 struct Desc {
   int64_t layer = 0;
-  int n = 0, u = 0, c = 0;  // rows, host picks, copy rows
+  int n = 0, u = 0, c = 0, a = 0;  // rows, host picks, copy rows, rows copied ahead (of layer + 1)
   CUdeviceptr gate_up_dst = 0, down_dst = 0;  // begin's outputs the copies fill
+  CUdeviceptr ahead_gate_up_dst = 0, ahead_down_dst = 0;  // the ahead outputs
+  CUdeviceptr from_gate_up = 0, from_down = 0;  // the layer before's ahead outputs (rows taken by -2 - id)
+  int from_rows = 0;
 };
 
 // One served layer in the timeline: when the worker saw "go" and when it wrote "done" (steady clock, ns).
@@ -78,13 +90,14 @@ struct Staging {
   uint16_t* h = nullptr;
   int32_t* ids = nullptr;
   int32_t* copy_ids = nullptr;
+  int32_t* ahead_ids = nullptr;  // kAheadRing x max_picks, slot seq % kAheadRing
   float* coef = nullptr;
   float* out = nullptr;
   volatile uint32_t* go = nullptr;
   volatile uint32_t* done = nullptr;
   volatile uint32_t* copied = nullptr;
-  CUdeviceptr h_dev = 0, ids_dev = 0, copy_ids_dev = 0, coef_dev = 0, out_dev = 0, go_dev = 0, done_dev = 0,
-              copied_dev = 0;
+  CUdeviceptr h_dev = 0, ids_dev = 0, copy_ids_dev = 0, ahead_ids_dev = 0, coef_dev = 0, out_dev = 0, go_dev = 0,
+              done_dev = 0, copied_dev = 0;
 };
 
 class Bridge {
@@ -122,7 +135,7 @@ class Bridge {
     if (r != 0) return "CUDA context: " + cu_message(r);
     const size_t h_bytes = align(sizeof(uint16_t) * max_rows_ * d_), ids_bytes = align(sizeof(int32_t) * max_picks_);
     const size_t coef_bytes = align(sizeof(float) * max_picks_ * max_rows_), out_bytes = align(sizeof(float) * max_rows_ * d_);
-    const size_t total = h_bytes + 2 * ids_bytes + coef_bytes + out_bytes + 3 * 64;
+    const size_t total = h_bytes + (2 + kAheadRing) * ids_bytes + coef_bytes + out_bytes + 3 * 64;
     r = dv.host_alloc(&block_, total, kHostAllocPortable | kHostAllocDeviceMap);
     CUdeviceptr base = 0;
     if (r == 0) r = dv.host_device_pointer(&base, block_, 0);
@@ -143,6 +156,8 @@ class Bridge {
     s_.h = reinterpret_cast<uint16_t*>(take(h_bytes, s_.h_dev));
     s_.ids = reinterpret_cast<int32_t*>(take(ids_bytes, s_.ids_dev));
     s_.copy_ids = reinterpret_cast<int32_t*>(take(ids_bytes, s_.copy_ids_dev));
+    s_.ahead_ids = reinterpret_cast<int32_t*>(take(kAheadRing * ids_bytes, s_.ahead_ids_dev));
+    ahead_stride_ = ids_bytes / sizeof(int32_t);
     s_.coef = reinterpret_cast<float*>(take(coef_bytes, s_.coef_dev));
     s_.out = reinterpret_cast<float*>(take(out_bytes, s_.out_dev));
     s_.go = reinterpret_cast<volatile uint32_t*>(take(64, s_.go_dev));
@@ -153,27 +168,32 @@ class Bridge {
   }
 
   ffi::Error Begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
-                   ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Result<ffi::AnyBuffer> h_out,
+                   ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Buffer<ffi::S32> ahead_ids,
+                   ffi::AnyBuffer from_gate_ups, ffi::AnyBuffer from_downs, ffi::Result<ffi::AnyBuffer> h_out,
                    ffi::Result<ffi::AnyBuffer> picks_out, ffi::Result<ffi::AnyBuffer> gate_ups,
-                   ffi::Result<ffi::AnyBuffer> downs, int64_t layer) {
-    auto hd = h.dimensions(), cd = coef.dimensions(), gd = gate_ups->dimensions(), dd = downs->dimensions();
-    const int64_t c = int64_t(copy_ids.element_count());
+                   ffi::Result<ffi::AnyBuffer> downs, ffi::Result<ffi::AnyBuffer> ahead_gate_ups,
+                   ffi::Result<ffi::AnyBuffer> ahead_downs, int64_t layer) {
+    auto hd = h.dimensions(), cd = coef.dimensions();
+    const int64_t c = int64_t(copy_ids.element_count()), a = int64_t(ahead_ids.element_count());
     if (h.element_type() != ffi::DataType::BF16 || hd.size() != 2 || hd[1] != d_ || hd[0] > max_rows_ ||
         cd.size() != 2 || (cd[0] > 0 && cd[1] != hd[0]) || cd[0] != int64_t(ids.element_count()) ||
-        cd[0] > max_picks_ || c > max_picks_ || layer < 0 || layer >= layers_ ||
-        gate_ups->element_type() != ffi::DataType::BF16 || downs->element_type() != ffi::DataType::BF16 ||
-        gd.size() != 3 || gd[0] != c || gd[1] != d_ || gd[2] != 2 * f_ || dd.size() != 3 || dd[0] != c ||
-        dd[1] != f_ || dd[2] != d_)
+        cd[0] > max_picks_ || c > max_picks_ || a > max_picks_ || layer < 0 || layer >= layers_ ||
+        (a > 0 && layer + 1 >= layers_) || !rows_of_experts(*gate_ups, *downs, c) ||
+        !rows_of_experts(*ahead_gate_ups, *ahead_downs, a) || from_gate_ups.dimensions().size() == 0 ||
+        !rows_of_experts(from_gate_ups, from_downs, from_gate_ups.dimensions()[0]))
       return ffi::Error::InvalidArgument("pdscope_host_experts_begin: h [N<=" + std::to_string(max_rows_) + ", " +
                                          std::to_string(d_) + "] bf16, ids [U<=" + std::to_string(max_picks_) +
-                                         "], coef [U, N], copy_ids [C], outputs [C, D, 2F] and [C, F, D] bf16, "
-                                         "a layer of the bridge");
+                                         "], coef [U, N], copy_ids [C], ahead_ids [A], from_* and outputs [B, C "
+                                         "or A, D, 2F] and [B, C or A, F, D] bf16, a layer of the bridge (not the "
+                                         "last with A)");
     uint64_t seq;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return enqueued_ - served_ < kRing || stop_; });
       seq = ++enqueued_;
-      ring_[seq % kRing] = Desc{layer, int(hd[0]), int(cd[0]), int(c), dev(*gate_ups), dev(*downs)};
+      ring_[seq % kRing] = Desc{layer, int(hd[0]), int(cd[0]), int(c), int(a), dev(*gate_ups), dev(*downs),
+                                dev(*ahead_gate_ups), dev(*ahead_downs), dev(from_gate_ups), dev(from_downs),
+                                int(from_gate_ups.dimensions()[0])};
       enqueued_at_ns_ = now_ns();
     }
     cv_.notify_all();
@@ -184,6 +204,7 @@ class Bridge {
     if (r == 0 && ids.size_bytes()) r = dv.dtoh(s_.ids, dev(ids), ids.size_bytes(), stream);
     if (r == 0 && coef.size_bytes()) r = dv.dtoh(s_.coef, dev(coef), coef.size_bytes(), stream);
     if (r == 0 && c > 0) r = dv.dtoh(s_.copy_ids, dev(copy_ids), copy_ids.size_bytes(), stream);
+    if (r == 0 && a > 0) r = dv.dtoh(ahead_slot(seq), dev(ahead_ids), ahead_ids.size_bytes(), stream);
     if (r == 0) r = dv.dtod(dev(*h_out), dev(h), h.size_bytes(), stream);
     if (r == 0 && picks.size_bytes()) r = dv.dtod(dev(*picks_out), dev(picks), picks.size_bytes(), stream);
     if (r == 0) r = dv.write32(stream, s_.go_dev, uint32_t(seq), kWriteDefault);
@@ -191,6 +212,7 @@ class Bridge {
     return ffi::Error::Success();
   }
 
+  // (fetched's from_* are arguments only to stay allocated until here)
   ffi::Error Fetched(CUstream stream, ffi::AnyBuffer gate_ups, ffi::AnyBuffer downs,
                      ffi::Result<ffi::AnyBuffer> gate_ups_out, ffi::Result<ffi::AnyBuffer> downs_out) {
     if (last_begin_ == 0 || gate_ups.size_bytes() != gate_ups_out->size_bytes() ||
@@ -238,6 +260,14 @@ class Bridge {
 
  private:
   static size_t align(size_t bytes) { return (bytes + 63) / 64 * 64; }
+  int32_t* ahead_slot(uint64_t seq) const { return s_.ahead_ids + (seq % kAheadRing) * ahead_stride_; }
+  // Whether gate_ups [rows, D, 2F] and downs [rows, F, D] are bf16 buffers of `rows` experts.
+  bool rows_of_experts(const ffi::AnyBuffer& gate_ups, const ffi::AnyBuffer& downs, int64_t rows) const {
+    auto gd = gate_ups.dimensions(), dd = downs.dimensions();
+    return gate_ups.element_type() == ffi::DataType::BF16 && downs.element_type() == ffi::DataType::BF16 &&
+           gd.size() == 3 && gd[0] == rows && gd[1] == d_ && gd[2] == 2 * f_ && dd.size() == 3 && dd[0] == rows &&
+           dd[1] == f_ && dd[2] == d_;
+  }
   static int64_t now_ns() {
     return std::chrono::duration_cast<std::chrono::nanoseconds>(
         std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -281,7 +311,7 @@ class Bridge {
       }
       const int64_t t0 = now_ns();
       int experts = 0;
-      if (desc.c > 0) Copy(desc, want, seen);
+      if (desc.c > 0 || desc.a > 0) Copy(desc, want, seen);
       if (seen) {
         experts = Compute(desc);
       } else {
@@ -306,24 +336,44 @@ class Bridge {
     return stop_;
   }
 
-  // Issue the copies of the layer's copy_ids into begin's outputs on the copy stream, then the write of "copied"
-  // (ordered after them by the stream); with no "go" seen (a fault), only the write, so the GPU goes on.
+  // Issue the copies of the layer's copy_ids into begin's outputs on the copy stream (from the host, or from the
+  // layer before's ahead outputs), then the write of "copied" (ordered after them by the stream), then the copies
+  // of the next layer's ahead_ids; with no "go" seen (a fault), only the write, so the GPU goes on. Both lists
+  // are read before any copy is issued.
   void Copy(const Desc& desc, uint64_t want, bool seen) {
-    const Driver& dv = driver();
-    const size_t gu_bytes = sizeof(uint16_t) * size_t(d_) * 2 * f_, dn_bytes = sizeof(uint16_t) * size_t(f_) * d_;
+    const std::vector<int32_t> copy_ids(s_.copy_ids, s_.copy_ids + desc.c);
+    const std::vector<int32_t> ahead_ids(ahead_slot(want), ahead_slot(want) + desc.a);
     CUresult r = 0;
-    for (int c = 0; seen && r == 0 && c < desc.c; ++c) {
-      const int32_t id = s_.copy_ids[c];
-      if (id < 0 || id >= experts_) continue;
-      const size_t at = size_t(desc.layer) * experts_ + id;
-      r = dv.htod(desc.gate_up_dst + c * gu_bytes, gate_up_[at], gu_bytes, copy_stream_);
-      if (r == 0) r = dv.htod(desc.down_dst + c * dn_bytes, down_[at], dn_bytes, copy_stream_);
-    }
+    if (seen) r = CopyRows(desc.layer, copy_ids, desc.gate_up_dst, desc.down_dst, &desc);
     if (r != 0) faults_.fetch_add(1);
-    if (dv.write32(copy_stream_, s_.copied_dev, uint32_t(want), kWriteDefault) != 0) {
+    if (desc.c > 0 && driver().write32(copy_stream_, s_.copied_dev, uint32_t(want), kWriteDefault) != 0) {
       faults_.fetch_add(1);
       *s_.copied = uint32_t(want);  // the GPU must not wait forever; the rows are then wrong (a fault)
     }
+    if (seen && CopyRows(desc.layer + 1, ahead_ids, desc.ahead_gate_up_dst, desc.ahead_down_dst, nullptr) != 0)
+      faults_.fetch_add(1);  // the next layer's rows taken from these are wrong
+  }
+
+  // Copies into row i of gate_up_dst / down_dst on the copy stream: `layer`'s expert ids[i] from the host where
+  // ids[i] >= 0; with `from`, row -2 - ids[i] of its from_* where ids[i] <= -2 (on the GPU); else nothing.
+  CUresult CopyRows(int64_t layer, const std::vector<int32_t>& ids, CUdeviceptr gate_up_dst, CUdeviceptr down_dst,
+                    const Desc* from) {
+    const Driver& dv = driver();
+    const size_t gu_bytes = sizeof(uint16_t) * size_t(d_) * 2 * f_, dn_bytes = sizeof(uint16_t) * size_t(f_) * d_;
+    CUresult r = 0;
+    for (size_t i = 0; r == 0 && i < ids.size(); ++i) {
+      const int64_t row = -2 - int64_t(ids[i]);
+      if (from && row >= 0 && row < from->from_rows) {
+        r = dv.dtod(gate_up_dst + i * gu_bytes, from->from_gate_up + row * gu_bytes, gu_bytes, copy_stream_);
+        if (r == 0) r = dv.dtod(down_dst + i * dn_bytes, from->from_down + row * dn_bytes, dn_bytes, copy_stream_);
+        continue;
+      }
+      if (ids[i] < 0 || ids[i] >= experts_) continue;
+      const size_t at = size_t(layer) * experts_ + ids[i];
+      r = dv.htod(gate_up_dst + i * gu_bytes, gate_up_[at], gu_bytes, copy_stream_);
+      if (r == 0) r = dv.htod(down_dst + i * dn_bytes, down_[at], dn_bytes, copy_stream_);
+    }
+    return r;
   }
 
   // -> the experts computed.
@@ -360,6 +410,7 @@ class Bridge {
   Desc ring_[kRing];
   Served timeline_[kTimeline];  // guarded by mu_
   uint64_t last_begin_ = 0;  // touched by the handlers' thread only
+  size_t ahead_stride_ = 0;  // int32s per slot of the ahead ids' staging
   std::atomic<int64_t> faults_{0}, busy_ns_{0};
   std::thread worker_;
 };
@@ -374,15 +425,18 @@ Bridge* bridge(int64_t handle) {
 }
 
 ffi::Error begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
-                 ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Result<ffi::AnyBuffer> h_out,
+                 ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Buffer<ffi::S32> ahead_ids,
+                 ffi::AnyBuffer from_gate_ups, ffi::AnyBuffer from_downs, ffi::Result<ffi::AnyBuffer> h_out,
                  ffi::Result<ffi::AnyBuffer> picks_out, ffi::Result<ffi::AnyBuffer> gate_ups,
-                 ffi::Result<ffi::AnyBuffer> downs, int64_t handle, int64_t layer) {
+                 ffi::Result<ffi::AnyBuffer> downs, ffi::Result<ffi::AnyBuffer> ahead_gate_ups,
+                 ffi::Result<ffi::AnyBuffer> ahead_downs, int64_t handle, int64_t layer) {
   Bridge* b = bridge(handle);
   if (!b) return ffi::Error::InvalidArgument("pdscope_host_experts_begin: no bridge " + std::to_string(handle));
-  return b->Begin(stream, h, ids, coef, picks, copy_ids, h_out, picks_out, gate_ups, downs, layer);
+  return b->Begin(stream, h, ids, coef, picks, copy_ids, ahead_ids, from_gate_ups, from_downs, h_out, picks_out,
+                  gate_ups, downs, ahead_gate_ups, ahead_downs, layer);
 }
 
-ffi::Error fetched(CUstream stream, ffi::AnyBuffer gate_ups, ffi::AnyBuffer downs,
+ffi::Error fetched(CUstream stream, ffi::AnyBuffer gate_ups, ffi::AnyBuffer downs, ffi::AnyBuffer, ffi::AnyBuffer,
                    ffi::Result<ffi::AnyBuffer> gate_ups_out, ffi::Result<ffi::AnyBuffer> downs_out, int64_t handle) {
   Bridge* b = bridge(handle);
   if (!b) return ffi::Error::InvalidArgument("pdscope_host_experts_fetched: no bridge " + std::to_string(handle));
@@ -405,6 +459,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_begin, begin,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
@@ -415,6 +474,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_begin, begin,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_fetched, fetched,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
