@@ -124,8 +124,9 @@ class RuntimeConfig:
     # (None: the host's time for an expert over the host's and the link's together: engine.host_split)
     decode_bridge_copies: bool = True  # device decode's copies are made by the CUDA bridge's worker (DMA) where
     # the bridge runs, so the step has no conditional per layer and the host runs ahead; False: by the program
-    decode_copies_ahead: bool = True  # with the bridge's copies and a planner that reads next-layer scores, each
-    # layer predicts the next one's experts (its router on this layer's input) and the worker copies them ahead
+    decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
+    # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
+    # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)

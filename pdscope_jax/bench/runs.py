@@ -8,7 +8,7 @@ Contract
   `decode_copies_ahead`. A label
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
-  (`decode_bridge_copies` off), `:noahead` (`decode_copies_ahead` off). With `args.ablation` the runs are `ABLATION`
+  (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on). With `args.ablation` the runs are `ABLATION`
   then the plain run.
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
@@ -34,8 +34,8 @@ NO_CPU = ":nocpu"  # a policy name's suffix: RuntimeConfig.decode_cpu_experts of
 WITH_CPU = ":cpu"  # a policy name's suffix: decode_cpu_experts "auto" (the host computes part, through the bridge)
 COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
 PROGRAM_COPIES = ":progcopy"  # a policy name's suffix: RuntimeConfig.decode_bridge_copies off (the program copies)
-NO_AHEAD = ":noahead"  # a policy name's suffix: RuntimeConfig.decode_copies_ahead off (no copies a layer ahead)
-SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, NO_AHEAD)
+AHEAD = ":ahead"  # a policy name's suffix: RuntimeConfig.decode_copies_ahead on (predicted experts copied ahead)
+SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, AHEAD)
 
 
 def split_label(label: str) -> tuple[str, dict]:
@@ -54,8 +54,8 @@ def split_label(label: str) -> tuple[str, dict]:
             switches["decode_cpu_experts"] = "auto"
         elif f":{part}" == PROGRAM_COPIES:
             switches["decode_bridge_copies"] = False
-        elif f":{part}" == NO_AHEAD:
-            switches["decode_copies_ahead"] = False
+        elif f":{part}" == AHEAD:
+            switches["decode_copies_ahead"] = True
         elif f":{part}".startswith(COPY_SHARE):
             try:
                 share = float(part[len(COPY_SHARE) - 1:])
@@ -114,7 +114,7 @@ def engine_switches(run: dict, hot_table) -> dict:
             "decode_cpu_experts": run.get("decode_cpu_experts") or default_cpu_experts(),
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True),
-            "decode_copies_ahead": run.get("decode_copies_ahead", True)}
+            "decode_copies_ahead": run.get("decode_copies_ahead", False)}
 
 
 def planner_options(runner, policy: str, hot_per_layer: int | None) -> dict:

@@ -16,7 +16,7 @@ counted to the decode statistics.
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
   engine's `decode_slots`, closed again by `finish()`, so the next prefill has its memory back), uploads the
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
-  dispatched. Its steps count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch
+  dispatched; where its steps copy nothing, it first fills the decode bank (`_fill_bank`). Its steps count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch
   use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host computed), not in
   the time splits.
 """
@@ -70,10 +70,12 @@ class DeviceDecode:
         stats.handoff_seconds += time.perf_counter() - waited
         accel, b = e.devices.accel, token.shape[0]
         moe = e._moe_layers
+        self.start = time.perf_counter()
         e.pool.open_decode_bank(e.decode_slots)
-        self.table = device_decode.upload(e.pool, moe, decode_bonus(e, b), accel)
-        self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
         self.host = e.decode_host(b)
+        bank = self._fill_bank() if self.host is not None and not self.host.copies else []
+        self.table = device_decode.upload(e.pool, moe, decode_bonus(e, b), accel, bank)
+        self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
         self.graphs = tuple(layer.graph for layer in e._layers)
         self.state_tree, self.state_leaves = device_decode.flat_states((layer.state for layer in e._layers), e._state)
         self.token, self.caches = token, tuple(cache)
@@ -82,7 +84,26 @@ class DeviceDecode:
         self.sampling = sampling
         self.in_flight, self.tokens = [], []
         self.steps_run = 0
-        self.start = time.perf_counter()
+
+    def _fill_bank(self) -> list[tuple[int, int]]:
+        """A step that copies nothing leaves the decode bank as it opened, empty: fill it now, once, with the
+        experts `device_decode.bank_fill` names (the hot table's order, else by id) -> those (position, expert)."""
+        e, pool = self.engine, self.engine.pool
+        hot = e._hot_counts
+        rank = None if not hot else np.stack([np.argsort(-np.asarray(hot[layer]), kind="stable")
+                                              for layer in e._moe_layers])
+        pairs = device_decode.bank_fill(pool, e._moe_layers, rank, pool.decode_slots)
+        bank = pool.banks[1] if len(pool.banks) > 1 else None
+        for m, layer in enumerate(e._moe_layers):
+            rows = [row for row, (position, _) in enumerate(pairs) if position == m]
+            if rows and bank is not None:
+                bank = e.store.write_bank(bank, layer, [pairs[row][1] for row in rows], rows)
+        if bank is not None:
+            pool.banks = (pool.banks[0], bank)
+        stats = e.phase_stats["decode"]
+        stats.experts_placed += len(pairs)
+        stats.bytes_moved += e.store.expert_nbytes(e._moe_layers[0], np.zeros(len(pairs), np.int64))
+        return pairs
 
     def step(self, n: int) -> None:
         e, pool = self.engine, self.engine.pool

@@ -197,10 +197,11 @@ def fits(slots: int, picks: int) -> bool:
 
 
 def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None,
-           device: jax.Device) -> PoolTable:
+           device: jax.Device, bank: list[tuple[int, int]] = ()) -> PoolTable:
     """The table of the pool's banks (`SlotPool.banks`) on `device`; `bonus` [Lm, E] non-negative int32 (None:
     zeros, LRU; see the module docstring). A resident's `keep` is its last use (the pool's LRU clock) plus its
-    bonus; every slot the host table does not cover (the decode bank's, a pool of no slots' dummy) is free."""
+    bonus; `bank` [(MoE position, expert)]: what the decode bank's rows 0, 1, ... hold (`bank_fill`), as if used
+    now; every other slot the host table does not cover (the bank's, a pool of no slots' dummy) is free."""
     e = pool.num_experts
     position = {layer: m for m, layer in enumerate(moe_layers)}
     slot_of = np.stack([pool.slot_of(layer) for layer in moe_layers]).astype(np.int32)
@@ -211,9 +212,24 @@ def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None
     free = sum(_slots(gate_up) for gate_up, _ in pool.banks) - owner.size
     owner, keep = np.pad(owner, (0, free), constant_values=-1), np.pad(keep, (0, free), constant_values=-1)
     clock = int(pool.last_use.max(initial=0))
+    for row, (m, expert) in enumerate(bank):
+        at = pool.num_slots + row
+        slot_of[m, expert], owner[at], keep[at] = at, m * e + expert, clock + bonus[m, expert]
     table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), bonus, np.int32(clock),
                       np.zeros(len(COUNTS), np.int32), np.zeros(slot_of.shape, np.int32))
     return jax.device_put(table, device)
+
+
+def bank_fill(pool: SlotPool, moe_layers: tuple[int, ...], rank: np.ndarray | None,
+              rows: int) -> list[tuple[int, int]]:
+    """What to place in a decode bank of `rows` slots for a step that copies nothing (`HostExperts.copies`
+    false: the bank would stay empty): (MoE position, expert) pairs, the layers in turn, each layer's experts not
+    resident in its order of `rank` [Lm, E] (most wanted first; None: by id), so every layer gains about as many."""
+    e = pool.num_experts
+    order = np.tile(np.arange(e), (len(moe_layers), 1)) if rank is None else np.asarray(rank)
+    wanted = [[int(x) for x in order[m] if pool.slot_of(layer)[x] < 0] for m, layer in enumerate(moe_layers)]
+    pairs = [(m, experts[i]) for i in range(e) for m, experts in enumerate(wanted) if i < len(experts)]
+    return pairs[:rows]
 
 
 def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> dict[str, int]:

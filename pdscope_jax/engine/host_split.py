@@ -10,8 +10,10 @@ planner that reads next-layer scores also copies predicted experts a layer ahead
 neither applies or the bridge cannot run
 (`why_not` then says why: not a CUDA GPU, experts not bf16, no kernel). The share of a layer's misses copied:
 1 where the host computes none, 0 for a planner that never copies in decode, else
-RuntimeConfig.decode_copy_share, else the host's time for one expert over the host's and the link's (the cost
-table's) together, so that the two parts of a layer take about as long; the host's time is the bridge's kernel
+RuntimeConfig.decode_copy_share, else 0 (nothing copied, not even into free slots) where the host computes an
+expert no slower than the link (the cost table's) copies one, else the host's time for one expert over the
+host's and the link's together, so that the two parts of a layer take about as long; the host's time is the
+bridge's kernel
 timed once on the store's experts (the cost table's CPU time without a bridge); a planner that copies also
 fills free slots first (`HostExperts.fill_free`).
 A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
@@ -55,6 +57,8 @@ class HostSplit:
             share = float(runtime.decode_copy_share)
         else:
             host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
+            if host <= link:  # copying what the host computes as fast only takes memory bandwidth from it
+                return HostExperts(0.0, bridge, False)
             share = round(host / (host + link), 2)
         dma = dma and bridge is not None
         return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma, ahead=ahead and dma)

@@ -31,6 +31,7 @@ class PhaseStats:
     bytes_moved: int = 0
     experts_loaded_now: int = 0
     experts_prefetched: int = 0  # prefetched or streamed
+    experts_placed: int = 0  # device decode that copies nothing: experts copied into the decode bank as it opened
     activated: int = 0  # (layer, expert) activations seen by the planner
     hits: int = 0  # ... of them resident (or in flight) when routed
     prefetch_used: int = 0  # prefetched experts activated when their layer routed

@@ -26,7 +26,8 @@ Contract:
   `write(pool, layer, experts, slots) -> Written` is for loads needed now: up to `FUSED_MAX` experts in ONE
   program that copies from pinned memory and writes the donated pool (one dispatch instead of two; compiled
   per exact count, as padding would copy an expert twice), more through stage + commit; `Written.done` is ready
-  when the write is. Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
+  when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode bank alike.
+  Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
 """
 
 from __future__ import annotations
@@ -284,6 +285,18 @@ class ExpertStore:
         pool.gate_up, pool.down = self._commit(pool.gate_up, pool.down, tuple(staged.gate_ups[i] for i in pad),
                                                tuple(staged.downs[i] for i in pad), slot_ids)
         self._commit_sizes.add(size)
+
+    def write_bank(self, bank: tuple, layer: int, experts: np.ndarray, rows: np.ndarray) -> tuple:
+        """`experts` of `layer` into `rows` of a decode bank (gate_up, down) (`SlotPool.banks`' second) -> the bank
+        after (donated: one program, ordered after its earlier readers); the bytes count as moved."""
+        experts = np.asarray(experts, np.int64)
+        if experts.size == 0:
+            return bank
+        self.count_moved(layer, experts)
+        staged = self.stage(layer, experts)
+        pad = np.concatenate([np.arange(experts.size), np.full(_pow2(experts.size) - experts.size, experts.size - 1)])
+        return self._commit(*bank, tuple(staged.gate_ups[i] for i in pad), tuple(staged.downs[i] for i in pad),
+                            np.asarray(rows, np.int32)[pad])
 
     def write(self, pool: SlotPool, layer: int, experts: np.ndarray, slots: np.ndarray) -> Written:
         """`experts` of `layer` into `slots` now (ordered after every earlier reader of the pool): one

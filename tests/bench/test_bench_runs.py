@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdscope_jax.bench.runs import (ABLATION, HOST_DECODE, NO_AHEAD, NO_BANK, NO_CPU, PROGRAM_COPIES, WITH_CPU,
+from pdscope_jax.bench.runs import (ABLATION, AHEAD, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, WITH_CPU,
                                     engine_switches,
                                     plan_runs, planner_options, split_label)
 from pdscope_jax.cli.bench import parse_args
@@ -33,19 +33,19 @@ def test_runs_for_policies_host_decode_and_plain():
     assert engine_switches(runs[0], "t.json") == {"hot_table": "t.json", "async_io": True, "batched_gpu": True,
                                                   "device_decode": True, "decode_bank": True,
                                                   "decode_cpu_experts": "auto", "decode_copy_share": None,
-                                                  "decode_bridge_copies": True, "decode_copies_ahead": True}
+                                                  "decode_bridge_copies": True, "decode_copies_ahead": False}
     no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
     assert engine_switches(no_table, "t.json")["hot_table"] is None
 
 
 def test_suffixes_combine_and_unknown_ones_are_named():
     run = plan_runs(parse_args(["--policies", f"pdscope{NO_BANK}{NO_CPU}", f"static{WITH_CPU}:copy=0.25",
-                                f"fate{PROGRAM_COPIES}", f"pdscope{NO_AHEAD}"]))
+                                f"fate{PROGRAM_COPIES}", f"pdscope{AHEAD}"]))
     switches = [engine_switches(r, None) for r in run]
     assert [(s["decode_bank"], s["decode_cpu_experts"], s["decode_copy_share"], s["decode_bridge_copies"],
              s["decode_copies_ahead"]) for s in switches] == [
-        (False, "off", None, True, True), (True, "auto", 0.25, True, True), (True, "auto", None, False, True),
-        (True, "auto", None, True, False)]
+        (False, "off", None, True, False), (True, "auto", 0.25, True, False), (True, "auto", None, False, False),
+        (True, "auto", None, True, True)]
     assert split_label("ondemand") == ("ondemand", {})
     for bad, named in (("pdscope:fast", "':fast'"), ("pdscope:copy=2", ":copy=F"), ("pdscope:copy=x", ":copy=F")):
         with pytest.raises(ValueError, match=named):

@@ -126,6 +126,42 @@ def test_decode_bank_serves_decode_and_is_gone_after_it(ds):
     assert hits[True] > hits[False]
 
 
+def test_a_step_that_copies_nothing_fills_the_decode_bank_once_as_it_opens(ds):
+    """static, its misses computed by the host (XLA ops, the bridge's stand-in): its steps copy nothing, so the
+    decode bank (6 slots beside a pool of 5) is filled as decode starts, 2 experts for each of the 3 MoE layers:
+    the plain model's tokens, those bytes counted as moved, more hits than without the bank, and the bank gone
+    after decode."""
+    slot = ds.cfg.expert_bytes(4)
+    probe = ds.runner("static", 1)
+    config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
+                                   decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
+    hits = {}
+    for bank in (True, False):
+        runner = type(probe)(ds.model, config.replace(decode_bank=bank))
+        assert runner.decode_host(1).copies is False
+        np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+        decode = runner.stats["decode"]
+        assert decode["experts_placed"] == (6 if bank else 0)
+        assert decode["bytes_moved"] == decode["experts_placed"] * slot
+        hits[bank] = decode["hits"]
+        assert runner.pool.decode_slots == 0
+    assert hits[True] > hits[False]
+
+
+def test_the_bank_is_filled_by_layer_in_turn_with_each_layers_most_wanted_absent_experts(experts):
+    devices = select_devices()
+    pool = SlotPool(4, (2, 5), E, D, F, jnp.float32, devices.accel)
+    pool.owner_layer[0], pool.owner_expert[0] = 5, 3
+    pool._slot_of[5][3] = 0
+    rank = np.array([[3, 2, 1, 0], [3, 2, 1, 0]])
+    assert device_decode.bank_fill(pool, (2, 5), rank, 5) == [(0, 3), (1, 2), (0, 2), (1, 1), (0, 1)]
+    assert device_decode.bank_fill(pool, (2, 5), None, 3) == [(0, 0), (1, 0), (0, 1)]
+    pool.open_decode_bank(2)
+    table = device_decode.upload(pool, (2, 5), None, devices.accel, [(0, 3), (1, 2)])
+    assert np.asarray(table.slot_of).tolist() == [[-1, -1, -1, 4], [-1, -1, 5, 0]]
+    assert np.asarray(table.owner).tolist()[4:] == [3, E + 2]
+
+
 def test_upload_then_download_leaves_the_pool_as_it_was(experts):
     devices = select_devices()
     pool = _pool(devices, *experts, {2: 0, 0: 2})
@@ -437,8 +473,8 @@ def test_an_engines_bridges_stop_when_it_is_collected():
 
 def test_the_copy_share_with_a_bridge_comes_from_its_kernel_timed_on_the_stores_experts(ds):
     """With a bridge (a stand-in here: only its presence matters), the host's time for one expert is the CPU
-    kernel timed once on the store's own experts, not the cost table's CPU time, and the share balances it
-    against the link's time for one expert."""
+    kernel timed once on the store's own experts, not the cost table's CPU time. Where the host is slower than
+    the link, the share balances the two; where it is not, nothing is copied, not even into free slots."""
     from pdscope_jax.kernels import cpu_ffn
 
     if not cpu_ffn.built():
@@ -449,5 +485,9 @@ def test_the_copy_share_with_a_bridge_comes_from_its_kernel_timed_on_the_stores_
     host = split.for_step(runner.runtime, runner.planner, runner.costs, 1)
     measured, link = split.host_seconds[1], runner.costs.t_transfer(1)
     assert host.bridge is bridge and 0 < measured < 0.1 and measured != runner.costs.t_cpu(1)
-    assert host.copy_share == round(measured / (measured + link), 2)
+    assert host.copy_share == (0.0 if measured <= link else round(measured / (measured + link), 2))
+    for seconds, share, copies in ((3 * link, 0.75, True), (link, 0.0, False)):
+        split.host_seconds[1] = seconds  # as if measured so
+        host = split.for_step(runner.runtime, runner.planner, runner.costs, 1)
+        assert (host.copy_share, host.copies, host.computes) == (share, copies, True)
     split.bridges.clear()  # the stand-in has nothing to close
