@@ -52,8 +52,9 @@ inline bool amx_permitted() { return false; }
 inline size_t tile_padded(int m) { return size_t(m + kTileRows - 1) / kTileRows * kTileRows; }
 
 // Fill Call::hx (AMX in use, bf16 weights): for each expert with at least g_amx_rows routed rows, its routed rows
-// of h copied into `store` (kept across calls; the caller holds the call lock) with zero rows up to a multiple of
-// 16, rows hx_ld = d + 32 apart (rows 4 KB apart would share one L1 set). Experts routed every row share one copy.
+// of h copied into `store` (kept across calls; guarded by g_call_mu, which the caller holds) with zero rows up to
+// a multiple of 16, rows hx_ld = d + 32 apart (rows 4 KB apart would share one L1 set). Experts routed every row
+// share one copy.
 inline void gather_rows(Call& c) {
   static std::vector<bf16> store;
   c.hx.assign(c.k, nullptr);
