@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from pdscope_jax.engine import device_decode
+    from pdscope_jax.engine import device_decode, pool_table
 
     devices = select_devices()
     accel = devices.accel
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> dict:
         slot_of = np.full((layers, e), -1, np.int32)
         slot_of.reshape(-1)[:owners] = np.arange(owners)
         owner = np.where(np.arange(slots) < owners, np.arange(slots), -1).astype(np.int32)
-        table = device_decode.PoolTable(slot_of, owner, np.where(owner >= 0, 0, -1).astype(np.int32),
-                                        np.full((layers, e), -1, np.int32), np.int32(1),
-                                        np.zeros(len(device_decode.COUNTS), np.int32), np.zeros((layers, e), np.int32))
+        table = pool_table.PoolTable(slot_of, owner, np.where(owner >= 0, 0, -1).astype(np.int32),
+                                     np.full((layers, e), -1, np.int32), np.int32(1),
+                                     np.zeros(len(pool_table.COUNTS), np.int32), np.zeros((layers, e), np.int32))
         experts_of = np.arange(slots) % e
         pool = tuple(jax.device_put(np.asarray(a)[experts_of], accel) for a in stack)
         return pool, jax.device_put(table, accel)

@@ -16,9 +16,10 @@ counted to the decode statistics.
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
   engine's `decode_slots`, closed again by `finish()`, so the next prefill has its memory back), uploads the
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
-  dispatched; where its steps copy nothing, it first fills the decode bank (`_fill_bank`). Its steps count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch
-  use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host computed), not in
-  the time splits.
+  dispatched; where its steps copy nothing, it first fills the decode bank (`_fill_bank`, counted in `seconds`,
+  bytes and `experts_placed`). Its steps count in `device_steps`, `seconds`, hits (copies ahead used included),
+  bytes, prefetch use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host
+  computed), not in the time splits.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 import jax
 import numpy as np
 
-from pdscope_jax.engine import device_decode
+from pdscope_jax.engine import device_decode, pool_table
 
 
 def choose(engine, batch: int, steps: int):
@@ -74,7 +75,7 @@ class DeviceDecode:
         e.pool.open_decode_bank(e.decode_slots)
         self.host = e.decode_host(b)
         bank = self._fill_bank() if self.host is not None and not self.host.copies else []
-        self.table = device_decode.upload(e.pool, moe, decode_bonus(e, b), accel, bank)
+        self.table = pool_table.upload(e.pool, moe, decode_bonus(e, b), accel, bank)
         self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
         self.graphs = tuple(layer.graph for layer in e._layers)
         self.state_tree, self.state_leaves = device_decode.flat_states((layer.state for layer in e._layers), e._state)
@@ -87,12 +88,12 @@ class DeviceDecode:
 
     def _fill_bank(self) -> list[tuple[int, int]]:
         """A step that copies nothing leaves the decode bank as it opened, empty: fill it now, once, with the
-        experts `device_decode.bank_fill` names (the hot table's order, else by id) -> those (position, expert)."""
+        experts `pool_table.bank_fill` names (the hot table's order, else by id) -> those (position, expert)."""
         e, pool = self.engine, self.engine.pool
         hot = e._hot_counts
         rank = None if not hot else np.stack([np.argsort(-np.asarray(hot[layer]), kind="stable")
                                               for layer in e._moe_layers])
-        pairs = device_decode.bank_fill(pool, e._moe_layers, rank, pool.decode_slots)
+        pairs = pool_table.bank_fill(pool, e._moe_layers, rank, pool.decode_slots)
         bank = pool.banks[1] if len(pool.banks) > 1 else None
         for m, layer in enumerate(e._moe_layers):
             rows = [row for row, (position, _) in enumerate(pairs) if position == m]
@@ -126,7 +127,7 @@ class DeviceDecode:
         self.in_flight = []
         seconds = time.perf_counter() - self.start
         moe = e._moe_layers
-        counts = device_decode.download(self.table, e.pool, moe)
+        counts = pool_table.download(self.table, e.pool, moe)
         e.pool.close_decode_bank()
         for layer, routed in zip(moe, np.asarray(self.table.routed)):
             e.activation_counts["decode"][layer] += routed

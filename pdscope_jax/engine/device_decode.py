@@ -8,12 +8,8 @@ trip. With a `HostExperts` split a layer's misses beyond its copy share go to th
 GPU's experts run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt in through
 `decodes_on_device`, `decode_host_experts` and `decode_copies` (`engine.decode.choose`).
 Contract:
-- `PoolTable`: the pool's table on the accelerator: `slot_of` [Lm, E] (-1: not resident), `owner` [S] (MoE
-  position * E + expert; -1: free), `keep` [S] (worth keeping; -1: free), `bonus` [Lm, E] >= 0 (ticks an expert's
-  popularity adds to its worth; zeros: LRU), `clock` [] (one tick per MoE layer), `counts` [8] (`COUNTS`), `routed`
-  [Lm, E] (rows routed), all int32, counted since `upload(pool, moe_layers, bonus, device)`; `download(table, pool,
-  moe_layers)` writes it back into the `SlotPool` -> {name in COUNTS: count}. Copies ahead (`HostExperts.ahead`):
-  experts copied ahead, those a miss then used, and the next layer's activated experts predicted, of how many.
+- The pool's table on the accelerator is `engine.pool_table.PoolTable` (uploaded before the first step, written
+  back after the last).
 - Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit
   refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
   (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept; at most
@@ -22,13 +18,13 @@ Contract:
 - `decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
   sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one model
   step on token [B] at positions [B, 1]; `state_tree` and `state_leaves` are `flat_states(states, model_state)`: the
-  layers' and the model's parameters as one tuple of arrays (flattening nnx States in Python at every call cost the
-  launching thread about a microsecond an array); `experts[m]`: the m-th MoE layer's experts in pinned host memory,
-  whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks`, the
-  pool and the decode bank while open, whose slots the table numbers one after the other. `host`: None (every miss
-  copied) or the `HostExperts` split. Sampling is `programs.next_token`'s (`generation.sampling.sample`, settings
-  traced). `build_decode_step()` jits it (graphs, model graph, MoE layers, host and state tree static; caches,
-  sampling state, banks and table donated).
+  layers' and the model's parameters as one tuple of arrays (cheaper for the launching thread than nnx States);
+  `experts[m]`: the m-th MoE layer's experts in pinned host memory, whole-layer stacks (gate_up [E,D,2F], down
+  [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks`, the pool and the decode bank while open,
+  whose slots the table numbers one after the other. `host`: None (every miss copied) or the `HostExperts` split;
+  with its copies ahead each layer hands the next its `Ahead`. Sampling is `programs.next_token`'s
+  (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs, model graph, MoE layers,
+  host and state tree static; caches, sampling state, banks and table donated).
 - `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a victim that
   is not one of the layer's hits.
 Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32
@@ -51,25 +47,11 @@ from pdscope_jax.generation.sampling import sample
 from pdscope_jax.kernels import host_experts
 from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, stacked_experts_ffn, weighted_sum
 from pdscope_jax.engine.programs import dense_layer, moe_route
+from pdscope_jax.engine.pool_table import PoolTable, slot_count
 from pdscope_jax.store.expert_store import pull_traced
-from pdscope_jax.store.slot_pool import SlotPool
 
 PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
-COUNTS = ("activated", "hits", "evictions", "on_host", "copied_ahead", "used_ahead", "predicted_hits",
-          "predicted_total")
 F32 = jnp.float32
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class PoolTable:
-    slot_of: jax.Array  # [Lm, E] int32
-    owner: jax.Array  # [S] int32
-    keep: jax.Array  # [S] int32
-    bonus: jax.Array  # [Lm, E] int32
-    clock: jax.Array  # [] int32
-    counts: jax.Array  # [8] int32: COUNTS
-    routed: jax.Array  # [Lm, E] int32: rows routed to each expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,67 +178,13 @@ def fits(slots: int, picks: int) -> bool:
     return slots > picks
 
 
-def upload(pool: SlotPool, moe_layers: tuple[int, ...], bonus: np.ndarray | None,
-           device: jax.Device, bank: list[tuple[int, int]] = ()) -> PoolTable:
-    """The table of the pool's banks (`SlotPool.banks`) on `device`; `bonus` [Lm, E] non-negative int32 (None:
-    zeros, LRU; see the module docstring). A resident's `keep` is its last use (the pool's LRU clock) plus its
-    bonus; `bank` [(MoE position, expert)]: what the decode bank's rows 0, 1, ... hold (`bank_fill`), as if used
-    now; every other slot the host table does not cover (the bank's, a pool of no slots' dummy) is free."""
-    e = pool.num_experts
-    position = {layer: m for m, layer in enumerate(moe_layers)}
-    slot_of = np.stack([pool.slot_of(layer) for layer in moe_layers]).astype(np.int32)
-    owner = np.where(pool.owner_layer >= 0,
-                     np.array([position.get(int(l), 0) for l in pool.owner_layer]) * e + pool.owner_expert, -1)
-    bonus = np.zeros(slot_of.shape, np.int32) if bonus is None else np.asarray(bonus, np.int32)
-    keep = np.where(owner >= 0, pool.last_use + bonus.reshape(-1)[np.maximum(owner, 0)], -1)
-    free = sum(_slots(gate_up) for gate_up, _ in pool.banks) - owner.size
-    owner, keep = np.pad(owner, (0, free), constant_values=-1), np.pad(keep, (0, free), constant_values=-1)
-    clock = int(pool.last_use.max(initial=0))
-    for row, (m, expert) in enumerate(bank):
-        at = pool.num_slots + row
-        slot_of[m, expert], owner[at], keep[at] = at, m * e + expert, clock + bonus[m, expert]
-    table = PoolTable(slot_of, owner.astype(np.int32), keep.astype(np.int32), bonus, np.int32(clock),
-                      np.zeros(len(COUNTS), np.int32), np.zeros(slot_of.shape, np.int32))
-    return jax.device_put(table, device)
-
-
-def bank_fill(pool: SlotPool, moe_layers: tuple[int, ...], rank: np.ndarray | None,
-              rows: int) -> list[tuple[int, int]]:
-    """What to place in a decode bank of `rows` slots for a step that copies nothing (`HostExperts.copies`
-    false: the bank would stay empty): (MoE position, expert) pairs, the layers in turn, each layer's experts not
-    resident in its order of `rank` [Lm, E] (most wanted first; None: by id), so every layer gains about as many."""
-    e = pool.num_experts
-    order = np.tile(np.arange(e), (len(moe_layers), 1)) if rank is None else np.asarray(rank)
-    wanted = [[int(x) for x in order[m] if pool.slot_of(layer)[x] < 0] for m, layer in enumerate(moe_layers)]
-    pairs = [(m, experts[i]) for i in range(e) for m, experts in enumerate(wanted) if i < len(experts)]
-    return pairs[:rows]
-
-
-def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> dict[str, int]:
-    """Write the table back into `pool`'s host bookkeeping (each resident's last use: its `keep` less its
-    bonus; residents of slots past the pool's are forgotten). -> {name: count since upload} for `COUNTS`."""
-    e, s = pool.num_experts, pool.num_slots
-    owner, keep = np.asarray(table.owner)[:s], np.asarray(table.keep)[:s].astype(np.int64)
-    clock = int(table.clock)
-    last_use = keep - np.asarray(table.bonus).reshape(-1)[np.maximum(owner, 0)]
-    pool.set_table(np.where(owner >= 0, np.asarray(moe_layers)[np.maximum(owner, 0) // e], -1),
-                   np.where(owner >= 0, owner % e, -1), np.where(owner >= 0, last_use, 0), clock)
-    counts = dict(zip(COUNTS, (int(v) for v in np.asarray(table.counts))))
-    pool.evictions += counts["evictions"]
-    return counts
-
-
-def _slots(gate_up) -> int:
-    return jax.tree.leaves(gate_up)[0].shape[0]
-
-
 def _take(banks, slots):
     """(gate_ups, downs) [U, ...] of `slots` [U] numbered over the banks one after the other. Every bank is
     gathered and the right one selected: one more read of the picks' bytes per extra bank, which a layer's
     copies cost far more than."""
     taken, base = None, 0
     for bank in banks:
-        n = _slots(bank[0])
+        n = slot_count(bank[0])
         got = jax.tree.map(lambda a: a[jnp.clip(slots - base, 0, n - 1)], bank)
         inside = (slots >= base) & (slots < base + n)
         taken = got if taken is None else jax.tree.map(
@@ -270,7 +198,7 @@ def _put(banks, target, parts):
     must be distinct."""
     out, base = [], 0
     for bank in banks:
-        n = _slots(bank[0])
+        n = slot_count(bank[0])
         mine = (target >= base) & (target < base + n)
         local = jnp.where(mine, target - base, n + jnp.arange(target.shape[0]))  # out of range: dropped
         out.append(jax.tree.map(lambda pool, part: pool.at[local].set(part, mode="drop", unique_indices=True),

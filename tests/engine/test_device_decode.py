@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.engine import decode, device_decode
+from pdscope_jax.engine import decode, device_decode, pool_table
 from pdscope_jax.store import expert_store
 from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError, select_devices
@@ -54,7 +54,7 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: di
     else:
         layer = (tuple(jax.device_put(g, pinned) for g in gate_up), tuple(jax.device_put(d, pinned) for d in down))
     pool = _pool(devices, gate_up, down, resident)
-    table = device_decode.upload(pool, (5,), None if bonus is None else np.array(bonus), devices.accel)
+    table = pool_table.upload(pool, (5,), None if bonus is None else np.array(bonus), devices.accel)
     on_accel = lambda a: jax.device_put(a, devices.accel)  # noqa: E731
     ids, weights = on_accel(np.array([list(picks)], np.int32)), on_accel(np.array([list(picks.values())], np.float32))
     y, pool.banks, table, _ = jax.jit(functools.partial(device_decode._routed_experts, host=host, ahead=ahead),
@@ -62,7 +62,7 @@ def _run_layer(experts, stacks: bool, resident: dict[int, int], bonus, picks: di
         0, on_accel(h), weights, ids, layer, pool.banks, table)
     want = sum(w * expert_ffn(jnp.asarray(h), gate_up[e], down[e]) for e, w in picks.items())
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
-    return pool, device_decode.download(table, pool, (5,)), table
+    return pool, pool_table.download(table, pool, (5,)), table
 
 
 @pytest.mark.parametrize("stacks, exact_pulls", [(True, 8), (True, 1), (False, 8)])
@@ -154,10 +154,10 @@ def test_the_bank_is_filled_by_layer_in_turn_with_each_layers_most_wanted_absent
     pool.owner_layer[0], pool.owner_expert[0] = 5, 3
     pool._slot_of[5][3] = 0
     rank = np.array([[3, 2, 1, 0], [3, 2, 1, 0]])
-    assert device_decode.bank_fill(pool, (2, 5), rank, 5) == [(0, 3), (1, 2), (0, 2), (1, 1), (0, 1)]
-    assert device_decode.bank_fill(pool, (2, 5), None, 3) == [(0, 0), (1, 0), (0, 1)]
+    assert pool_table.bank_fill(pool, (2, 5), rank, 5) == [(0, 3), (1, 2), (0, 2), (1, 1), (0, 1)]
+    assert pool_table.bank_fill(pool, (2, 5), None, 3) == [(0, 0), (1, 0), (0, 1)]
     pool.open_decode_bank(2)
-    table = device_decode.upload(pool, (2, 5), None, devices.accel, [(0, 3), (1, 2)])
+    table = pool_table.upload(pool, (2, 5), None, devices.accel, [(0, 3), (1, 2)])
     assert np.asarray(table.slot_of).tolist() == [[-1, -1, -1, 4], [-1, -1, 5, 0]]
     assert np.asarray(table.owner).tolist()[4:] == [3, E + 2]
 
@@ -166,7 +166,7 @@ def test_upload_then_download_leaves_the_pool_as_it_was(experts):
     devices = select_devices()
     pool = _pool(devices, *experts, {2: 0, 0: 2})
     before = (pool.owner_layer.copy(), pool.owner_expert.copy(), pool.slot_of(5))
-    device_decode.download(device_decode.upload(pool, (5,), None, devices.accel), pool, (5,))
+    pool_table.download(pool_table.upload(pool, (5,), None, devices.accel), pool, (5,))
     after = (pool.owner_layer, pool.owner_expert, pool.slot_of(5))
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
@@ -302,8 +302,8 @@ def test_pairing_misses_with_victims_equals_claiming_slots_one_by_one():
         slot_of = np.full(e, -1, np.int32)
         slot_of[owner[owner >= 0]] = np.flatnonzero(owner >= 0)
         ids = np.stack([rng.choice(e, 2, replace=False) for _ in range(4)]).astype(np.int32)
-        table = device_decode.PoolTable(slot_of[None], owner, keep.astype(np.int32), bonus[None], np.int32(4),
-                                        np.zeros(len(device_decode.COUNTS), np.int32), np.zeros((1, e), np.int32))
+        table = pool_table.PoolTable(slot_of[None], owner, keep.astype(np.int32), bonus[None], np.int32(4),
+                                     np.zeros(len(pool_table.COUNTS), np.int32), np.zeros((1, e), np.int32))
         _, _, after, _ = step(0, zeros(4, d), zeros(4, 2), ids, layer, ((zeros(slots, d, 2 * f), zeros(slots, f, d)),),
                            jax.device_put(table, devices.accel))
         picked = set(ids.reshape(-1).tolist())
@@ -363,7 +363,7 @@ def test_the_bridges_copies_give_the_exact_sum_and_the_same_pool(experts, share,
         np.testing.assert_array_equal(np.asarray(pool.gate_up[pool.slot_of(5)[expert]]), experts[0][expert])
     assert len(stand_in.copies) == (1 if host.copies else 0)
     program = jax.make_jaxpr(functools.partial(device_decode._routed_experts, host=host), static_argnums=0)
-    table = device_decode.upload(_pool(select_devices(), *experts, {0: 0, 1: 1}), (5,), np.array(bonus),
+    table = pool_table.upload(_pool(select_devices(), *experts, {0: 0, 1: 1}), (5,), np.array(bonus),
                                  select_devices().accel)
     jaxpr = program(0, jnp.asarray(h), jnp.ones((1, 3)), jnp.array([[3, 1, 2]], jnp.int32),
                     tuple(jnp.asarray(a) for a in experts), _pool(select_devices(), *experts, {}).banks, table)
