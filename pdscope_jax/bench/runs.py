@@ -80,7 +80,7 @@ ABLATION = (
 )
 PHASE_KEYS = (*PHASE_TIMES, "seconds", "generate_seconds", "bytes_moved", "hit_rate", "prefetch_accuracy",
               "cpu_experts", "gpu_experts", "planner_ms_per_layer", "device_steps", "handoff_seconds",
-              "prediction_recall")
+              "prediction_recall", "experts_placed")
 
 
 def plan_runs(args) -> list[dict]:
