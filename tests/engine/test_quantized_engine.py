@@ -77,6 +77,22 @@ def test_decode_on_device_pulls_quantized_experts(quant, stacks):
     assert decode["bytes_moved"] == decode["experts_loaded_now"] * qds.cfg.expert_bytes() > 0
 
 
+def test_a_step_that_copies_nothing_fills_the_decode_bank_with_quantized_experts():
+    """static with int4 experts, its misses computed by the host (XLA ops): the decode bank (6 slots beside a
+    pool of 5) is filled with whole quantized experts as decode starts, and the quantized plain model's logits
+    and tokens come out."""
+    qds = reference("int4")
+    slot = qds.cfg.expert_bytes()
+    probe = qds.runner("static", 1)
+    config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
+                                   decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
+    runner = type(probe)(qds.model, config)
+    assert runner.budget.decode_slots == 6 and runner.decode_host(1).copies is False
+    qds.check(runner)
+    decode = runner.stats["decode"]
+    assert decode["experts_placed"] == 6 and decode["bytes_moved"] == 6 * slot
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3-30b-a3b"])
 def test_other_families_in_int4(name):
     ref = QuantReference(name, "int4")
