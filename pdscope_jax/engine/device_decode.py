@@ -236,7 +236,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
     if ahead is not None:
         match = picks[:, None] == ahead.ids[None, :]  # [U, P]; a -1 (nothing copied) matches no pick
         early = miss & jnp.any(match, axis=1)
-        copy_ids = jnp.where(early, -2 - jnp.argmax(match, axis=1), -1)
+        early_rows = jnp.where(early, -2 - jnp.argmax(match, axis=1), -1)  # -2 - a: row a of the copies ahead
         predicted = jnp.any(picks[:, None] == ahead.predicted[None, :], axis=1) & valid
         ahead_counts[1:] = [jnp.sum(early), jnp.sum(predicted), jnp.sum(valid)]
     if host is None:
@@ -256,7 +256,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
             if router is not None:
                 next_predicted, next_ids = _predict(router, m, h, table)
                 ahead_counts[0] = jnp.sum(next_ids >= 0)
-            copy_ids = jnp.where(copied, picks, copy_ids if ahead is not None else -1)
+            copy_ids = jnp.where(copied, picks, early_rows if ahead is not None else -1)
             h, picks, pulled, next_rows = _bridge_pull(host, m, h, host_ids, host_coef, picks, copy_ids,
                                                        lambda: _take(banks, resident), ahead, next_ids)
             if router is not None:
