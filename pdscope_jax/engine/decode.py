@@ -3,8 +3,9 @@
 Contract: `choose(engine, batch, steps)` -> the executor class for a generate's `steps` decode steps:
 `DeviceDecode` when the planner's capability `decodes_on_device` holds, RuntimeConfig's `device_decode`,
 `async_io` and `batched_gpu` are on, the pool can serve a layer's distinct experts (`device_decode.fits`) and
-the planner copies misses or the host can compute them (`engine.host_split`); else `HostDecode`. The choice depends on nothing that changes between steps, so it holds for the whole decode
-(the device executor keeps the pool's table on the accelerator from its first step to its last).
+the planner copies misses or the host can compute them (`engine.host_split`); else `HostDecode`. The choice
+depends on nothing that changes between steps, so it holds for the whole decode (the device executor keeps the
+pool's table on the accelerator from its first step to its last).
 Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
 `generation.sampling.SamplingState` on the accelerator, donated step by step)); `step(n)` runs decode step n
 (sampling at step n); `tokens` holds the host copies (`Sampled`, numpy arrays that own their memory:
@@ -71,9 +72,9 @@ class DeviceDecode:
         stats.handoff_seconds += time.perf_counter() - waited
         accel, b = e.devices.accel, token.shape[0]
         moe = e._moe_layers
-        self.start = time.perf_counter()
         e.pool.open_decode_bank(e.decode_slots)
         self.host = e.decode_host(b)
+        self.start = time.perf_counter()  # decode's time from here: the bank's fill, then the steps
         bank = self._fill_bank() if self.host is not None and not self.host.copies else []
         self.table = pool_table.upload(e.pool, moe, decode_bonus(e, b), accel, bank)
         self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
@@ -90,20 +91,20 @@ class DeviceDecode:
         """A step that copies nothing leaves the decode bank as it opened, empty: fill it now, once, with the
         experts `pool_table.bank_fill` names (the hot table's order, else by id) -> those (position, expert)."""
         e, pool = self.engine, self.engine.pool
+        if not pool.decode_slots:
+            return []
         hot = e._hot_counts
         rank = None if not hot else np.stack([np.argsort(-np.asarray(hot[layer]), kind="stable")
                                               for layer in e._moe_layers])
         pairs = pool_table.bank_fill(pool, e._moe_layers, rank, pool.decode_slots)
-        bank = pool.banks[1] if len(pool.banks) > 1 else None
+        moved_before, (pooled, bank) = e.store.bytes_moved, pool.banks
         for m, layer in enumerate(e._moe_layers):
             rows = [row for row, (position, _) in enumerate(pairs) if position == m]
-            if rows and bank is not None:
-                bank = e.store.write_bank(bank, layer, [pairs[row][1] for row in rows], rows)
-        if bank is not None:
-            pool.banks = (pool.banks[0], bank)
+            bank = e.store.write_bank(bank, layer, [pairs[row][1] for row in rows], rows)
+        pool.banks = (pooled, bank)
         stats = e.phase_stats["decode"]
         stats.experts_placed += len(pairs)
-        stats.bytes_moved += e.store.expert_nbytes(e._moe_layers[0], np.zeros(len(pairs), np.int64))
+        stats.bytes_moved += e.store.bytes_moved - moved_before
         return pairs
 
     def step(self, n: int) -> None:

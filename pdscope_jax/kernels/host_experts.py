@@ -19,8 +19,9 @@ Contract:
   position m + 1, a prediction), begin also returns (ahead gate_ups [A, D, 2F], ahead downs [A, F, D]), which the
   worker fills after this layer's copies, so they overlap this layer's work; the next layer passes them as
   `ahead_rows` to its begin and fetched, and a copy id -2 - a there takes row a of them (moved on the GPU).
-`engine.device_decode` computes the same sum with XLA ops where there is no bridge. The kernel's arithmetic (float32 sums, the activation rounded to bf16 after scaling) agrees with XLA's to bf16
-rounding. `PDSCOPE_HOST_EXPERTS=0` disables the bridge.
+`engine.device_decode` computes the same sum with XLA ops where there is no bridge. The kernel's arithmetic
+(float32 sums, the activation rounded to bf16 after scaling) agrees with XLA's to bf16 rounding.
+`PDSCOPE_HOST_EXPERTS=0` disables the bridge.
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def begin(bridge: Bridge, m: int, h, ids, coef, picks, copy_ids=None, ahead_ids=
     call = jax.ffi.ffi_call(BEGIN, (jax.ShapeDtypeStruct(h.shape, h.dtype),
                                     jax.ShapeDtypeStruct(picks.shape, picks.dtype), *rows),
                             has_side_effect=SIDE_EFFECT)
-    out = call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks, *lists, *_rows_or_none(bridge, ahead_rows),
+    out = call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks, *lists, *_rows_or_empty(bridge, ahead_rows),
                handle=np.int64(bridge.handle), layer=np.int64(m))
     return (*out[:2], *(out[2:4] if copy_ids is not None else ()), *(out[4:] if ahead_ids is not None else ()))
 
@@ -157,10 +158,10 @@ def fetched(bridge: Bridge, gate_ups, downs, ahead_rows=None):
     call = jax.ffi.ffi_call(FETCHED, (jax.ShapeDtypeStruct(gate_ups.shape, gate_ups.dtype),
                                       jax.ShapeDtypeStruct(downs.shape, downs.dtype)),
                             has_side_effect=SIDE_EFFECT, input_output_aliases={0: 0, 1: 1})
-    return call(gate_ups, downs, *_rows_or_none(bridge, ahead_rows), handle=np.int64(bridge.handle))
+    return call(gate_ups, downs, *_rows_or_empty(bridge, ahead_rows), handle=np.int64(bridge.handle))
 
 
-def _rows_or_none(bridge: Bridge, rows):
+def _rows_or_empty(bridge: Bridge, rows):
     """`rows` (gate_ups, downs), or none of either shape."""
     d, f = bridge.dims
     return rows if rows is not None else (jnp.zeros((0, d, 2 * f), jnp.bfloat16), jnp.zeros((0, f, d), jnp.bfloat16))

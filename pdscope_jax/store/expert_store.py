@@ -276,27 +276,27 @@ class ExpertStore:
 
     def commit(self, pool: SlotPool, staged: Staged, slots: np.ndarray) -> None:
         """Copy staged experts into `slots` of `pool` (one donated program; ordered after earlier pool readers)."""
-        n = staged.experts.size
-        if n == 0:
-            return
-        size = _pow2(n)
-        pad = np.concatenate([np.arange(n), np.full(size - n, n - 1)])
-        slot_ids = np.asarray(slots, np.int32)[pad]  # host: the jitted commit places it beside the pool
-        pool.gate_up, pool.down = self._commit(pool.gate_up, pool.down, tuple(staged.gate_ups[i] for i in pad),
-                                               tuple(staged.downs[i] for i in pad), slot_ids)
-        self._commit_sizes.add(size)
+        pool.gate_up, pool.down = self._committed((pool.gate_up, pool.down), staged, slots)
 
     def write_bank(self, bank: tuple, layer: int, experts: np.ndarray, rows: np.ndarray) -> tuple:
         """`experts` of `layer` into `rows` of a decode bank (gate_up, down) (`SlotPool.banks`' second) -> the bank
         after (donated: one program, ordered after its earlier readers); the bytes count as moved."""
         experts = np.asarray(experts, np.int64)
-        if experts.size == 0:
-            return bank
         self.count_moved(layer, experts)
-        staged = self.stage(layer, experts)
-        pad = np.concatenate([np.arange(experts.size), np.full(_pow2(experts.size) - experts.size, experts.size - 1)])
+        return self._committed(bank, self.stage(layer, experts), rows)
+
+    def _committed(self, bank: tuple, staged: Staged, slots: np.ndarray) -> tuple:
+        """(gate_up, down) of `bank` with the staged experts written into `slots` (donated), padded to a power of
+        two by repeating the last (an idempotent write), so few sizes compile; nothing staged: `bank` as it was."""
+        n = staged.experts.size
+        if n == 0:
+            return bank
+        size = _pow2(n)
+        pad = np.concatenate([np.arange(n), np.full(size - n, n - 1)])
+        slot_ids = np.asarray(slots, np.int32)[pad]  # host: the jitted commit places it beside the pool
+        self._commit_sizes.add(size)
         return self._commit(*bank, tuple(staged.gate_ups[i] for i in pad), tuple(staged.downs[i] for i in pad),
-                            np.asarray(rows, np.int32)[pad])
+                            slot_ids)
 
     def write(self, pool: SlotPool, layer: int, experts: np.ndarray, slots: np.ndarray) -> Written:
         """`experts` of `layer` into `slots` now (ordered after every earlier reader of the pool): one
