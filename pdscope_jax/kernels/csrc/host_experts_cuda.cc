@@ -54,6 +54,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bridge_staging.h"
 #include "cuda_driver.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -64,7 +65,6 @@ namespace {
 using namespace pdscope_cuda;
 
 constexpr uint64_t kRing = 4096;
-constexpr uint64_t kAheadRing = 4;  // begins whose ahead ids may be staged before the worker has read them
 constexpr size_t kTimeline = 8192;  // layers the timeline keeps (the latest)
 constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
 
@@ -83,21 +83,6 @@ struct Desc {
 // One served layer in the timeline: when the worker saw "go" and when it wrote "done" (steady clock, ns).
 struct Served {
   int64_t layer = 0, experts = 0, go_ns = 0, done_ns = 0;
-};
-
-// Host memory the GPU reads and writes: staging for one layer's inputs and output, and the two words.
-struct Staging {
-  uint16_t* h = nullptr;
-  int32_t* ids = nullptr;
-  int32_t* copy_ids = nullptr;
-  int32_t* ahead_ids = nullptr;  // kAheadRing x max_picks, slot seq % kAheadRing
-  float* coef = nullptr;
-  float* out = nullptr;
-  volatile uint32_t* go = nullptr;
-  volatile uint32_t* done = nullptr;
-  volatile uint32_t* copied = nullptr;
-  CUdeviceptr h_dev = 0, ids_dev = 0, copy_ids_dev = 0, ahead_ids_dev = 0, coef_dev = 0, out_dev = 0, go_dev = 0,
-              done_dev = 0, copied_dev = 0;
 };
 
 class Bridge {
@@ -119,7 +104,6 @@ class Bridge {
       CUcontext popped;
       driver().ctx_pop(&popped);
     }
-    if (block_) driver().host_free(block_);
   }
 
   // Allocate the mapped staging under the device's primary context and start the worker. "" on success.
@@ -133,36 +117,12 @@ class Bridge {
     if (r == 0) r = dv.primary_ctx_retain(&ctx, device);
     if (r == 0) r = dv.ctx_push(ctx);
     if (r != 0) return "CUDA context: " + cu_message(r);
-    const size_t h_bytes = align(sizeof(uint16_t) * max_rows_ * d_), ids_bytes = align(sizeof(int32_t) * max_picks_);
-    const size_t coef_bytes = align(sizeof(float) * max_picks_ * max_rows_), out_bytes = align(sizeof(float) * max_rows_ * d_);
-    const size_t total = h_bytes + (2 + kAheadRing) * ids_bytes + coef_bytes + out_bytes + 3 * 64;
-    r = dv.host_alloc(&block_, total, kHostAllocPortable | kHostAllocDeviceMap);
-    CUdeviceptr base = 0;
-    if (r == 0) r = dv.host_device_pointer(&base, block_, 0);
+    r = s_.Allocate(max_rows_, max_picks_, d_);
     if (r == 0) r = dv.stream_create(&copy_stream_, kStreamNonBlocking);
     ctx_ = ctx;
     CUcontext popped;
     dv.ctx_pop(&popped);
     if (r != 0) return "pinned staging and copy stream: " + cu_message(r);
-    std::memset(block_, 0, total);
-    char* host = static_cast<char*>(block_);
-    size_t at = 0;
-    auto take = [&](size_t bytes, CUdeviceptr& dev) {
-      char* p = host + at;
-      dev = base + at;
-      at += bytes;
-      return p;
-    };
-    s_.h = reinterpret_cast<uint16_t*>(take(h_bytes, s_.h_dev));
-    s_.ids = reinterpret_cast<int32_t*>(take(ids_bytes, s_.ids_dev));
-    s_.copy_ids = reinterpret_cast<int32_t*>(take(ids_bytes, s_.copy_ids_dev));
-    s_.ahead_ids = reinterpret_cast<int32_t*>(take(kAheadRing * ids_bytes, s_.ahead_ids_dev));
-    ahead_stride_ = ids_bytes / sizeof(int32_t);
-    s_.coef = reinterpret_cast<float*>(take(coef_bytes, s_.coef_dev));
-    s_.out = reinterpret_cast<float*>(take(out_bytes, s_.out_dev));
-    s_.go = reinterpret_cast<volatile uint32_t*>(take(64, s_.go_dev));
-    s_.done = reinterpret_cast<volatile uint32_t*>(take(64, s_.done_dev));
-    s_.copied = reinterpret_cast<volatile uint32_t*>(take(64, s_.copied_dev));
     worker_ = std::thread([this] { Work(); });
     return "";
   }
@@ -204,7 +164,7 @@ class Bridge {
     if (r == 0 && ids.size_bytes()) r = dv.dtoh(s_.ids, dev(ids), ids.size_bytes(), stream);
     if (r == 0 && coef.size_bytes()) r = dv.dtoh(s_.coef, dev(coef), coef.size_bytes(), stream);
     if (r == 0 && c > 0) r = dv.dtoh(s_.copy_ids, dev(copy_ids), copy_ids.size_bytes(), stream);
-    if (r == 0 && a > 0) r = dv.dtoh(ahead_slot(seq), dev(ahead_ids), ahead_ids.size_bytes(), stream);
+    if (r == 0 && a > 0) r = dv.dtoh(s_.ahead_slot(seq), dev(ahead_ids), ahead_ids.size_bytes(), stream);
     if (r == 0) r = dv.dtod(dev(*h_out), dev(h), h.size_bytes(), stream);
     if (r == 0 && picks.size_bytes()) r = dv.dtod(dev(*picks_out), dev(picks), picks.size_bytes(), stream);
     if (r == 0) r = dv.write32(stream, s_.go_dev, uint32_t(seq), kWriteDefault);
@@ -259,8 +219,6 @@ class Bridge {
   }
 
  private:
-  static size_t align(size_t bytes) { return (bytes + 63) / 64 * 64; }
-  int32_t* ahead_slot(uint64_t seq) const { return s_.ahead_ids + (seq % kAheadRing) * ahead_stride_; }
   // Whether gate_ups [rows, D, 2F] and downs [rows, F, D] are bf16 buffers of `rows` experts.
   bool rows_of_experts(const ffi::AnyBuffer& gate_ups, const ffi::AnyBuffer& downs, int64_t rows) const {
     auto gd = gate_ups.dimensions(), dd = downs.dimensions();
@@ -342,7 +300,7 @@ class Bridge {
   // are read before any copy is issued.
   void Copy(const Desc& desc, uint64_t want, bool seen) {
     const std::vector<int32_t> copy_ids(s_.copy_ids, s_.copy_ids + desc.c);
-    const std::vector<int32_t> ahead_ids(ahead_slot(want), ahead_slot(want) + desc.a);
+    const std::vector<int32_t> ahead_ids(s_.ahead_slot(want), s_.ahead_slot(want) + desc.a);
     CUresult r = 0;
     if (seen) r = CopyRows(desc.layer, copy_ids, desc.gate_up_dst, desc.down_dst, &desc);
     if (r != 0) faults_.fetch_add(1);
@@ -398,7 +356,6 @@ class Bridge {
   const int layers_, experts_, d_, f_, max_rows_, max_picks_;
   const std::vector<const void*> gate_up_, down_;  // [layer * experts + expert] host addresses
   const RunFn run_;
-  void* block_ = nullptr;
   CUcontext ctx_ = nullptr;
   CUstream copy_stream_ = nullptr;  // the worker's: the copies of begin's copy_ids and the "copied" writes
   Staging s_;
@@ -410,7 +367,6 @@ class Bridge {
   Desc ring_[kRing];
   Served timeline_[kTimeline];  // guarded by mu_
   uint64_t last_begin_ = 0;  // touched by the handlers' thread only
-  size_t ahead_stride_ = 0;  // int32s per slot of the ahead ids' staging
   std::atomic<int64_t> faults_{0}, busy_ns_{0};
   std::thread worker_;
 };
