@@ -46,7 +46,7 @@ from flax import nnx
 from pdscope_jax.generation.sampling import sample
 from pdscope_jax.kernels import host_experts
 from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, stacked_experts_ffn, weighted_sum
-from pdscope_jax.engine.programs import dense_layer, moe_route
+from pdscope_jax.engine.programs import dense_layer, moe_route, next_layer_picks
 from pdscope_jax.engine.pool_table import PoolTable, slot_count
 from pdscope_jax.store.expert_store import pull_traced
 
@@ -134,9 +134,8 @@ def _distinct(ids, num_experts: int):
 def _predict(router, m, h, table):
     """MoE position m + 1's router (graph, state) on this layer's MoE input h [N, D]: -> (predicted [P], the
     predicted experts not resident now, else -1 [P])."""
-    graph, state = router
-    _, ids = nnx.merge(graph.graphdef, state).mlp.route(h)
-    predicted = _distinct(ids, table.slot_of.shape[1])
+    ids, num_experts = next_layer_picks(*router, h)
+    predicted = _distinct(ids, num_experts)
     absent = (predicted >= 0) & (table.slot_of[m + 1, jnp.maximum(predicted, 0)] < 0)
     return predicted, jnp.where(absent, predicted, -1)
 

@@ -50,11 +50,18 @@ def moe_route(graph, state, x, positions, layer_cache, n_pad, with_h):
     return x, h, weights, ids, routing, shared, layer_cache
 
 
+def next_layer_picks(graph, state, h):
+    """The next MoE layer's (graph, state) router on this layer's MoE input h [N, D] -> (its top-k ids [N, K], its
+    number of experts): what the predictors that read the next gate (Fate's scores, device decode's copies ahead)
+    start from."""
+    mlp = nnx.merge(graph.graphdef, state).mlp
+    return mlp.route(h)[1], mlp.num_experts
+
+
 def gate_scores(graph, state, h, valid):
     """Fate's prediction: the next layer's router on this layer's MoE input h [N, D] -> [E] share of tokens."""
-    layer = nnx.merge(graph.graphdef, state)
-    _, ids = layer.mlp.route(h)  # [N, K]
-    chosen = jax.nn.one_hot(ids, layer.mlp.num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
+    ids, num_experts = next_layer_picks(graph, state, h)  # [N, K]
+    chosen = jax.nn.one_hot(ids, num_experts, dtype=jnp.float32).sum(axis=1)  # [N, E]
     chosen = chosen * valid[:, None]
     return chosen.sum(axis=0) / jnp.maximum(valid.sum(), 1)
 
