@@ -1,25 +1,25 @@
 """Text corpora found on any machine, split the same way everywhere, and cut into token windows.
 
 Contract:
-- `python_sources(root=None)`: the `.py` files of the running interpreter's standard library
-  (`sysconfig.get_paths()["stdlib"]`), leaving out `site-packages`, `__pycache__`, every test folder
-  (`test`, `tests`, `idle_test`) and two folders that are data rather than code (`encodings`: generated
-  codec tables; `pydoc_data`: the documentation as one string), as `Document`s sorted by their
-  '/'-separated path relative to the root. Files that are not valid UTF-8 are skipped.
+- `python_sources(root=None)`: the `.py` files of the running interpreter's standard library, leaving out
+  `site-packages`, `__pycache__`, test folders (`test`, `tests`, `idle_test`) and two data folders (`encodings`,
+  `pydoc_data`), as `Document`s sorted by '/'-separated path relative to the root; non-UTF-8 files skipped.
 - `split_documents(docs, heldout_fraction, seed)`: a document is held out when the SHA-256 of
-  `f"{seed}:{name}"` falls below the fraction, so the split depends only on the relative path, never on
-  the order of files or on the machine: two interpreters put a file they share on the same side.
-- `out_of_domain(max_chars)`: text that is not Python, for out-of-domain evaluation, from the first source that
-  yields at least `MIN_OOD_CHARS` characters (its name is returned with the text; the function lists them).
-- `cjk_text(stdlib=None)`: Chinese, Japanese and Korean sample texts, UTF-8, that CPython ships for its codec
-  tests (`test/cjkencodings/*-utf8.txt` under the stdlib; empty where a distribution strips the tests). A
-  harder switch of corpus than `out_of_domain`'s English prose for a model trained on Python: a byte-level BPE
-  tokenizer splits them into byte pieces that Python source almost never produces.
-- `load_corpus(...)` bundles the three sets; `token_stream(encode_batch, docs, eos_id)` concatenates
-  documents' token ids, each document followed by the end-of-text id (`encode_batch(texts) -> list of id
-  lists`; `tokenizer_encoder(tokenizer)` makes one from a `tokenizers.Tokenizer`); `sample_windows` and
-  `chunk_windows` cut a stream into `[count, length]` int32 windows (seeded random offsets for training
-  batches and prompts, consecutive for evaluation).
+  `f"{seed}:{name}"` falls below the fraction: the split depends only on the relative path, never on file order
+  or machine.
+- `out_of_domain(max_chars, source=None)`: text that is not Python, from the first source of `OOD_SOURCES` that
+  yields at least `MIN_OOD_CHARS` characters (the name comes with the text), or the named `source` ("cjk" too).
+- `cjk_text(stdlib=None)`: the Chinese, Japanese and Korean UTF-8 samples of CPython's codec tests
+  (`test/cjkencodings/*-utf8.txt`; empty where the tests are stripped): byte pieces Python source rarely makes.
+- `remove_near_duplicates(docs, reference, min_chars=20)`: `docs` without the lines whose normalised form
+  (`normalise_line`: whitespace runs made one space, ends stripped, case kept) has >= `min_chars` characters and
+  equals a normalised line of `reference` (shorter lines are idioms, `else:`, not copied text); and the counts.
+- `load_corpus(...)`: the three sets, held-out and out-of-domain without near-duplicates of train lines
+  (`Corpus.dedup`); the out-of-domain source named by the argument, else by `$PDSCOPE_OOD_SOURCE`, else the
+  first found. `token_stream(encode_batch, docs, eos_id)` concatenates documents' token ids, each followed by
+  the end-of-text id (`tokenizer_encoder(tokenizer)` makes `encode_batch` from a `tokenizers.Tokenizer`);
+  `sample_windows` and `chunk_windows` cut a stream into `[count, length]` int32 windows (seeded random
+  offsets, or consecutive).
 
 Nothing here trains a tokenizer or touches a model: callers bring the encoder.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import sysconfig
 from pathlib import Path
 from typing import Callable, Sequence
@@ -38,6 +39,9 @@ EXCLUDED_DIRS = frozenset({"site-packages", "__pycache__", "test", "tests", "idl
 MIN_OOD_CHARS = 20_000
 COMMON_LICENSES = Path("/usr/share/common-licenses")
 DOC_ROOT = Path("/usr/share/doc")
+NEAR_DUPLICATE_MIN_CHARS = 20
+OOD_SOURCES = ("common-licenses", "doc-copyright", "stdlib-text")
+OOD_SOURCE_ENV = "PDSCOPE_OOD_SOURCE"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +51,26 @@ class Document:
 
 
 @dataclasses.dataclass(frozen=True)
+class Dedup:
+    """What `remove_near_duplicates` took out of a set of documents."""
+
+    lines: int  # lines before
+    removed: int  # near-duplicate lines removed
+    min_chars: int
+
+    def to_json(self) -> dict:
+        return {"lines": self.lines, "near_duplicate_lines_removed": self.removed,
+                "fraction_removed": round(self.removed / max(self.lines, 1), 5), "min_chars": self.min_chars,
+                "rule": "normalised line (whitespace runs -> one space, stripped) equal to a normalised train line"}
+
+
+@dataclasses.dataclass(frozen=True)
 class Corpus:
     train: list[Document]
     heldout: list[Document]
     ood: list[Document]
     ood_source: str  # which out-of-domain source was found (see `out_of_domain`)
+    dedup: dict[str, Dedup] = dataclasses.field(default_factory=dict)  # per evaluation split
 
     def summary(self) -> dict:
         def chars(docs: Sequence[Document]) -> int:
@@ -61,6 +80,7 @@ class Corpus:
             "train_files": len(self.train), "train_chars": chars(self.train),
             "heldout_files": len(self.heldout), "heldout_chars": chars(self.heldout),
             "ood_source": self.ood_source, "ood_files": len(self.ood), "ood_chars": chars(self.ood),
+            "dedup": {name: d.to_json() for name, d in self.dedup.items()},
         }
 
 
@@ -104,6 +124,28 @@ def split_documents(docs: Sequence[Document], heldout_fraction: float = 0.05,
     return train, heldout
 
 
+def normalise_line(line: str) -> str:
+    return " ".join(line.split())
+
+
+def remove_near_duplicates(docs: Sequence[Document], reference: Sequence[Document],
+                           min_chars: int = NEAR_DUPLICATE_MIN_CHARS) -> tuple[list[Document], Dedup]:
+    known = {normalise_line(line) for doc in reference for line in doc.text.splitlines()}
+    kept, lines, removed = [], 0, 0
+    for doc in docs:
+        keep = []
+        for line in doc.text.splitlines(keepends=True):
+            norm = normalise_line(line)
+            lines += 1
+            if len(norm) >= min_chars and norm in known:
+                removed += 1
+            else:
+                keep.append(line)
+        if keep:
+            kept.append(Document(doc.name, "".join(keep)))
+    return kept, Dedup(lines, removed, min_chars)
+
+
 def _collect_text(paths: Sequence[Path], root: Path, max_chars: int) -> list[Document]:
     docs, total, seen = [], 0, set()
     for path in paths:
@@ -127,13 +169,18 @@ def _collect_text(paths: Sequence[Path], root: Path, max_chars: int) -> list[Doc
 
 def out_of_domain(max_chars: int = 2_000_000, stdlib: Path | None = None,
                   common_licenses: Path = COMMON_LICENSES,
-                  doc_root: Path = DOC_ROOT) -> tuple[str, list[Document]]:
+                  doc_root: Path = DOC_ROOT, source: str | None = None) -> tuple[str, list[Document]]:
     """(source name, documents) of the first source with at least `MIN_OOD_CHARS` characters, in this order:
     1. "common-licenses": `/usr/share/common-licenses/*` (Debian/Ubuntu `base-files`, always installed);
     2. "doc-copyright": `/usr/share/doc/*/copyright` (dpkg docs; removed on some slim images);
     3. "stdlib-text": the interpreter's own non-Python text files (`LICENSE.txt`, `*.txt`, `*.rst` anywhere
        under the stdlib, test data included: none of it is Python source);
-    4. "none": an empty list, when nothing above exists."""
+    4. "none": an empty list, when nothing above exists.
+    `source` (one of `OOD_SOURCES` or "cjk", `cjk_text`) takes that source alone, whatever its size."""
+    if source == "cjk":
+        return source, cjk_text(stdlib)
+    if source is not None and source not in OOD_SOURCES:
+        raise ValueError(f"out-of-domain source {source!r} is not one of {OOD_SOURCES + ('cjk',)}")
     stdlib = stdlib_root() if stdlib is None else Path(stdlib)
     candidates = [
         ("common-licenses", common_licenses,
@@ -144,9 +191,10 @@ def out_of_domain(max_chars: int = 2_000_000, stdlib: Path | None = None,
                         if "site-packages" not in p.relative_to(stdlib).parts)),
     ]
     for name, root, list_paths in candidates:
-        docs = _collect_text(list_paths(), root, max_chars)
-        if sum(len(d.text) for d in docs) >= MIN_OOD_CHARS:
-            return name, docs
+        if source in (None, name):
+            docs = _collect_text(list_paths(), root, max_chars)
+            if source == name or sum(len(d.text) for d in docs) >= MIN_OOD_CHARS:
+                return name, docs
     return "none", []
 
 
@@ -156,17 +204,25 @@ def cjk_text(stdlib: Path | None = None) -> list[Document]:
 
 
 def load_corpus(heldout_fraction: float = 0.05, seed: int = 0, max_files: int | None = None,
-                max_ood_chars: int = 2_000_000, root: Path | None = None) -> Corpus:
-    """The stdlib Python split into train/held-out, plus out-of-domain text.
+                max_ood_chars: int = 2_000_000, root: Path | None = None, dedup: bool = True,
+                ood_source: str | None = None) -> Corpus:
+    """The stdlib Python split into train/held-out, plus out-of-domain text (`ood_source`, else the variable
+    `OOD_SOURCE_ENV`, else the first source found), both without near-duplicates of train lines unless
+    `dedup` is False.
 
     `max_files` keeps the first files of each split by path (a small, still deterministic subset) and
     caps the out-of-domain set to as many documents.
     """
     train, heldout = split_documents(python_sources(root), heldout_fraction, seed)
-    ood_source, ood = out_of_domain(max_ood_chars, stdlib=root)
+    ood_source, ood = out_of_domain(max_ood_chars, stdlib=root,
+                                    source=ood_source or os.environ.get(OOD_SOURCE_ENV) or None)
     if max_files is not None:
         train, heldout, ood = train[:max_files], heldout[:max(1, max_files // 10)], ood[:max_files]
-    return Corpus(train, heldout, ood, ood_source)
+    removed = {}
+    if dedup:
+        heldout, removed["heldout"] = remove_near_duplicates(heldout, train)
+        ood, removed["ood"] = remove_near_duplicates(ood, train)
+    return Corpus(train, heldout, ood, ood_source, removed)
 
 
 def tokenizer_encoder(tokenizer) -> EncodeBatch:

@@ -105,3 +105,27 @@ def test_cjk_text_reads_the_utf8_codec_samples_only(tmp_path):
     docs = corpus.cjk_text(tmp_path)
     assert [(d.name, d.text) for d in docs] == [("test/cjkencodings/gb2312-utf8.txt", "中文样本")]
     assert corpus.cjk_text(tmp_path / "elsewhere") == []
+
+
+def test_near_duplicate_lines_of_the_train_text_leave_the_evaluation_text():
+    train = [Document("a.py", "def f(x):\n    return helper(x, flag=True)  \nelse:\n")]
+    heldout = [Document("b.py", "else:\nreturn   helper(x, flag=True)\nreturn helper(y, flag=True)\n"),
+               Document("c.py", "  return helper(x, flag=True)\n")]
+    kept, dedup = corpus.remove_near_duplicates(heldout, train)
+    # whitespace differences still match; the short idiom `else:` (under 20 characters) stays; c.py had nothing else
+    assert [(d.name, d.text) for d in kept] == [("b.py", "else:\nreturn helper(y, flag=True)\n")]
+    assert (dedup.lines, dedup.removed) == (4, 2) and dedup.to_json()["fraction_removed"] == 0.5
+
+
+def test_a_named_out_of_domain_source_is_taken_alone(tmp_path, monkeypatch):
+    _tree(tmp_path, {"licenses/MIT": "Permission is hereby granted. " * 1000,
+                     "stdlib/test/cjkencodings/gb2312-utf8.txt": "中文样本"})
+    kw = dict(stdlib=tmp_path / "stdlib", common_licenses=tmp_path / "licenses", doc_root=tmp_path / "doc")
+    assert corpus.out_of_domain(**kw)[0] == "common-licenses"
+    source, docs = corpus.out_of_domain(**kw, source="cjk")
+    assert source == "cjk" and [d.text for d in docs] == ["中文样本"]
+    with pytest.raises(ValueError, match="not one of"):
+        corpus.out_of_domain(**kw, source="klingon")
+    monkeypatch.setenv(corpus.OOD_SOURCE_ENV, "cjk")
+    data = corpus.load_corpus(max_files=3, root=tmp_path / "stdlib")
+    assert data.ood_source == "cjk" and set(data.dedup) == {"heldout", "ood"}
