@@ -13,6 +13,9 @@ functions on them:
 - `steps(...)` (same arguments) -> `Steps`, an iterator that runs one step per `next` and gives its
   `sampling.Sampled` on the device: the step-wise form streaming and stopping at EOS use; `host_steps(steps)`
   gives their host copies.
+- `Generator(model, decode_chunk=K)`: `generate` runs K decode steps per program (a `lax.scan` of the same step,
+  the same tokens), then single steps for the rest; the host dispatches one program per K tokens instead of one
+  per token. `steps` stays one step per `next`. K = 1 (default) is the step-per-program loop.
 A float32 model runs its matmuls at full float32 precision also on GPUs (whose default is TF32), so that
 float32 results match the CPU's and the reference's.
 `Generator(model, input_sharding)`: where the inputs go (None: the default device); a model whose weights lie
@@ -149,10 +152,24 @@ def _decode(graph, leaves, token, position, cache, sampling, step):
     return picked, sampling, cache, position + 1, step + 1
 
 
+def _decode_chunk(graph, leaves, token, position, cache, sampling, step, n):
+    """n steps of `_decode` in one program: -> (Sampled with every field stacked [n, ...], sampling, cache,
+    position, step)."""
+    def body(carry, _):
+        token, position, cache, sampling, step = carry
+        picked, sampling, cache, position, step = _decode(graph, leaves, token, position, cache, sampling, step)
+        return (picked.token, position, cache, sampling, step), picked
+
+    (_, position, cache, sampling, step), picked = jax.lax.scan(body, (token, position, cache, sampling, step),
+                                                                length=n)
+    return picked, sampling, cache, position, step
+
+
 # Module-level so that models of one architecture (equal graphdefs) share compiled programs.
 forward_jit = jax.jit(_forward, static_argnums=0)
 prefill_jit = jax.jit(_prefill, static_argnums=0, donate_argnums=(4, 5))
 decode_jit = jax.jit(_decode, static_argnums=0, donate_argnums=(3, 4, 5, 6))
+decode_chunk_jit = jax.jit(_decode_chunk, static_argnums=(0, 7), donate_argnums=(3, 4, 5, 6))
 _compiled: dict[tuple, jax.stages.Compiled] = {}
 
 
@@ -162,9 +179,12 @@ def host_copy(x: jax.Array) -> np.ndarray:
 
 
 class Generator:
-    def __init__(self, model: CausalLM, input_sharding: jax.sharding.Sharding | None = None):
+    def __init__(self, model: CausalLM, input_sharding: jax.sharding.Sharding | None = None, decode_chunk: int = 1):
+        if not _is_int(decode_chunk) or decode_chunk < 1:
+            raise ValueError(f"decode_chunk must be an integer >= 1, got {decode_chunk!r}")
         self.config = model.config
         self.input_sharding = input_sharding
+        self.decode_chunk = decode_chunk
         self.cache_dtype = model.embed.embedding.dtype
         self._init_cache = model.init_cache
         self.graphdef, self.state = nnx.split(model)
@@ -186,36 +206,42 @@ class Generator:
         positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
         return jax.device_put((np.asarray(input_ids, np.int32), positions), self.input_sharding)
 
-    def _program(self, name: str, jitted, args: tuple):
+    def _program(self, name: str, jitted, args: tuple, static: tuple = ()):
         """AOT-compile once per shape so that timings exclude compilation (sampling settings are arrays: a new
         setting compiles nothing)."""
         # shardings too: the same shapes on another device need their own executable
         shapes = tuple((a.shape, str(a.dtype), getattr(a, "sharding", None)) for a in jax.tree.leaves(args[1:]))
-        key = (name, args[0], shapes)
+        key = (name, args[0], shapes, *static)
         if key not in _compiled:
             with self._precision():
-                _compiled[key] = jitted.lower(*args).compile()
+                _compiled[key] = jitted.lower(*args, *static).compile()
         return _compiled[key]
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
                  top_k: int | None = None, seed: int = 0, **sampling) -> GenerationResult:
-        steps = self.steps(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
+        steps = self._steps(input_ids, max_new_tokens, temperature, top_k, seed, self.decode_chunk, **sampling)
         start = time.perf_counter()
         tokens = [next(steps).token]
         tokens[0].block_until_ready()
         prefill_seconds = time.perf_counter() - start
         start = time.perf_counter()
-        tokens += [picked.token for picked in steps]
+        tokens += [picked.token for picked in steps]  # [B] a step, or [n, B] a chunk
         tokens[-1].block_until_ready()
         decode_seconds = time.perf_counter() - start
-        return GenerationResult.timed(np.stack([host_copy(x) for x in tokens], axis=1), steps.prompt_len,
-                                      prefill_seconds, decode_seconds)
+        rows = [host_copy(x).reshape(-1, x.shape[-1]) for x in tokens]
+        return GenerationResult.timed(np.concatenate(rows, axis=0).T, steps.prompt_len, prefill_seconds,
+                                      decode_seconds)
 
     def steps(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
               seed: int = 0, **sampling) -> "Steps":
         """Check the call, compile its programs, and return the iterator of its steps: each `next` runs one step
         (prefill first) and gives its `sampling.Sampled` on the device, without waiting for it. Stopping early
         (at EOS, a stop string, a client gone) leaves nothing behind."""
+        return self._steps(input_ids, max_new_tokens, temperature, top_k, seed, 1, **sampling)
+
+    def _steps(self, input_ids, max_new_tokens, temperature, top_k, seed, chunk: int, **sampling) -> "Steps":
+        """`steps`, whose decode steps come `chunk` at a time (Sampled fields [n, ...]) when chunk > 1, then one at a
+        time."""
         input_ids = check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed,
                                   **sampling)
         params, _ = sampling_params(temperature, top_k, seed, **sampling)
@@ -227,22 +253,28 @@ class Generator:
 
         prefill_args = (self._graph, self._leaves, ids, positions, cache, state)
         prefill = self._program("prefill", prefill_jit, prefill_args)
-        decode = None
-        if max_new_tokens > 1:
-            step_args = (self._graph, self._leaves, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), cache,
-                         state, jnp.int32(1))
-            decode = self._program("decode", decode_jit, step_args)
+        step_args = (self._graph, self._leaves, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), cache,
+                     state, jnp.int32(1))
+        chunks = [chunk] * ((max_new_tokens - 1) // chunk) if chunk > 1 else []  # then single steps for the rest
+        decode = self._program("decode", decode_jit, step_args) if max_new_tokens - 1 > sum(chunks) else None
+        many = self._program("decode_chunk", decode_chunk_jit, step_args, (chunk,)) if chunks else None
         jax.block_until_ready((cache, state))
-        return Steps(self._run(prefill, decode, prefill_args[1:], t, max_new_tokens), t)
+        singles = max_new_tokens - 1 - sum(chunks)
+        return Steps(self._run(prefill, decode, many, prefill_args[1:], t, chunks, singles), t)
 
-    def _run(self, prefill, decode, prefill_args, t: int, max_new_tokens: int):
+    def _run(self, prefill, decode, many, prefill_args, t: int, chunks: list[int], singles: int):
+        """Prefill's Sampled, then each chunk's (fields [n, ...]), then each single step's."""
         picked, sampling, cache = prefill(*prefill_args)
         yield picked
         b = picked.token.shape[0]
-        position, step = jnp.full((b,), t, jnp.int32), jnp.int32(1)  # advanced on the device from here on
-        for _ in range(1, max_new_tokens):
-            picked, sampling, cache, position, step = decode(self._leaves, picked.token, position, cache, sampling,
-                                                             step)
+        token, position, step = picked.token, jnp.full((b,), t, jnp.int32), jnp.int32(1)  # advanced on the device
+        for _ in chunks:
+            picked, sampling, cache, position, step = many(self._leaves, token, position, cache, sampling, step)
+            token = picked.token[-1]
+            yield picked
+        for _ in range(singles):
+            picked, sampling, cache, position, step = decode(self._leaves, token, position, cache, sampling, step)
+            token = picked.token
             yield picked
 
 

@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 
 import pdscope_jax
-from pdscope_jax.generation.generator import GenerationResult
+from pdscope_jax.generation.generator import GenerationResult, Generator
 from pdscope_jax.presets import UnknownModelError
 from pdscope_jax.text.tokenizer import token_batch
 
@@ -58,6 +58,19 @@ def test_sampling(v2):
     greedy = v2.generate(PROMPT, max_new_tokens=8)
     top1 = v2.generate(PROMPT, max_new_tokens=8, temperature=1.0, top_k=1, seed=5)
     np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+
+
+def test_decode_in_chunks_gives_the_step_by_step_tokens(v2):
+    """Three steps per program, then single steps for the rest (10 decode steps: 3 + 3 + 3 + 1): the same tokens as
+    one step per program, greedy and sampled (the sampler's key follows the step counter across programs)."""
+    chunked = Generator(v2.model, decode_chunk=3)
+    for settings in ({}, {"temperature": 1.0, "seed": 7, "top_p": 0.9}):
+        out = chunked.generate(PROMPT, max_new_tokens=11, **settings)
+        ref = v2.generate(PROMPT, max_new_tokens=11, **settings)
+        assert out.tokens.shape == (2, 11)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+    with pytest.raises(ValueError, match="decode_chunk"):
+        Generator(v2.model, decode_chunk=0)
 
 
 def test_input_checks(v2):
