@@ -12,7 +12,8 @@ Contract:
   `formats.dequantize` does it (integer times float32 scale, rounded to the compute dtype): its bytes are read
   once, in their stored width.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
-  `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest.
+  `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `tiles` (`Tiles`,
+  static) sets how a call cuts its work; the default `TILES` suits every supported shape.
 - `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU, `ENABLED`
   and `compiles_here()`, `xla_fn(*args)` otherwise (`jax.lax.platform_dependent`: the CPU backend never lowers
   the kernel). `ENABLED` is False when the environment sets PDSCOPE_GPU_KERNELS=0 (the XLA paths everywhere: a
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +40,33 @@ F32 = jnp.float32
 ENABLED = os.environ.get("PDSCOPE_GPU_KERNELS", "1") != "0"
 MAX_ROWS = 64  # assignments a call takes (the gather path's bound, models.experts.GATHER_MAX_ASSIGNMENTS)
 BLOCK_N = 128
-TARGET_PROGRAMS = 528  # 4 per multiprocessor of an H100/H200: split K until the grid has about this many
 
 
-def _block_k(dtype, scheme=None, k: int = 0) -> int:
-    """Rows of K a tile takes: 64 (32 for 4-byte weights); an int4 group (a tile shares one scale row)."""
+class Tiles(NamedTuple):
+    """How a call cuts its work: columns a program takes (`block_n`, a multiple of 16 dividing N), rows of K a tile
+    takes for 2-byte dense weights (`block_k`; 4-byte weights take half, int4 one group), the grid's target size
+    (`programs`: K is split until the grid has about this many), and Triton's `num_warps` / `num_stages`."""
+    block_n: int = BLOCK_N
+    block_k: int = 64
+    programs: int = 528  # 4 per multiprocessor of an H100/H200
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+TILES = Tiles()
+
+
+def kernel_name(tiles: Tiles) -> str:
+    """The kernel's name in profiles: its tiles, so that a trace tells cuts apart."""
+    return "gather_matvec_n{}_k{}_p{}_w{}_s{}".format(*tiles)
+
+
+def _block_k(dtype, scheme=None, k: int = 0, tiles: Tiles = TILES) -> int:
+    """Rows of K a tile takes: tiles.block_k (half for 4-byte weights); an int4 group (a tile shares one scale
+    row)."""
     if scheme is not None and scheme.bits == 4:
         return scheme.group_for(k)
-    return 64 if jnp.dtype(dtype).itemsize <= 2 else 32
+    return tiles.block_k if jnp.dtype(dtype).itemsize <= 2 else tiles.block_k // 2
 
 
 def supported(a: int, k: int, n: int, dtype, scheme=None) -> bool:
@@ -58,20 +79,20 @@ def supported(a: int, k: int, n: int, dtype, scheme=None) -> bool:
     return k % _block_k(dtype, scheme, k) == 0
 
 
-def _splits(a: int, k_blocks: int, n_blocks: int) -> int:
-    """Parts K is cut into: the largest power of two dividing the K blocks that keeps the grid near
-    TARGET_PROGRAMS programs (more programs, more weight bytes in flight)."""
+def _splits(a: int, k_blocks: int, n_blocks: int, programs: int = TILES.programs) -> int:
+    """Parts K is cut into: the largest power of two dividing the K blocks that keeps the grid near `programs`
+    programs (more programs, more weight bytes in flight)."""
     splits = 1
-    while (k_blocks % (2 * splits) == 0 and a * n_blocks * splits * 2 <= TARGET_PROGRAMS):
+    while (k_blocks % (2 * splits) == 0 and a * n_blocks * splits * 2 <= programs):
         splits *= 2
     return splits
 
 
-def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int, dtype):
+def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, steps: int, dtype):
     """Dense weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
-    cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
+    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
 
     def body(i, acc):
         start = pl.multiple_of((s * steps + i) * block_k, block_k)
@@ -79,7 +100,7 @@ def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, steps: int, dtype):
         wb = w_ref[slot, pl.ds(start, block_k), cols].astype(F32)  # [BK, BN]: rows of BN contiguous values
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_N,), F32))
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
 
 def _rounded(v: jax.Array, dtype) -> jax.Array:
@@ -93,11 +114,11 @@ def _rounded(v: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, F32)
 
 
-def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, block_k: int, steps: int, dtype):
+def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, block_k: int, block_n: int, steps: int, dtype):
     """int8 weights with one float32 scale per column: each tile dequantized (q * scale, rounded to dtype)."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
-    cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
+    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     scale = scale_ref[slot, 0, cols].astype(F32)  # [BN]
 
     def body(i, acc):
@@ -106,15 +127,16 @@ def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, block_k: int, steps
         wb = _rounded(q_ref[slot, pl.ds(start, block_k), cols].astype(F32) * scale[None, :], dtype)
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_N,), F32))
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
 
-def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, group: int, steps: int, dtype):
+def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, group: int, block_n: int, steps: int,
+                 dtype):
     """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows:
     a tile is one group; x comes split into its even and odd elements, so each nibble meets its own x."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
-    cols = pl.ds(pl.multiple_of(j * BLOCK_N, BLOCK_N), BLOCK_N)
+    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     half = group // 2
 
     def body(i, acc):
@@ -129,28 +151,30 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, gro
         xo = x_odd_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
         return acc + jnp.sum(xe * w_even + xo * w_odd, axis=0)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((BLOCK_N,), F32))
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
+def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles = TILES) -> jax.Array:
     a, k = x.shape
     _, k_w, n = w.shape
     scheme = w.scheme if is_quantized(w) else None
-    if k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme):
-        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {w.shape} {w.dtype}, idx {idx.shape}")
-    block_k = _block_k(w.dtype, scheme, k)
-    n_blocks, k_blocks = n // BLOCK_N, k // block_k
-    splits = _splits(a, k_blocks, n_blocks)
+    block_k, block_n = _block_k(w.dtype, scheme, k, tiles), tiles.block_n
+    if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n
+            or k % block_k):
+        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {w.shape} {w.dtype}, idx {idx.shape} "
+                         f"for {tiles}")
+    n_blocks, k_blocks = n // block_n, k // block_k
+    splits = _splits(a, k_blocks, n_blocks, tiles.programs)
     steps = k_blocks // splits
     dtype = jnp.dtype(w.dtype)
+    cut = dict(block_n=block_n, steps=steps, dtype=dtype)
     if scheme is None:
-        kernel, operands = functools.partial(_kernel, block_k=block_k, steps=steps, dtype=dtype), (x, w)
+        kernel, operands = functools.partial(_kernel, block_k=block_k, **cut), (x, w)
     elif scheme.bits == 8:
-        kernel = functools.partial(_kernel_int8, block_k=block_k, steps=steps, dtype=dtype)
-        operands = (x, w.q, w.scale)
+        kernel, operands = functools.partial(_kernel_int8, block_k=block_k, **cut), (x, w.q, w.scale)
     else:
-        kernel = functools.partial(_kernel_int4, group=block_k, steps=steps, dtype=dtype)
+        kernel = functools.partial(_kernel_int4, group=block_k, **cut)
         operands = (x[:, 0::2], x[:, 1::2], w.q, w.scale)
     whole = pl.BlockSpec(memory_space=pl.ANY) if interpret else pl.no_block_spec
     from jax.experimental.pallas import triton as pl_triton
@@ -160,8 +184,9 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False) -> j
         out_shape=jax.ShapeDtypeStruct((splits, a, n), F32),
         grid=(a, n_blocks, splits),
         in_specs=[whole] * (1 + len(operands)),
-        out_specs=pl.BlockSpec((None, None, BLOCK_N), lambda i, j, s: (s, i, j)),
-        compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=3),
+        out_specs=pl.BlockSpec((None, None, block_n), lambda i, j, s: (s, i, j)),
+        compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
+        name=kernel_name(tiles),
         interpret=interpret,
     )(idx.astype(jnp.int32), *operands)
     return parts.sum(axis=0) if splits > 1 else parts[0]

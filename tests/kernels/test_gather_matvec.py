@@ -62,6 +62,21 @@ def test_splitting_k_keeps_the_sum():
     assert rel(gm.gather_matvec(x, w, idx, interpret=True), reference(x, w, idx)) < 1e-6
 
 
+@pytest.mark.parametrize("tiles", [gm.Tiles(block_n=64, block_k=32, programs=64, num_warps=8, num_stages=2),
+                                   gm.Tiles(block_n=256, block_k=128, programs=2048)])
+def test_other_tiles_keep_the_product(tiles):
+    """Tiles only cut the work differently: dense and int8 weights give the exact product under other cuts; a
+    cut that does not divide the shape is refused."""
+    rng = np.random.default_rng(1)
+    dense = jnp.asarray(rng.standard_normal((3, 512, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((2, 512)), jnp.float32)
+    idx = jnp.asarray([2, 0], jnp.int32)
+    for w in (dense, quantize(dense, "int8")):
+        assert rel(gm.gather_matvec(x, w, idx, interpret=True, tiles=tiles), reference(x, w, idx)) < 1e-6
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        gm.gather_matvec(x[:, :480], dense[:, :480], idx, interpret=True, tiles=tiles._replace(block_k=96))
+
+
 def test_unsupported_shapes_are_refused():
     assert not gm.supported(1, 100, 128, jnp.bfloat16)  # K not a multiple of the K tile
     assert not gm.supported(1, 128, 100, jnp.bfloat16)  # N not a multiple of the N tile
