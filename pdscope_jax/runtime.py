@@ -4,8 +4,9 @@ Contract: `RuntimeConfig` is frozen (and hashable while its policy options are).
 machine: the accelerator memory budget, the cap on the routed-expert slot pool, the expert-placement policy (a
 planner name from `pdscope_jax.sched`, or None to run the model whole), CPU threads, prefill chunking, the largest
 batch and sequence the KV cache is sized for, the token buckets that bound how many programs get compiled, the
-planners' cost table, the hot-expert table (activation counts) and two engine switches the ablation turns off
-(`async_io`: transfers overlap compute; `batched_gpu`: one batched GPU program per layer).
+planners' cost table, the hot-expert table (activation counts), two engine switches the ablation turns off
+(`async_io`: transfers overlap compute; `batched_gpu`: one batched GPU program per layer) and the quality bound on
+the precision of expert copies (`quality`, `mixed_threshold`: `sched.precision`).
 Sizes are given as bytes or strings such as "24GB" (10^9), "24GiB" (2^30), "512MB", "1.5G"; a malformed size
 raises `RuntimeConfigError` (an `errors.InputError`) naming the field and the accepted forms; a size must be
 finite and positive (`expert_pool` may be 0: no slots). Every bad field is named in one error.
@@ -127,6 +128,10 @@ class RuntimeConfig:
     decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
     # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
     # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)
+    quality: str | None = None  # the lowest precision a copy of an expert may load in (`sched.precision`): None
+    # (the stored precision), "int8", "mixed" (int4 copies of light experts, the rest stored precision) or "int4"
+    mixed_threshold: float = 1.0  # "mixed": a copy loads int4 when its expert's routing weight over the token's
+    # mean top-k weight (predicted for prefetches) is below this (`sched.precision.DEFAULT_THRESHOLD`)
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
@@ -162,6 +167,9 @@ class RuntimeConfig:
         share = self.decode_copy_share
         if share is not None and (not isinstance(share, (int, float)) or not 0 <= share <= 1):
             problems.append(f"decode_copy_share must be between 0 and 1 or None, got {share!r}")
+        from pdscope_jax.sched.precision import quality_value_problems, threshold_problems
+
+        problems += quality_value_problems(self.quality) + threshold_problems(self.mixed_threshold)
         for name in ("decode_buckets", "prefill_buckets"):
             values = check(_buckets, getattr(self, name), name)
             if values is not None:

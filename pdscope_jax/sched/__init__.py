@@ -5,7 +5,8 @@ Public API: the policy registry (`POLICIES`, `COMPARED`, `PLAIN`, `make_planner`
 `check_policy`, `UnknownPolicyError`;
 registry.py); `LayerDemand`, `Plan`, `Planner`, `ObservingPlanner`, `Capabilities`, `check_plan`, `PlanError`,
 `HotExperts` (plan.py); `CostTable`, `CostTableError`, `costs_dir`, `find_cost_table`, `load_cost_table`
-(costs.py); `activation_counts`, `HotTableError` (hot.py); `AdaptSched`, `Decision` (adaptsched.py).
+(costs.py); `activation_counts`, `HotTableError` (hot.py); `AdaptSched`, `Decision` (adaptsched.py); the quality
+rule, `PrecisionRule` and its checks (precision.py: which copies travel as int4).
 """
 
 from pdscope_jax.sched.adaptsched import AdaptSched, Decision
@@ -14,6 +15,7 @@ from pdscope_jax.sched.costs import CostTable, CostTableError, costs_dir, find_c
 from pdscope_jax.sched.hot import HotTableError, activation_counts
 from pdscope_jax.sched.plan import (Capabilities, HotExperts, LayerDemand, ObservingPlanner, Plan, Planner,
                                     PlanError, check_plan)
+from pdscope_jax.sched.precision import PrecisionRule
 from pdscope_jax.sched.registry import (COMPARED, PLAIN, POLICIES, Policy, UnknownPolicyError, check_policy,
                                         make_planner, planner_class)
 
@@ -22,6 +24,6 @@ __all__ = [
     "UnknownPolicyError", "Capabilities", "HotExperts",
     "LayerDemand", "Plan", "Planner", "ObservingPlanner", "PlanError", "check_plan",
     "CostTable", "CostTableError", "costs_dir", "find_cost_table", "load_cost_table", "activation_counts",
-    "HotTableError", "AdaptSched", "Decision", "GpuPlanner", "StaticPlanner", "OnDemandPlanner",
+    "HotTableError", "AdaptSched", "Decision", "PrecisionRule", "GpuPlanner", "StaticPlanner", "OnDemandPlanner",
     "GreedyPlanner", "FatePlanner",
 ]

@@ -23,6 +23,11 @@ Departures (on by default; `layer_guard=False, link_window=False` runs the paper
   max(T_G, T_C) + t_attn - t_transfer(L_on): a staged copy overlaps compute, not only the GPU's bubble.
 - `stream_next_layer` (PAPER.md "Execution engine"): in prefill, when the pool holds two whole layers, stream
   the whole next layer where the cost table says it beats the plan (`_stream_pays`).
+Precision (`sched.precision`, where `demand.precision` allows int4 copies): each candidate's precision is the
+rule's (quality "mixed": low when its relative routing weight, or for E_next its predicted one, is below the
+threshold; "int4": every copy low) and is fixed before the steps run; the steps then plan with each copy's
+own transfer time, a low copy counting `costs.transfer_ratio("int4")` of a base one in `t_transfer`, so more of
+E_cur loads and more of E_next fits the link's free time.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import numpy as np
 
 from pdscope_jax.sched.costs import CostTable
 from pdscope_jax.sched.plan import PHASES, Capabilities, HotExperts, LayerDemand, Plan, cold_to_hot
+from pdscope_jax.sched.precision import LOW
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +152,8 @@ class AdaptSched(Capabilities):
         res_tok = tok[act & d.resident]
         nxt, nxt_tok, nxt_res_tok = self._predict(d, tok)
         n, n_next = cur.size, nxt.size
-        s = _Layer(d, costs, cur, tok[cur], res_tok, nxt, nxt_tok, nxt_res_tok, self.r_hit(d.phase))
+        s = _Layer(d, costs, cur, tok[cur], res_tok, nxt, nxt_tok, nxt_res_tok, self.r_hit(d.phase),
+                   *_copy_weights(d, costs, cur, nxt))
         n_c = None
         if d.phase == "prefill":
             mode = "prefill"
@@ -178,7 +185,8 @@ class AdaptSched(Capabilities):
                 step3.count = min(step3.count, d.free_slots + unload.size)
         load_now = cur[i_prime:][::-1] if i_prime is not None else cur[:0]
         prefetch = nxt[::-1][:step3.count] if step3 is not None else nxt[:0]
-        stream = mode == "prefill" and _stream_pays(d, costs, tok, prefetch, max(t_g, t_c) + s.t_attn, s.r_hit)
+        stream = mode == "prefill" and _stream_pays(d, costs, tok, prefetch, max(t_g, t_c) + s.t_attn, s.r_hit,
+                                                    _all_low_ratio(d, costs))
         if mode == "prefill" and self.link_window and not stream:
             step3 = s.prefetch_count(i_prime, next_constraint=False, slots=d.free_slots - (n - i_prime),
                                      link_window=True)
@@ -223,6 +231,33 @@ class AdaptSched(Capabilities):
         return cand[np.lexsort((cand, self._last_used[layer][cand]))][:count]
 
 
+def _copy_weights(d: LayerDemand, costs: CostTable, cur: np.ndarray, nxt: np.ndarray):
+    """(E_cur's, E_next's) transfer weights, aligned with them: 1 for a base copy, the low copy's transfer ratio
+    for one the precision rule loads low."""
+    if d.precision is None:
+        return np.ones(cur.size), np.ones(nxt.size)
+    ratio = costs.transfer_ratio(LOW)
+    return (np.where(d.precision.low_now(d, cur), ratio, 1.0),
+            np.where(d.precision.low_next(d, nxt), ratio, 1.0))
+
+
+def _all_low_ratio(d: LayerDemand, costs: CostTable) -> float:
+    """The transfer weight of every copy when the rule loads all of them low (quality "int4"), else 1."""
+    return costs.transfer_ratio(LOW) if d.precision is not None and d.precision.quality == LOW else 1.0
+
+
+def _count_within(capacity: float, weights: np.ndarray) -> float:
+    """How many of the copies with transfer weights `weights` (issue order) fit `capacity` base copies, fractional
+    (linear within a copy; past them base copies; capacity itself when every weight is 1)."""
+    if capacity <= 0 or not (weights < 1).any():
+        return capacity
+    cum = np.concatenate(([0.0], np.cumsum(weights)))
+    if capacity >= cum[-1]:
+        return float(weights.size + (capacity - cum[-1]))
+    k = int(np.searchsorted(cum, capacity, side="right")) - 1
+    return float(k + (capacity - cum[k]) / weights[k])
+
+
 def _predicted_tokens(scores: np.ndarray, assignments: int) -> np.ndarray:
     """Next-layer tokens per expert: each positive score's share of this layer's assignments (shares first, so
     scores of subnormal size do not overflow the division)."""
@@ -230,7 +265,7 @@ def _predicted_tokens(scores: np.ndarray, assignments: int) -> np.ndarray:
 
 
 def _stream_pays(d: LayerDemand, costs: CostTable, tok: np.ndarray, prefetch: np.ndarray, window: float,
-                 r_hit: float) -> bool:
+                 r_hit: float, copy_weight: float = 1.0) -> bool:
     """Whether streaming the whole next layer beats the plan for it. Only when the pool holds two whole layers
     (`total_slots >= 2E`). `window` = this layer's time as decided plus the next attention.
     - streamed: `max(0, t_transfer(non-resident there) - window) + t_g(all predicted experts)` (the copy hides
@@ -239,7 +274,8 @@ def _stream_pays(d: LayerDemand, costs: CostTable, tok: np.ndarray, prefetch: np
       misses are the predicted non-resident experts outside L_pre plus a share 1 - R_hit of L_pre, C their CPU
       time, n_miss their count (the alternative: load them on demand).
     Predicted next-layer tokens come from the scores, else this layer's tokens stand in (prefill hits nearly
-    every expert in every layer). The plan's L_pre stays: the engine uses it where it cannot double-buffer."""
+    every expert in every layer). The plan's L_pre stays: the engine uses it where it cannot double-buffer.
+    `copy_weight`: every copy's transfer weight (the low copy's ratio under quality "int4")."""
     e = d.num_experts
     if d.next_layer is None or d.total_slots < 2 * e:
         return False
@@ -253,11 +289,11 @@ def _stream_pays(d: LayerDemand, costs: CostTable, tok: np.ndarray, prefetch: np
     pre = np.zeros(e, dtype=bool)
     pre[prefetch] = True
     all_gpu = costs.t_gpu(expected[active])
-    streamed = max(0.0, float(costs.t_transfer(int(missing.sum()))) - window) + all_gpu
+    streamed = max(0.0, float(costs.t_transfer(int(missing.sum()) * copy_weight)) - window) + all_gpu
     miss_share = np.where(pre, 1.0 - r_hit, np.where(active & missing, 1.0, 0.0))  # [E]
     planned_cpu = float(np.sum(costs.cpu_times(expected) * miss_share))
     planned = min(max(costs.t_gpu(expected[active & (~missing | pre)]), planned_cpu),
-                  float(costs.t_transfer(float(miss_share.sum()))) + all_gpu)
+                  float(costs.t_transfer(float(miss_share.sum()) * copy_weight)) + all_gpu)
     return streamed < planned
 
 
@@ -277,8 +313,9 @@ class _Layer:
     """One layer's cost curves over the candidate boundaries, computed once with cumulative sums."""
 
     def __init__(self, d: LayerDemand, costs: CostTable, cur, cur_tok, res_tok, nxt, nxt_tok, nxt_res_tok,
-                 r_hit: float):
+                 r_hit: float, w_cur: np.ndarray, w_next: np.ndarray):
         self.costs = costs
+        self.w_all = np.concatenate((w_cur, w_next))  # transfer weights (`_copy_weights`), as all_tok
         self.n, self.n_next = cur.size, nxt.size
         self.r_hit = r_hit
         self.t_attn = costs.t_attn(d.phase, d.step_tokens)
@@ -289,7 +326,9 @@ class _Layer:
         # cpu_cur[j] = t_cpu(E_cur[0:j]); gpu_cur[m] = batched GPU time of resident + the m hottest of E_cur
         self.cpu_cur = np.concatenate(([0.0], np.cumsum(self.all_cpu[:n])))
         self.cpu_next = np.concatenate(([0.0], np.cumsum(self.all_cpu[n:])))
-        self.xfer = costs.t_transfer(np.arange(n + n_next + 1))  # xfer[m] = t_transfer(m)
+        # xfer_cur[j] = t_transfer(E_cur[j:]): the loads when the boundary is j (weights summed: low copies cheaper)
+        self.xfer_cur = costs.t_transfer(np.concatenate((np.cumsum(w_cur[::-1])[::-1], [0.0])))
+        self.w_next_hot = w_next[::-1]  # E_next hottest first, the order prefetches issue in
         split = n + n_next + res_tok.size
         self.gpu_cur = costs.gpu_growing(marg[n + n_next:split], marg[:n][::-1])
         self.gpu_next = costs.gpu_growing(marg[split:], marg[n:n + n_next][::-1])
@@ -307,8 +346,9 @@ class _Layer:
         next_before = np.arange(size + 1) - cur_before
         cpu_next_first = np.concatenate((self.all_cpu[n:], self.all_cpu[:n]))
         t_c = np.concatenate(([0.0], np.cumsum(cpu_next_first[order]))) + self.t_attn
-        t_g = (self.xfer[size - np.arange(size + 1)] + self.gpu_cur[n - cur_before]
-               + self.gpu_next[n_next - next_before])
+        w_sorted = np.concatenate((self.w_all[n:], self.w_all[:n]))[order]
+        xfer = self.costs.t_transfer(np.concatenate((np.cumsum(w_sorted[::-1])[::-1], [0.0])))  # of E_all[i:]
+        t_g = xfer + self.gpu_cur[n - cur_before] + self.gpu_next[n_next - next_before]
         ok = (t_g < t_c)[:size]
         i = int(np.argmax(ok)) if ok.any() else size
         return i, int(cur_before[i])
@@ -316,7 +356,7 @@ class _Layer:
     def criterion(self, i_prime, boundary_in_cpu_side: bool):
         """Step 2's (T_G, T_C) for boundary i' (scalar or array)."""
         i_prime = np.asarray(i_prime)
-        t_g = self.xfer[self.n - i_prime] + self.gpu_cur[self.n - i_prime]
+        t_g = self.xfer_cur[i_prime] + self.gpu_cur[self.n - i_prime]
         t_c = self.cpu_cur[i_prime if boundary_in_cpu_side else np.maximum(i_prime - 1, 0)]
         return (float(t_g), float(t_c)) if i_prime.ndim == 0 else (t_g, t_c)
 
@@ -333,12 +373,12 @@ class _Layer:
         """The i' in [0, n] whose layer time max(GPU side, CPU side) is least (the fewest CPU experts on a tie),
         cut to the hottest `slots` loads like step 2."""
         loads = self.n - np.arange(self.n + 1)
-        layer = np.maximum(self.xfer[loads] + self.gpu_cur[loads], self.cpu_cur)
+        layer = np.maximum(self.xfer_cur + self.gpu_cur[loads], self.cpu_cur)
         return max(int(np.argmin(layer)), self.n - max(slots, 0))
 
     def layer_sides(self, i_prime: int) -> tuple[float, float]:
         """(GPU side, CPU side) of this layer with L_on = E_cur[i':] and E_cur[0:i'] on the CPU."""
-        return (float(self.xfer[self.n - i_prime] + self.gpu_cur[self.n - i_prime]),
+        return (float(self.xfer_cur[i_prime] + self.gpu_cur[self.n - i_prime]),
                 float(self.cpu_cur[i_prime]))
 
     def prefetch_count(self, i_prime: int, next_constraint: bool, slots: int, link_window: bool = False) -> _Step3:
@@ -347,14 +387,18 @@ class _Layer:
         t_g, t_c = self.layer_sides(i_prime)
         t_io = self.costs.t_io
         if link_window:
-            f = (max(t_g, t_c) + self.t_attn - self.xfer[self.n - i_prime]) / t_io
+            capacity = (max(t_g, t_c) + self.t_attn - self.xfer_cur[i_prime]) / t_io  # in base copies
         else:
-            f = (t_c - t_g + self.t_attn) / t_io
+            capacity = (t_c - t_g + self.t_attn) / t_io
+        w = self.w_next_hot
+        f = _count_within(capacity, w)  # prefetches (hottest first) that fit
         ceil_f = math.ceil(f)
-        xi = self.r_hit * (f - ceil_f + 1) * t_io - (1 - self.r_hit) * (ceil_f - f) * t_io
+        t_last = t_io * (w[ceil_f - 1] if 0 < ceil_f <= w.size else 1.0)  # the ceil(f)-th copy's transfer
+        xi = self.r_hit * (f - ceil_f + 1) * t_last - (1 - self.r_hit) * (ceil_f - f) * t_last
         count = min(max(ceil_f if xi > 0 else math.floor(f), 0), self.n_next, max(slots, 0))
         if next_constraint:
-            while count > 0 and not (max(count - f, 0.0) * t_io + self.gpu_next[count]
+            cum = np.concatenate(([0.0], np.cumsum(w)))  # base copies the `count` hottest take
+            while count > 0 and not (max(cum[count] - capacity, 0.0) * t_io + self.gpu_next[count]
                                      < self.cpu_next[self.n_next - count]):
                 count -= 1
         return _Step3(count=count, f=f, xi=xi)

@@ -17,6 +17,10 @@ Cost model (all times in seconds):
 - `t_transfer(n)`: n experts moved host -> GPU back to back: `alpha + n * t_io`, or the measured
   `transfer_seconds` curve when the profile has one (linear with slope `t_io` past its last point).
 - `t_attn(phase, tokens)`: one layer's attention (GPU) for `tokens` tokens in `phase`.
+- Precision axis (`precisions`, optional): per other precision of an expert's copy (e.g. "int4", the host's low
+  copy) a `PrecisionCosts`: its `t_io` (measured, or the table's scaled by the bytes ratio: `with_precision`) and,
+  where measured, its CPU / GPU expert times per bucket. `transfer_ratio(name)` = its t_io over the table's: a
+  copy in that precision counts as that fraction of one in `t_transfer(n)`.
 Zero tokens (or an empty set, or n = 0 transfers) cost nothing.
 
 JSON layout: `CostTable.to_dict`. A malformed file raises `CostTableError` naming every problem at once.
@@ -67,6 +71,20 @@ def _knots(buckets: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 @dataclasses.dataclass(frozen=True)
+class PrecisionCosts:
+    """One expert whose copy is in another precision: host -> GPU seconds, and its compute times where measured."""
+
+    t_io: float
+    cpu_expert_seconds: tuple[float, ...] = ()  # per token bucket; () where not measured
+    gpu_expert_seconds: tuple[float, ...] = ()
+    source: str = "bytes"  # "measured", or "bytes": the table's t_io times the ratio of the stored bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"t_io": self.t_io, "cpu_expert_seconds": list(self.cpu_expert_seconds),
+                "gpu_expert_seconds": list(self.gpu_expert_seconds), "source": self.source}
+
+
+@dataclasses.dataclass(frozen=True)
 class CostTable:
     token_buckets: tuple[int, ...]
     cpu_expert_seconds: tuple[float, ...]
@@ -81,6 +99,7 @@ class CostTable:
     source: str = "measured"
     model: str = ""
     meta: tuple[tuple[str, str], ...] = ()  # free-form provenance (command, date, machine), as string pairs
+    precisions: tuple[tuple[str, PrecisionCosts], ...] = ()  # the precision axis (module docstring)
     _arrays: dict = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +115,8 @@ class CostTable:
             set_(name, float(getattr(self, name)))
         set_("meta", tuple((str(k), str(v)) for k, v in (self.meta.items() if isinstance(self.meta, dict)
                                                             else self.meta)))
+        set_("precisions", tuple(sorted((str(k), _precision_costs(v)) for k, v in (
+            self.precisions.items() if isinstance(self.precisions, dict) else self.precisions))))
         problems = self._problems()
         if problems:
             raise CostTableError("invalid cost table:\n  " + "\n  ".join(problems))
@@ -143,6 +164,15 @@ class CostTable:
             p.append("transfer_seconds must be finite and >= 0")
         if self.source not in SOURCES:
             p.append(f"source must be one of {SOURCES}, got {self.source!r}")
+        for name, c in self.precisions:
+            if not (math.isfinite(c.t_io) and c.t_io > 0):
+                p.append(f"precisions.{name}.t_io must be finite and > 0, got {c.t_io}")
+            for part in ("cpu_expert_seconds", "gpu_expert_seconds"):
+                values = getattr(c, part)
+                if values and len(values) != len(b):
+                    p.append(f"precisions.{name}.{part} has {len(values)} values for {len(b)} token buckets")
+            if c.source not in ("measured", "bytes"):
+                p.append(f"precisions.{name}.source must be 'measured' or 'bytes', got {c.source!r}")
         return p
 
     # ---- costs -------------------------------------------------------------------------------------------
@@ -193,6 +223,27 @@ class CostTable:
             raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
         return float(np.interp(tokens, *self._arrays[phase]))
 
+    def transfer_ratio(self, precision: str) -> float:
+        """Seconds to move one expert's copy in `precision` over those of the table's own copy."""
+        costs = dict(self.precisions).get(precision)
+        if costs is None:
+            raise CostTableError(f"the cost table has no transfer time for {precision!r} copies (precisions: "
+                                 f"{[k for k, _ in self.precisions] or 'none'}); add one with `with_precision`")
+        return costs.t_io / self.t_io
+
+    def with_precision(self, precision: str, *, t_io: float | None = None, bytes_ratio: float | None = None,
+                       cpu_expert_seconds=(), gpu_expert_seconds=()) -> "CostTable":
+        """This table with `precision` on its axis: a measured `t_io`, or the table's t_io times `bytes_ratio`
+        (the stored bytes of such a copy over the table's). A precision already there is kept as it is."""
+        if precision in dict(self.precisions):
+            return self
+        if t_io is None:
+            costs = PrecisionCosts(self.t_io * float(bytes_ratio), tuple(cpu_expert_seconds),
+                                   tuple(gpu_expert_seconds), "bytes")
+        else:
+            costs = PrecisionCosts(t_io, tuple(cpu_expert_seconds), tuple(gpu_expert_seconds), "measured")
+        return dataclasses.replace(self, precisions=self.precisions + ((precision, costs),))
+
     def with_cpu_scale(self, factor: float) -> "CostTable":
         """This table with every CPU expert time multiplied by `factor` (the engine's in-situ calibration)."""
         return dataclasses.replace(self, cpu_expert_seconds=tuple(v * factor for v in self.cpu_expert_seconds))
@@ -232,8 +283,10 @@ class CostTable:
             {"version": 1, "source": "measured" | "analytic", "model": str, "token_buckets": [int, ...],
              "cpu_expert_seconds": [...], "gpu_expert_seconds": [...], "gpu_launch_seconds": float,
              "t_io": float, "alpha": float, "attn_seconds": {"prefill": [...], "decode": [...]},
-             "transfer_counts": [int, ...], "transfer_seconds": [...], "meta": {...}}"""
-        return {
+             "transfer_counts": [int, ...], "transfer_seconds": [...], "meta": {...}}
+        and, only where the table has a precision axis, "precisions": {name: {"t_io": float, "cpu_expert_seconds":
+        [...] or [], "gpu_expert_seconds": [...] or [], "source": "measured" | "bytes"}}."""
+        out = {
             "version": VERSION,
             "source": self.source,
             "model": self.model,
@@ -248,6 +301,9 @@ class CostTable:
             "transfer_seconds": list(self.transfer_seconds),
             "meta": dict(self.meta),
         }
+        if self.precisions:
+            out["precisions"] = {name: costs.to_dict() for name, costs in self.precisions}
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -259,7 +315,7 @@ class CostTable:
         required = ("version", "token_buckets", "cpu_expert_seconds", "gpu_expert_seconds", "t_io", "alpha",
                     "attn_seconds")
         optional = ("source", "model", "gpu_launch_seconds", "transfer_counts", "transfer_seconds", "meta",
-                    integrity.CHECKSUM_KEY)
+                    "precisions", integrity.CHECKSUM_KEY)
         integrity.check_seal(d, CostTableError, "cost table", REMEDY, required=False)
         problems = [f"missing key {k!r}" for k in required if k not in d]
         problems += [f"unknown key {k!r}" for k in d if k not in required + optional]
@@ -277,7 +333,8 @@ class CostTable:
                        attn_prefill_seconds=attn["prefill"], attn_decode_seconds=attn["decode"],
                        gpu_launch_seconds=d.get("gpu_launch_seconds", 0.0),
                        transfer_counts=d.get("transfer_counts", ()), transfer_seconds=d.get("transfer_seconds", ()),
-                       source=d.get("source", "measured"), model=d.get("model", ""), meta=d.get("meta", {}))
+                       source=d.get("source", "measured"), model=d.get("model", ""), meta=d.get("meta", {}),
+                       precisions=d.get("precisions", {}))
         except (TypeError, ValueError, AttributeError) as e:
             if isinstance(e, CostTableError):
                 raise
@@ -303,6 +360,18 @@ class CostTable:
             return cls.from_dict(d)
         except CostTableError as e:
             raise CostTableError(f"{path}: {e}") from None
+
+
+def _precision_costs(value) -> PrecisionCosts:
+    """A `PrecisionCosts` from itself or its JSON object (TypeError / ValueError when malformed)."""
+    if isinstance(value, PrecisionCosts):
+        value = value.to_dict()
+    unknown = set(value) - {"t_io", "cpu_expert_seconds", "gpu_expert_seconds", "source"}
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)} in a precision's costs")
+    return PrecisionCosts(float(value.get("t_io")), tuple(float(v) for v in value.get("cpu_expert_seconds", ())),
+                          tuple(float(v) for v in value.get("gpu_expert_seconds", ())),
+                          str(value.get("source", "measured")))
 
 
 # ---- where measured tables live ------------------------------------------------------------------------------

@@ -13,12 +13,15 @@ Plan semantics, in the order the engine acts on them:
   experts + `load_now`;
 - `prefetch`: next-layer experts to start loading now, in issue order;
 - `stream_next_layer`: prefill only; stream the whole next layer into the other full-layer buffer (the engine
-  falls back to on-demand loading when two full layers do not fit).
+  falls back to on-demand loading when two full layers do not fit);
+- `load_low` ⊆ load_now, `prefetch_low` ⊆ prefetch, `stream_low`: copies made from the host's int4 copy
+  (`sched.precision`; only where `demand.precision` allows, every copy under quality "int4").
 
 `check_plan(demand, plan)` raises `PlanError` listing every broken invariant: each activated expert in exactly
 one of gpu/cpu; non-activated experts never computed; load_now ⊆ gpu and never resident; gpu experts resident
 or loaded now; unload ⊆ resident; prefetch only next-layer experts that are not resident there; and slots:
-`len(load_now) + len(prefetch) <= free_slots + (unloaded experts not computed on the GPU now)`.
+`len(load_now) + len(prefetch) <= free_slots + (unloaded experts not computed on the GPU now)`; low copies as
+above.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from pdscope_jax.sched.costs import PHASES, CostTable
+from pdscope_jax.sched.precision import LOW, PrecisionRule
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -98,12 +102,14 @@ class LayerDemand:
     free_slots: int                 # slots usable without evicting this layer's experts
     total_slots: int
     num_tokens: int | None = None   # tokens in this step (batch x new tokens); None: max(tokens_per_expert)
+    precision: PrecisionRule | None = None  # how copies may load from the int4 copy (None: base precision only)
+    peak_weight: np.ndarray | None = None  # [E] largest relative routing weight now (`precision.relative_peaks`)
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
         for name, dtype in (("tokens_per_expert", np.int64), ("resident", bool), ("next_scores", np.float64),
-                            ("next_resident", bool)):
+                            ("next_resident", bool), ("peak_weight", np.float64)):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, np.asarray(value, dtype=dtype))
@@ -112,7 +118,7 @@ class LayerDemand:
         problems = []
         if tok.ndim != 1 or (tok < 0).any():
             problems.append(f"tokens_per_expert must be a 1-D non-negative array, got shape {tok.shape}")
-        for name in ("resident", "next_scores", "next_resident"):
+        for name in ("resident", "next_scores", "next_resident", "peak_weight"):
             v = getattr(self, name)
             if v is not None and v.shape != (e,):
                 problems.append(f"{name} has shape {v.shape}, expected ({e},)")
@@ -163,18 +169,24 @@ class Plan:
     prefetch: np.ndarray   # next layer's expert ids to start loading now, issue order
     unload: np.ndarray     # this layer's resident expert ids whose slots may be freed
     stream_next_layer: bool = False   # prefill: stream all of the next layer into the other full-layer buffer
+    load_low: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # load_now ids copied low
+    prefetch_low: np.ndarray = dataclasses.field(default_factory=lambda: _EMPTY)  # prefetch ids copied low
+    stream_low: bool = False  # the streamed next layer is copied low
 
     @classmethod
     def from_loads(cls, demand: LayerDemand, load_now=None, prefetch=None, unload=None,
                    stream_next_layer: bool = False) -> "Plan":
         """The plan that loads `load_now`, computes every other resident activated expert on the GPU too, and
-        every remaining activated expert on the CPU."""
-        load_now = _ids(load_now)
+        every remaining activated expert on the CPU; its copies' precision by `demand.precision`'s rule."""
+        load_now, prefetch = _ids(load_now), _ids(prefetch)
         on_gpu = demand.activated & demand.resident
         on_gpu[load_now] = True
         cpu_mask = demand.activated & ~on_gpu
-        return cls(gpu=np.flatnonzero(on_gpu), load_now=load_now, cpu=np.flatnonzero(cpu_mask),
-                   prefetch=_ids(prefetch), unload=np.sort(_ids(unload)), stream_next_layer=stream_next_layer)
+        low = (_EMPTY, _EMPTY, False) if demand.precision is None else demand.precision.split(
+            demand, load_now, prefetch, stream_next_layer)
+        return cls(gpu=np.flatnonzero(on_gpu), load_now=load_now, cpu=np.flatnonzero(cpu_mask), prefetch=prefetch,
+                   unload=np.sort(_ids(unload)), stream_next_layer=stream_next_layer, load_low=low[0],
+                   prefetch_low=low[1], stream_low=low[2])
 
 
 @runtime_checkable
@@ -201,7 +213,7 @@ def check_plan(demand: LayerDemand, plan: Plan) -> None:
     res = demand.resident
     p: list[str] = []
     masks = {}
-    for name in ("gpu", "load_now", "cpu", "prefetch", "unload"):
+    for name in ("gpu", "load_now", "cpu", "prefetch", "unload", "load_low", "prefetch_low"):
         ids = np.asarray(getattr(plan, name))
         if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
             p.append(f"{name} must be a 1-D integer array, got dtype {ids.dtype} shape {ids.shape}")
@@ -242,5 +254,23 @@ def check_plan(demand: LayerDemand, plan: Plan) -> None:
     if needed > capacity:
         p.append(f"needs {needed} slots (load_now + prefetch) but only {capacity} are free "
                  f"({demand.free_slots} free + unloaded ones not computed now)")
+    p += _precision_problems(demand, plan, masks)
     if p:
         raise PlanError(f"invalid plan for layer {demand.layer} ({demand.phase}):\n  " + "\n  ".join(p))
+
+
+def _precision_problems(demand: LayerDemand, plan: Plan, masks: dict[str, np.ndarray]) -> list[str]:
+    """What the plan's low copies break: subsets of their copies, none unless the quality allows, all under int4."""
+    p = []
+    for low, of in (("load_low", "load_now"), ("prefetch_low", "prefetch")):
+        if (masks[low] & ~masks[of]).any():
+            p.append(f"{low} not in {of}: {np.flatnonzero(masks[low] & ~masks[of]).tolist()}")
+    if plan.stream_low and not plan.stream_next_layer:
+        p.append("stream_low without stream_next_layer")
+    rule = demand.precision
+    if rule is None and (masks["load_low"].any() or masks["prefetch_low"].any() or plan.stream_low):
+        p.append("copies from the int4 copy, but the quality allows none (quality None or the stored precision)")
+    if rule is not None and rule.quality == LOW and ((masks["load_now"] != masks["load_low"]).any() or (
+            masks["prefetch"] != masks["prefetch_low"]).any() or plan.stream_low != plan.stream_next_layer):
+        p.append("quality 'int4' copies every expert low, but some copies of this plan are not")
+    return p
