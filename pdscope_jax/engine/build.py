@@ -5,14 +5,16 @@ Contract (each function returns what it builds; nothing here is kept between cal
   anything is placed (activations measured by compiling the largest step's programs, `engine.activations`,
   unless `rc.activation_memory` is "estimated" or every expert fits the pool under the upper estimate anyway);
   raises `BudgetError` when the model does not fit.
-- `take_weights(model, weights, shapes, moe_layers, devices, **store options, quant, dtype)` -> (ExpertStore,
+- `take_weights(model, weights, shapes, moe_layers, devices, **store options, quant, dtype, low)` -> (ExpertStore,
   non-expert weights {path: array}); quantized experts (`quant`) reach the store as QuantizedWeights of compute
-  dtype `dtype`, assembled from their integer and scale parameters. `weights`: None (the model's own parameters), a flat `{path: array}` dict (routed-expert
-  entries are popped as the store takes them, so the caller's dict keeps no second host copy), or a loader
-  `loader(paths, placement) -> {path: array}` called once for every non-expert parameter, then once per MoE layer
-  for its two expert stacks, each placed on the accelerator, copied into pinned host memory and dropped: the
-  accelerator holds at most one layer of them (the budget's "transfer staging" line) and the host never holds
-  the model twice. A progress bar counts the MoE layers once their experts reach `PROGRESS_BYTES`.
+  dtype `dtype`, assembled from their integer and scale parameters; with `low` each layer's int4 copies
+  (`store.low_copies.low_copy`) are made where the layer lies and kept beside it. `weights`: None (the model's
+  own parameters), a flat `{path: array}` dict (routed-expert entries are popped as the store takes them, so the
+  caller's dict keeps no second host copy), or a loader `loader(paths, placement) -> {path: array}` called once for
+  every non-expert parameter, then once per MoE layer for its two expert stacks, each placed on the accelerator,
+  copied into pinned host memory and dropped: the accelerator holds at most one layer of them (the budget's
+  "transfer staging" line) and the host never holds the model twice. A progress bar counts the MoE layers once
+  their experts reach `PROGRESS_BYTES`.
 - `place_non_experts(graphdef, flat_state, weights, accel)` -> `Placed`: the model's non-expert weights on the
   accelerator split into the jitted pieces' arguments (expert stacks become empty arrays: attention, router and
   shared experts never read them).
@@ -40,6 +42,7 @@ from pdscope_jax.runtime import Devices, RuntimeConfig
 from pdscope_jax.sched import CostTable
 from pdscope_jax.store.budget import Budget, BudgetError, plan_budget as budget_of
 from pdscope_jax.store.expert_store import ExpertStore, expert_paths, is_expert_path
+from pdscope_jax.store.low_copies import low_copy
 from pdscope_jax.weights.checkpoint import PROGRESS_BYTES
 
 
@@ -99,7 +102,7 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
 
 def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view: str,
                  host_alloc: str, expert_stacks: bool, quant: str | None = None,
-                 dtype=None) -> tuple[ExpertStore, dict]:
+                 dtype=None, low: bool = False) -> tuple[ExpertStore, dict]:
     accel = jax.sharding.SingleDeviceSharding(devices.accel)
 
     def placement(path):  # the loader generates or reads every parameter on the accelerator
@@ -128,10 +131,12 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: De
         task = progress.add_task("routed experts -> pinned host memory (MoE layers)", total=len(layers))
         for layer, paths in layers.items():
             stacks = layer_stacks(paths + tuple(p + "_scale" for p in paths) if quant else paths)
-            store.add_layer(layer, *(stacks[p] if quant is None else
-                                     QuantizedWeight(stacks[p], stacks[p + "_scale"], scheme(quant), dtype)
-                                     for p in paths))
-            del stacks  # the layer's last reference outside the store
+            parts = [stacks[p] if quant is None else QuantizedWeight(stacks[p], stacks[p + "_scale"], scheme(quant),
+                                                                     dtype) for p in paths]
+            if low:
+                store.add_low_layer(layer, *(low_copy(part) for part in parts))
+            store.add_layer(layer, *parts)
+            del stacks, parts  # the layer's last references outside the store
             progress.advance(task)
     return store, flat
 

@@ -9,7 +9,10 @@ dispatched, so they overlap it; dispatch the GPU experts (one `gpu_experts` prog
 slot_of map, or one per expert with `batched_gpu` off); hand the GPU result and the copies to helper threads that
 stamp when each is done (`LayerTiming.ready`); wait for the CPU part only; add the parts and the shared experts.
 With `async_io` off each copy is waited for where it is issued and the CPU experts start after the copies.
-Counts bytes and loads into `stats`; the rest of the layer's figures settle from the returned `LayerTiming`.
+Copies the plan marks low (`load_low`, `prefetch_low`, `stream_low`) move the host's int4 copies, turned into the
+pool's format as they are written (`store.low_copies`). Counts bytes, loads (by precision) and GPU experts
+computed from low copies into `stats`; with `trace` a list, appends (phase, layer, ids of those GPU experts) per
+layer. The rest of the layer's figures settle from the returned `LayerTiming`.
 Marks "cpu_submitted", "loads_issued", "next_issued", "gpu_dispatched", "cpu_joined", "combined".
 """
 
@@ -23,7 +26,7 @@ import numpy as np
 
 from pdscope_jax.engine.cpu_experts import CpuExperts, compact_rows
 from pdscope_jax.engine.route import Routed
-from pdscope_jax.engine.stats import LayerTiming, PhaseStats
+from pdscope_jax.engine.stats import LayerTiming, PhaseStats, count_copies
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.runtime import Devices, RuntimeConfig
 from pdscope_jax.sched import CostTable, Plan
@@ -39,6 +42,7 @@ class PlanExecutor:
         self.devices, self.costs, self._mark = devices, costs, mark
         # stamps when a part running elsewhere is done (its thread waits, the host does not)
         self.waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
+        self.trace: list | None = None  # (phase, layer, GPU experts computed from int4 copies), when a list
 
     def execute(self, i: int, nxt: int | None, phase: str, plan: Plan, r: Routed, stats: PhaseStats,
                 rc: RuntimeConfig):
@@ -52,13 +56,15 @@ class PlanExecutor:
             cpu_part = self._run_cpu(i, plan.cpu, r)
             self._mark(phase, "cpu_submitted", i)
         start = time.perf_counter()
-        loads, loads_end = self._load_now(i, plan.load_now, stats, rc.async_io)
+        loads, loads_end = self._load_now(i, plan.load_now, np.isin(plan.load_now, plan.load_low), stats,
+                                          rc.async_io)
         self._mark(phase, "loads_issued", i)
         staged_next = self.transfers.issue_next(i, nxt, plan, stats, rc.async_io)  # before compute: overlaps it
         self._mark(phase, "next_issued", i)
         dispatched = time.perf_counter()
         if plan.cpu.size and not rc.async_io:  # synchronous I/O: nothing overlapped the copies
             cpu_part, cpu_start = self._run_cpu(i, plan.cpu, r), dispatched
+        self._count_low(phase, i, plan.gpu, stats)
         y_gpu = self._run_gpu(i, plan.gpu, on_gpu, r, rc.batched_gpu)
         self._mark(phase, "gpu_dispatched", i)
         # helper threads stamp when each part is done (from now, not after the CPU part: exact GPU times)
@@ -77,20 +83,28 @@ class PlanExecutor:
         return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end,
                               loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]), r.padded_rows)
 
-    def _load_now(self, i: int, experts: np.ndarray, stats: PhaseStats, async_io: bool
+    def _load_now(self, i: int, experts: np.ndarray, low: np.ndarray, stats: PhaseStats, async_io: bool
                   ) -> tuple[jax.Array | None, float | None]:
-        """Issue the load of `experts` of layer i into slots. -> (an array ready when the load is done, None) or,
-        with `async_io` off, where the copy is waited for here, (None, perf_counter when it was done); (None,
-        None) when nothing was loaded."""
+        """Issue the load of `experts` of layer i into slots (int4 copies where `low` [n]). -> (an array ready
+        when the load is done, None) or, with `async_io` off, where the copy is waited for here, (None,
+        perf_counter when it was done); (None, None) when nothing was loaded."""
         if experts.size == 0:
             return None, None
-        written = self.store.write(self.pool, i, experts, self.pool.allocate(i, experts, protect=(i,)))
-        stats.bytes_moved += written.nbytes
+        slots = self.pool.allocate(i, experts, protect=(i,), low=low)
+        written = self.store.write(self.pool, i, experts, slots, low if low.any() else None)
+        count_copies(stats, self.store, i, experts, low, written.nbytes)
         stats.experts_loaded_now += experts.size
         if not async_io:
             written.done.block_until_ready()
             return None, time.perf_counter()
         return written.done, None
+
+    def _count_low(self, phase: str, i: int, experts: np.ndarray, stats: PhaseStats) -> None:
+        """Count (and trace) layer i's GPU `experts` that compute from a slot holding an int4 copy."""
+        low = experts[self.pool.low_of(i)[experts]]
+        stats.gpu_experts_low += low.size
+        if self.trace is not None:
+            self.trace.append((phase, i, low))
 
     def _run_gpu(self, i: int, experts: np.ndarray, on_gpu: np.ndarray, r: Routed, batched: bool):
         """Dispatch layer i's GPU `experts` over the slot pool (on_gpu [E] marks them). -> y [Nb, D], or None."""

@@ -6,7 +6,8 @@ programs is bounded; padded rows route but count in no statistic. Per MoE layer 
   route    `Router.route`: attention, router, shared experts, next-layer scores; the routing to the host;
            then what it chose is counted (activation counts, the planner's observation, prefetch use, and how
            well the scores the layer before gave its planner predicted it: `stats.prediction_hits`);
-  plan     a `LayerDemand` -> the planner's `Plan` (costs with the in-situ CPU calibration), checked;
+  plan     a `LayerDemand` -> the planner's `Plan` (costs with the in-situ CPU calibration), checked; where the
+           engine's `precision` rule loads int4 copies, the demand carries it and the routing's relative weights;
   execute  `PlanExecutor.execute`: loads, CPU experts, the next layer's transfers, GPU experts, the sum;
   record   the layer's `LayerTiming` waits for the end of the step (`settle`), so no layer waits for its own
            compute and the next layer's programs queue behind it.
@@ -29,6 +30,7 @@ from pdscope_jax.engine.stats import LayerTiming, prediction_hits
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.runtime import bucket
 from pdscope_jax.sched import LayerDemand, Plan, check_plan
+from pdscope_jax.sched.precision import relative_peaks
 
 
 class HostLoop:
@@ -61,7 +63,7 @@ class HostLoop:
             self.transfers.streamed.clear()  # what prefill streamed is now part of the decode cache
         elif self.transfers.streams_prefill and e.pool.can_double_buffer:
             first = e._moe_layers[0]  # streams behind the embedding and the layers before it
-            self.transfers.stream(first, (), e.phase_stats[phase], e.runtime.async_io)
+            self.transfers.stream(first, (), e.phase_stats[phase], e.runtime.async_io, self.transfers.stream_low)
         programs = e._programs
         x = programs["embed"](e._graph, e._state, ids)
         for i, layer in enumerate(e._layers):
@@ -112,11 +114,13 @@ class HostLoop:
         e = self.engine
         nxt, pool = self._next_moe.get(i), e.pool
         resident = pool.resident(i)
+        rule = e.precision
         demand = LayerDemand(
             layer=i, phase=phase, tokens_per_expert=r.tokens, resident=resident, next_layer=nxt,
             next_scores=None if nxt is None else r.next_scores,
             next_resident=None if nxt is None else pool.resident(nxt),
-            free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size)
+            free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size,
+            precision=rule, peak_weight=None if rule is None else relative_peaks(r.w_host, r.ids_host, r.tokens.size))
         start = time.perf_counter()
         plan = e.planner.plan(demand, self.calibration.costs_for(phase, r.padded_rows))
         planner_seconds = time.perf_counter() - start
@@ -124,8 +128,8 @@ class HostLoop:
         self._mark(phase, "planned", i)
         if demand.next_scores is not None:  # scored once the next layer has routed (`_count`)
             self.predicted[nxt] = demand.next_scores
-        if phase == "prefill" and nxt is not None:
-            self.transfers.streams_prefill = plan.stream_next_layer  # the next prefill streams its first layer too
+        if phase == "prefill" and nxt is not None:  # the next prefill streams its first layer too
+            self.transfers.streams_prefill, self.transfers.stream_low = plan.stream_next_layer, plan.stream_low
         stats = e.phase_stats[phase]
         stats.planner_seconds += planner_seconds
         stats.planner_calls += 1

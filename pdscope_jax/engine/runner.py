@@ -22,7 +22,11 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`
   the in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot
   table, preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU
   program per expert); `device_decode` (allow the one-program decode step); `decode_cpu_experts` and
-  `decode_copy_share` (which misses of that step the host's CPU computes: `engine.host_split`).
+  `decode_copy_share` (which misses of that step the host's CPU computes: `engine.host_split`); `quality` and
+  `mixed_threshold` (`sched.precision`): a quality that loads int4 copies makes the store keep them beside the
+  stored precision (built once: `set_policy` may switch among qualities only while they exist), gives the cost
+  table the int4 transfer (its bytes ratio unless measured), sets `precision` (the rule the planners see) and
+  keeps decode on the host. `precision_trace`: set to a list to record which GPU experts computed from int4 copies.
 """
 
 from __future__ import annotations
@@ -48,11 +52,13 @@ from pdscope_jax.engine.stats import PhaseStats
 from pdscope_jax.engine.timeline import Timeline
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.engine.warmup import precompile_combine, precompile_slot_writes
+from pdscope_jax.errors import raise_problems
 from pdscope_jax.generation.generator import CACHE_BUCKET, GenerationResult, Steps, check_request, sampling_params
 from pdscope_jax.generation.sampling import SamplingState
-from pdscope_jax.runtime import Devices, RuntimeConfig, bucket, select_devices
+from pdscope_jax.runtime import Devices, RuntimeConfig, RuntimeConfigError, bucket, select_devices
 from pdscope_jax.sched import (CostTable, ObservingPlanner, activation_counts, load_cost_table, make_planner,
                                planner_class)
+from pdscope_jax.sched.precision import LOW, loads_low, quality_problems, rule_for
 from pdscope_jax.store.budget import BudgetError
 from pdscope_jax.store.slot_pool import SlotPool
 
@@ -76,13 +82,18 @@ class OffloadRunner:
 
         abstract = models.abstract_model(cfg, param_dtype(model))  # shapes only: nothing placed yet
         graphdef, flat_state, shapes = split_abstract(abstract)
+        raise_problems(quality_problems(rc.quality, cfg.expert_quant), "OffloadRunner")
         self.budget, expert_dtype, self.cache_dtype = plan_budget(cfg, rc, abstract, shapes)
         self._check_policy(rc.policy)
         self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
                                     else analytic_costs(cfg, expert_dtype.itemsize))
+        keep_low = loads_low(rc.quality, cfg.expert_quant)
+        if keep_low:  # a table without the int4 transfer: the base one scaled by the bytes
+            self.costs = self.costs.with_precision(LOW, bytes_ratio=cfg.replace(expert_quant=LOW).expert_bytes()
+                                                   / cfg.expert_bytes(expert_dtype.itemsize))
         self.store, non_expert = take_weights(model, weights, shapes, self._moe_layers, self.devices,
                                               cpu_view=cpu_view, host_alloc=host_alloc, expert_stacks=expert_stacks,
-                                              quant=cfg.expert_quant, dtype=expert_dtype)
+                                              quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
         placed = place_non_experts(graphdef, flat_state, non_expert, self.devices.accel)
         # the model without its layers (embedding, logits), each layer's (graph, state), the KV cache's program
         self._graph, self._state, self._layers, self._init_cache = (placed.graph, placed.state, placed.layers,
@@ -111,20 +122,23 @@ class OffloadRunner:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
         `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu`, `device_decode`,
-        `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies` and `decode_copies_ahead`
-        at the same time; a
-        different policy also forgets the CPU calibration (learned under another's load).
+        `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`, `decode_copies_ahead`,
+        `quality` and `mixed_threshold` at the same time (a quality that loads int4 copies only where the store
+        keeps them: RuntimeConfigError otherwise); a different policy also forgets the CPU calibration (learned
+        under another's load).
         Planners with hot slots (`Capabilities.hot_slots`) get the hot table's `activation_counts` and, unless
         given, `hot_per_layer` = their hot slots split evenly over the MoE layers."""
         unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank",
                                  "decode_cpu_experts", "decode_copy_share", "decode_bridge_copies",
-                                 "decode_copies_ahead"}
+                                 "decode_copies_ahead", "quality", "mixed_threshold"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
+        runtime = self.runtime.replace(policy=policy, policy_options=policy_options, **engine)
+        self.precision = self._precision_rule(runtime)
         if policy != self.runtime.policy:  # the calibration learned under one policy's load is not another's
             self._calibration.clear()
-        self.runtime = self.runtime.replace(policy=policy, policy_options=policy_options, **engine)
+        self.runtime = runtime
         options = self.runtime.policy_kwargs
         hot_table = self.runtime.hot_table
         hot_slots = planner_class(policy).hot_slots(self.pool.num_slots, self.config.num_experts,
@@ -143,6 +157,24 @@ class OffloadRunner:
         self._transfers.clear()
         self._preload()
         self.reset_stats()
+
+    def _precision_rule(self, rc: RuntimeConfig):
+        """The precision rule the planners see under `rc` (`sched.precision.rule_for`), checked against the store."""
+        raise_problems(quality_problems(rc.quality, self.config.expert_quant), "set_policy")
+        rule = rule_for(rc.quality, self.config.expert_quant, rc.mixed_threshold)
+        if rule is not None and not self.store.has_low:
+            raise RuntimeConfigError(f"quality={rc.quality!r} loads int4 copies, which the store keeps only when the "
+                                     "engine is built with such a quality: build it with quality='mixed' or 'int4'")
+        return rule
+
+    @property
+    def precision_trace(self) -> list | None:
+        """(phase, layer, ids of GPU experts computed from int4 copies) per MoE layer run, while set to a list."""
+        return self._executor.trace
+
+    @precision_trace.setter
+    def precision_trace(self, trace: list | None) -> None:
+        self._executor.trace = trace
 
     def _check_policy(self, policy: str | None) -> None:
         total = len(self._moe_layers) * self.config.num_experts
@@ -219,7 +251,10 @@ class OffloadRunner:
             "cpu_cost_scale": self._calibration.as_stats(),
             "budget": {name: value for name, value in self.budget.lines()},
             "host_expert_bytes": self.store.host_bytes,
+            "host_low_copy_bytes": self.store.low_bytes,
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
+            "quality": self.runtime.quality,
+            "mixed_threshold": self.runtime.mixed_threshold,
             "device_peak_bytes": self.device_peak_bytes,
             "within_budget": None if self.device_peak_bytes is None else self.device_peak_bytes <= self.budget.total,
         }
@@ -235,6 +270,22 @@ class OffloadRunner:
             for start, size, lo, hi in _logit_windows(width, min(width, t - c0), max(1, LOGIT_ROWS // b)):
                 rows = np.asarray(self._programs["logits"](self._graph, self._state, x, start, size))
                 out[:, c0 + lo:c0 + hi] = rows[:, lo - start:hi - start]
+        return out
+
+    def decode_logits(self, input_ids) -> np.ndarray:
+        """`logits` as decode computes them (teacher forcing): the first token prefilled, then each later one fed
+        to a decode step planned on the host (`HostLoop`; counted in the decode statistics) -> float32 [B,T,V]."""
+        ids = self._check(input_ids, what="logits")
+        b, t = ids.shape
+        out = np.zeros((b, t, self.config.vocab_size), np.float32)
+        cache, chunks = self._start(ids[:, :1], t - 1)
+        x = next(self._prefill(chunks, cache, 1))[1]
+        for p in range(t):
+            if p:
+                positions = jax.device_put(np.full((b, 1), p, np.int32), self.devices.accel)
+                x, cache = self._loop.step(jax.device_put(ids[:, p:p + 1], self.devices.accel), positions, cache,
+                                           "decode", np.ones(b, bool))
+            out[:, p] = np.asarray(self._programs["logits"](self._graph, self._state, x, 0, 1))[:, 0]
         return out
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,

@@ -2,10 +2,11 @@
 
 Contract: `PhaseStats` accumulates one phase's figures (wall time, CPU / GPU expert compute, transfer and
 exposed transfer seconds summed over layers, bytes moved, hits, prefetch use, planner time, the next-layer
-prediction's hits) and derives hit rate, prefetch accuracy, prediction recall, tokens/s and planner ms per layer
-(`to_dict` for JSON). `prediction_hits(scores, activated)` scores one prediction. A `LayerTiming` is made when a
-layer's work has been dispatched; at the end of the step, once the helper threads have stamped when each part
-was done, `settle_into(stats, done)` adds it. Nothing here touches a device.
+prediction's hits, copies and GPU experts by precision) and derives hit rate, prefetch accuracy, prediction
+recall, tokens/s and planner ms per layer (`to_dict` for JSON). `prediction_hits(scores, activated)` scores one
+prediction; `count_copies` adds copies. A `LayerTiming` is made when a layer's work has been dispatched; at
+the end of the step, once the helper threads have stamped when each part was done, `settle_into(stats, done)`
+adds it. Nothing here touches a device.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class PhaseStats:
     experts_loaded_now: int = 0
     experts_prefetched: int = 0  # prefetched or streamed
     experts_placed: int = 0  # device decode that copies nothing: experts copied into the decode bank as it opened
+    experts_loaded_low: int = 0  # of the loaded, prefetched and streamed experts: those copied from the int4 copy
+    bytes_moved_low: int = 0  # ... their bytes (part of bytes_moved)
+    gpu_experts_low: int = 0  # GPU expert computations from a slot holding an int4 copy (part of gpu_experts)
     activated: int = 0  # (layer, expert) activations seen by the planner
     hits: int = 0  # ... of them resident (or in flight) when routed
     prefetch_used: int = 0  # prefetched experts activated when their layer routed
@@ -74,6 +78,15 @@ class PhaseStats:
         out.update(hit_rate=self.hit_rate, prefetch_accuracy=self.prefetch_accuracy, tokens_per_s=self.tokens_per_s,
                    planner_ms_per_layer=self.planner_ms_per_layer, prediction_recall=self.prediction_recall)
         return out
+
+
+def count_copies(stats: PhaseStats, store, layer: int, experts: np.ndarray, low: np.ndarray, nbytes: int) -> None:
+    """Add copies of `experts` of `layer` (from the int4 copy where `low` [n]), `nbytes` in all, to `stats`;
+    `store` (an `ExpertStore`) tells the int4 copies' bytes."""
+    stats.bytes_moved += nbytes
+    if low.any():
+        stats.experts_loaded_low += int(low.sum())
+        stats.bytes_moved_low += store.expert_nbytes(layer, experts[low], low[low])
 
 
 def prediction_hits(scores: np.ndarray, activated: np.ndarray) -> tuple[int, int]:

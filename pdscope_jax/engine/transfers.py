@@ -4,7 +4,8 @@ Contract: `Transfers(pool, store)` reserves slots now and has ONE stager thread 
 (`ExpertStore.stage`), in issue order; the copy is committed into its slots when its layer runs (`commit`).
 - `issue_next(i, nxt, plan, stats, async_io)`: after layer i's plan, stage layer nxt's experts: all of its
   non-resident ones when the plan streams the next layer and the pool holds two layers (`stream`), else the
-  plan's prefetch (`stage_ahead`). -> the staging (a Future of `Staged`), or None when nothing is in flight.
+  plan's prefetch (`stage_ahead`); from the int4 copies the plan marks (`stream_low`, `prefetch_low`). -> the
+  staging (a Future of `Staged`), or None when nothing is in flight.
 - `stream(layer, protect, stats, async_io)` takes the slots streamed into for layers already computed first, so
   the experts resident before a prefill stay resident.
 - With `async_io` off every copy is waited for where it is issued, before any compute is dispatched, and all of
@@ -12,7 +13,8 @@ Contract: `Transfers(pool, store)` reserves slots now and has ONE stager thread 
 - `prefetched` {layer: experts staged for it before it routed} (popped by `take_prefetched` when it routes),
   `streamed` {layer: experts streamed into it} (cleared when decode starts: they join the decode cache),
   `streams_prefill` (the last prefill streamed: the next prefill step streams its first MoE layer before the
-  embedding, hiding that copy behind the layers before it). `clear()` forgets all of it (a new policy).
+  embedding, hiding that copy behind the layers before it; low when `stream_low`). `clear()` forgets all of it
+  (a new policy).
 Why a thread: `device_put` holds the thread that issues it, and a copy issued from a second thread overlaps
 compute.
 """
@@ -25,7 +27,7 @@ import time
 import jax
 import numpy as np
 
-from pdscope_jax.engine.stats import PhaseStats
+from pdscope_jax.engine.stats import PhaseStats, count_copies
 from pdscope_jax.sched import Plan
 from pdscope_jax.store.expert_store import ExpertStore, Staged
 from pdscope_jax.store.slot_pool import SlotPool
@@ -40,13 +42,13 @@ class Transfers:
         self.pending: dict[int, tuple[concurrent.futures.Future[Staged], np.ndarray]] = {}
         self.prefetched: dict[int, np.ndarray] = {}
         self.streamed: dict[int, np.ndarray] = {}
-        self.streams_prefill = False
+        self.streams_prefill = self.stream_low = False
 
     def clear(self) -> None:
         self.pending.clear()
         self.prefetched.clear()
         self.streamed.clear()
-        self.streams_prefill = False
+        self.streams_prefill = self.stream_low = False
 
     def take_prefetched(self, layer: int) -> np.ndarray | None:
         return self.prefetched.pop(layer, None)
@@ -65,30 +67,32 @@ class Transfers:
         if nxt is None:
             return None
         if plan.stream_next_layer and self.pool.can_double_buffer:
-            return self.stream(nxt, (i,), stats, async_io)
-        return self.stage_ahead(nxt, plan.prefetch, (i,), stats, async_io)
+            return self.stream(nxt, (i,), stats, async_io, plan.stream_low)
+        return self.stage_ahead(nxt, plan.prefetch, (i,), stats, async_io,
+                                low=np.isin(plan.prefetch, plan.prefetch_low))
 
-    def stream(self, layer: int, protect: tuple[int, ...], stats: PhaseStats, async_io: bool):
+    def stream(self, layer: int, protect: tuple[int, ...], stats: PhaseStats, async_io: bool, low: bool = False):
         done = [(other, experts) for other, experts in self.streamed.items() if other != layer and
                 other not in protect]
         transient = np.concatenate([self.pool.slot_of(other)[experts] for other, experts in done] or [[]])
         experts = np.flatnonzero(~self.pool.resident(layer))
         self.streamed[layer] = experts
-        return self.stage_ahead(layer, experts, protect, stats, async_io, prefer=transient[transient >= 0])
+        return self.stage_ahead(layer, experts, protect, stats, async_io, prefer=transient[transient >= 0],
+                                low=np.full(experts.size, low))
 
     def stage_ahead(self, layer: int, experts: np.ndarray, protect: tuple[int, ...], stats: PhaseStats,
-                    async_io: bool, prefer: np.ndarray | None = None):
+                    async_io: bool, prefer: np.ndarray | None = None, low: np.ndarray | None = None):
         """Reserve slots (`prefer`red ones first, see `SlotPool.allocate`) and have the stager thread issue the
-        copy of `experts` of `layer`."""
+        copy of `experts` of `layer` (int4 copies where `low` [n])."""
         if experts.size == 0:
             return None
+        low = np.zeros(experts.size, bool) if low is None else low
         start = time.perf_counter()
-        slots = self.pool.allocate(layer, experts, protect=protect, prefer=prefer)
-        staging = self.stager.submit(self.store.stage, layer, experts)
-        nbytes = self.store.count_moved(layer, experts)
+        slots = self.pool.allocate(layer, experts, protect=protect, prefer=prefer, low=low)
+        staging = self.stager.submit(self.store.stage, layer, experts, low if low.any() else None)
+        count_copies(stats, self.store, layer, experts, low, self.store.count_moved(layer, experts, low))
         self.pending[layer] = (staging, slots)
         self.prefetched[layer] = experts
-        stats.bytes_moved += nbytes
         stats.experts_prefetched += experts.size
         if async_io:
             return staging

@@ -5,7 +5,8 @@ Contract (each runs its programs on zeros or on slots it frees again; the caller
   (batch, tokens, padded rows) seen with every mix of parts (GPU only, CPU only, both, neither), the CPU part
   whole (few rows) or compacted to each size it can take, with `take_rows` for those sizes.
 - `precompile_slot_writes(pool, store, layer, num_experts)`: the commits of staged copies (power-of-two sizes up
-  to the one a whole layer pads to) and the pull-and-commit loads (each count up to `FUSED_MAX`).
+  to the one a whole layer pads to) and the pull-and-commit loads (each count up to `FUSED_MAX`), of base
+  copies and, where the store keeps them, of int4 copies.
 """
 
 from __future__ import annotations
@@ -42,15 +43,19 @@ def precompile_combine(programs: dict, step_shapes, devices: Devices, dtype, hid
 
 
 def precompile_slot_writes(pool: SlotPool, store: ExpertStore, layer: int, num_experts: int) -> None:
-    limit, size = min(num_experts, pool.num_slots), 1
-    while limit:  # commits pad to a power of two: up to the one `limit` experts pad to
-        experts = np.arange(min(size, limit))
-        pool.release(layer, experts)
-        store.commit(pool, store.stage(layer, experts), pool.allocate(layer, experts))
-        if size >= limit:
-            break
-        size *= 2
-    for size in range(1, min(FUSED_MAX, limit) + 1):
-        experts = np.arange(size)
-        pool.release(layer, experts)
-        store.write(pool, layer, experts, pool.allocate(layer, experts))
+    limit = min(num_experts, pool.num_slots)
+    for low in (False, True) if store.has_low else (False,):
+        size = 1
+        while limit:  # commits pad to a power of two: up to the one `limit` experts pad to
+            experts = np.arange(min(size, limit))
+            pool.release(layer, experts)
+            kinds = np.full(experts.size, low)
+            store.commit(pool, store.stage(layer, experts, kinds), pool.allocate(layer, experts, low=kinds))
+            if size >= limit:
+                break
+            size *= 2
+        for size in range(1, min(FUSED_MAX, limit) + 1):
+            experts = np.arange(size)
+            pool.release(layer, experts)
+            kinds = np.full(size, low)
+            store.write(pool, layer, experts, pool.allocate(layer, experts, low=kinds), kinds)

@@ -28,17 +28,24 @@ Contract:
   per exact count, as padding would copy an expert twice), more through stage + commit; `Written.done` is ready
   when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode bank alike.
   Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
+- Low copies (`store.low_copies`, `sched.precision`): `add_low_layer(layer, gate_up, down)` keeps a layer's int4
+  copies in pinned memory too (`low_bytes`, counted in host_bytes_per_model_byte); `stage`, `write`,
+  `count_moved` and `expert_nbytes` take `low` ([n] bool, or None: none) to move those experts' int4 bytes, which
+  the slot-writing program turns into the pool's format (`to_slot`); a write of both kinds runs one program per
+  kind. CPU views, layer stacks and the decode bank are of the base copy alone.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdscope_jax.store.low_copies import to_slot
 from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import Devices
 
@@ -48,9 +55,11 @@ DEVICE = jax.memory.Space.Device
 EXACT_PULLS = 8  # `pull_traced` copies exactly the misses up to this many (batch 1: top-k <= 8 in every preset)
 
 
-def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
+def _commit_slots(pool_gu, pool_dn, gus, dns, slots, low=False):
     """pool_gu [S,D,2F], pool_dn [S,F,D]; gus/dns: n device arrays [D,2F]/[F,D]; slots [n] int32. Arrays or
-    QuantizedWeights (each of their parts is written)."""
+    QuantizedWeights (each of their parts is written); `low`: int4 copies, turned into the pool's format first."""
+    if low:
+        gus, dns = [to_slot(gu, pool_gu) for gu in gus], [to_slot(dn, pool_dn) for dn in dns]
     for i, (gu, dn) in enumerate(zip(gus, dns)):
         def put(pool, part):
             return jax.lax.dynamic_update_slice(pool, part[None], (slots[i], 0, 0))
@@ -58,12 +67,12 @@ def _commit_slots(pool_gu, pool_dn, gus, dns, slots):
     return pool_gu, pool_dn
 
 
-def _pull_into_slots(pool_gu, pool_dn, gus, dns, slots):
+def _pull_into_slots(pool_gu, pool_dn, gus, dns, slots, low=False):
     """As `_commit_slots`, with gus/dns in pinned host memory: the program copies them to device memory itself.
     -> (pool_gu, pool_dn, slots): the slots come back as the small output a waiter can block on."""
     gus = [jax.device_put(a, DEVICE) for a in gus]
     dns = [jax.device_put(a, DEVICE) for a in dns]
-    return (*_commit_slots(pool_gu, pool_dn, gus, dns, slots), slots + 0)
+    return (*_commit_slots(pool_gu, pool_dn, gus, dns, slots, low), slots + 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +92,7 @@ class Staged:
     gate_ups: tuple[jax.Array, ...]  # n x [D, 2F] on the accelerator
     downs: tuple[jax.Array, ...]  # n x [F, D]
     nbytes: int
+    low: np.ndarray | None = None  # [n] bool: int4 copies (None: none)
 
 
 def _pow2(n: int) -> int:
@@ -133,10 +143,14 @@ class ExpertStore:
         self.host_bytes = 0  # pinned bytes (the model's experts, once)
         self.cpu_copy_bytes = 0  # bytes of CPU copies made where a view could not alias
         self.bytes_moved = 0  # host -> accelerator bytes staged since construction (preloads included)
-        self._commit = jax.jit(_commit_slots, donate_argnums=(0, 1))
-        self._pull = jax.jit(_pull_into_slots, donate_argnums=(0, 1))
-        self._commit_sizes: set[int] = set()
-        self._pull_sizes: set[int] = set()
+        self._low: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> int4 copies, pinned
+        self.low_bytes = 0  # pinned bytes of the int4 copies
+        self._commit = {low: jax.jit(functools.partial(_commit_slots, low=low), donate_argnums=(0, 1))
+                        for low in (False, True)}
+        self._pull = {low: jax.jit(functools.partial(_pull_into_slots, low=low), donate_argnums=(0, 1))
+                      for low in (False, True)}
+        self._commit_sizes: set[tuple[int, bool]] = set()
+        self._pull_sizes: set[tuple[int, bool]] = set()
 
     # ---- building --------------------------------------------------------------------------------------
     def add_layer(self, layer: int, gate_up, down) -> None:
@@ -162,6 +176,22 @@ class ExpertStore:
         self._host[layer], self._cpu[layer] = host, cpu
         if stacks:
             self._stacks[layer] = (stacks[0], stacks[1])
+
+    def add_low_layer(self, layer: int, gate_up, down) -> None:
+        """Keep layer `layer`'s int4 copies (QuantizedWeight stacks, `low_copies.low_copy`) in pinned memory, per
+        expert."""
+        parts = []
+        for stack in (gate_up, down):
+            experts = [jax.device_put(stack[e], self._pinned) for e in range(stack.shape[0])]
+            jax.block_until_ready(experts)
+            self.low_bytes += sum(w.nbytes for w in experts)
+            parts.append(experts)
+        self._low[layer] = (parts[0], parts[1])
+
+    @property
+    def has_low(self) -> bool:
+        """Whether the store keeps int4 copies (a quality that loads them)."""
+        return bool(self._low)
 
     def _torch_pinned_parts(self, stack):
         """`_torch_pinned_layer` for each array of `stack` (an array, or a QuantizedWeight's integers and scales).
@@ -214,20 +244,28 @@ class ExpertStore:
     @property
     def host_bytes_per_model_byte(self) -> float:
         """Host bytes held per byte of routed-expert weights: 1.0 when every CPU view aliases pinned memory."""
-        return (self.host_bytes + self.cpu_copy_bytes + self.stack_copy_bytes) / max(self.host_bytes, 1)
+        extra = self.cpu_copy_bytes + self.stack_copy_bytes + self.low_bytes
+        return (self.host_bytes + extra) / max(self.host_bytes, 1)
 
     @property
     def compiled_programs(self) -> int:
         return len(self._commit_sizes) + len(self._pull_sizes)
 
-    def expert_nbytes(self, layer: int, experts: np.ndarray) -> int:
-        gus, dns = self._host[layer]
-        return int(sum(gus[e].nbytes + dns[e].nbytes for e in np.asarray(experts, np.int64)))
+    def _sources(self, layer: int, experts: np.ndarray, low: np.ndarray | None) -> tuple[list, list]:
+        """(gate_ups, downs) of `experts` of `layer` in pinned memory: the int4 copy where `low` says so."""
+        base, copies = self._host[layer], self._low.get(layer)
+        low = np.zeros(len(experts), bool) if low is None else np.asarray(low, bool)
+        picked = [(copies if is_low else base, e) for e, is_low in zip(np.asarray(experts, np.int64), low)]
+        return [src[0][e] for src, e in picked], [src[1][e] for src, e in picked]
 
-    def count_moved(self, layer: int, experts: np.ndarray) -> int:
-        """Add the bytes of `experts` of `layer` to `bytes_moved` (on the caller's thread: `stage` may run on a
-        helper thread and counts nothing). -> those bytes."""
-        nbytes = self.expert_nbytes(layer, experts)
+    def expert_nbytes(self, layer: int, experts: np.ndarray, low: np.ndarray | None = None) -> int:
+        gus, dns = self._sources(layer, experts, low)
+        return int(sum(gu.nbytes + dn.nbytes for gu, dn in zip(gus, dns)))
+
+    def count_moved(self, layer: int, experts: np.ndarray, low: np.ndarray | None = None) -> int:
+        """Add the bytes of `experts` of `layer` (int4 copies where `low`) to `bytes_moved` (on the caller's
+        thread: `stage` may run on a helper thread and counts nothing). -> those bytes."""
+        nbytes = self.expert_nbytes(layer, experts, low)
         self.bytes_moved += nbytes
         return nbytes
 
@@ -265,14 +303,15 @@ class ExpertStore:
         return gus[expert], dns[expert]
 
     # ---- moving ----------------------------------------------------------------------------------------
-    def stage(self, layer: int, experts: np.ndarray) -> Staged:
-        """Issue the host-to-device copy of `experts` of `layer` (one batched device_put); returns at once. Safe
-        to call from another thread: it counts nothing (`count_moved` does, on the caller's thread)."""
+    def stage(self, layer: int, experts: np.ndarray, low: np.ndarray | None = None) -> Staged:
+        """Issue the host-to-device copy of `experts` of `layer` (int4 copies where `low`; one batched
+        device_put); returns at once. Safe to call from another thread: it counts nothing (`count_moved` does, on
+        the caller's thread)."""
         experts = np.asarray(experts, np.int64)
-        gus, dns = self._host[layer]
-        srcs = ([gus[e] for e in experts], [dns[e] for e in experts])
+        srcs = self._sources(layer, experts, low)
         on_device = jax.device_put(srcs, self._device) if experts.size else ([], [])
-        return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]), self.expert_nbytes(layer, experts))
+        return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]),
+                      self.expert_nbytes(layer, experts, low), None if low is None else np.asarray(low, bool))
 
     def commit(self, pool: SlotPool, staged: Staged, slots: np.ndarray) -> None:
         """Copy staged experts into `slots` of `pool` (one donated program; ordered after earlier pool readers)."""
@@ -286,32 +325,43 @@ class ExpertStore:
         return self._committed(bank, self.stage(layer, experts), rows)
 
     def _committed(self, bank: tuple, staged: Staged, slots: np.ndarray) -> tuple:
-        """(gate_up, down) of `bank` with the staged experts written into `slots` (donated), padded to a power of
-        two by repeating the last (an idempotent write), so few sizes compile; nothing staged: `bank` as it was."""
-        n = staged.experts.size
-        if n == 0:
-            return bank
-        size = _pow2(n)
-        pad = np.concatenate([np.arange(n), np.full(size - n, n - 1)])
-        slot_ids = np.asarray(slots, np.int32)[pad]  # host: the jitted commit places it beside the pool
-        self._commit_sizes.add(size)
-        return self._commit(*bank, tuple(staged.gate_ups[i] for i in pad), tuple(staged.downs[i] for i in pad),
-                            slot_ids)
+        """(gate_up, down) of `bank` with the staged experts written into `slots` (donated; one program per kind
+        of copy), padded to a power of two by repeating the last (an idempotent write), so few sizes compile;
+        nothing staged: `bank` as it was."""
+        low = np.zeros(staged.experts.size, bool) if staged.low is None else staged.low
+        for kind in (False, True):
+            picked = np.flatnonzero(low == kind)
+            n = picked.size
+            if n == 0:
+                continue
+            size = _pow2(n)
+            pad = picked[np.concatenate([np.arange(n), np.full(size - n, n - 1)])]
+            slot_ids = np.asarray(slots, np.int32)[pad]  # host: the jitted commit places it beside the pool
+            self._commit_sizes.add((size, kind))
+            bank = self._commit[kind](*bank, tuple(staged.gate_ups[i] for i in pad),
+                                      tuple(staged.downs[i] for i in pad), slot_ids)
+        return bank
 
-    def write(self, pool: SlotPool, layer: int, experts: np.ndarray, slots: np.ndarray) -> Written:
-        """`experts` of `layer` into `slots` now (ordered after every earlier reader of the pool): one
-        pull-and-commit program for up to FUSED_MAX experts, else stage + commit."""
+    def write(self, pool: SlotPool, layer: int, experts: np.ndarray, slots: np.ndarray,
+              low: np.ndarray | None = None) -> Written:
+        """`experts` of `layer` (int4 copies where `low`) into `slots` now (ordered after every earlier reader of
+        the pool): one pull-and-commit program per kind of copy for up to FUSED_MAX experts, else stage + commit."""
         experts = np.asarray(experts, np.int64)
         slot_ids = np.asarray(slots, np.int32)
-        nbytes = self.count_moved(layer, experts)
+        nbytes = self.count_moved(layer, experts, low)
         if experts.size > FUSED_MAX:
-            staged = self.stage(layer, experts)
+            staged = self.stage(layer, experts, low)
             self.commit(pool, staged, slot_ids)
             return Written(nbytes, staged.downs[-1])  # the copy's end; the commit follows in order
-        gus, dns = self._host[layer]
-        pool.gate_up, pool.down, done = self._pull(pool.gate_up, pool.down, tuple(gus[e] for e in experts),
-                                                   tuple(dns[e] for e in experts), slot_ids)
-        self._pull_sizes.add(experts.size)
+        low = np.zeros(experts.size, bool) if low is None else np.asarray(low, bool)
+        done = None
+        for kind in (False, True):
+            picked = np.flatnonzero(low == kind)
+            if picked.size:
+                gus, dns = self._sources(layer, experts[picked], low[picked])
+                pool.gate_up, pool.down, done = self._pull[kind](pool.gate_up, pool.down, tuple(gus), tuple(dns),
+                                                                 slot_ids[picked])
+                self._pull_sizes.add((picked.size, kind))
         return Written(nbytes, done)
 
 

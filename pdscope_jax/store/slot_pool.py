@@ -16,8 +16,9 @@ recently used, never taking a slot from a protected layer (the layer being compu
 pool, (gate_up, down) of the bank); `close_decode_bank()` frees it, and whoever kept experts in it forgets them
 (the host table covers the pool's S slots only).
 An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
-copy into the slot before any program of that layer reads the pool. The pool holds no host memory and moves
-no weights itself.
+copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots whose expert was
+copied from the host's int4 copy (`allocate(..., low=)`; `low_of(layer)`), until the slot is reassigned. The
+pool holds no host memory and moves no weights itself.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class SlotPool:
         self.owner_layer = np.full(self.num_slots, -1, np.int64)  # [S]
         self.owner_expert = np.full(self.num_slots, -1, np.int64)  # [S]
         self.last_use = np.zeros(self.num_slots, np.int64)  # [S] LRU clock value of the last use
+        self.low = np.zeros(self.num_slots, bool)  # [S] holds an expert copied from its int4 copy
         self._slot_of = {layer: np.full(num_experts, -1, np.int32) for layer in moe_layers}
         self._clock = 0
         self.evictions = 0
@@ -81,6 +83,11 @@ class SlotPool:
     def resident(self, layer: int) -> np.ndarray:
         return self._slot_of[layer] >= 0  # [E] bool
 
+    def low_of(self, layer: int) -> np.ndarray:
+        """[E] bool: experts of `layer` resident in a slot their int4 copy was loaded into."""
+        slots = self._slot_of[layer]
+        return (slots >= 0) & self.low[np.maximum(slots, 0)] if self.num_slots else np.zeros(slots.size, bool)
+
     def touch(self, layer: int, experts: np.ndarray) -> None:
         """Mark experts of `layer` as used now (LRU)."""
         self._clock += 1
@@ -92,10 +99,10 @@ class SlotPool:
         return self.num_slots - sum(int(np.count_nonzero(self.owner_layer == layer)) for layer in set(protect))
 
     def allocate(self, layer: int, experts: np.ndarray, protect: tuple[int, ...] = (),
-                 prefer: np.ndarray | None = None) -> np.ndarray:
+                 prefer: np.ndarray | None = None, low=False) -> np.ndarray:
         """Assign slots to `experts` of `layer` (none may be resident yet): free slots first, then the slots in
         `prefer`, then LRU victims, never a slot of a layer in `protect` (the target layer's other experts are
-        evictable unless it is protected too).
+        evictable unless it is protected too). `low` (bool, or [n] bool): their copies come from the int4 copy.
 
         Returns the slots [n] in the order of `experts`. Raises ValueError when not enough slots are free.
         """
@@ -119,13 +126,17 @@ class SlotPool:
         self._clock += 1
         self.owner_layer[slots], self.owner_expert[slots] = layer, experts
         self.last_use[slots] = self._clock
+        self.low[slots] = low
         self._slot_of[layer][experts] = slots
         return slots.astype(np.int32)
 
     def set_table(self, owner_layer: np.ndarray, owner_expert: np.ndarray, last_use: np.ndarray, clock: int) -> None:
         """Replace the table with one kept elsewhere (`engine.device_decode` keeps it on the accelerator in
         decode): each slot's owner (-1: free) and LRU clock; the expert -> slot maps follow from the owners."""
-        self.owner_layer, self.owner_expert = np.asarray(owner_layer, np.int64), np.asarray(owner_expert, np.int64)
+        owner_layer, owner_expert = np.asarray(owner_layer, np.int64), np.asarray(owner_expert, np.int64)
+        # a slot keeps its low mark while it keeps its expert: device decode copies the stored precision alone
+        self.low &= (owner_layer == self.owner_layer) & (owner_expert == self.owner_expert)
+        self.owner_layer, self.owner_expert = owner_layer, owner_expert
         self.last_use = np.asarray(last_use, np.int64)
         for layer, slot_of in self._slot_of.items():
             slot_of[:] = -1
@@ -140,6 +151,7 @@ class SlotPool:
         slots = slots[slots >= 0]
         self.owner_layer[slots], self.owner_expert[slots] = -1, -1
         self.last_use[slots] = 0
+        self.low[slots] = False
         self._slot_of[layer][experts] = -1
 
 

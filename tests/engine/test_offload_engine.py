@@ -209,8 +209,8 @@ def test_streaming_keeps_experts_resident_before_the_prefill(monkeypatch):
     def streamed_again(prefer_streamed: bool) -> int:
         if not prefer_streamed:  # every slot by least recent use, as before slots were preferred
             allocate = SlotPool.allocate
-            monkeypatch.setattr(SlotPool, "allocate", lambda self, layer, experts, protect=(), prefer=None:
-                                allocate(self, layer, experts, protect))
+            monkeypatch.setattr(SlotPool, "allocate", lambda self, layer, experts, protect=(), prefer=None, low=False:
+                                allocate(self, layer, experts, protect, low=low))
         config = RuntimeConfig(gpu_memory="1GB", expert_pool=(3 * cfg.num_experts) * cfg.expert_bytes(4),
                                policy="ondemand", max_seq_len=128)
         runner = OffloadRunner(model, config)
