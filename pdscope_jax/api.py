@@ -26,6 +26,10 @@ routed experts quantized (`quant.formats`; the dense weights are quantized as th
 without a policy: the plain model quantized is the reference every policy reproduces. From a checkpoint the
 quantized experts are written once to a cache keyed by the checkpoint's fingerprint and the scheme, and later
 loads read them from there (`quant.cache`; `quant_cache=False` turns it off, a directory puts it there).
+`quality="int8" | "mixed" | "int4"` (with a policy; a runtime setting) bounds the precision copies of experts load
+in: "mixed" and "int4" keep an int4 copy of every routed expert beside the stored one and load it for light
+experts or for all (`sched.precision`); a combination that cannot hold (e.g. "int8" without quantize="int8") is
+refused before any weight is read.
 `Runner.logits(input_ids) -> np.float32 [B,T,V]`, `Runner.generate(input_ids | text, ...)` and
 `Runner.steps(...)` (the same, one step per `next`, for streaming) take rectangular batches; text needs the
 checkpoint's tokenizer.json; sampling keywords are `generation.sampling.SamplingParams`'s fields. Validate first, then work: `load` checks dtype, seed,
@@ -56,6 +60,7 @@ from pdscope_jax.presets import UnknownModelError, known_names, preset
 from pdscope_jax.quant.cache import cached_quantizing_loader
 from pdscope_jax.quant.formats import SCHEMES, scheme
 from pdscope_jax.quant.loader import quantizing_loader
+from pdscope_jax.sched.precision import quality_problems
 from pdscope_jax.text.tokenizer import Tokenizer
 from pdscope_jax.weights.checkpoint import checkpoint_loader, open_checkpoint
 from pdscope_jax.weights.random_init import random_state
@@ -285,6 +290,8 @@ def check_load(dtype, seed, policy, predictors, runtime: dict, quantize=None, ac
         problems.append(f"unknown runtime settings {unknown}; known: {', '.join(sorted(fields))}")
     rc = collect(problems, RuntimeConfig, policy=policy if isinstance(policy, str) else None,
                  **{k: v for k, v in runtime.items() if k in fields})
+    if rc is not None and quantize in (None, *SCHEMES):
+        problems += quality_problems(rc.quality, quantize)
     raise_problems(problems, "load")
     return rc.replace(policy=policy)
 

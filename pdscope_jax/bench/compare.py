@@ -12,12 +12,12 @@ default device, ignoring the budget; every offload row then records `tokens_matc
 `tokens_before_divergence`. With `--hot-table auto` (or an ablation without a table) activation counts from one
 untimed generation are saved as `<out>/hot_<model>_<time>.json` first. Outputs, in `args.out`:
 `bench_<model>_<time>.json` (command, commit, jax version, devices, "weights": "random" | "checkpoint", "workload",
-runtime config, budget, every result row with its repeats, "errors", optional "memory" and "cprofile", "complete")
-and a PNG (`bench.report.plot`); a rich table on stderr; one JSON summary line last on stdout. After every point the
-JSON so far is written with `"complete": false`, and a point that raises is recorded under "errors" while the others
-still run; a policy the budget cannot hold is an error too. `args.track_memory N` records accelerator memory over N
-decode steps of the first run; `args.cprofile N` profiles one generation of N tokens per run
-(`bench.runs.profile_runs`). Returns the report dict.
+quantize and quality, runtime config, budget, every result row with its repeats, "errors", optional "memory" and
+"cprofile", "complete") and a PNG (`bench.report.plot`); a rich table on stderr; one JSON summary line last on
+stdout. After every point the JSON so far is written with `"complete": false`, and a point that raises is recorded
+under "errors" while the others still run; a policy the budget cannot hold is an error too. `args.track_memory N`
+records accelerator memory over N decode steps of the first run; `args.cprofile N` profiles one generation of N
+tokens per run (`bench.runs.profile_runs`). Returns the report dict.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def compare(args, command: str) -> dict:
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy="ondemand",
                        cpu_threads=args.cpu_threads, prefill_chunk=args.prefill_chunk, max_batch=max(args.batch),
                        max_seq_len=max(args.prompt_lens) + max_new, cost_table=args.cost_table,
-                       cpu_kernel=not args.no_cpu_kernel)
+                       cpu_kernel=not args.no_cpu_kernel, quality=bench_runs.build_quality(args, offload_runs))
     shapes = models.abstract_state(cfg, dtype)
     predictability = getattr(args, "predictability", "reference")
     workload = (workloads.design(cfg, args.workload, seed=args.seed, predictability=predictability)
@@ -94,7 +94,7 @@ def compare(args, command: str) -> dict:
         "device": f"{accel.platform}:{accel.id} {getattr(accel, 'device_kind', '')}".strip(),
         "cpu_device": str(devices.cpu), "weights": "checkpoint" if checkpoint else "random",
         "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,
-        "quantize": args.quantize,
+        "quantize": args.quantize, "quality": args.quality,
         "workload": "checkpoint" if checkpoint else args.workload,
         "workload_design": design or None,
         "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,

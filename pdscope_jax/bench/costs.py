@@ -11,7 +11,9 @@ transfers those of the stored bytes), on the accelerator and the CPU backend tha
   `gpu_launch_seconds`: a trivial program on the accelerator (capped at the fastest expert time);
 - `transfer_seconds[n]` for n = 1, 2, 4, ..., E experts copied pinned_host -> device memory in one batched
   `device_put` (as `ExpertStore.stage` issues them); `t_io` and `alpha` are the slope and intercept of a
-  least-squares line through them (alpha clipped at 0, t_io at a positive floor);
+  least-squares line through them (alpha clipped at 0, t_io at a positive floor); with `args.quality` one that
+  loads int4 copies (`sched.precision`), the same for int4 copies of those experts, whose slope is the table's
+  "int4" precision (`CostTable.precisions`, "measured");
 - attention of the first MoE layer (`layer.attend`, random weights, a zero KV cache): prefill at batch 1 over b
   tokens; decode one step of b sequences against `args.decode_context` cached positions, measured up to
   `args.decode_max_batch` sequences and scaled proportionally to b beyond.
@@ -44,6 +46,7 @@ def measure_cost_table(args, command: str) -> dict:
     from pdscope_jax.api import resolve
     from pdscope_jax.runtime import select_devices
     from pdscope_jax.sched.costs import CostTable, costs_dir, table_name
+    from pdscope_jax.sched.precision import LOW
 
     cfg, _ = resolve(args.model)
     devices = select_devices()
@@ -60,14 +63,16 @@ def measure_cost_table(args, command: str) -> dict:
         counts.append(cfg.num_experts)
     p = _Profiler(cfg, devices, args)
     console = Console(stderr=True, width=None if sys.stderr.isatty() else 150)
-    cpu, gpu, xfer, prefill, decode = [], [], [], [], []
+    cpu, gpu, xfer, xfer_low, prefill, decode = [], [], [], [], [], []
+    measures = [("cpu expert", cpu, p.cpu_expert, buckets), ("gpu expert", gpu, p.gpu_expert, buckets),
+                ("transfer", xfer, p.transfer, counts),
+                ("prefill attention", prefill, p.prefill_attention, buckets),
+                ("decode attention", decode, p.decode_attention, buckets)]
+    if p.host_low is not None:
+        measures.append(("int4 copy transfer", xfer_low, p.transfer_low, counts))
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task(f"profiling {cfg.name}", total=4 * len(buckets) + len(counts) + 1)
-        for name, values, measure, sizes in (("cpu expert", cpu, p.cpu_expert, buckets),
-                                             ("gpu expert", gpu, p.gpu_expert, buckets),
-                                             ("transfer", xfer, p.transfer, counts),
-                                             ("prefill attention", prefill, p.prefill_attention, buckets),
-                                             ("decode attention", decode, p.decode_attention, buckets)):
+        task = progress.add_task(f"profiling {cfg.name}", total=sum(len(m[3]) for m in measures) + 1)
+        for name, values, measure, sizes in measures:
             for size in sizes:
                 progress.update(task, description=f"{cfg.name}: {name} {size}")
                 values.append(measure(size))
@@ -86,6 +91,8 @@ def measure_cost_table(args, command: str) -> dict:
                       alpha=alpha, attn_prefill_seconds=prefill, attn_decode_seconds=decode,
                       gpu_launch_seconds=launch, transfer_counts=tuple(counts), transfer_seconds=xfer,
                       source="measured", model=cfg.name, meta=meta)
+    if xfer_low:
+        table = table.with_precision(LOW, t_io=_line(counts, xfer_low)[0])
     name = cfg.name if args.quantize is None else f"{cfg.name}-{args.quantize}"
     out = args.out or costs_dir() / f"{table_name(name, label)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +128,9 @@ class _Profiler:
         from pdscope_jax.engine.cpu_experts import CpuExperts
         from pdscope_jax.store.expert_store import ExpertStore
         from pdscope_jax.models.layers import combine_experts
-        from pdscope_jax.quant.formats import quantize
+        from pdscope_jax.quant.formats import is_quantized, quantize
+        from pdscope_jax.sched.precision import loads_low
+        from pdscope_jax.store.low_copies import low_copy
 
         self.cfg, self.devices, self.args = cfg, devices, args
         self.dtype = jnp.dtype(args.dtype)
@@ -143,8 +152,12 @@ class _Profiler:
         self._noop = jax.jit(lambda x: x + 1)
         pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
-        self.host = [jax.device_put((stored(weights((d, 2 * f))), stored(weights((f, d)))), pinned)
-                     for _ in range(cfg.num_experts)]
+        host = [(stored(weights((d, 2 * f))), stored(weights((f, d)))) for _ in range(cfg.num_experts)]
+        self.host = [jax.device_put(expert, pinned) for expert in host]
+        self.host_low = None  # the int4 copies of the same experts, where --quality loads them
+        if loads_low(getattr(args, "quality", None), args.quantize):
+            self.host_low = [jax.device_put(jax.tree.map(lambda w: low_copy(w[None])[0], expert,
+                                                         is_leaf=is_quantized), pinned) for expert in host]
         # the first MoE layer with random non-expert weights on the accelerator, for attention
         self.layer_index = cfg.moe_layers[0]
         self._attend = jax.jit(_attend, static_argnums=0)
@@ -184,10 +197,14 @@ class _Profiler:
         x = jax.device_put(np.zeros((), np.float32), self.devices.accel)
         return self._median(lambda: self._noop(x))
 
-    def transfer(self, n: int) -> float:
+    def transfer(self, n: int, low: bool = False) -> float:
         import jax
 
-        return self._median(lambda: jax.device_put(self.host[:n], self._device))
+        host = self.host_low if low else self.host
+        return self._median(lambda: jax.device_put(host[:n], self._device))
+
+    def transfer_low(self, n: int) -> float:
+        return self.transfer(n, low=True)
 
     def prefill_attention(self, tokens: int) -> float:
         import numpy as np

@@ -2,8 +2,8 @@
 
 Contract:
 - `Settings`: model, dtype, window, tokens, batch, prompts, prompt_len, new_tokens, seed, precisions (None = the
-  model's dtype, the reference, first; then "int8", "int4"). `settings_problems(s)` lists what is wrong (each with
-  its fix) without loading weights.
+  model's dtype, the reference, first; then "int8", "int4"), mixed (add the "mixed" row below), mixed_threshold,
+  pool_fraction. `settings_problems(s)` lists what is wrong (each with its fix) without loading weights.
 - `heldout_data(s) -> HeldOut`: the held-out split of `text.corpus.load_corpus(seed)`, tokenized with the
   checkpoint's tokenizer.json (UTF-8 bytes mod vocab without one), documents joined by EOS; `windows`
   [tokens // window, window] are consecutive and non-overlapping from the start, `prompts` [prompts, prompt_len]
@@ -17,6 +17,11 @@ Contract:
   a property of the weights), the stored bytes of its routed experts, nll, ppl = exp(nll), delta % of ppl vs
   the reference, greedy agreement and first divergence vs the reference's tokens, PASS against `TARGETS_PCT`.
   The same windows and prompts serve every precision.
+- The "mixed" row (`mixed_row`): precision is then a decision of the offload engine, not of the weights alone, so
+  it runs `pdscope` (the model's PhasePer predictors where shipped) on int8 experts with quality "mixed"
+  (`sched.precision`) and a slot pool of `pool_fraction` of them, its perplexity scored as decode computes it
+  (`OffloadRunner.decode_logits`: each token a decode step, where the rule decides per step), its tokens
+  generated as usual; it adds the share of copies and of GPU expert computations that were int4 in decode.
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from typing import Callable
 
 import numpy as np
 
-TARGETS_PCT = {"int8": 0.5, "int4": 3.0}  # issue #23: most perplexity increase over the reference, in %
+TARGETS_PCT = {"int8": 0.5, "int4": 3.0, "mixed": 3.0}  # issue #23: most perplexity increase over the reference, %
+MIXED_BASE, MIXED_POLICY = "int8", "pdscope"  # what the "mixed" row loads and runs
 EMBEDDED_TRAINED = {"reference-moe": "trained (the embedded reference MoE)"}
 
 
@@ -45,6 +51,9 @@ class Settings:
     new_tokens: int = 256
     seed: int = 0
     precisions: tuple = (None, "int8", "int4")
+    mixed: bool = False
+    mixed_threshold: float = 1.0  # RuntimeConfig.mixed_threshold's default
+    pool_fraction: float = 0.25
 
 
 @dataclasses.dataclass
@@ -93,9 +102,15 @@ def settings_problems(s: Settings) -> list[str]:
     if longest > cfg.max_position_embeddings:
         problems.append(f"--window / --prompt-len + --new-tokens reach {longest} tokens, beyond the model's "
                         f"{cfg.max_position_embeddings} positions: lower them")
-    for q in s.precisions[1:]:
+    for q in s.precisions[1:] + ((MIXED_BASE, "int4") if s.mixed else ()):
         problems += [f"{s.model}: {p}" for p in (quantize_problems(cfg, q) if q in SCHEMES else [])]
-    return problems
+    if s.mixed:
+        from pdscope_jax.sched.precision import threshold_problems
+
+        problems += [f"--{p.replace('_', '-')}" for p in threshold_problems(s.mixed_threshold)]
+        if not (isinstance(s.pool_fraction, (int, float)) and 0 < s.pool_fraction <= 1):
+            problems.append(f"--pool-fraction must lie in (0, 1], got {s.pool_fraction!r}")
+    return list(dict.fromkeys(problems))
 
 
 def _encoder(tokenizer, vocab_size: int):
@@ -143,14 +158,16 @@ def token_nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def mean_nll(runner, windows: np.ndarray, batch: int,
-             progress: Callable[[int, int], None] | None = None) -> float:
+             progress: Callable[[int, int], None] | None = None, logits: Callable | None = None) -> float:
+    """The mean next-token NLL over `windows` (module docstring), from `logits(ids)` (default `runner.logits`)."""
+    logits = runner.logits if logits is None else logits
     n = len(windows)
     batch = min(batch, n)
     total, count = 0.0, 0
     for start in range(0, n, batch):
         real = windows[start:start + batch]
         pad = np.concatenate([real, windows[:batch - len(real)]]) if len(real) < batch else real
-        nll = token_nll(runner.logits(pad)[: len(real)], real)
+        nll = token_nll(logits(pad)[: len(real)], real)
         total, count = total + float(nll.sum()), count + nll.size
         if progress is not None:
             progress(start + len(real), n)
@@ -177,6 +194,28 @@ def expert_bytes(cfg, dtype: str) -> int:
                if dense_path(p) is not None)
 
 
+def mixed_runner(s: Settings, load: Callable):
+    """The offloaded runner of the "mixed" row (module docstring), through `load`."""
+    from pdscope_jax.api import ASSETS, resolve
+
+    cfg = resolve(s.model)[0].replace(expert_quant=MIXED_BASE)
+    pool = int(s.pool_fraction * len(cfg.moe_layers) * cfg.num_experts * cfg.expert_bytes())
+    predictors = ASSETS / "predictors" / s.model  # shipped beside an embedded model, else none
+    predictors = predictors if (predictors / "manifest.json").is_file() else None
+    return load(s.model, quantize=MIXED_BASE, dtype=s.dtype, seed=s.seed, policy=MIXED_POLICY,
+                predictors=predictors, quality="mixed", mixed_threshold=s.mixed_threshold, gpu_memory="4GB",
+                expert_pool=pool, max_batch=max(s.batch, s.prompts), max_seq_len=max(s.window, s.prompt_len +
+                                                                                     s.new_tokens))
+
+
+def low_shares(decode: dict) -> dict:
+    """Of an offloaded run's decode statistics: the shares of copies and of GPU expert computations that were int4."""
+    copies = decode["experts_loaded_now"] + decode["experts_prefetched"]
+    return {"decode_copies_low": decode["experts_loaded_low"] / copies if copies else None,
+            "decode_gpu_experts_low": decode["gpu_experts_low"] / decode["gpu_experts"] if decode["gpu_experts"]
+            else None}
+
+
 def weights_label(model: str, checkpoint, seed: int) -> str:
     if checkpoint is None:
         return f"random (seeded, seed {seed})"
@@ -191,23 +230,26 @@ def evaluate(s: Settings, load: Callable | None = None, progress: Callable[[str,
         from pdscope_jax.api import load
     data = heldout_data(s) if data is None else data
     rows, ref = [], None
-    for q in s.precisions:
+    for q in s.precisions + (("mixed",) if s.mixed else ()):
         name = q or s.dtype
-        runner = load(s.model, quantize=q, dtype=s.dtype, seed=s.seed)
+        runner = mixed_runner(s, load) if q == "mixed" else load(s.model, quantize=q, dtype=s.dtype, seed=s.seed)
         started = time.perf_counter()
         nll = mean_nll(runner, data.windows, s.batch,
-                       None if progress is None else lambda done, total, n=name: progress(n, done, total))
+                       None if progress is None else lambda done, total, n=name: progress(n, done, total),
+                       runner.engine.decode_logits if q == "mixed" else None)
         scored = time.perf_counter()
+        shares = low_shares(runner.stats["decode"]) if q == "mixed" else {}  # of the scoring's decode steps
         tokens = np.asarray(runner.generate(data.prompts, max_new_tokens=s.new_tokens).tokens)
         ref = (nll, tokens) if ref is None else ref
         agree, first = agreement(ref[1], tokens)
         delta = 100.0 * (math.exp(nll - ref[0]) - 1.0)
         target = TARGETS_PCT.get(q)
-        rows.append({"precision": name, "quantize": q, "expert_bytes": expert_bytes(runner.config, s.dtype),
+        rows.append({"precision": name, "quantize": MIXED_BASE if q == "mixed" else q,
+                     "expert_bytes": expert_bytes(runner.config, s.dtype),
                      "nll": nll, "ppl": math.exp(nll), "delta_pct": delta, "target_pct": target,
                      "pass": None if target is None else bool(delta <= target), "agreement": agree,
                      "first_divergence": first, "ppl_seconds": round(scored - started, 2),
-                     "generate_seconds": round(time.perf_counter() - scored, 2)})
+                     "generate_seconds": round(time.perf_counter() - scored, 2), **shares})
         checkpoint = runner.checkpoint
         del runner
         gc.collect()

@@ -5,11 +5,12 @@ Contract
 - `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
   name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
   `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`,
-  `decode_copies_ahead`. A label
+  `decode_copies_ahead`, `quality`, `mixed_threshold`. A label
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
-  (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on). With `args.ablation` the runs are `ABLATION`
-  then the plain run.
+  (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on), `:quality=Q` (`quality` Q, else
+  `args.quality`). With `args.ablation` the runs are `ABLATION` then the plain run. `build_quality(args, runs)`:
+  the quality the runner is built with (one that keeps the int4 copies where any run loads them).
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
   stands without activation counts (a fixed resident set: `hot_slots(..., have_table=False)` is not None).
@@ -35,12 +36,14 @@ WITH_CPU = ":cpu"  # a policy name's suffix: decode_cpu_experts "auto" (the host
 COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
 PROGRAM_COPIES = ":progcopy"  # a policy name's suffix: RuntimeConfig.decode_bridge_copies off (the program copies)
 AHEAD = ":ahead"  # a policy name's suffix: RuntimeConfig.decode_copies_ahead on (predicted experts copied ahead)
+QUALITY = ":quality="  # a policy name's suffix with a quality (int8, mixed, int4): RuntimeConfig.quality
+QUALITIES = ("int8", "mixed", "int4")  # sched.precision.QUALITIES (here: `--help` stays without numpy)
 SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, AHEAD)
 
 
 def split_label(label: str) -> tuple[str, dict]:
     """(policy, engine switches its suffixes set) of a run label: NAME, then any of `SUFFIXES` and
-    `:copy=F` (0 <= F <= 1); ValueError naming the part it does not know."""
+    `:copy=F` (0 <= F <= 1) and `:quality=Q`; ValueError naming the part it does not know."""
     policy, *parts = label.split(":")
     switches = {}
     for part in parts:
@@ -64,6 +67,11 @@ def split_label(label: str) -> tuple[str, dict]:
             if not 0 <= share <= 1:
                 raise ValueError(f"{label!r}: {COPY_SHARE}F needs 0 <= F <= 1")
             switches["decode_copy_share"] = share
+        elif f":{part}".startswith(QUALITY):
+            quality = part[len(QUALITY) - 1:]
+            if quality not in QUALITIES:
+                raise ValueError(f"{label!r}: {QUALITY}Q takes one of {', '.join(QUALITIES)}")
+            switches["quality"] = quality
         else:
             raise ValueError(f"{label!r}: unknown suffix ':{part}'")
     return policy, switches
@@ -80,30 +88,40 @@ ABLATION = (
 )
 PHASE_KEYS = (*PHASE_TIMES, "seconds", "generate_seconds", "bytes_moved", "hit_rate", "prefetch_accuracy",
               "cpu_experts", "gpu_experts", "planner_ms_per_layer", "device_steps", "handoff_seconds",
-              "prediction_recall", "experts_placed")
+              "prediction_recall", "experts_placed", "experts_loaded_low", "bytes_moved_low", "gpu_experts_low")
 
 
 def plan_runs(args) -> list[dict]:
     """The runs in order: label, policy and engine switches (the hot table is filled in once it is known)."""
+    precision = {"quality": getattr(args, "quality", None), "mixed_threshold": getattr(args, "mixed_threshold", None)}
     if args.ablation:
         return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched,
-                 "device_decode": True, "decode_bank": True} for label, policy, hot, aio, batched in ABLATION] + [
-            {"label": PLAIN, "policy": PLAIN}]
+                 "device_decode": True, "decode_bank": True, **precision}
+                for label, policy, hot, aio, batched in ABLATION] + [{"label": PLAIN, "policy": PLAIN}]
     runs = []
     for label in args.policies:
         policy, switches = split_label(label)
         runs.append({"label": label, "policy": policy, "hot": args.hot_table is not None, "async_io": True,
                      "batched_gpu": True, "device_decode": True, "decode_bank": True,
-                     "decode_cpu_experts": None, "decode_copy_share": None, **switches})
+                     "decode_cpu_experts": None, "decode_copy_share": None, **precision, **switches})
     return runs
 
 
-def default_cpu_experts() -> str:
-    """RuntimeConfig's decode_cpu_experts, what a label without :cpu / :nocpu runs (imported here: `--help` stays
-    without jax)."""
+def build_quality(args, runs: list[dict]) -> str | None:
+    """The quality to build the runner with: the first of `args.quality` and the runs' that loads int4 copies (so
+    the store keeps them for every run that does), else `args.quality`."""
+    from pdscope_jax.sched.precision import loads_low
+
+    wanted = [getattr(args, "quality", None)] + [r.get("quality") for r in runs]
+    return next((q for q in wanted if loads_low(q, args.quantize)), wanted[0])
+
+
+def default_setting(name: str):
+    """RuntimeConfig's default of field `name`, what a label without the suffix that sets it runs (e.g.
+    decode_cpu_experts without :cpu / :nocpu; imported here: `--help` stays without jax)."""
     from pdscope_jax.runtime import RuntimeConfig
 
-    return RuntimeConfig.decode_cpu_experts
+    return getattr(RuntimeConfig, name)
 
 
 def engine_switches(run: dict, hot_table) -> dict:
@@ -111,10 +129,11 @@ def engine_switches(run: dict, hot_table) -> dict:
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
             "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
             "decode_bank": run["decode_bank"],
-            "decode_cpu_experts": run.get("decode_cpu_experts") or default_cpu_experts(),
+            "decode_cpu_experts": run.get("decode_cpu_experts") or default_setting("decode_cpu_experts"),
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True),
-            "decode_copies_ahead": run.get("decode_copies_ahead", False)}
+            "decode_copies_ahead": run.get("decode_copies_ahead", False), "quality": run.get("quality"),
+            "mixed_threshold": run.get("mixed_threshold") or default_setting("mixed_threshold")}
 
 
 def planner_options(runner, policy: str, hot_per_layer: int | None) -> dict:

@@ -22,8 +22,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdscope_jax.bench.runs import (COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, SUFFIXES, WITH_CPU,
-                                    split_label)
+from pdscope_jax.bench.runs import (COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, QUALITY, SUFFIXES,
+                                    WITH_CPU, split_label)
+from pdscope_jax.cli.options import add_quality
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
 
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"host's CPU compute part of the misses through the CUDA bridge, the default), NAME{NO_CPU} "
                         f"(it copies every miss), NAME{COPY_SHARE}F (the share of misses copied), "
                         f"NAME{PROGRAM_COPIES} (the decode program copies its misses itself, not the bridge's "
-                        f"worker), and '{PLAIN}' "
+                        f"worker), NAME{QUALITY}Q (its --quality), and '{PLAIN}' "
                         "for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
@@ -77,6 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantize", choices=("int8", "int4"),
                    help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
                         "they load (default: the model's dtype)")
+    add_quality(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-threads", type=int, default=None, help="pin the process to this many cores")
     p.add_argument("--xla-cpu-cores", type=int, default=None,
@@ -119,7 +121,7 @@ def check_args(args) -> None:
                 continue
             if policy not in POLICIES and name != PLAIN:
                 problems.append(f"--policies: unknown {name!r}; known: {', '.join(POLICIES)}, each with any of the "
-                                f"suffixes {', '.join(SUFFIXES)}, {COPY_SHARE}F, and {PLAIN}")
+                                f"suffixes {', '.join(SUFFIXES)}, {COPY_SHARE}F, {QUALITY}Q, and {PLAIN}")
     checks.check_ints(problems, "--prompt-lens", args.prompt_lens)
     checks.check_ints(problems, "--batch", args.batch)
     for flag, value, low in (("--new-tokens", args.new_tokens, 1), ("--prefill-chunk", args.prefill_chunk, 1),
@@ -131,6 +133,7 @@ def check_args(args) -> None:
     checks.check_int(problems, "--cpu-threads", args.cpu_threads, 1, cores)
     checks.check_int(problems, "--xla-cpu-cores", args.xla_cpu_cores, 1, cores)
     checks.check_seed(problems, "--seed", args.seed)
+    _check_qualities(problems, args)
     checks.check_size(problems, "--gpu-memory", args.gpu_memory)
     checks.check_size(problems, "--expert-pool", args.expert_pool)
     if args.cost_table is not None:
@@ -150,6 +153,21 @@ def check_args(args) -> None:
             problems.append(f"--hot-table: {err}")
     checks.check_writable_dir(problems, "--out", args.out)
     raise_problems(problems, "bad arguments")
+
+
+def _check_qualities(problems: list[str], args) -> None:
+    """--quality, each run's :quality=Q and --mixed-threshold against --quantize (`sched.precision`)."""
+    from pdscope_jax.bench.runs import plan_runs
+    from pdscope_jax.sched.precision import quality_problems, threshold_problems
+
+    try:
+        qualities = {r.get("quality") for r in plan_runs(args)}
+    except ValueError:  # a bad label, reported with --policies
+        qualities = {args.quality}
+    for quality in sorted(q for q in qualities if q is not None):
+        problems += [f"--quality / {QUALITY}{quality}: {p}" for p in quality_problems(quality, args.quantize)]
+    if args.mixed_threshold is not None:
+        problems += [f"--{p.replace('_', '-')}" for p in threshold_problems(args.mixed_threshold)]
 
 
 def main(argv: list[str] | None = None) -> dict:

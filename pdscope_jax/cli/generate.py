@@ -3,7 +3,8 @@
 Contract: `main(argv)` loads MODEL through `pdscope_jax.load` (preset names use seeded random weights unless
 `--weights DIR`; `--revision` picks a Hugging Face cache snapshot), runs the model whole (on `--accelerators N`
 devices, the routed experts split over them) or under `--policy` with
-`--gpu-memory` / `--expert-pool` (and the KV cache sized by `--max-seq-len` / `--max-batch`), prints the
+`--gpu-memory` / `--expert-pool` (the KV cache sized by `--max-seq-len` / `--max-batch`, copies bounded by
+`--quality`), prints the
 continuation (text when the checkpoint has a tokenizer, token ids otherwise) and the per-phase throughput.
 Every argument that can be checked without weights (ids, sampling settings, policy, sizes, lengths) is checked
 before the model loads; one `errors.InputError` names every problem.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdscope_jax.cli.options import add_quality, quality_settings
 from pdscope_jax.sched import POLICIES
 
 
@@ -28,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize", choices=("int8", "int4"),
                         help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
                              "they load (default: the model's dtype)")
+    add_quality(parser)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int)
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
     # given without --policy, check_load names them as settings that need one
     runtime |= {k: v for k, v in (("max_seq_len", args.max_seq_len), ("max_batch", args.max_batch)) if v is not None}
+    runtime |= quality_settings(args)
     # validate first, everything at once: the model's config is cheap to read, its weights are not
     problems, ids, rc = [], None, None
     if args.ids is not None:

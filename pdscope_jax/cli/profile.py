@@ -3,8 +3,8 @@
 Contract: `profile_main(argv) -> dict` parses MODEL and the measurement options, records the command line as
 `pdscope-jax profile ARGS`, and returns the saved table as a dict. `parse_args(argv)` is the parsing alone;
 `check_args(args)` checks every option before anything is built or measured (model known, buckets, counts
-and repeats positive, at least one bucket under --max-tokens, the expert sizes fit --quantize, the output
-writable) and raises one
+and repeats positive, at least one bucket under --max-tokens, the expert sizes fit --quantize, --quality goes
+with --quantize, the output writable) and raises one
 `errors.InputError` naming every problem.
 """
 
@@ -28,6 +28,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantize", choices=("int8", "int4"),
                    help="measure experts stored int8 (per channel) or int4 (groups of 64): CPU and GPU expert "
                         "times and transfers of the quantized bytes (a table per precision)")
+    p.add_argument("--quality", choices=("int8", "mixed", "int4"),
+                   help="also measure the transfer of the int4 copies this quality loads (mixed, int4): the table's "
+                        "precision axis")
     p.add_argument("--buckets", nargs="+", type=int, default=list(DEFAULT_BUCKETS), help="token buckets")
     p.add_argument("--max-tokens", type=int, default=None, help="drop buckets above this")
     p.add_argument("--repeats", type=int, default=5)
@@ -53,6 +56,9 @@ def check_args(args) -> None:
 
         problems += [f"--quantize {args.quantize}: {p}" for p in quantize_problems(resolve(args.model)[0],
                                                                                   args.quantize)]
+    from pdscope_jax.sched.precision import quality_problems
+
+    problems += [f"--quality {args.quality}: {p}" for p in quality_problems(args.quality, args.quantize)]
     checks.check_ints(problems, "--buckets", args.buckets)
     checks.check_int(problems, "--max-tokens", args.max_tokens)
     if args.max_tokens is not None and args.buckets and all(isinstance(b, int) and b > args.max_tokens

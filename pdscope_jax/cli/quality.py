@@ -1,13 +1,14 @@
 """`pdscope-jax quality`: held-out perplexity and greedy agreement of the model with int8 and int4 routed experts.
 
-Contract: `main(argv)` checks every option first (one InputError naming each problem and its fix; nothing
-loaded), then runs `bench.quality.evaluate` (the plain model loaded once per precision: MODEL's dtype as the
-reference, then each `--quantize` scheme, default int8 and int4) with a rich progress bar over the perplexity
-windows, prints a table (precision, bytes of routed experts, perplexity, delta vs the reference with PASS/FAIL
-against the issue's targets, greedy agreement, first divergence) and writes the JSON (the measurements plus
-command, commit, machine) atomically to `--out` (default: benchmarks/results/quality_<model>_<dtype>.json when
-that folder is under the current directory, else quality_<model>_<dtype>.json here). Returns 0 (1 when a target
-fails and `--strict`).
+Contract: `main(argv)` checks every option first (one InputError naming each problem and its fix; nothing loaded),
+then runs `bench.quality.evaluate` (the plain model loaded once per precision: MODEL's dtype as the reference, then
+each `--quantize` scheme, default int8 and int4; with `--mixed` also pdscope with quality "mixed" on int8 experts,
+`--pool-fraction` of them in the slot pool, scored through decode steps and with its int4 shares) with a rich
+progress bar over the perplexity windows, prints a table (precision, bytes of routed experts, perplexity, delta vs
+the reference with PASS/FAIL against the issue's targets, greedy agreement, first divergence) and writes the JSON
+(the measurements plus command, commit, machine) atomically to `--out` (default:
+benchmarks/results/quality_<model>_<dtype>.json when that folder is under the current directory, else
+quality_<model>_<dtype>.json here). Returns 0 (1 when a target fails and `--strict`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=256, help="greedy tokens per prompt (default: %(default)s)")
     p.add_argument("--quantize", nargs="+", choices=("int8", "int4"), default=["int8", "int4"],
                    help="schemes compared with the reference (default: int8 int4)")
+    p.add_argument("--mixed", action="store_true",
+                   help="add pdscope with --quality mixed on int8 experts (offloaded; perplexity through decode steps)")
+    p.add_argument("--mixed-threshold", type=float, default=1.0,
+                   help="--mixed: the rule's threshold (RuntimeConfig.mixed_threshold; default: %(default)s)")
+    p.add_argument("--pool-fraction", type=float, default=0.25,
+                   help="--mixed: the share of the int8 experts the slot pool holds (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="corpus split, prompt offsets, random weights")
     p.add_argument("--out", type=Path, help="JSON file (default: see above)")
     p.add_argument("--machine", help="where it ran, recorded in the JSON (default: the JAX backend and CPU count)")
@@ -64,7 +71,9 @@ def _table(doc: dict):
     for r in doc["precisions"]:
         verdict = "" if r["pass"] is None else (" [green]PASS" if r["pass"] else " [red]FAIL")
         limit = "" if r["target_pct"] is None else f" (<= +{r['target_pct']:g}%)"
-        table.add_row(r["precision"], f"{r['expert_bytes'] / 2**20:.2f} MiB", f"{r['ppl']:.4f}",
+        low = r.get("decode_copies_low")
+        name = r["precision"] + ("" if low is None else f" ({100 * low:.0f}% of copies int4)")
+        table.add_row(name, f"{r['expert_bytes'] / 2**20:.2f} MiB", f"{r['ppl']:.4f}",
                       f"{r['delta_pct']:+.3f}%{limit}{verdict}", f"{r['agreement']:.3f}",
                       f"{r['first_divergence']:.1f} / {doc['new_tokens']}")
     return table
@@ -80,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     s = quality.Settings(model=args.model, dtype=args.dtype, window=args.window, tokens=args.tokens,
                          batch=args.batch, prompts=args.prompts, prompt_len=args.prompt_len,
                          new_tokens=args.new_tokens, seed=args.seed,
-                         precisions=(None, *dict.fromkeys(args.quantize)))
+                         precisions=(None, *dict.fromkeys(args.quantize)), mixed=args.mixed,
+                         mixed_threshold=args.mixed_threshold, pool_fraction=args.pool_fraction)
     out = args.out or default_out(args.model, args.dtype)
     problems = quality.settings_problems(s)
     checks.check_writable_file(problems, "--out", out)

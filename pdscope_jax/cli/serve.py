@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from pdscope_jax.cli.options import add_quality, quality_settings
 from pdscope_jax.sched import POLICIES
 
 
@@ -26,6 +27,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=("int8", "int4"),
                         help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
                              "they load (default: the model's dtype)")
+    add_quality(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights")
     parser.add_argument("--policy", help=f"offloading policy: {', '.join(POLICIES)} (default: the whole model)")
     parser.add_argument("--gpu-memory", default="24GB")
@@ -45,6 +47,7 @@ def loader(args):
     runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
     if args.policy is not None and args.max_seq_len is not None:
         runtime["max_seq_len"] = args.max_seq_len
+    runtime |= quality_settings(args)
     check_load(args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize)
     return lambda: pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
                                     policy=args.policy, predictors=args.predictors, quantize=args.quantize,

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from pdscope_jax.bench.runs import (ABLATION, AHEAD, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, WITH_CPU,
-                                    engine_switches,
-                                    plan_runs, planner_options, split_label)
+                                    build_quality, engine_switches, plan_runs, planner_options, split_label)
 from pdscope_jax.cli.bench import parse_args
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES, planner_class
 
@@ -33,7 +32,8 @@ def test_runs_for_policies_host_decode_and_plain():
     assert engine_switches(runs[0], "t.json") == {"hot_table": "t.json", "async_io": True, "batched_gpu": True,
                                                   "device_decode": True, "decode_bank": True,
                                                   "decode_cpu_experts": "auto", "decode_copy_share": None,
-                                                  "decode_bridge_copies": True, "decode_copies_ahead": False}
+                                                  "decode_bridge_copies": True, "decode_copies_ahead": False,
+                                                  "quality": None, "mixed_threshold": 1.0}
     no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
     assert engine_switches(no_table, "t.json")["hot_table"] is None
 
@@ -47,9 +47,20 @@ def test_suffixes_combine_and_unknown_ones_are_named():
         (False, "off", None, True, False), (True, "auto", 0.25, True, False), (True, "auto", None, False, False),
         (True, "auto", None, True, True)]
     assert split_label("ondemand") == ("ondemand", {})
-    for bad, named in (("pdscope:fast", "':fast'"), ("pdscope:copy=2", ":copy=F"), ("pdscope:copy=x", ":copy=F")):
+    for bad, named in (("pdscope:fast", "':fast'"), ("pdscope:copy=2", ":copy=F"), ("pdscope:copy=x", ":copy=F"),
+                       ("pdscope:quality=int2", ":quality=Q")):
         with pytest.raises(ValueError, match=named):
             split_label(bad)
+
+
+def test_quality_per_run_and_the_quality_the_runner_keeps_copies_for():
+    args = parse_args(["--policies", "pdscope:quality=int8", "pdscope:quality=mixed", "--quantize", "int8",
+                       "--mixed-threshold", "0.5"])
+    runs = plan_runs(args)
+    assert [(engine_switches(r, None)["quality"], engine_switches(r, None)["mixed_threshold"]) for r in runs] == [
+        ("int8", 0.5), ("mixed", 0.5)]
+    assert build_quality(args, runs) == "mixed"  # the int4 copies exist for the mixed run
+    assert build_quality(parse_args(["--quantize", "int8"]), runs[:1]) is None
 
 
 def test_ablation_runs_in_order_then_plain():
