@@ -4,7 +4,8 @@ Loads `--model` with seeded random weights and no offloading, then per K in `--c
 (compiles) and `--repeats` timed ones of `--tokens` new tokens after a `--prompt`-token prompt (greedy; generate
 does not wait for each step). Records per K: decode tok/s (median and repeats), prefill tok/s, and whether the
 greedy tokens equal the first K's. XLA_FLAGS is recorded: XLA's command buffers (CUDA graphs) are a per-process
-setting, so run it once per setting to compare (a scan's body may be captured whole where a step's program is not).
+setting for K = 1 (run it once per setting to compare); programs of K > 1 steps carry their own on a GPU
+(`generator.CHUNK_COMPILER_OPTIONS`).
 Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_decode_chunks.py --chunks 1 8 16 [--out FILE]`. Random weights.
 """

@@ -6,7 +6,7 @@ shared experts', the attention's q and o, the lm_head) and each candidate cut, c
 are: a stack of copies cycled through) and reads each cut's kernel time from the trace by the kernel's name (its
 wall time a call, each waited for, where the trace does not name it). The reduction of K's parts, where a cut
 splits K, is a separate small kernel not counted. Records per shape and cut:
-microseconds a call and GB/s of the weights read, best first; the default cut's figures beside them.
+microseconds a call and GB/s of the weights read, best first; the default cut's (`tiles_for`) beside them.
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_matvec_tiles.py [--out FILE]`.
 """
 
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                       key=lambda r: r["us"])
         for r in rows:
             r["gb_s"] = nbytes / r["us"] / 1e3 if r["us"] else None
-        default = next(r for r in rows if r["tiles"] == gm.TILES._asdict())
+        default = next((r for r in rows if r["tiles"] == gm.tiles_for(n)._asdict()), None)
         emit(records, {"shape": shape, "rows": a, "k": k, "n": n, "weight_bytes": nbytes, "timed_by":
                        "trace" if traced else "wall", "default": default,
                        "best": rows[:5], "all": rows})

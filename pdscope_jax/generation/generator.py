@@ -14,8 +14,10 @@ functions on them:
   `sampling.Sampled` on the device: the step-wise form streaming and stopping at EOS use; `host_steps(steps)`
   gives their host copies.
 - `Generator(model, decode_chunk=K)`: `generate` runs K decode steps per program (a `lax.scan` of the same step,
-  the same tokens), then single steps for the rest; the host dispatches one program per K tokens instead of one
-  per token. `steps` stays one step per `next`. K = 1 (default) is the step-per-program loop.
+  the same tokens), the last program the rest; the host dispatches one program per K tokens instead of one per
+  token. `steps` stays one step per `next`. K = 1 is the step-per-program loop; the default (None) is
+  `ACCELERATOR_DECODE_CHUNK` where the model lies on an accelerator, 1 on the CPU. On a GPU the chunk programs run
+  as XLA command buffers (CUDA graphs, `CHUNK_COMPILER_OPTIONS`): the loop is one graph, recorded once a program.
 A float32 model runs its matmuls at full float32 precision also on GPUs (whose default is TF32), so that
 float32 results match the CPU's and the reference's.
 `Generator(model, input_sharding)`: where the inputs go (None: the default device); a model whose weights lie
@@ -45,6 +47,10 @@ from pdscope_jax.models.layers import CausalLM
 from pdscope_jax.text.tokenizer import token_batch
 
 CACHE_BUCKET = 64  # cache lengths are rounded up to a multiple of this so nearby lengths share programs
+# Per-program launch and dispatch costs dominate a whole-model decode step on an accelerator: see
+# docs/MEASUREMENTS.md ("Whole-model decode: steps per program").
+ACCELERATOR_DECODE_CHUNK = 32
+CHUNK_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
 
 
 @dataclasses.dataclass
@@ -179,17 +185,21 @@ def host_copy(x: jax.Array) -> np.ndarray:
 
 
 class Generator:
-    def __init__(self, model: CausalLM, input_sharding: jax.sharding.Sharding | None = None, decode_chunk: int = 1):
-        if not _is_int(decode_chunk) or decode_chunk < 1:
-            raise ValueError(f"decode_chunk must be an integer >= 1, got {decode_chunk!r}")
+    def __init__(self, model: CausalLM, input_sharding: jax.sharding.Sharding | None = None,
+                 decode_chunk: int | None = None):
+        if decode_chunk is not None and (not _is_int(decode_chunk) or decode_chunk < 1):
+            raise ValueError(f"decode_chunk must be an integer >= 1 (or None: by platform), got {decode_chunk!r}")
         self.config = model.config
         self.input_sharding = input_sharding
-        self.decode_chunk = decode_chunk
         self.cache_dtype = model.embed.embedding.dtype
         self._init_cache = model.init_cache
         self.graphdef, self.state = nnx.split(model)
         leaves, treedef = jax.tree.flatten(self.state)
         self._graph, self._leaves = (self.graphdef, treedef), leaves
+        self.platform = next(iter(leaves[0].devices())).platform
+        on_accelerator = self.platform != "cpu"
+        self.decode_chunk = decode_chunk or (ACCELERATOR_DECODE_CHUNK if on_accelerator else 1)
+        self._chunk_options = CHUNK_COMPILER_OPTIONS if self.platform == "gpu" else {}
         full_f32 = jnp.dtype(self.cache_dtype) == jnp.float32
         self._precision = functools.partial(jax.default_matmul_precision, "highest" if full_f32 else None)
 
@@ -206,7 +216,7 @@ class Generator:
         positions = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
         return jax.device_put((np.asarray(input_ids, np.int32), positions), self.input_sharding)
 
-    def _program(self, name: str, jitted, args: tuple, static: tuple = ()):
+    def _program(self, name: str, jitted, args: tuple, static: tuple = (), options: dict | None = None):
         """AOT-compile once per shape so that timings exclude compilation (sampling settings are arrays: a new
         setting compiles nothing)."""
         # shardings too: the same shapes on another device need their own executable
@@ -214,7 +224,7 @@ class Generator:
         key = (name, args[0], shapes, *static)
         if key not in _compiled:
             with self._precision():
-                _compiled[key] = jitted.lower(*args, *static).compile()
+                _compiled[key] = jitted.lower(*args, *static).compile(compiler_options=options or None)
         return _compiled[key]
 
     def generate(self, input_ids: np.ndarray, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -240,8 +250,8 @@ class Generator:
         return self._steps(input_ids, max_new_tokens, temperature, top_k, seed, 1, **sampling)
 
     def _steps(self, input_ids, max_new_tokens, temperature, top_k, seed, chunk: int, **sampling) -> "Steps":
-        """`steps`, whose decode steps come `chunk` at a time (Sampled fields [n, ...]) when chunk > 1, then one at a
-        time."""
+        """`steps`, whose decode steps come `chunk` at a time (Sampled fields [n, ...], the last program the rest)
+        when chunk > 1."""
         input_ids = check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed,
                                   **sampling)
         params, _ = sampling_params(temperature, top_k, seed, **sampling)
@@ -255,26 +265,25 @@ class Generator:
         prefill = self._program("prefill", prefill_jit, prefill_args)
         step_args = (self._graph, self._leaves, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), cache,
                      state, jnp.int32(1))
-        chunks = [chunk] * ((max_new_tokens - 1) // chunk) if chunk > 1 else []  # then single steps for the rest
-        decode = self._program("decode", decode_jit, step_args) if max_new_tokens - 1 > sum(chunks) else None
-        many = self._program("decode_chunk", decode_chunk_jit, step_args, (chunk,)) if chunks else None
+        decoded = max_new_tokens - 1
+        sizes = [chunk] * (decoded // chunk) + ([decoded % chunk] if decoded % chunk else [])
+        programs = {n: self._program("decode", decode_jit, step_args) if chunk == 1 else
+                    self._program("decode_chunk", decode_chunk_jit, step_args, (n,), self._chunk_options)
+                    for n in set(sizes)}
         jax.block_until_ready((cache, state))
-        singles = max_new_tokens - 1 - sum(chunks)
-        return Steps(self._run(prefill, decode, many, prefill_args[1:], t, chunks, singles), t)
+        return Steps(self._run(prefill, programs, prefill_args[1:], t, sizes, chunk > 1), t)
 
-    def _run(self, prefill, decode, many, prefill_args, t: int, chunks: list[int], singles: int):
-        """Prefill's Sampled, then each chunk's (fields [n, ...]), then each single step's."""
+    def _run(self, prefill, programs, prefill_args, t: int, sizes: list[int], chunked: bool):
+        """Prefill's Sampled, then each decode program's: one step's, or (`chunked`) n steps' with fields
+        [n, ...]."""
         picked, sampling, cache = prefill(*prefill_args)
         yield picked
         b = picked.token.shape[0]
         token, position, step = picked.token, jnp.full((b,), t, jnp.int32), jnp.int32(1)  # advanced on the device
-        for _ in chunks:
-            picked, sampling, cache, position, step = many(self._leaves, token, position, cache, sampling, step)
-            token = picked.token[-1]
-            yield picked
-        for _ in range(singles):
-            picked, sampling, cache, position, step = decode(self._leaves, token, position, cache, sampling, step)
-            token = picked.token
+        for n in sizes:
+            picked, sampling, cache, position, step = programs[n](self._leaves, token, position, cache, sampling,
+                                                                  step)
+            token = picked.token[-1] if chunked else picked.token
             yield picked
 
 

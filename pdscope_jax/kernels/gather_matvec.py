@@ -13,7 +13,7 @@ Contract:
   once, in their stored width.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `tiles` (`Tiles`,
-  static) sets how a call cuts its work; the default `TILES` suits every supported shape.
+  static) sets how a call cuts its work; by default `tiles_for(N)`, which every supported shape takes.
 - `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU, `ENABLED`
   and `compiles_here()`, `xla_fn(*args)` otherwise (`jax.lax.platform_dependent`: the CPU backend never lowers
   the kernel). `ENABLED` is False when the environment sets PDSCOPE_GPU_KERNELS=0 (the XLA paths everywhere: a
@@ -48,12 +48,19 @@ class Tiles(NamedTuple):
     (`programs`: K is split until the grid has about this many), and Triton's `num_warps` / `num_stages`."""
     block_n: int = BLOCK_N
     block_k: int = 64
-    programs: int = 528  # 4 per multiprocessor of an H100/H200
+    programs: int = 2112  # 16 per multiprocessor of an H100/H200: enough weight bytes in flight
     num_warps: int = 4
     num_stages: int = 3
 
 
 TILES = Tiles()
+NARROW = TILES._replace(block_k=32)  # N <= 2048: half-height tiles, twice the programs along K
+
+
+def tiles_for(n: int) -> Tiles:
+    """The cut a call of N columns takes by default (swept on an H200 over decode's shapes: docs/MEASUREMENTS.md):
+    narrow outputs have too few column blocks to keep the memory busy, so their K is cut finer."""
+    return NARROW if n <= 2048 else TILES
 
 
 def kernel_name(tiles: Tiles) -> str:
@@ -155,9 +162,10 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, gro
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles = TILES) -> jax.Array:
+def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
     a, k = x.shape
     _, k_w, n = w.shape
+    tiles = tiles_for(n) if tiles is None else tiles
     scheme = w.scheme if is_quantized(w) else None
     block_k, block_n = _block_k(w.dtype, scheme, k, tiles), tiles.block_n
     if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n

@@ -8,7 +8,7 @@ import pytest
 import tokenizers
 
 import pdscope_jax
-from pdscope_jax.generation.generator import GenerationResult, Generator
+from pdscope_jax.generation.generator import CHUNK_COMPILER_OPTIONS, GenerationResult, Generator
 from pdscope_jax.presets import UnknownModelError
 from pdscope_jax.text.tokenizer import token_batch
 
@@ -61,9 +61,10 @@ def test_sampling(v2):
 
 
 def test_decode_in_chunks_gives_the_step_by_step_tokens(v2):
-    """Three steps per program, then single steps for the rest (10 decode steps: 3 + 3 + 3 + 1): the same tokens as
-    one step per program, greedy and sampled (the sampler's key follows the step counter across programs)."""
-    chunked = Generator(v2.model, decode_chunk=3)
+    """Four steps per program, the last program the rest (10 decode steps: 4 + 4 + 2): the same tokens as one step
+    per program, greedy and sampled (the sampler's key follows the step counter across programs)."""
+    assert v2._generator.decode_chunk == 1  # the CPU's default
+    chunked = Generator(v2.model, decode_chunk=4)
     for settings in ({}, {"temperature": 1.0, "seed": 7, "top_p": 0.9}):
         out = chunked.generate(PROMPT, max_new_tokens=11, **settings)
         ref = v2.generate(PROMPT, max_new_tokens=11, **settings)
@@ -71,6 +72,15 @@ def test_decode_in_chunks_gives_the_step_by_step_tokens(v2):
         np.testing.assert_array_equal(out.tokens, ref.tokens)
     with pytest.raises(ValueError, match="decode_chunk"):
         Generator(v2.model, decode_chunk=0)
+
+
+def test_chunk_programs_compiler_options_are_valid_xla_options():
+    """XLA checks the options' names and values on every backend, so a mistake fails here, not first on a GPU."""
+    import jax
+    import jax.numpy as jnp
+
+    compiled = jax.jit(lambda x: x + 1).lower(jnp.ones(2)).compile(compiler_options=CHUNK_COMPILER_OPTIONS)
+    np.testing.assert_array_equal(compiled(jnp.ones(2)), [2.0, 2.0])
 
 
 def test_input_checks(v2):
