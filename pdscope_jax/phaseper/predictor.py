@@ -4,7 +4,8 @@ Contract
 - One network per MoE layer l (all but the last) and phase: `f_l(a_l [N,D], w_l [N,K], e_l [N,K]) ->
   logits [N,E]` over the experts of the next MoE layer (sigmoid gives per-expert activation probabilities).
 - Features: LayerNorm(a) projected to `proj_dim`, concatenated with the routing-weighted multi-hot of e
-  and the plain multi-hot of e: [N, proj_dim + 2E].
+  and the plain multi-hot of e: [N, proj_dim + 2E]. With `hp.linear`, a linear map of a itself is added to the
+  logits (the next layer's gate, a linear function of a, is then one of the functions it can represent).
 - `ShallowPredictor` (input and output groups): one hidden layer.
   `DeepPredictor` (middle group): the same stem, then a residual block whose output is modulated by a gate
   on the attention output, `x + sigmoid(Linear(a)) * block(x)`, then the head.
@@ -41,6 +42,7 @@ class PredictorHParams:
     num_experts: int  # E
     proj_dim: int = 128  # P
     hidden: int = 192  # H
+    linear: bool = False  # a linear path from a to the logits beside the network (the next gate is linear in a)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,10 +62,15 @@ class _Stem(nnx.Module):
         self.norm = nnx.LayerNorm(hp.dim, rngs=rngs)
         self.proj = nnx.Linear(hp.dim, hp.proj_dim, rngs=rngs)
         self.hidden = nnx.Linear(hp.proj_dim + 2 * hp.num_experts, hp.hidden, rngs=rngs)
+        self.linear = nnx.Linear(hp.dim, hp.num_experts, rngs=rngs) if hp.linear else None
 
     def __call__(self, a_n: jax.Array, w: jax.Array, e: jax.Array) -> jax.Array:
         feats = jnp.concatenate([self.proj(a_n), encode_experts(w, e, self.num_experts)], axis=-1)  # [N, P+2E]
         return nnx.gelu(self.hidden(feats))  # [N, H]
+
+    def direct(self, a: jax.Array) -> jax.Array | float:
+        """[N, E] logits of the linear path on a as given (not normalised), or 0 without one."""
+        return 0.0 if self.linear is None else self.linear(a.astype(jnp.float32))
 
 
 class ShallowPredictor(nnx.Module):
@@ -73,7 +80,7 @@ class ShallowPredictor(nnx.Module):
 
     def __call__(self, a: jax.Array, w: jax.Array, e: jax.Array) -> jax.Array:
         a_n = self.stem.norm(a.astype(jnp.float32))  # [N, D]
-        return self.head(self.stem(a_n, w, e))  # [N, E]
+        return self.head(self.stem(a_n, w, e)) + self.stem.direct(a)  # [N, E]
 
 
 class DeepPredictor(nnx.Module):
@@ -89,7 +96,7 @@ class DeepPredictor(nnx.Module):
         x = self.stem(a_n, w, e)  # [N, H]
         block = self.block_out(nnx.gelu(self.block_in(x)))  # [N, H]
         x = x + jax.nn.sigmoid(self.gate(a_n)) * block  # [N, H], gated residual
-        return self.head(x)  # [N, E]
+        return self.head(x) + self.stem.direct(a)  # [N, E]
 
 
 def network_kind(group: str) -> str:

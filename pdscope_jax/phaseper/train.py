@@ -1,11 +1,13 @@
 """Offline training of PhasePer predictors on routing traces, and their evaluation.
 
 Contract
-- `train_predictors(traces, groups, hparams=None, *, epochs, seed, config, loss_params, progress)
-  -> (PredictorSet, metrics)` trains one predictor per (phase, source layer) with optax AdamW on the
+- `train_predictors(traces, groups, hparams=None, *, epochs, seed, config, loss_params, progress, phases)
+  -> (PredictorSet, metrics)` trains one predictor per (phase of `phases`, source layer) with optax AdamW on the
   loss `losses.phase_loss` prescribes for that phase and group. Each (phase, layer) holds out a validation
-  split (whole steps when there are >= 2 steps, else the last tokens); training stops early when the
+  split: whole steps when there are >= 2 steps, else the last tokens; in decode whole sequences where every step
+  has the same >= 2 rows (`split_by_sequences`); training stops early when the
   validation loss has not improved for `config.patience` epochs, and the best-validation parameters are kept.
+  With `config.decode_from_prefill`, a decode predictor starts from its layer's trained prefill predictor.
   A phase without traces keeps its freshly initialised predictors (metrics say `trained: False`).
 - `metrics` = {"phases": {phase: {"recall_at_k", "table5", "val_loss", "layers": {layer: {...}}}}, ...}.
 - `evaluate_predictors(pset, traces)` computes the same metrics on every token of `traces`.
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +59,7 @@ class TrainConfig:
     gamma: float = 2.0
     min_freq: float = 1e-2
     eval_chunk: int = 1024
+    decode_from_prefill: bool = False  # a decode predictor starts from its layer's trained prefill predictor
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------
@@ -162,6 +165,21 @@ def split_by_steps(steps: np.ndarray, val_fraction: float, rng: np.random.Genera
     return np.arange(total - n_val), np.arange(total - n_val, total), np.array([n_val], np.int32)
 
 
+def split_by_sequences(steps: np.ndarray, val_fraction: float, rng: np.random.Generator):
+    """Decode traces: a step holds one token of each of B sequences, row i of a batch's every step continuing row
+    i's sequence. Tokens of one sequence are alike (a greedy continuation repeats itself), so validation takes whole
+    sequences: a random set of rows, the same in every step. Other layouts go to `split_by_steps`."""
+    rows = int(steps[0]) if len(steps) else 0
+    if rows < 2 or (steps != rows).any():
+        return split_by_steps(steps, val_fraction, rng)
+    n_val = min(rows - 1, max(1, int(round(val_fraction * rows))))
+    is_val = np.zeros(rows, bool)
+    is_val[rng.choice(rows, n_val, replace=False)] = True
+    is_val = np.tile(is_val, len(steps))
+    idx = np.arange(len(is_val))
+    return idx[~is_val], idx[is_val], np.full(len(steps), n_val, np.int32)
+
+
 # ---- training ------------------------------------------------------------------------------------------
 def _train_one(pset: PredictorSet, phase: str, layer: int, pairs: LayerPairs, cfg: TrainConfig, epochs: int,
                lam: float, gamma: float, rng: np.random.Generator, on_epoch) -> dict:
@@ -171,7 +189,8 @@ def _train_one(pset: PredictorSet, phase: str, layer: int, pairs: LayerPairs, cf
     train_step, logits_fn, loss_fn = make_step_fns(pset.graphdef(layer))
     tx = adamw(cfg.learning_rate, cfg.weight_decay)
 
-    train_idx, val_idx, val_steps = split_by_steps(pairs.steps, cfg.val_fraction, rng)
+    split = split_by_sequences if phase == "decode" else split_by_steps
+    train_idx, val_idx, val_steps = split(pairs.steps, cfg.val_fraction, rng)
     y_all = targets(pairs.e_next, num_experts)  # [N, E]
     freq = jnp.asarray(expert_frequencies(pairs.e_next[train_idx], num_experts, cfg.min_freq))  # [E]
     gamma_j, coefs = jnp.float32(gamma), jnp.asarray(loss_coefficients(phase, group, lam))
@@ -239,8 +258,10 @@ def train_predictors(
     config: TrainConfig | None = None,
     loss_params: Mapping[int, tuple[float, float]] | None = None,
     progress: bool = True,
+    phases: Sequence[str] = PHASES,
 ) -> tuple[PredictorSet, dict]:
-    """Train every predictor; `loss_params` maps a layer to its (lambda, gamma), else config's values."""
+    """Train every predictor of `phases` (the others stay as initialised); `loss_params` maps a layer to its
+    (lambda, gamma), else config's values."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     cfg = config or TrainConfig()
@@ -249,7 +270,7 @@ def train_predictors(
     pset = PredictorSet(hp, traces.layers, groups, seed=seed)
     rng = np.random.default_rng(seed)
     metrics = {"groups": {"input_end": groups[0], "middle_end": groups[1]}, "phases": {}}
-    jobs = [(p, l) for p in PHASES for l in pset.source_layers]
+    jobs = [(p, l) for p in PHASES if p in phases for l in pset.source_layers]
     t0 = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), disable=not progress) as bar:
@@ -262,6 +283,8 @@ def train_predictors(
                 bar.advance(overall)
                 continue
             lam, gamma = (loss_params or {}).get(layer, (cfg.lam, cfg.gamma))
+            if phase == "decode" and cfg.decode_from_prefill and per_phase["prefill"].get(layer, {}).get("trained"):
+                pset.set_state(phase, layer, pset.state("prefill", layer))  # the same next-layer function, more tokens
 
             def on_epoch(epoch, loss, phase=phase, layer=layer):
                 bar.update(overall, description=f"{phase} layer {layer} epoch {epoch} val {loss:.4f}")

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,3 +94,19 @@ def test_rejects_invalid_groups():
         PredictorSet(HP, layers=range(4), groups=(2, 2))
     with pytest.raises(ValueError, match="at least 3"):
         PredictorSet(HP, layers=range(2), groups=(1, 1))
+
+
+@pytest.mark.parametrize("kind", ["shallow", "deep"])
+def test_the_linear_path_represents_the_next_gate(kind):
+    """With the network's head at zero, the logits are the linear path's map of a itself (not normalised): a router's
+    logits a @ W are one of the functions a predictor can be."""
+    hp = PredictorHParams(dim=16, k=2, num_experts=8, proj_dim=8, hidden=12, linear=True)
+    model = build_network(kind, hp, seed=0)
+    gate = np.random.default_rng(1).normal(size=(16, 8)).astype(np.float32)
+    model.head.kernel[...] = jnp.zeros_like(model.head.kernel[...])
+    model.head.bias[...] = jnp.zeros_like(model.head.bias[...])
+    model.stem.linear.kernel[...] = jnp.asarray(gate)
+    model.stem.linear.bias[...] = jnp.zeros_like(model.stem.linear.bias[...])
+    a, w, e = _inputs(4)
+    np.testing.assert_allclose(np.asarray(model(a, w, e)), a.astype(np.float32) @ gate, rtol=1e-5, atol=1e-5)
+    assert build_network(kind, dataclasses.replace(hp, linear=False), 0).stem.linear is None

@@ -1,5 +1,6 @@
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from pdscope_jax.phaseper.train import (
     evaluate_predictors,
     make_step_fns,
     recall_at_k,
+    split_by_sequences,
     split_by_steps,
     table5_accuracy,
     table5_hits,
@@ -108,3 +110,25 @@ def test_table5_ties_and_steps():
     probs[1] = [0.0, 0.9, 0.8, 0.0, 0.0, 0.0]  # e1, e2 ranks 0 and 1: hits
     assert table5_hits(probs, e_next, np.array([1, 1]), 6) == (3, 4)
     assert table5_accuracy(probs, e_next, np.array([1, 1]), 6) == pytest.approx(0.75)
+
+
+def test_decode_validation_takes_whole_sequences():
+    steps = np.full(6, 4)  # 6 decode steps of 4 sequences: token i of step s is row i % 4
+    train_idx, val_idx, val_steps = split_by_sequences(steps, 0.25, np.random.default_rng(0))
+    assert sorted(np.concatenate([train_idx, val_idx]).tolist()) == list(range(24))
+    assert len({int(i) % 4 for i in val_idx}) == 1 and len(val_idx) == 6 and val_steps.tolist() == [1] * 6
+    assert not {int(i) % 4 for i in val_idx} & {int(i) % 4 for i in train_idx}
+    _, val_idx, _ = split_by_sequences(np.array([4, 4, 3]), 0.25, np.random.default_rng(0))  # uneven: whole steps
+    assert len(val_idx) in (3, 4)
+
+
+def test_decode_predictors_start_from_the_prefill_ones(traces):
+    cfg = dataclasses.replace(BASE, decode_from_prefill=True)
+    pset, _ = train_predictors(traces, (1, 3), HP, epochs=0, config=cfg, progress=False, phases=("prefill", "decode"))
+    for layer in pset.source_layers:  # no epoch run: each decode predictor is its prefill predictor as trained
+        assert all(np.array_equal(p, d) for p, d in zip(jax.tree.leaves(pset.state("prefill", layer)),
+                                                          jax.tree.leaves(pset.state("decode", layer))))
+    fresh, metrics = train_predictors(traces, (1, 3), HP, epochs=0, config=BASE, progress=False, phases=("prefill",))
+    assert not metrics["phases"]["decode"]["layers"]  # a phase left out is not trained
+    assert not all(np.array_equal(p, d) for p, d in zip(jax.tree.leaves(fresh.state("prefill", 0)),
+                                                         jax.tree.leaves(fresh.state("decode", 0))))
