@@ -60,7 +60,7 @@ class Gates:
         import pdscope_jax
 
         runner = pdscope_jax.load(model_name, dtype="float32")
-        self.cfg, self.model, self.tokenizer = runner.config, runner.model, runner.tokenizer
+        self.cfg = runner.config
         self.mlps = {i: layer.mlp for i, layer in enumerate(runner.model.layers) if layer.is_moe}
         self.kernels = {i: np.asarray(mlp.gate.kernel[...], np.float32) for i, mlp in self.mlps.items()}
 
