@@ -113,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
             bar.update(tasks[name], completed=done)
 
         doc = quality.evaluate(s, progress=progress, data=data)
-    doc = {"what": f"quality of int8 / int4 routed experts against {args.dtype}: held-out perplexity and greedy "
-                   f"agreement, {args.model}",
+    mixed = " and of pdscope with quality mixed (int8 experts, int4 copies)" if args.mixed else ""
+    doc = {"what": f"quality of int8 / int4 routed experts{mixed} against {args.dtype}: held-out perplexity and "
+                   f"greedy agreement, {args.model}",
            "command": shlex.join(["pdscope-jax", "quality", *argv]), "commit": source_commit(),
            "machine": args.machine or _machine(), **doc}
     console.print(_table(doc))
