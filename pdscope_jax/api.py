@@ -26,10 +26,8 @@ routed experts quantized (`quant.formats`; the dense weights are quantized as th
 without a policy: the plain model quantized is the reference every policy reproduces. From a checkpoint the
 quantized experts are written once to a cache keyed by the checkpoint's fingerprint and the scheme, and later
 loads read them from there (`quant.cache`; `quant_cache=False` turns it off, a directory puts it there).
-`quality="int8" | "mixed" | "int4"` (with a policy; a runtime setting) bounds the precision copies of experts load
-in: "mixed" and "int4" keep an int4 copy of every routed expert beside the stored one and load it for light
-experts or for all (`sched.precision`); a combination that cannot hold (e.g. "int8" without quantize="int8") is
-refused before any weight is read.
+`quality="int8" | "mixed" | "int4"` (a runtime setting) bounds the precision of copies of experts (docs/PRECISION.md);
+a combination that cannot hold (e.g. "int8" without quantize="int8") is refused before any weight is read.
 `Runner.logits(input_ids) -> np.float32 [B,T,V]`, `Runner.generate(input_ids | text, ...)` and
 `Runner.steps(...)` (the same, one step per `next`, for streaming) take rectangular batches; text needs the
 checkpoint's tokenizer.json; sampling keywords are `generation.sampling.SamplingParams`'s fields. Validate first, then work: `load` checks dtype, seed,

@@ -22,11 +22,9 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`
   the in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot
   table, preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU
   program per expert); `device_decode` (allow the one-program decode step); `decode_cpu_experts` and
-  `decode_copy_share` (which misses of that step the host's CPU computes: `engine.host_split`); `quality` and
-  `mixed_threshold` (`sched.precision`): a quality that loads int4 copies makes the store keep them beside the
-  stored precision (built once: `set_policy` may switch among qualities only while they exist), gives the cost
-  table the int4 transfer (its bytes ratio unless measured), sets `precision` (the rule the planners see) and
-  keeps decode on the host. `precision_trace`: set to a list to record which GPU experts computed from int4 copies.
+  `decode_copy_share` (which misses of that step the host's CPU computes: `engine.host_split`); `quality`,
+  `mixed_threshold` (docs/PRECISION.md: int4 copies kept at construction, the rule in `precision`, the table's int4
+  transfer; `precision_trace` records which GPU experts computed from them).
 """
 
 from __future__ import annotations

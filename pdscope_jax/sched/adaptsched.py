@@ -23,11 +23,9 @@ Departures (on by default; `layer_guard=False, link_window=False` runs the paper
   max(T_G, T_C) + t_attn - t_transfer(L_on): a staged copy overlaps compute, not only the GPU's bubble.
 - `stream_next_layer` (PAPER.md "Execution engine"): in prefill, when the pool holds two whole layers, stream
   the whole next layer where the cost table says it beats the plan (`_stream_pays`).
-Precision (`sched.precision`, where `demand.precision` allows int4 copies): each candidate's precision is the
-rule's (quality "mixed": low when its relative routing weight, or for E_next its predicted one, is below the
-threshold; "int4": every copy low) and is fixed before the steps run; the steps then plan with each copy's
-own transfer time, a low copy counting `costs.transfer_ratio("int4")` of a base one in `t_transfer`, so more of
-E_cur loads and more of E_next fits the link's free time.
+Precision (`demand.precision`, docs/PRECISION.md): each candidate's copy is fixed first by the rule (mixed: int4 when
+its relative, for E_next predicted, routing weight is below the threshold); the steps weigh an int4 copy as
+`costs.transfer_ratio("int4")` of a base one in `t_transfer`.
 """
 
 from __future__ import annotations

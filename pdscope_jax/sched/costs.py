@@ -17,10 +17,8 @@ Cost model (all times in seconds):
 - `t_transfer(n)`: n experts moved host -> GPU back to back: `alpha + n * t_io`, or the measured
   `transfer_seconds` curve when the profile has one (linear with slope `t_io` past its last point).
 - `t_attn(phase, tokens)`: one layer's attention (GPU) for `tokens` tokens in `phase`.
-- Precision axis (`precisions`, optional): per other precision of an expert's copy (e.g. "int4", the host's low
-  copy) a `PrecisionCosts`: its `t_io` (measured, or the table's scaled by the bytes ratio: `with_precision`) and,
-  where measured, its CPU / GPU expert times per bucket. `transfer_ratio(name)` = its t_io over the table's: a
-  copy in that precision counts as that fraction of one in `t_transfer(n)`.
+- `precisions` (optional): per other precision of a copy (the int4 copy) a `PrecisionCosts` (t_io measured or
+  scaled by bytes: `with_precision`; compute where measured); `transfer_ratio(name)` = its t_io over the table's.
 Zero tokens (or an empty set, or n = 0 transfers) cost nothing.
 
 JSON layout: `CostTable.to_dict`. A malformed file raises `CostTableError` naming every problem at once.

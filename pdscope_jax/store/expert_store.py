@@ -28,11 +28,8 @@ Contract:
   per exact count, as padding would copy an expert twice), more through stage + commit; `Written.done` is ready
   when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode bank alike.
   Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
-- Low copies (`store.low_copies`, `sched.precision`): `add_low_layer(layer, gate_up, down)` keeps a layer's int4
-  copies in pinned memory too (`low_bytes`, counted in host_bytes_per_model_byte); `stage`, `write`,
-  `count_moved` and `expert_nbytes` take `low` ([n] bool, or None: none) to move those experts' int4 bytes, which
-  the slot-writing program turns into the pool's format (`to_slot`); a write of both kinds runs one program per
-  kind. CPU views, layer stacks and the decode bank are of the base copy alone.
+- Int4 copies (`store.low_copies`): `add_low_layer` pins a layer's too (`low_bytes`); `stage`, `write`, `count_moved`
+  take `low` ([n] bool) to move them, turned into the pool's format as they are written (one program per kind).
 """
 
 from __future__ import annotations
