@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pdscope_jax
-from pdscope_jax.phaseper.checkpoint import save_predictors
+from pdscope_jax.phaseper.checkpoint import load_predictors, save_predictors
 from pdscope_jax.phaseper.collect import collect_traces, moe_layers
 from pdscope_jax.phaseper.predictor import PredictorHParams, PredictorSet
 from pdscope_jax.phaseper.traces import TraceWriter, load_traces
@@ -136,3 +136,20 @@ def test_fair_fate_ranks_a_step_by_picks_then_by_probability(monkeypatch):
                         type("C", (), {"dedup": {"ood": type("D", (), {"to_json": lambda self: {"removed": 1}})()}}))
     assert ev.text_dedup("m (float32), split ood (cjk), 64 prompts x 256 tokens, batch 16, seed 3") == {"removed": 1}
     assert seen == [(3, "cjk")] and ev.text_dedup("split train (stdlib), seed 0") is None
+
+
+def test_ceiling_views_cut_whole_prompts_and_score_on_them(setup):
+    root, ckpt, traces = setup
+    ceiling = _script("predictor_ceiling")
+    val = ceiling.PromptView(traces, B, 2 * B)  # the second batch of prompts
+    layer = traces.layers[0]
+    pre, dec = val.pairs("prefill", layer), val.pairs("decode", layer)
+    np.testing.assert_array_equal(pre.a, traces.pairs("prefill", layer).a[B * T:])
+    np.testing.assert_array_equal(dec.e_next, traces.pairs("decode", layer).e_next[B * STEPS:])
+    assert pre.steps.tolist() == [T] * B and dec.steps.tolist() == [B] * STEPS  # prompts; collected decode steps
+    with pytest.raises(ValueError, match="whole batches"):
+        ceiling.PromptView(traces, 1, 2 * B)
+    gates = _script("eval_predictors").Gates(MODEL)
+    pset, _ = load_predictors(ckpt, gates.cfg)
+    scores = ceiling.score(pset, gates, ceiling.PromptView(traces, 0, B), val, ("decode",))
+    assert set(scores["decode"]["all"]) == {"phaseper", "fate_topk", "frequency"}
