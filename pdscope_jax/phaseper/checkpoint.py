@@ -14,7 +14,7 @@ Contract
   size and sha256 are checked; a temporary directory, a missing manifest or file, a corrupt byte anywhere,
   or a fingerprint different from `model_cfg.fingerprint()` (the message names both) raises
   `PredictorCheckpointError` naming the file, what is wrong and the fix (train again). Format 1 manifests
-  (before checksums) still load, unchecked.
+  (before checksums) still load, unchecked; hyper-parameters without `linear` mean a network without the path.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ def load_predictors(path: str | Path, model_cfg: ModelConfig) -> tuple[Predictor
         )
     try:
         groups = (manifest["groups"]["input_end"], manifest["groups"]["middle_end"])
-        pset = PredictorSet(PredictorHParams(**manifest["hparams"]), manifest["moe_layers"], groups)
+        hparams = {"linear": False, **manifest["hparams"]}  # checkpoints from before the linear path have none
+        pset = PredictorSet(PredictorHParams(**hparams), manifest["moe_layers"], groups)
     except (KeyError, TypeError, ValueError) as err:
         raise PredictorCheckpointError(f"{directory}/manifest.json lacks or garbles {err}: {REMEDY}") from None
     abstract: dict[str, dict] = {}

@@ -35,14 +35,14 @@ from pdscope_jax.phaseper.traces import PHASES
 
 @dataclasses.dataclass(frozen=True)
 class PredictorHParams:
-    """Architecture hyper-parameters; at D=2048, E=64 the defaults give 1.3 MB (shallow) / 3.2 MB (deep)."""
+    """Architecture hyper-parameters; at D=2048, E=64 the defaults give 1.8 MB (shallow) / 3.7 MB (deep)."""
 
     dim: int  # D
     k: int  # K
     num_experts: int  # E
     proj_dim: int = 128  # P
     hidden: int = 192  # H
-    linear: bool = False  # a linear path from a to the logits beside the network (the next gate is linear in a)
+    linear: bool = True  # a linear path from a to the logits beside the network (the next gate is linear in a)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -59,7 +59,7 @@ class TrainConfig:
     gamma: float = 2.0
     min_freq: float = 1e-2
     eval_chunk: int = 1024
-    decode_from_prefill: bool = False  # a decode predictor starts from its layer's trained prefill predictor
+    decode_from_prefill: bool = True  # a decode predictor starts from its layer's trained prefill predictor
 
 
 # ---- metrics ---------------------------------------------------------------------------------------------

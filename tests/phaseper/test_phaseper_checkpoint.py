@@ -107,3 +107,17 @@ def test_restored_parameters_are_arrays_of_the_right_shapes(tmp_path):
         want = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.to_pure_dict(pset.state(*key)))
         got = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.to_pure_dict(restored.state(*key)))
         assert want == got
+
+
+def test_a_checkpoint_from_before_the_linear_path_loads_without_it(tmp_path):
+    import dataclasses
+
+    from pdscope_jax import integrity
+
+    pset = PredictorSet(dataclasses.replace(HP, linear=False), CFG.moe_layers, (1, 2), seed=4)
+    path = save_predictors(pset, CFG, tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    del manifest["hparams"]["linear"], manifest[integrity.CHECKSUM_KEY]  # as such checkpoints were written
+    (path / "manifest.json").write_text(json.dumps(integrity.seal(manifest)))
+    restored, _ = load_predictors(path, CFG)
+    assert restored.hp.linear is False and _same(pset, restored)

@@ -57,7 +57,9 @@ def test_train_predictors_learns_and_reports(traces):
         assert summary["recall_at_k"] > 2 * chance, summary
         assert 0 <= summary["table5"] <= 1
         for layer, m in summary["layers"].items():
-            assert m["trained"] and 1 <= m["best_epoch"] <= m["epochs_run"] <= 12
+            # a decode predictor starts from the trained prefill one, which may already be its best
+            assert m["trained"] and (phase == "decode" or m["best_epoch"] >= 1)
+            assert 0 <= m["best_epoch"] <= m["epochs_run"] <= 12
             assert m["n_train"] + m["n_val"] == len(traces.pairs(phase, layer))
     assert metrics["phases"]["prefill"]["layers"][1]["group"] == "middle"
     again = evaluate_predictors(pset, traces)
