@@ -112,6 +112,29 @@ def issue_and_done(fn, reps: int, warm: int = 2) -> tuple[float, float]:
     return statistics.median(issue), statistics.median(done)
 
 
+def whole_model_parser(description: str) -> argparse.ArgumentParser:
+    """The options of a whole-model decode probe: --model, --prompt, --tokens, --repeats, --out."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--model", default="deepseek-v2-lite")
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None)
+    return parser
+
+
+def timed_generations(generate, ids, tokens: int, repeats: int, first: list | None) -> tuple[dict, list]:
+    """One warm-up `generate(ids, tokens)` (compiles), then `repeats` timed ones: (a record of decode tok/s median
+    and repeats, prefill tok/s median, the last run's greedy tokens and whether they equal `first`'s; the tokens)."""
+    generate(ids, tokens)
+    runs = [generate(ids, tokens) for _ in range(repeats)]
+    got = runs[-1].tokens[0].tolist()
+    return {"decode_tok_s": statistics.median(r.decode_tokens_per_s for r in runs),
+            "decode_tok_s_repeats": [r.decode_tokens_per_s for r in runs],
+            "prefill_tok_s": statistics.median(r.prefill_tokens_per_s for r in runs),
+            "same_tokens_as_first": got == (first if first is not None else got), "tokens": got}, got
+
+
 def emit(records: list[dict], record: dict) -> dict:
     print(json.dumps(record), flush=True)
     records.append(record)
