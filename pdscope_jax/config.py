@@ -7,14 +7,19 @@ where weights live or how they run: runtime settings (GPU budget, policy) live i
 
 Field names follow one vocabulary for every family; `from_hf` maps each family's keys onto it and rejects
 configs this package cannot run with an error that names the field.
+`Scheme` / `SCHEMES` / `scheme(name)` describe the stored formats of quantized experts (bits, scale groups, bytes):
+a config names one in `expert_quant` and sizes its experts by it; the array work on them is `quant.formats`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "qwen3_moe", "mixtral")
 
@@ -63,7 +68,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     name: str = ""
-    # Routed experts stored quantized ("int8" | "int4", `quant.formats`), None: in the model's dtype. Not part of
+    # Routed experts stored quantized ("int8" | "int4": `SCHEMES` below), None: in the model's dtype. Not part of
     # the architecture: the fingerprint leaves it out, so predictors trained on one precision serve every one.
     expert_quant: str | None = None
 
@@ -90,8 +95,6 @@ class ModelConfig:
         `itemsize`."""
         if self.expert_quant is None:
             return self.expert_param_count() * itemsize
-        from pdscope_jax.quant.formats import scheme
-
         s, d, f = scheme(self.expert_quant), self.hidden_size, self.moe_intermediate_size
         return s.nbytes(d, 2 * f) + s.nbytes(f, d)
 
@@ -206,7 +209,8 @@ class ModelConfig:
         """A short stable hash of every architecture field (not the name): identifies weights' shapes."""
         import hashlib
 
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("name", "expert_quant")}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                  if f.name not in ("name", "expert_quant")}
         return hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:16]
 
 
@@ -225,3 +229,51 @@ def _first_id(value: Any) -> int | None:
     if isinstance(value, list):
         return value[0] if value else None
     return value
+
+
+# ---- quantized expert formats (their arithmetic on arrays: `quant.formats`) ----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    name: str
+    bits: int
+    group: int | None  # the most rows per scale along K; None: one scale per output channel
+    scale_dtype: str = "float32"
+
+    def group_for(self, k: int) -> int | None:
+        """Rows per scale of a matrix with contraction size K (the scale's shape tells it back: K / rows)."""
+        return None if self.group is None else math.gcd(k, self.group)
+
+    def q_shape(self, k: int, n: int) -> tuple[int, int]:
+        return (k // 2, n) if self.bits == 4 else (k, n)
+
+    def scale_shape(self, k: int, n: int) -> tuple[int, int]:
+        return (1, n) if self.group is None else (k // self.group_for(k), n)
+
+    def q_dtype(self):
+        return np.dtype(np.uint8) if self.bits == 4 else np.dtype(np.int8)
+
+    def nbytes(self, k: int, n: int) -> int:
+        """Stored bytes of one [K, N] matrix (integers and scales)."""
+        return int(np.prod(self.q_shape(k, n))) + np.dtype(self.scale_dtype).itemsize * int(
+            np.prod(self.scale_shape(k, n)))
+
+    def check(self, k: int) -> str | None:
+        """Why a contraction size K cannot use this scheme, or None."""
+        if self.bits == 4 and k % 32:
+            return f"{self.name} needs every expert matrix's contraction size to be a multiple of 32, not {k}"
+        return None
+
+
+SCHEMES = {"int8": Scheme("int8", 8, None), "int4": Scheme("int4", 4, 64, "bfloat16")}
+
+
+def scheme(name: str | Scheme) -> Scheme:
+    if isinstance(name, Scheme):
+        return name
+    try:
+        return SCHEMES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown quantization {name!r}; known: {', '.join(SCHEMES)} (or None for the model's "
+                         "dtype)") from None

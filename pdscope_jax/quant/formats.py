@@ -14,62 +14,17 @@ dtype static) that indexes, moves (`jax.device_put`), slices and stacks like the
 `.shape` and `.dtype` are the dense ones, `w[i]` indexes the leading axes of both leaves, `.nbytes` counts
 the stored bytes. `dense(w)` gives the dense matrix in the compute dtype (w itself when not quantized):
 inside a jitted program the dequantization is part of the program. `quantize(w, scheme)` is pure jax (it runs
-where w lies). `SCHEMES` names the schemes; `scheme(name)` raises a ValueError naming them.
+where w lies). `SCHEMES` names the schemes; `scheme(name)` raises a ValueError naming them (both defined
+in `pdscope_jax.config`, beside the `expert_quant` that names one, and re-exported here).
 """
 
 from __future__ import annotations
-
-import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Scheme:
-    name: str
-    bits: int
-    group: int | None  # the most rows per scale along K; None: one scale per output channel
-    scale_dtype: str = "float32"
-
-    def group_for(self, k: int) -> int | None:
-        """Rows per scale of a matrix with contraction size K (the scale's shape tells it back: K / rows)."""
-        return None if self.group is None else math.gcd(k, self.group)
-
-    def q_shape(self, k: int, n: int) -> tuple[int, int]:
-        return (k // 2, n) if self.bits == 4 else (k, n)
-
-    def scale_shape(self, k: int, n: int) -> tuple[int, int]:
-        return (1, n) if self.group is None else (k // self.group_for(k), n)
-
-    def q_dtype(self):
-        return np.dtype(np.uint8) if self.bits == 4 else np.dtype(np.int8)
-
-    def nbytes(self, k: int, n: int) -> int:
-        """Stored bytes of one [K, N] matrix (integers and scales)."""
-        return int(np.prod(self.q_shape(k, n))) + np.dtype(self.scale_dtype).itemsize * int(
-            np.prod(self.scale_shape(k, n)))
-
-    def check(self, k: int) -> str | None:
-        """Why a contraction size K cannot use this scheme, or None."""
-        if self.bits == 4 and k % 32:
-            return f"{self.name} needs every expert matrix's contraction size to be a multiple of 32, not {k}"
-        return None
-
-
-SCHEMES = {"int8": Scheme("int8", 8, None), "int4": Scheme("int4", 4, 64, "bfloat16")}
-
-
-def scheme(name: str | Scheme) -> Scheme:
-    if isinstance(name, Scheme):
-        return name
-    try:
-        return SCHEMES[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown quantization {name!r}; known: {', '.join(SCHEMES)} (or None for the model's "
-                         "dtype)") from None
+from pdscope_jax.config import SCHEMES, Scheme, scheme  # noqa: F401  (the formats' names, kept here too)
 
 
 @jax.tree_util.register_pytree_node_class
