@@ -19,13 +19,13 @@ copies of one) make different plans from timing noise; comparing the code needs 
 (`offload.engine.OffloadRunner._cpu_scale` or `engine.calibration.CpuCalibration`) is patched after `load`; a tree
 with neither stops the run. Each row records the scales each runner reports; pinned, they must all be S.
 `--control` loads the old tree again (`pdscope_jax_control`, after the old one) and runs it in every repeat:
-control / old, the same code against itself, is the noise floor new / old is read against.
+control / old, the same code against itself, is the noise floor new / old is read against. Each tree holds its own
+weights in host memory: the script stops before a load when less is available than the first tree took.
 Output: JSON with `command`, `commit` (the new tree's: --new-commit, else this checkout's), `script_commit`,
 `old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every repeat's prefill / decode tok/s and
 their medians, new / old (and control / old) of the medians, `cpu_cost_scale` and `plans` (loads, prefetches,
-GPU / CPU experts,
-bytes since the policy was set) per tree, `same_plans`, and whether every tree generated the same tokens in every
-repeat. A line per generation goes to stderr (a run cut short shows where it was).
+GPU / CPU experts, bytes since the policy was set) per tree, `same_plans`, and whether every tree generated the
+same tokens in every repeat. A line per generation goes to stderr (a run cut short shows where it was).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from _shared import commit
 
@@ -118,6 +119,16 @@ def plan_counts(engine) -> dict[str, dict[str, int]]:
     return {phase: {k: stats[phase][k] for k in PLAN_COUNTS} for phase in ("prefill", "decode")}
 
 
+def check_host_memory(name: str, per_tree: int | None) -> None:
+    """Stop before loading tree `name` when the host's available memory is below what the first tree took (its
+    RSS growth, pinned copies included): a pinned allocation that does not fit stalls instead of failing."""
+    available = psutil.virtual_memory().available
+    if per_tree is not None and available < 1.05 * per_tree:
+        raise SystemExit(f"loading the {name} tree needs about {per_tree / 1e9:.1f} GB of host memory (what the first "
+                         f"tree took) and {available / 1e9:.1f} GB is available: drop --control, or compare fewer "
+                         "trees per process")
+
+
 def run(args, report: dict) -> dict:
     """Fill `report["rows"]`, writing the report to `args.out` after every row (a run cut short keeps its rows)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -137,11 +148,14 @@ def run(args, report: dict) -> dict:
         if control is not None:  # right after the old tree: the place in the load order matters (see above)
             order.insert([name for name, _ in order].index("old") + 1, ("control", control))
         trees, report["load_seconds"] = {}, {}
+        rss_start, per_tree = psutil.Process().memory_info().rss, None
         for name, module in order:  # loaded, and warmed up, in this order
+            check_host_memory(name, per_tree)
             start = time.perf_counter()
             trees[name] = module.load(args.model, weights="random", seed=0, dtype=args.dtype,
                                       policy=args.policies[0], **runtime)
             report["load_seconds"][name] = round(time.perf_counter() - start, 1)
+            per_tree = per_tree or psutil.Process().memory_info().rss - rss_start
             print(f"loaded {name} ({module.__name__}) in {report['load_seconds'][name]} s", file=sys.stderr,
                   flush=True)
         report["load_order"] = list(trees)

@@ -14,25 +14,31 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_same_tree_thrice_gives_identical_tokens_and_every_ratio(tmp_path):
+def test_same_tree_thrice_pinned_gives_identical_tokens_plans_and_every_ratio(tmp_path):
+    """One run covers the options together (each run imports the package thrice, which is most of its time):
+    --new-tree, --control, --new-first and --pin-cpu-scale."""
     out = tmp_path / "inprocess.json"
-    argv = ["--old-tree", str(REPO), "--old-commit", "self", "--model", "tiny-deepseek-v2-lite",
-            "--dtype", "float32", "--policies", "static", "--prompt-lens", "12",
+    argv = ["--old-tree", str(REPO), "--old-commit", "self", "--new-tree", str(REPO), "--new-commit", "newc",
+            "--model", "tiny-deepseek-v2-lite", "--dtype", "float32", "--policies", "greedy", "--prompt-lens", "12",
             "--new-tokens", "3", "--repeats", "2", "--gpu-memory", "1GB", "--expert-pool", "200KB",
-            "--new-first", "--control", "--out", str(out)]
+            "--new-first", "--control", "--pin-cpu-scale", "2.0", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_trees_inprocess.py"), *argv],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [(r["policy"], r["prompt_len"]) for r in report["rows"]] == [("static", 12)]
-    for row in report["rows"]:
-        assert row["same_tokens"] is True  # same code, same seeded weights, same prompts
-        for tree in ("old", "new", "control"):
-            assert len(row[tree]["prefill_tok_s"]) == len(row[tree]["decode_tok_s"]) == 2
-        assert row["prefill_ratio"] == row["new"]["prefill_median"] / row["old"]["prefill_median"]
-        assert row["decode_control_ratio"] == row["control"]["decode_median"] / row["old"]["decode_median"]
-        assert f"{row['policy']:9s}" in done.stdout  # a line per row as it is measured
+    assert report["commit"] == "newc" and report["script_commit"] and report["pin_cpu_scale"] == 2.0
     assert report["old_commit"] == "self" and "--old-tree" in report["command"]
+    assert report["packages"] == {"old": "pdscope_jax_old", "new": "pdscope_jax_new", "control": "pdscope_jax_control"}
     assert report["load_order"] == ["new", "old", "control"]  # --new-first; the control right after the old
-    assert report["packages"]["control"] == "pdscope_jax_control"
+    assert set(report["pinned_layout"].values()) == {"engine.calibration.CpuCalibration"}
+    [row] = report["rows"]
+    assert (row["policy"], row["prompt_len"]) == ("greedy", 12)
+    assert row["same_tokens"] is True and row["same_plans"] is True  # one tree thrice, its planners held equal
+    for tree in ("old", "new", "control"):
+        assert len(row[tree]["prefill_tok_s"]) == len(row[tree]["decode_tok_s"]) == 2
+        assert row["cpu_cost_scale"][tree] and set(row["cpu_cost_scale"][tree].values()) == {2.0}
+    assert row["prefill_ratio"] == row["new"]["prefill_median"] / row["old"]["prefill_median"]
+    assert row["decode_control_ratio"] == row["control"]["decode_median"] / row["old"]["decode_median"]
+    assert f"{row['policy']:9s}" in done.stdout  # a line per row as it is measured
+    assert "greedy 12 repeat 2/2 new: prefill" in done.stderr  # a line per generation

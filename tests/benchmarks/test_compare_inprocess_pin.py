@@ -1,13 +1,9 @@
 """benchmarks/compare_trees_inprocess.py --pin-cpu-scale and --new-tree: both calibration layouts held at S (the
-planners see CPU times times S, nothing measured moves it), a tree with neither refused, and a run with two
-imported trees that reports S for every scale and the new tree's commit."""
+planners see CPU times times S, nothing measured moves it) and a tree with neither refused. A whole run with the pin:
+test_compare_inprocess.py."""
 
 import dataclasses
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -88,22 +84,10 @@ def test_pin_must_be_a_tenth_at_least_one(monkeypatch, capsys):
         assert "--pin-cpu-scale" in capsys.readouterr().err
 
 
-def test_two_imported_trees_pinned_report_the_pin_and_the_new_trees_commit(tmp_path):
-    out = tmp_path / "pinned.json"
-    argv = ["--old-tree", str(REPO), "--old-commit", "self", "--new-tree", str(REPO), "--new-commit", "newc",
-            "--model", "tiny-deepseek-v2-lite", "--dtype", "float32", "--policies", "greedy", "--prompt-lens", "12",
-            "--new-tokens", "3", "--repeats", "2", "--gpu-memory", "1GB", "--expert-pool", "200KB",
-            "--pin-cpu-scale", "2.0", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, str(SCRIPT), *argv], env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["commit"] == "newc" and report["script_commit"] and report["pin_cpu_scale"] == 2.0
-    assert report["packages"] == {"old": "pdscope_jax_old", "new": "pdscope_jax_new"}
-    assert report["pinned_layout"] == {"old": "engine.calibration.CpuCalibration",
-                                       "new": "engine.calibration.CpuCalibration"}
-    [row] = report["rows"]
-    assert row["same_tokens"] is True and row["same_plans"] is True  # one tree twice, its planners held equal
-    for tree in ("old", "new"):
-        assert row["cpu_cost_scale"][tree] and set(row["cpu_cost_scale"][tree].values()) == {2.0}
-    assert "greedy 12 repeat 2/2 new: prefill" in done.stderr  # a line per generation
+def test_a_tree_that_would_not_fit_the_host_stops_the_run_before_loading(monkeypatch):
+    script = _script(monkeypatch)
+    monkeypatch.setattr(script.psutil, "virtual_memory", lambda: SimpleNamespace(available=10 * 10**9))
+    script.check_host_memory("old", None)  # the first tree: nothing measured to compare with
+    script.check_host_memory("new", 9 * 10**9)
+    with pytest.raises(SystemExit, match=r"control tree needs about 12\.0 GB .* 10\.0 GB is available"):
+        script.check_host_memory("control", 12 * 10**9)
