@@ -1,6 +1,7 @@
 """benchmarks/long_run.py: memory reads over decode steps and server requests, and two processes' tokens."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,10 @@ def test_long_run_reads_memory_and_compares_two_processes(tmp_path):
     argv = ["--model", "tiny-deepseek-v2-lite", "--dtype", "float32", "--policies", "pdscope", "--gpu-memory", "1GB",
             "--expert-pool", "40KB", "--steps", "12", "--every", "4", "--settle", "4", "--requests", "8",
             "--every-requests", "4", "--check-tokens", "6", "--cpu-devices", "2", "--out", str(out)]
-    subprocess.run([sys.executable, str(SCRIPT), *argv], check=True, capture_output=True, text=True, timeout=600)
+    # one compilation cache for the run and the two fresh processes it starts: they compile the same programs
+    env = {**os.environ, "PDSCOPE_JAX_COMPILE_CACHE": str(tmp_path / "xla")}
+    subprocess.run([sys.executable, str(SCRIPT), *argv], check=True, capture_output=True, text=True, timeout=600,
+                   env=env)
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"plain", "pdscope"}
     for run in report["runs"].values():

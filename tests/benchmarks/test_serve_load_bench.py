@@ -2,6 +2,7 @@
 `generate`, on the tiny DeepSeek-V2-Lite offloaded (pdscope)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,8 @@ def test_serve_load_measures_the_server_and_generate(tmp_path):
     argv = ["--model", "tiny-deepseek-v2-lite", "--policy", "pdscope", "--gpu-memory", "1GB", "--expert-pool", "40KB",
             "--concurrency", "1", "2", "--prompt-tokens", "8", "--max-tokens", str(NEW), "--startup-timeout", "300",
             "--out", str(out)]
-    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PDSCOPE_JAX_COMPILE_CACHE": str(tmp_path / "xla")}  # the generate phase reads the server's
+    done = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["weights"].startswith("random") and report["command"].startswith("python benchmarks/serve_load.py")
