@@ -201,16 +201,18 @@ def index_markdown(entries: list[tuple[str, dict]], folder_name: str = "benchmar
 
 
 def memory_of(d: dict) -> str:
-    """A bench file's accelerator configuration: "24 GB" (budget), "24 GB, 8 GB pool" (the slot pool capped)."""
+    """A bench file's accelerator configuration: "24 GB" (budget), "24 GB, 8 GB pool" (the slot pool capped), and
+    the experts' stored precision where quantized ("24 GB, 8 GB pool, int8")."""
     runtime = d.get("runtime") if isinstance(d.get("runtime"), dict) else {}
     gpu, pool = runtime.get("gpu_memory"), runtime.get("expert_pool")
     gb = lambda x: f"{x / 1e9:g} GB" if isinstance(x, (int, float)) else "?"  # noqa: E731
-    return gb(gpu) + (f", {gb(pool)} pool" if pool is not None else "")
+    quantize = d.get("quantize")
+    return gb(gpu) + (f", {gb(pool)} pool" if pool is not None else "") + (f", {quantize}" if quantize else "")
 
 
 def headline_cells(entries: list[tuple[str, dict]], prompt_len: int) -> dict:
     """{(model, workload, memory): {policy: (prefill, decode, call, file)}}, each from the newest file with that
-    point; `memory_of` keeps budgets apart, so a column never mixes them."""
+    point; `memory_of` keeps budgets and precisions apart, so a column never mixes them."""
     best: dict = {}
     for name, d in entries:
         if not isinstance(d, dict) or d.get("ablation") or not bench_points(d):
