@@ -77,6 +77,7 @@ class Runner:
         self._generator = Generator(model, input_sharding)
 
     _limits: dict = {}  # max_batch / max_seq_len the engine was sized for (none for the whole model)
+    startup_seconds: dict = {}  # the offload engine's build stages (`OffloadRunner.startup_seconds`); none here
 
     def logits(self, input_ids):
         ids = check_request(input_ids, self.tokenizer, self.config.vocab_size, what="logits", **self._limits)
@@ -327,3 +328,7 @@ class OffloadedRunner(Runner):
     @property
     def stats(self) -> dict:
         return self.engine.stats
+
+    @property
+    def startup_seconds(self) -> dict:
+        return self.engine.startup_seconds

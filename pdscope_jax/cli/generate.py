@@ -5,7 +5,8 @@ Contract: `main(argv)` loads MODEL through `pdscope_jax.load` (preset names use 
 devices, the routed experts split over them) or under `--policy` with
 `--gpu-memory` / `--expert-pool` (the KV cache sized by `--max-seq-len` / `--max-batch`, copies bounded by
 `--quality`), prints the
-continuation (text when the checkpoint has a tokenizer, token ids otherwise) and the per-phase throughput.
+continuation (text when the checkpoint has a tokenizer, token ids otherwise), the per-phase throughput, and the
+seconds of loading (offloaded: by the engine's build stages) and of the whole generation, compilation included.
 Every argument that can be checked without weights (ids, sampling settings, policy, sizes, lengths) is checked
 before the model loads; one `errors.InputError` names every problem.
 """
@@ -13,6 +14,7 @@ before the model loads; one `errors.InputError` names every problem.
 from __future__ import annotations
 
 import argparse
+import time
 
 from pdscope_jax.cli.options import add_quality, quality_settings
 from pdscope_jax.sched import POLICIES
@@ -71,9 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     collect(problems, check_request, ids if ids is not None else [[0]], None, resolve(args.model, args.revision)[0].vocab_size,
             args.new_tokens, args.temperature, args.top_k, args.seed, **limits)
     raise_problems(problems, "bad arguments")
+    started = time.perf_counter()
     runner = pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
                               policy=args.policy, predictors=args.predictors, revision=args.revision,
                               quantize=args.quantize, accelerators=args.accelerators, **runtime)
+    loaded = time.perf_counter()
     if ids is not None:
         prompt = ids
     elif args.prompt is not None:
@@ -85,4 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     print(out.text[0] if out.text else ",".join(str(t) for t in out.tokens[0]))
     print(f"prefill {out.prefill_tokens_per_s:.1f} tok/s ({out.prefill_seconds:.3f} s), "
           f"decode {out.decode_tokens_per_s:.2f} tok/s ({out.decode_seconds:.3f} s)")
+    stages = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in runner.startup_seconds.items())
+    print(f"load {loaded - started:.1f} s" + (f" ({stages})" if stages else "")
+          + f", generate {time.perf_counter() - loaded:.1f} s (compilation included)")
     return 0

@@ -15,6 +15,7 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`
 - `stats`: per phase (`engine.stats.PhaseStats`), compiled programs, the budget, host bytes, the allocator's
   peak where reported, the CPU cost calibration. `activation_counts[phase][layer]`: tokens routed to each expert
   since the last reset. `timeline`: set to an `engine.timeline.Timeline` to record each layer's stages.
+  `startup_seconds`: {stage: wall seconds} of building the engine (budget, weights and store, ..., policy).
 - `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing; `set_policy(name, options,
   **engine)` switches planners (and the switches hot_table, async_io, batched_gpu, device_decode) without
   rebuilding.
@@ -47,7 +48,7 @@ from pdscope_jax.engine.loop import HostLoop
 from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, cache_size
 from pdscope_jax.engine.route import Router
 from pdscope_jax.engine.stats import PhaseStats
-from pdscope_jax.engine.timeline import Timeline
+from pdscope_jax.engine.timeline import StageClock, Timeline
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.engine.warmup import precompile_combine, precompile_slot_writes
 from pdscope_jax.errors import raise_problems
@@ -78,10 +79,12 @@ class OffloadRunner:
         self.predictor = predictor
         self._moe_layers = cfg.moe_layers
 
+        clock = StageClock()  # where building the engine spends its time: `startup_seconds`
         abstract = models.abstract_model(cfg, param_dtype(model))  # shapes only: nothing placed yet
         graphdef, flat_state, shapes = split_abstract(abstract)
         raise_problems(quality_problems(rc.quality, cfg.expert_quant), "OffloadRunner")
         self.budget, expert_dtype, self.cache_dtype = plan_budget(cfg, rc, abstract, shapes)
+        clock.lap("budget")
         self._check_policy(rc.policy)
         self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
                                     else analytic_costs(cfg, expert_dtype.itemsize))
@@ -92,7 +95,9 @@ class OffloadRunner:
         self.store, non_expert = take_weights(model, weights, shapes, self._moe_layers, self.devices,
                                               cpu_view=cpu_view, host_alloc=host_alloc, expert_stacks=expert_stacks,
                                               quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
+        clock.lap("weights and expert store")
         placed = place_non_experts(graphdef, flat_state, non_expert, self.devices.accel)
+        clock.lap("non-expert weights")
         # the model without its layers (embedding, logits), each layer's (graph, state), the KV cache's program
         self._graph, self._state, self._layers, self._init_cache = (placed.graph, placed.state, placed.layers,
                                                                     placed.init_cache)
@@ -113,7 +118,10 @@ class OffloadRunner:
         self.track_memory = False
         self.timeline: Timeline | None = None
         self.memory_trace: list[dict[str, int | None]] = []
+        clock.lap("slot pool and programs")
         self.set_policy(rc.policy, rc.policy_options)
+        clock.lap("policy")
+        self.startup_seconds = clock.seconds
 
     # ---- policy and statistics -------------------------------------------------------------------------
     def set_policy(self, policy: str, policy_options=(), **engine) -> None:

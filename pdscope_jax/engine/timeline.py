@@ -8,11 +8,14 @@ median ms, "layer": median ms from one layer's layer_start to the next's, "layer
 hides slow layers), "layers": count}}: the host intervals between consecutive stages present in a layer, the
 done-stamps as offsets from the layer's start, and the layer's wall time. Recording costs a list append per
 stage; the engine records nothing when it is None.
+`StageClock()` times a one-off piece of work by stages (building the engine): `lap(name)` records the wall seconds
+since the clock started or the last lap under `name`; `seconds` {name: s} keeps them in order.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections import defaultdict
 
 LAYER_EVENTS = ("layer_start", "route_dispatched", "scores_dispatched", "routed", "planned", "cpu_submitted",
@@ -50,3 +53,14 @@ class Timeline:
                         **({"layer_mean": 1e3 * statistics.fmean(out["layer"])} if out.get("layer") else {}),
                         "layers": sum(1 for p, _, _ in self._layers if p == phase)}
                 for phase, out in intervals.items()}
+
+
+class StageClock:
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
+        self._last = now

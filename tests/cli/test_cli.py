@@ -1,6 +1,7 @@
 """The command line: the README's main job on the embedded model, generation, bad input, and a help that does
 not start JAX."""
 
+import re
 import subprocess
 import sys
 
@@ -28,7 +29,8 @@ def test_main_job_runs_every_policy_with_plain_tokens(capsys):
 def test_generate_prints_continuation_and_throughput(capsys):
     assert cli.main(["generate", "tiny-qwen3-30b-a3b", "--ids", "1,2,3", "--new-tokens", "3", "--dtype", "float32"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines[-2].split(",")) == 3 and "decode" in lines[-1]
+    assert len(lines[-3].split(",")) == 3 and "decode" in lines[-2]
+    assert re.fullmatch(r"load \d+\.\d s, generate \d+\.\d s \(compilation included\)", lines[-1])  # whole model
 
 
 def test_unknown_model_is_a_one_line_error(capsys):

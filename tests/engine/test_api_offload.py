@@ -19,6 +19,11 @@ def test_static_through_load_keeps_experts_resident():
     runner.generate(np.arange(1, 9, dtype=np.int32)[None], max_new_tokens=4)
     decode = runner.stats["decode"]
     assert decode["gpu_experts"] > 0 and decode["experts_loaded_now"] == 0
+    # building the engine, by stages in their order, each timed
+    assert list(runner.startup_seconds) == ["budget", "weights and expert store", "non-expert weights",
+                                            "slot pool and programs", "policy"]
+    assert all(seconds >= 0 for seconds in runner.startup_seconds.values())
+    assert runner.startup_seconds["weights and expert store"] > 0
 
 
 def test_offloaded_generate_warms_each_shape_once_and_matches_plain():
