@@ -1,44 +1,28 @@
 """`load()` and the `Runner`: the public entry point.
 
-Contract: `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, revision=None,
-compile_cache=True, quantize=None, quant_cache=True, accelerators=None, **runtime)`
-resolves
-1. a preset name (`pdscope_jax.presets`): random weights (`weights=None` or "random"), or `weights=<directory>`
-   holding that architecture's safetensors;
-2. a checkpoint embedded in the package (`EMBEDDED`, e.g. "reference-moe", the default model);
-3. a directory holding config.json: its safetensors (`weights=None`), or random weights (`weights="random"`);
-4. a Hugging Face hub name ("org/name") found in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub, else
-   ~/.cache/huggingface/hub; the snapshot `refs/main` names, or `revision=`); nothing is downloaded here
-   (`pdscope-jax download NAME` fetches);
-otherwise it raises `UnknownModelError` listing the known names.
-Without `policy` the model runs whole on the default device (`Runner`), or with `accelerators=N` on this
-process's first N devices, each MoE layer's routed experts split E/N per device (`parallel.expert_parallel`; N
-must divide E; the offload engine runs on one accelerator). With a policy name (`gpu`, `static`,
-`ondemand`, `greedy`, `fate`, `pdscope`) the offload engine runs it (`engine.runner.OffloadRunner`, same
-`logits`/`generate` calls; same numbers: float32 logits within 1e-4 of the plain model's; bfloat16 logits and
-greedy tokens identical where XLA runs with `XLA_FLAGS=--xla_allow_excess_precision=false` and the CPU expert
-kernel is off (`cpu_kernel=False`), else within bf16 rounding, and greedy tokens may part after a few to a few
-hundred tokens: the README gives the measured contract) under a `RuntimeConfig`
-built from `policy` and `**runtime`
-(`gpu_memory="24GB"`, `expert_pool="8GB"`, ...); `predictors` is a PhasePer checkpoint directory whose
-predictions feed the planner (its fingerprint must match the model). `quantize="int8" | "int4"` stores the
-routed experts quantized (`quant.formats`; the dense weights are quantized as they load, `quant.loader`), with or
-without a policy: the plain model quantized is the reference every policy reproduces. From a checkpoint the
-quantized experts are written once to a cache keyed by the checkpoint's fingerprint and the scheme, and later
-loads read them from there (`quant.cache`; `quant_cache=False` turns it off, a directory puts it there).
-`quality="int8" | "mixed" | "int4"` (a runtime setting) bounds the precision of copies of experts (docs/PRECISION.md);
-a combination that cannot hold (e.g. "int8" without quantize="int8") is refused before any weight is read.
-`Runner.logits(input_ids) -> np.float32 [B,T,V]`, `Runner.generate(input_ids | text, ...)` and
-`Runner.steps(...)` (the same, one step per `next`, for streaming) take rectangular batches; text needs the
-checkpoint's tokenizer.json; sampling keywords are `generation.sampling.SamplingParams`'s fields. Validate first, then work: `load` checks dtype, seed,
-policy and runtime settings before reading any weight, and `logits`/`generate` check ids (integers in
-[0, vocab) before any cast), shapes, sampling settings and, offloaded, max_batch / max_seq_len before any
-compilation; every bad input raises one `errors.InputError` (a ValueError) naming each problem. `runner.config`
-(ModelConfig) and `runner.tokenizer` (or None) stay reachable, and `runner.model` (the NNX CausalLM) for the
-plain model; an offloaded runner has `runner.engine` instead. The offload engine sizes its KV cache for
-`max_batch` sequences (default 1) of `max_seq_len` tokens: pass them in `**runtime` for larger batches.
-`load` turns on the persistent compilation cache (`runtime.enable_compile_cache`; `compile_cache=False` or a
-directory), so a second process compiles nothing the first one did.
+`load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, revision=None,
+compile_cache=True, quantize=None, quant_cache=True, accelerators=None, **runtime)` resolves 1. a preset name
+(`pdscope_jax.presets`; random weights, or `weights=<directory>` of that architecture's safetensors); 2. an embedded
+checkpoint (`EMBEDDED`, e.g. "reference-moe", the default model); 3. a directory with config.json (its safetensors, or
+`weights="random"`); 4. a hub name ("org/name") in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub, else
+~/.cache/huggingface/hub; the snapshot `refs/main` names, or `revision=`; nothing is downloaded: `pdscope-jax download`
+fetches); else it raises `UnknownModelError` listing the known names. Without `policy` the model runs whole (`Runner`)
+on the default device, or with `accelerators=N` on this process's first N devices, the routed experts split E/N per
+device (`parallel.expert_parallel`; N must divide E). A policy (`gpu`, `static`, `ondemand`, `greedy`, `fate`,
+`pdscope`) runs in the one-accelerator offload engine (`engine.runner.OffloadRunner`, same calls) under a
+`RuntimeConfig` from `policy` and `**runtime` (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...; `max_batch` (default 1)
+and `max_seq_len` size its KV cache) with the plain model's numbers: float32 logits within 1e-4, bfloat16 within bf16
+rounding (README: when they are bit-equal, how far greedy tokens agree). `predictors`: a PhasePer checkpoint directory
+(this model's fingerprint) for the planner. `quantize="int8" | "int4"` stores the routed experts quantized as they load
+(`quant.formats`, `quant.loader`), with or without a policy; from a checkpoint through a cache keyed by its fingerprint
+and the scheme (`quant.cache`; `quant_cache=False`: off, a directory: there). `quality="int8" | "mixed" | "int4"`
+(runtime) bounds the precision of expert copies (docs/PRECISION.md). `compile_cache`: the persistent compilation cache
+(False: off, a directory: there). `Runner.logits(input_ids) -> np.float32 [B,T,V]`, `.generate(input_ids | text, ...)`
+and `.steps(...)` (one step per `next`) take rectangular batches; text needs the checkpoint's tokenizer.json; sampling
+keywords: `SamplingParams`'s fields. `load` checks dtype, seed, policy, runtime settings and quantize (with quality)
+before reading any weight; calls check ids (integers in [0, vocab), before any cast), shapes, sampling and, offloaded,
+max_batch / max_seq_len before compiling; every bad input raises one `errors.InputError` (a ValueError) naming each
+problem. `runner.config` (ModelConfig), `.tokenizer` (or None), `.model` (NNX CausalLM; plain) or `.engine` (offloaded).
 """
 
 from __future__ import annotations

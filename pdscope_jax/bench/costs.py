@@ -1,29 +1,27 @@
 """Measure a model's cost table on the machine at hand (PAPER.md offline step 3; `pdscope-jax profile`).
 
-Contract: `measure_cost_table(args, command) -> dict` (the saved table as a dict) takes the options of
-`pdscope-jax profile` (attributes named as its flags) and measures, for one model (a preset name or a checkpoint
-directory; only shapes matter, so weights are seeded random values, never read from disk) in `args.dtype`, its
-routed experts stored as `args.quantize` (None, "int8", "int4": a table per precision, the expert times and
-transfers those of the stored bytes), on the accelerator and the CPU backend that `runtime.select_devices` picks:
-- `cpu_expert_seconds[b]`: one routed expert over b tokens through the engine's CPU path (`engine.cpu_experts`,
-  the expert read through the expert store's CPU view of pinned memory);
+Contract: `measure_cost_table(args, command) -> dict` (the saved table as a dict) takes the options of `pdscope-jax
+profile` (attributes named as its flags) and measures, for one model (a preset name or a checkpoint directory; weights
+are seeded random values, never read from disk) in `args.dtype`, its routed experts stored as `args.quantize` (None,
+"int8", "int4": a table per precision, the expert times and transfers those of the stored bytes), on the accelerator and
+the CPU backend that `runtime.select_devices` picks:
+- `cpu_expert_seconds[b]`: one expert over b tokens on the engine's CPU path (`engine.cpu_experts`, store's CPU view);
 - `gpu_expert_seconds[b]`: one expert over b tokens as one `combine_experts` program on the accelerator;
   `gpu_launch_seconds`: a trivial program on the accelerator (capped at the fastest expert time);
-- `transfer_seconds[n]` for n = 1, 2, 4, ..., E experts copied pinned_host -> device memory in one batched
-  `device_put` (as `ExpertStore.stage` issues them); `t_io` and `alpha` are the slope and intercept of a
-  least-squares line through them (alpha clipped at 0, t_io at a positive floor); with `args.quality` one that
-  loads int4 copies (`sched.precision`), the same for int4 copies of those experts, whose slope is the table's
-  "int4" precision (`CostTable.precisions`, "measured");
-- attention of the first MoE layer (`layer.attend`, random weights, a zero KV cache): prefill at batch 1 over b
-  tokens; decode one step of b sequences against `args.decode_context` cached positions, measured up to
-  `args.decode_max_batch` sequences and scaled proportionally to b beyond.
-Every time is the median of `args.repeats` runs after one untimed run (compilation). The table
-(`sched.costs.CostTable`, `source: "measured"`) is saved to `args.out`, by default
-`costs_dir()/<model>-<device>.json`, `<model>-<scheme>-<device>.json` when quantized (`sched.costs.table_name`;
-<device> is the accelerator's kind, or "cpu-standin" when a CPU device stands in for it); `meta` names both
-devices, says whether the accelerator is a stand-in, and records `command`, date, dtype, quantize and jax
-version. A rich progress bar shows the measurements on
-stderr; the last stdout line is a JSON summary (path, t_io, alpha). `errors.InputError` when no token bucket is
+- `transfer_seconds[n]` for n = 1, 2, 4, ..., E experts copied pinned_host -> device memory in one batched `device_put`
+  (as `ExpertStore.stage` issues them); `t_io` and `alpha` are the slope and intercept of a least-squares line through
+  them (alpha clipped at 0, t_io at a positive floor); with `args.quality` one that loads int4 copies
+  (`sched.precision`), the same for int4 copies of those experts, whose slope is the table's "int4" precision
+  (`CostTable.precisions`, "measured");
+- attention of the first MoE layer (`layer.attend`, random weights, a zero KV cache): prefill at batch 1 over b tokens;
+  decode one step of b sequences against `args.decode_context` cached positions, measured up to `args.decode_max_batch`
+  sequences and scaled proportionally to b beyond.
+Every time is the median of `args.repeats` runs after one untimed run (compilation). The table (`sched.costs.CostTable`,
+`source: "measured"`) is saved to `args.out`, by default `costs_dir()/<model>-<device>.json`,
+`<model>-<scheme>-<device>.json` when quantized (`sched.costs.table_name`; <device> is the accelerator's kind, or
+"cpu-standin" when a CPU device stands in for it); `meta` names both devices, says whether the accelerator is a
+stand-in, and records `command`, date, dtype, quantize and jax version. A rich progress bar on stderr shows the
+measurements; the last stdout line is a JSON summary (path, t_io, alpha). `errors.InputError` when no token bucket is
 left (`cli.profile.check_args` finds that, and every other bad option, before anything is built).
 """
 

@@ -1,29 +1,28 @@
 """`pdscope-jax train-predictors`: PhasePer's offline step 2, from a trace directory to a saved checkpoint.
 
 Contract
-- `train_predictors_main(argv) -> 0` reads a trace directory written by `pdscope-jax collect-traces`
-  (`--traces`) for the model `--model` (preset name, embedded name or checkpoint directory: only its
-  config is read, never its weights) and refuses traces whose fingerprint is not the model's.
-- Layer groups come from the traces, never from a flag: the inter-layer similarity profile of the prefill
-  MoE inputs (`layer_stats.json` of the collection, over every collected token, when present; otherwise
-  `phaseper.groups.layer_similarity` over the first traced tokens) goes through
-  `phaseper.groups.detect_groups`. The profile and the per-layer routing-weight spread are drawn with
-  `plot_groups` into `--groups-png` (default: `layer_groups.png` inside the saved checkpoint directory).
-- It trains one predictor per (phase, source MoE layer) with `phaseper.train.train_predictors` (the paper's
-  losses per phase and group, a validation split of whole steps, early stopping on the validation loss, best
-  parameters kept, a rich progress bar) and saves them with `phaseper.checkpoint.save_predictors` under
-  `<--out>/<model name>/`; the manifest holds the fingerprint, the corpus description of the traces and
-  metrics = the training metrics + the layer-group evidence (similarity, weight spread, boundaries and where
-  the similarity came from) + the trace directory, the parameter bytes and the exact command line.
-- `--smoke` runs the whole path end to end in seconds, for CI: a tiny random-weight model
-  (`tiny-deepseek-v2-lite` unless `--model` names another), random-token prompts collected into
-  `<--out>/smoke-traces` with `phaseper.collect.collect_traces`, a short training, the save, and a reload
-  with `load_predictors` whose predictions must equal the trained set's (else it raises).
-- `check_args(args)` checks every option before anything is collected or trained (--model and --traces given
-  unless --smoke, model known, traces readable and of that model, numbers in range, outputs writable) and
-  raises one `errors.InputError` naming every problem.
-- It prints one JSON line summarising the run (checkpoint path, groups, per-phase recall@k and Table-5 on
-  the validation split, seconds).
+- `train_predictors_main(argv) -> 0` reads a trace directory written by `pdscope-jax collect-traces` (`--traces`) for
+  the model `--model` (preset name, embedded name or checkpoint directory: only its config is read, never its weights)
+  and refuses traces whose fingerprint is not the model's.
+- Layer groups come from the traces, never from a flag: the inter-layer similarity profile of the prefill MoE inputs
+  (`layer_stats.json` of the collection, over every collected token, when present; otherwise
+  `phaseper.groups.layer_similarity` over the first traced tokens) goes through `phaseper.groups.detect_groups`. The
+  profile and the per-layer routing-weight spread are drawn with `plot_groups` into `--groups-png` (default:
+  `layer_groups.png` inside the saved checkpoint directory).
+- It trains one predictor per (phase, source MoE layer) with `phaseper.train.train_predictors` (the paper's losses per
+  phase and group, a validation split of whole steps, early stopping on the validation loss, best parameters kept, a
+  rich progress bar) and saves them with `phaseper.checkpoint.save_predictors` under `<--out>/<model name>/`; the
+  manifest holds the fingerprint, the traces' corpus description and metrics = the training metrics + the layer-group
+  evidence (similarity, weight spread, boundaries, where the similarity came from) + the trace directory, the parameter
+  bytes and the exact command line.
+- `--smoke` runs the whole path end to end in seconds, for CI: a tiny random-weight model (`tiny-deepseek-v2-lite`
+  unless `--model` names another), random-token prompts collected into `<--out>/smoke-traces` with
+  `phaseper.collect.collect_traces`, a short training, the save, and a reload with `load_predictors` whose predictions
+  must equal the trained set's (else it raises).
+- `check_args(args)` checks every option before anything is collected or trained (--model and --traces given unless
+  --smoke, model known, traces readable and of that model, numbers in range, outputs writable) and raises one
+  `errors.InputError` naming every problem.
+- It prints one JSON line: checkpoint path, groups, per-phase recall@k and Table-5 on the validation split, seconds.
 """
 
 from __future__ import annotations

@@ -1,36 +1,28 @@
-"""Decode as ONE accelerator program per step: the program routes each MoE layer, takes every activated expert
-from the slot pool, copies misses from pinned host memory itself or has the host's CPU compute them, and keeps
-the pool a cache of the ones it copies.
+"""Decode as ONE accelerator program per step: the program routes each MoE layer, takes every activated expert from the
+slot pool, copies misses from pinned host memory itself or has the host's CPU compute them, and keeps the pool a cache
+of the ones it copies (why: docs/MEASUREMENTS.md).
 
-Why: host-driven decode holds the host per MoE layer (fetch the routing, plan, dispatch) longer than the copies
-need; a jitted program can index pinned host memory with an index it computed, so a step needs no host round
-trip. With a `HostExperts` split a layer's misses beyond its copy share go to the host while the copies and the
-GPU's experts run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt in through
-`decodes_on_device`, `decode_host_experts` and `decode_copies` (`engine.decode.choose`).
-Contract:
-- The pool's table on the accelerator is `engine.pool_table.PoolTable` (uploaded before the first step, written
-  back after the last).
-- Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit
-  refreshes its slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping
-  (its hits excluded) and take them when worth more (always under LRU), else are used once and not kept; at most
-  `kept_rows(picks)` misses of a layer (the most worth first) may be kept, the rest are used once; a miss the host
-  computes is never kept.
+With a `HostExperts` split a layer's misses beyond its copy share go to the host while the copies and the GPU's experts
+run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt in through `decodes_on_device`,
+`decode_host_experts` and `decode_copies` (`engine.decode.choose`). Contract:
+- Pool table: `engine.pool_table.PoolTable` on the accelerator (uploaded before the first step, written back after).
+- Residency (GreedyDual, popularity as the cost): an expert used at clock c is worth c + its bonus; a hit refreshes its
+  slot's `keep`; a layer's misses, most worth first, are paired with the slots least worth keeping (its hits excluded)
+  and take them when worth more (always under LRU), else are used once and not kept; at most `kept_rows(picks)` of a
+  layer's misses (most worth first) are kept; a miss the host computes is never kept.
 - `decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
-  sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one model
-  step on token [B] at positions [B, 1]; `state_tree` and `state_leaves` are `flat_states(states, model_state)`: the
-  layers' and the model's parameters as one tuple of arrays (cheaper for the launching thread than nnx States);
-  `experts[m]`: the m-th MoE layer's experts in pinned host memory, whole-layer stacks (gate_up [E,D,2F], down
-  [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks`, the pool and the decode bank while open,
-  whose slots the table numbers one after the other. `host`: None (every miss copied) or the `HostExperts` split;
-  with its copies ahead each layer hands the next its `Ahead`. Sampling is `programs.next_token`'s
-  (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs, model graph, MoE layers,
-  host and state tree static; caches, sampling state, banks and table donated).
-- `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a victim that
-  is not one of the layer's hits.
-Numbers equal the host-driven loop's within float tolerance (same route program, same expert function, float32
-sums); each row's routed sum is the plain model's (`models.experts.combine_experts`): every expert's output in
-the model's dtype, weighted and summed in float32 (in k order where the plain model gathers, at most
-GATHER_MAX_ASSIGNMENTS assignments), rounded once.
+  sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one model step
+  on token [B] at positions [B, 1]; `state_tree`, `state_leaves` = `flat_states(states, model_state)`, the layers' and
+  the model's parameters as one tuple of arrays; `experts[m]`: the m-th MoE layer's experts in pinned host memory,
+  whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks` (the
+  pool, and the decode bank while open; the table numbers their slots one after the other). `host`: None (every miss
+  copied) or the `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. Sampling is
+  `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs, model
+  graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated).
+- `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a non-hit victim.
+Numbers equal the host-driven loop's within float tolerance (same route program and expert function); each row's routed
+sum is the plain model's (`models.experts.combine_experts`): expert outputs in the model's dtype, weighted and summed in
+float32 (in k order where the plain model gathers, at most GATHER_MAX_ASSIGNMENTS assignments), rounded once.
 """
 
 from __future__ import annotations

@@ -1,31 +1,28 @@
 """The offload engine: runs a model whose routed experts do not fit the accelerator budget.
 
 Contract: `OffloadRunner(model, runtime_config, weights=None, *, cost_table=None, predictor=None, devices=None,
-cpu_view="alias", host_alloc="auto", expert_stacks=False)`
-- `model`: a `CausalLM` (concrete, or abstract from `models.abstract_model`); `weights`: None, a flat dict or a
-  loader (`engine.build.take_weights`). `cpu_view`, `host_alloc` and `expert_stacks` choose how the expert store
-  keeps its one host copy (`store.expert_store`).
-- The budget (`store.budget`) is checked before anything is placed; the accelerator then holds the non-expert
-  weights, the KV cache and ONE slot pool (`store.slot_pool`) that is never reallocated; every routed expert
-  lives once in pinned host memory, which also gives the CPU experts zero-copy views (`engine.cpu_experts`).
-- `logits(input_ids [B,T]) -> np.float32 [B,T,V]` and `generate(input_ids, max_new_tokens, temperature=0,
-  top_k=None, seed=0, **sampling) -> GenerationResult` give the plain model's numbers (the same sampler,
-  `generation.sampling`); `steps(...)` yields the host copies of each step's `Sampled`, one step per `next`. Prefill runs a whole prompt at batch 1, chunks of `prefill_chunk` tokens otherwise,
-  each step through `engine.loop.HostLoop`; decode steps run the executor `engine.decode.choose` picks.
-- `stats`: per phase (`engine.stats.PhaseStats`), compiled programs, the budget, host bytes, the allocator's
-  peak where reported, the CPU cost calibration. `activation_counts[phase][layer]`: tokens routed to each expert
-  since the last reset. `timeline`: set to an `engine.timeline.Timeline` to record each layer's stages.
-  `startup_seconds`: {stage: wall seconds} of building the engine (budget, weights and store, ..., policy).
+cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM` (concrete, or abstract from
+`models.abstract_model`); `weights`: None, a flat dict or a loader (`engine.build.take_weights`). `cpu_view`,
+`host_alloc` and `expert_stacks` choose how the expert store keeps its one host copy (`store.expert_store`).
+- The budget (`store.budget`) is checked before anything is placed; the accelerator then holds the non-expert weights,
+  the KV cache and ONE slot pool (`store.slot_pool`) that is never reallocated; every routed expert lives once in pinned
+  host memory, also the CPU experts' zero-copy source (`engine.cpu_experts`).
+- `logits(input_ids [B,T]) -> np.float32 [B,T,V]` and `generate(input_ids, max_new_tokens, temperature=0, top_k=None,
+  seed=0, **sampling) -> GenerationResult` give the plain model's numbers (same sampler: `generation.sampling`);
+  `steps(...)` yields each step's `Sampled` (host copies) per `next`. Prefill (a whole prompt at batch 1, else chunks of
+  `prefill_chunk` tokens) steps through `engine.loop.HostLoop`; decode through `engine.decode.choose`'s executor.
+- `stats`: per phase (`engine.stats.PhaseStats`), compiled programs, the budget, host bytes, the allocator's peak where
+  reported, the CPU cost calibration. `activation_counts[phase][layer]`: tokens routed to each expert since the last
+  reset. `timeline`: set to an `engine.timeline.Timeline` to record each layer's stages. `startup_seconds`: {stage: wall
+  seconds} of building the engine (budget, weights and store, ..., policy).
 - `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing; `set_policy(name, options,
-  **engine)` switches planners (and the switches hot_table, async_io, batched_gpu, device_decode) without
-  rebuilding.
-- RuntimeConfig switches: `cost_table` (a name or path; else `build.analytic_costs`), seen by the planners with
-  the in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot
-  table, preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU
-  program per expert); `device_decode` (allow the one-program decode step); `decode_cpu_experts` and
-  `decode_copy_share` (which misses of that step the host's CPU computes: `engine.host_split`); `quality`,
-  `mixed_threshold` (docs/PRECISION.md: int4 copies kept at construction, the rule in `precision`, the table's int4
-  transfer; `precision_trace` records which GPU experts computed from them).
+  **engine)` switches planners (and the switches hot_table, async_io, batched_gpu, device_decode) without rebuilding.
+- RuntimeConfig switches: `cost_table` (a name or path; else `build.analytic_costs`), seen by the planners with the
+  in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot table,
+  preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU program per
+  expert); `device_decode` (allow the one-program decode step); `decode_cpu_experts` and `decode_copy_share` (which
+  misses of that step the host's CPU computes: `engine.host_split`); `quality`, `mixed_threshold` (docs/PRECISION.md;
+  `precision_trace` records which GPU experts used int4 copies).
 """
 
 from __future__ import annotations

@@ -1,30 +1,26 @@
 """Full-sequence logits, prefill and KV-cached decode of a plain (all-resident) model, with timings.
 
-Contract: `Generator(model)` splits the NNX model once into (graphdef, state) and runs plain `jax.jit`
-functions on them:
+Contract: `Generator(model)` splits the NNX model once into (graphdef, state) and runs plain `jax.jit` functions on
+them:
 - `logits(input_ids [B,T]) -> np.float32 [B,T,V]`, a causal forward without cache;
-- `generate(input_ids [B,T], max_new_tokens, temperature, top_k, seed, **sampling) -> GenerationResult`: one
-  prefill that fills a preallocated cache and picks the first new token, then one jitted decode step per further
-  token with the cache donated; the step advances its position and step counter on the device, and the model's
-  state passes as a list of its arrays, so the host does little per step. Sampling is `sampling.sample` (settings as arrays: temperature 0 is greedy; a new
-  setting compiles nothing; `sampling` takes the other `SamplingParams` fields: top_p, min_p, penalties). Every
-  step runs for all max_new_tokens (eos does not stop it). Programs are compiled before the clock starts, and
-  timings wait on the device (block_until_ready), so they measure execution only.
-- `steps(...)` (same arguments) -> `Steps`, an iterator that runs one step per `next` and gives its
-  `sampling.Sampled` on the device: the step-wise form streaming and stopping at EOS use; `host_steps(steps)`
-  gives their host copies.
-- `Generator(model, decode_chunk=K)`: `generate` runs K decode steps per program (a `lax.scan` of the same step,
-  the same tokens), the last program the rest; the host dispatches one program per K tokens instead of one per
-  token. `steps` stays one step per `next`. K = 1 is the step-per-program loop; the default (None) is
-  `ACCELERATOR_DECODE_CHUNK` where the model lies on an accelerator, 1 on the CPU. On a GPU the chunk programs run
-  as XLA command buffers (CUDA graphs, `CHUNK_COMPILER_OPTIONS`): the loop is one graph, recorded once a program.
-A float32 model runs its matmuls at full float32 precision also on GPUs (whose default is TF32), so that
-float32 results match the CPU's and the reference's.
-`Generator(model, input_sharding)`: where the inputs go (None: the default device); a model whose weights lie
-on a mesh (`parallel.expert_parallel`) passes the mesh's replicated `NamedSharding`, and results spanning
-several processes come back from this process's replica.
-Inputs must be rectangular int32 [B, T] (see `tokenizer.token_batch`). `check_request` checks one call's
-arguments at once (ids, sampling settings, batch and length limits) before any compilation, raising one
+- `generate(input_ids [B,T], max_new_tokens, temperature, top_k, seed, **sampling) -> GenerationResult`: one prefill
+  that fills a preallocated cache and picks the first new token, then one jitted decode step per further token with the
+  cache donated (position and step counter advance on the device). Sampling is `sampling.sample` (settings as arrays:
+  temperature 0 is greedy; a new setting compiles nothing; `sampling` takes the other `SamplingParams` fields: top_p,
+  min_p, penalties). Every step runs for all max_new_tokens (eos does not stop it). Programs compile before the clock
+  starts and timings wait on the device (block_until_ready): execution only.
+- `steps(...)` (same arguments) -> `Steps`, an iterator that runs one step per `next` and gives its `sampling.Sampled`
+  on the device (for streaming and stopping at EOS); `host_steps(steps)` gives their host copies.
+- `Generator(model, decode_chunk=K)`: `generate` runs K decode steps per program (a `lax.scan` of the same step, the
+  same tokens), the last program the rest; `steps` stays one step per `next`. K = 1 is the step-per-program loop; the
+  default (None) is `ACCELERATOR_DECODE_CHUNK` where the model lies on an accelerator, 1 on the CPU. On a GPU the chunk
+  programs run as XLA command buffers (CUDA graphs, `CHUNK_COMPILER_OPTIONS`).
+- `Generator(model, input_sharding)`: where the inputs go (None: the default device); a model whose weights lie on a
+  mesh (`parallel.expert_parallel`) passes the mesh's replicated `NamedSharding`, and results spanning several processes
+  come back from this process's replica.
+A float32 model runs its matmuls at full float32 precision also on GPUs (not TF32), so float32 results match the CPU's
+and the reference's. Inputs must be rectangular int32 [B, T] (`tokenizer.token_batch`). `check_request` checks one
+call's arguments at once (ids, sampling settings, batch and length limits) before any compilation, raising one
 `errors.InputError` that names every problem; `Generator` runs it on every call too.
 """
 

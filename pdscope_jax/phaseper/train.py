@@ -1,29 +1,28 @@
 """Offline training of PhasePer predictors on routing traces, and their evaluation.
 
 Contract
-- `train_predictors(traces, groups, hparams=None, *, epochs, seed, config, loss_params, progress, phases)
-  -> (PredictorSet, metrics)` trains one predictor per (phase of `phases`, source layer) with optax AdamW on the
-  loss `losses.phase_loss` prescribes for that phase and group. Each (phase, layer) holds out a validation
-  split: whole steps when there are >= 2 steps, else the last tokens; in decode whole sequences where every step
-  has the same >= 2 rows (`split_by_sequences`); training stops early when the
-  validation loss has not improved for `config.patience` epochs, and the best-validation parameters are kept.
-  With `config.decode_from_prefill`, a decode predictor starts from its layer's trained prefill predictor.
-  A phase without traces keeps its freshly initialised predictors (metrics say `trained: False`).
+- `train_predictors(traces, groups, hparams=None, *, epochs, seed, config, loss_params, progress, phases) ->
+  (PredictorSet, metrics)` trains one predictor per (phase of `phases`, source layer) with optax AdamW on the loss
+  `losses.phase_loss` prescribes for that phase and group. Each (phase, layer) holds out a validation split: whole steps
+  when there are >= 2 steps, else the last tokens; in decode whole sequences where every step has the same >= 2 rows
+  (`split_by_sequences`); training stops early when the validation loss has not improved for `config.patience` epochs,
+  and the best-validation parameters are kept. With `config.decode_from_prefill`, a decode predictor starts from its
+  layer's trained prefill predictor. A phase without traces keeps its freshly initialised predictors (metrics say
+  `trained: False`).
 - `metrics` = {"phases": {phase: {"recall_at_k", "table5", "val_loss", "layers": {layer: {...}}}}, ...}.
 - `evaluate_predictors(pset, traces)` computes the same metrics on every token of `traces`.
-- `make_step_fns(graphdef)` and `adamw(lr, wd)`: the jitted AdamW step, shared with online fine-tuning
-  (compiled once per network kind and batch shape, whatever the phase, group or hyper-parameters).
+- `make_step_fns(graphdef)` and `adamw(lr, wd)`: the jitted AdamW step, shared with online fine-tuning (compiled once
+  per network kind and batch shape, whatever the phase, group or hyper-parameters).
 
 Metrics
-- recall@k: per token, |top-k predicted experts ∩ true experts of the next layer| / k, with k the model
-  top-k (traces.k); averaged over tokens.
-- table5 (the paper's Table-5 accuracy): per step (one forward of a layer over its tokens), the true
-  token count c_j of every next-layer expert j and the predicted count ĉ_j = sum over the step's tokens of
-  p_j. Experts are ranked by c (descending, ties by expert id) and the first m = min(6, #experts with
-  c > 0) are the true top-6. The predicted rank of j is its position when ranking by ĉ (descending, ties
-  by id). Because equal counts have no order, j's true rank is the interval [#experts with c > c_j,
-  #experts with c >= c_j - 1]; j is a hit if its predicted rank lies within 2 positions of that interval.
-  table5 = hits / counted experts, summed over all steps.
+- recall@k: per token, |top-k predicted experts ∩ true experts of the next layer| / k, with k the model top-k
+  (traces.k); averaged over tokens.
+- table5 (the paper's Table-5 accuracy): per step (one forward of a layer over its tokens), the true token count c_j of
+  every next-layer expert j and the predicted count ĉ_j = sum over the step's tokens of p_j. Experts are ranked by c
+  (descending, ties by expert id) and the first m = min(6, #experts with c > 0) are the true top-6. The predicted rank
+  of j is its position when ranking by ĉ (descending, ties by id). Because equal counts have no order, j's true rank is
+  the interval [#experts with c > c_j, #experts with c >= c_j - 1]; j is a hit if its predicted rank lies within 2
+  positions of that interval. table5 = hits / counted experts, summed over all steps.
 """
 
 from __future__ import annotations

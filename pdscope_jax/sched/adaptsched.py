@@ -1,31 +1,28 @@
 """AdaptSched, PDScope's phase-adaptive cross-layer planner (PAPER.md "AdaptSched").
 
-`AdaptSched.plan(demand, costs) -> Plan` decides for one MoE layer the on-demand loads L_on (`load_now`), the
-next layer's prefetches L_pre (`prefetch`) and the unloads L_un (`unload`); every activated expert neither
-resident nor in L_on runs on the CPU. E_cur / E_next: this layer's activated and the next layer's predicted
-experts that are not resident, n and n' of them, ascending by (predicted) tokens. A layer's GPU side is
-`t_transfer(its loads) + t_gpu(its GPU set)` (one batched program), its CPU side `t_cpu` summed over its CPU
-experts; `t_attn` is the next layer's attention.
-Prefill (and decode mode d):
-1. E_all = E_cur + E_next ascending; L_global = E_all[i:] for the first i whose GPU side is below the CPU
-   side of E_all[0:i] plus t_attn; j0 = the E_cur experts in E_all[0:i] bound step 2.
+`AdaptSched.plan(demand, costs) -> Plan` decides for one MoE layer the on-demand loads L_on (`load_now`), the next
+layer's prefetches L_pre (`prefetch`) and the unloads L_un (`unload`); every activated expert neither resident nor in
+L_on runs on the CPU. E_cur / E_next: this layer's activated and the next layer's predicted experts that are not
+resident, n and n' of them, ascending by (predicted) tokens. A layer's GPU side is `t_transfer(its loads) + t_gpu(its
+GPU set)`, its CPU side `t_cpu` summed over its CPU experts; `t_attn` is the next layer's attention.
+Prefill (and decode mode d): 1. E_all = E_cur + E_next ascending; L_global = E_all[i:] for the first i whose GPU side is
+below the CPU side of E_all[0:i] plus t_attn; j0 = the E_cur experts in E_all[0:i] bound step 2.
 2. L_on = E_cur[i':] for the smallest i' >= j0 whose GPU side is below t_cpu(E_cur[0:i'-1]).
-3. f = (T_C - T_G + t_attn) / t_io prefetches fit in the bubble; the ceil(f)-th is issued only if its expected
-   utility xi (from the hit rate R_hit of the phase) is positive; L_pre = the hottest ceil(f) or floor(f) of E_next.
-Decode: n_c = argmin_x max(t_gpu(k - x experts), x * t_cpu(1 expert)); by (n > n_c, n' > n_c): a = step 2 with
-the boundary on the CPU side; b = unload, then step 3 kept from making the next layer's GPU side the slower;
-c = unload only; d = steps 1-3 with b's constraint. L_un: resident, not activated, not hot, least recently used.
-Loads and prefetches never exceed free slots plus unloads; when cut, the hottest are kept.
-Departures (on by default; `layer_guard=False, link_window=False` runs the paper's steps exactly):
-- `layer_guard`: in prefill and mode d, when steps 1-2 leave the layer slower than loading all of E_cur, take
-  the boundary minimising max(T_G, T_C): a long CPU side frees PCIe for prefetches but costs more than it saves.
-- `link_window`: in prefill, unless the next layer streams, step 3 fills the time the link is free,
-  max(T_G, T_C) + t_attn - t_transfer(L_on): a staged copy overlaps compute, not only the GPU's bubble.
-- `stream_next_layer` (PAPER.md "Execution engine"): in prefill, when the pool holds two whole layers, stream
-  the whole next layer where the cost table says it beats the plan (`_stream_pays`).
-Precision (`demand.precision`, docs/PRECISION.md): each candidate's copy is fixed first by the rule (mixed: int4 when
-its relative, for E_next predicted, routing weight is below the threshold); the steps weigh an int4 copy as
-`costs.transfer_ratio("int4")` of a base one in `t_transfer`.
+3. f = (T_C - T_G + t_attn) / t_io prefetches fit in the bubble; the ceil(f)-th is issued only if its expected utility
+xi (from the hit rate R_hit of the phase) is positive; L_pre = the hottest ceil(f) or floor(f) of E_next.
+Decode: n_c = argmin_x max(t_gpu(k - x experts), x * t_cpu(1 expert)); by (n > n_c, n' > n_c): a = step 2 with the
+boundary on the CPU side; b = unload, then step 3 kept from making the next layer's GPU side the slower; c = unload
+only; d = steps 1-3 with b's constraint. L_un: resident, not activated, not hot, least recently used. Loads and
+prefetches never exceed free slots plus unloads; when cut, the hottest are kept.
+Departures, on by default (`layer_guard=False, link_window=False`: exactly the paper's steps; docs/MEASUREMENTS.md):
+- `layer_guard` (prefill, mode d): if steps 1-2 leave the layer slower than loading all of E_cur, take the boundary of
+  least max(T_G, T_C); `link_window` (prefill, next layer not streamed): step 3 fills the link's free time, max(T_G,
+  T_C) + t_attn - t_transfer(L_on).
+- `stream_next_layer` (PAPER.md "Execution engine"): in prefill, when the pool holds two whole layers, stream the whole
+  next layer where the cost table says it beats the plan (`_stream_pays`).
+Precision (`demand.precision`, docs/PRECISION.md): the rule fixes each candidate's copy first (mixed: int4 when its
+relative routing weight, predicted for E_next, is below the threshold); the steps weigh an int4 copy's transfer as
+`costs.transfer_ratio("int4")` of a base one's.
 """
 
 from __future__ import annotations

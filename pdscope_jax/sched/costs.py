@@ -1,34 +1,27 @@
 """Cost table: what one expert costs on the CPU, on the GPU and over PCIe, as a function of its token count.
 
-Contract: a `CostTable` is a frozen description of one model on one machine. Measured tables come from
-`pdscope-jax profile` and are stored as JSON (`to_json` / `from_json`, `save` / `load`); `CostTable.analytic`
-builds one from first principles (bytes, FLOPs, bandwidths) for tests and for machines not profiled yet, and
-labels it `"source": "analytic"`. Planners read it; nothing here touches a device.
-
-Cost model (all times in seconds):
-- `t_cpu(tokens)`: one expert at `tokens` tokens on the CPU, interpolated linearly between the measured
-  token buckets; below the first bucket the first bucket's time (the engine pads rows up to a bucket), above
-  the last bucket scaled proportionally (compute-bound regime). Given a sequence of token counts it returns
-  the sum: CPU experts run one after another, each using every core.
-- `t_gpu(tokens)`: a *set* of experts run as ONE batched program. `gpu_expert_seconds` is one expert alone in
-  a program, which includes the program's launch cost `gpu_launch_seconds`; a batch pays the launch once and
-  each expert's marginal time `gpu_expert_seconds(t) - gpu_launch_seconds`. So GPU time of a batch grows
-  slowly with its size. A scalar argument means a single expert.
-- `t_transfer(n)`: n experts moved host -> GPU back to back: `alpha + n * t_io`, or the measured
-  `transfer_seconds` curve when the profile has one (linear with slope `t_io` past its last point).
+Contract: a `CostTable` is a frozen description of one model on one machine. Measured tables come from `pdscope-jax
+profile` and are stored as JSON (`to_json` / `from_json`, `save` / `load`); `CostTable.analytic` builds one from first
+principles (bytes, FLOPs, bandwidths) for tests and unprofiled machines, labelled `"source": "analytic"`. Planners read
+it; nothing here touches a device. Times in seconds:
+- `t_cpu(tokens)`: one expert at `tokens` tokens on the CPU, interpolated linearly between the measured token buckets;
+  below the first bucket the first bucket's time, above the last scaled proportionally. Given a sequence of token counts
+  it returns the sum (CPU experts run one after another, each on every core).
+- `t_gpu(tokens)`: a *set* of experts run as ONE batched program: `gpu_expert_seconds` is one expert alone in a program,
+  including the launch cost `gpu_launch_seconds`; a batch pays the launch once and each expert's marginal time
+  `gpu_expert_seconds(t) - gpu_launch_seconds`. A scalar argument means a single expert.
+- `t_transfer(n)`: n experts moved host -> GPU back to back: `alpha + n * t_io`, or the measured `transfer_seconds`
+  curve when the profile has one (linear with slope `t_io` past its last point).
 - `t_attn(phase, tokens)`: one layer's attention (GPU) for `tokens` tokens in `phase`.
-- `precisions` (optional): per other precision of a copy (the int4 copy) a `PrecisionCosts` (t_io measured or
-  scaled by bytes: `with_precision`; compute where measured); `transfer_ratio(name)` = its t_io over the table's.
+- `precisions` (optional): per other precision of a copy (the int4 copy) a `PrecisionCosts` (t_io measured or scaled by
+  bytes: `with_precision`; compute where measured); `transfer_ratio(name)` = its t_io over the table's.
 Zero tokens (or an empty set, or n = 0 transfers) cost nothing.
-
-JSON layout: `CostTable.to_dict`. A malformed file raises `CostTableError` naming every problem at once.
-`save` writes atomically (a temporary sibling renamed into place: a killed process leaves the old table) and
-seals the JSON with a "checksum" key (`integrity.seal`); `from_dict` / `load` check a present checksum and refuse
-a table whose content does not match it (tables without one, written by hand or by older versions, are read).
-
-Where tables live: `costs_dir()` ($PDSCOPE_JAX_COSTS, else ~/.cache/pdscope_jax/costs) holds
-`<model>-<device>.json` (`table_name`); `find_cost_table(ref)` / `load_cost_table(ref)` accept a path or such a
-name, so `RuntimeConfig.cost_table` may be either.
+JSON layout: `CostTable.to_dict`. A malformed file raises `CostTableError` naming every problem at once. `save` writes
+atomically (a killed process leaves the old table) and seals the JSON with a "checksum" key (`integrity.seal`);
+`from_dict` / `load` refuse a table whose content does not match its checksum (a table without one is read).
+Where tables live: `costs_dir()` ($PDSCOPE_JAX_COSTS, else ~/.cache/pdscope_jax/costs) holds `<model>-<device>.json`
+(`table_name`); `find_cost_table(ref)` / `load_cost_table(ref)` accept a path or such a name, so
+`RuntimeConfig.cost_table` may be either.
 """
 
 from __future__ import annotations

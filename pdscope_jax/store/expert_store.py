@@ -1,33 +1,26 @@
-"""The expert store: the only code that moves routed-expert weights.
+"""The expert store: the only code that moves routed-expert weights; nothing writes their host copy once made.
 
 Contract:
-- Host copy, once: `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` copies a layer's stacked weights (numpy,
-  or a jax array anywhere) expert by expert into the accelerator's `pinned_host` memory, one allocation per
-  expert and weight, so any subset of a layer can be the operand of one transfer; it keeps no reference to the
-  stack, so only one layer ever exists twice. Nothing writes to expert weights afterwards.
-- CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes
-  (XLA:CPU takes 64-byte-aligned buffers zero-copy), verified per expert (same address, same bytes); where it
-  does not hold the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0: every view aliases,
-  2.0: none does). `cpu_view="copy"` forces copies.
-- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"torch"` (one pinned buffer per layer
-  imported zero-copy through dlpack; the `torch` extra, a CUDA build); `"auto"`: torch on a GPU where it has
-  CUDA, else jax. Torch because only one allocation per layer gives stacks the experts alias (one host copy), and
-  device decode copies a layer's misses from a stack at once (faster than one by one from per-expert arrays:
-  docs/MEASUREMENTS.md); the cited GPU results ran so. `store.host_alloc` says which ran.
-- Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts
-  by a computed index (`engine.device_decode`, `pull_traced`): free with torch; with jax only when `stacks=True`,
-  as a second pinned copy (counted in host_bytes_per_model_byte).
-- Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched
-  `device_put` and returns at once (issued before the compute it should hide behind, it overlaps it);
-  `commit(pool, staged, slots)` writes the staged arrays into their slots with ONE jitted program that donates
-  the pool (in place), compiled per power-of-two batch size (padding repeats the last expert: an idempotent
-  write). Donation orders a slot write after every pending reader of the pool, which is why the host-to-device
-  part is staged outside it; the budget counts two layers of staged arrays.
-  `write(pool, layer, experts, slots) -> Written` is for loads needed now: up to `FUSED_MAX` experts in ONE
-  program that copies from pinned memory and writes the donated pool (one dispatch instead of two; compiled
-  per exact count, as padding would copy an expert twice), more through stage + commit; `Written.done` is ready
-  when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode bank alike.
-  Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
+- Host copy, once: `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` copies a layer's stacks (numpy, or a jax array
+  anywhere) expert by expert into the accelerator's `pinned_host` memory, one allocation per expert and weight (any
+  subset of a layer is one transfer's operand); it keeps no reference to the stack (only one layer ever exists twice).
+- CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes, verified
+  per expert (same address, same bytes); else the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0:
+  every view aliases, 2.0: none does). `cpu_view="copy"` forces copies.
+- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"torch"` (one pinned buffer per layer imported
+  zero-copy through dlpack; the `torch` extra, a CUDA build); `"auto"`: torch on a GPU where it has CUDA, else jax (why:
+  docs/MEASUREMENTS.md). `store.host_alloc` says which ran.
+- Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts by a
+  computed index (`engine.device_decode`, `pull_traced`): free with torch; with jax only when `stacks=True`, as a second
+  pinned copy (in host_bytes_per_model_byte).
+- Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched `device_put`
+  and returns at once (issue it before the compute it should hide behind); `commit(pool, staged, slots)` writes the
+  staged arrays into their slots with ONE jitted program that donates the pool (in place), compiled per power-of-two
+  batch size (padding repeats the last expert: an idempotent write); the budget counts two layers of staged arrays.
+  `write(pool, layer, experts, slots) -> Written`, for loads needed now: up to `FUSED_MAX` experts in ONE program that
+  copies from pinned memory and writes the donated pool (compiled per exact count), more through stage + commit;
+  `Written.done` is ready when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode
+  bank alike. Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
 - Int4 copies (`store.low_copies`): `add_low_layer` pins a layer's too (`low_bytes`); `stage`, `write`, `count_moved`
   take `low` ([n] bool) to move them, turned into the pool's format as they are written (one program per kind).
 """

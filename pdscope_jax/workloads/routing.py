@@ -1,29 +1,27 @@
 """Routing workloads for random-weight models, defined by statistics: "uniform" (equal expert shares, independent
-consecutive layers) and "skewed" (expert popularity and inter-layer affinity of the trained reference MoE), each
-with a `predictability` of the next layer's routing from this layer's state (`workloads.predictability`).
+consecutive layers) and "skewed" (expert popularity and inter-layer affinity of the trained reference MoE), each with a
+`predictability` of the next layer's routing from this layer's state (`workloads.predictability`).
 
-Why: seeded random weights route by accident (on Qwen3-30B-A3B they collapse onto few experts), and a router
-reading a code no layer changes makes the next layer's gate on this layer's state an oracle. The reference MoE
-(`pdscope_jax/assets/reference-moe`) recorded its held-out routing when trained (package data
-`assets/reference-moe-routing.json`: per-layer expert counts [12, 32], per layer pair the recall@K of an
-inter-layer affinity table and of the K most popular experts). Per MoE layer of the target model (reference
-layers mapped by relative depth, nearest index) the skewed workload reproduces:
-- popularity: the reference layer's sorted share curve resampled to E experts through its cumulative curve and
-  capped at 1/k per expert, assigned by a seeded permutation ("uniform": 1/E each);
-- affinity: the reference's lift of affinity recall over popularity recall, `(r_aff - r_pop) / (1 - r_pop)`
-  (about 0.29; "uniform": consecutive layers read disjoint parts of the code, so they are independent);
+The reference MoE (`pdscope_jax/assets/reference-moe`) recorded its held-out routing when trained (package data
+`assets/reference-moe-routing.json`: per-layer expert counts [12, 32], per layer pair the recall@K of an inter-layer
+affinity table and of the K most popular experts). Per MoE layer of the target model (reference layers mapped by
+relative depth, nearest index) the skewed workload reproduces (why: docs/MEASUREMENTS.md):
+- popularity: the reference layer's sorted share curve resampled to E experts through its cumulative curve and capped at
+  1/k per expert, assigned by a seeded permutation ("uniform": 1/E each);
+- affinity: the reference's lift of affinity recall over popularity recall, `(r_aff - r_pop) / (1 - r_pop)` (about 0.29;
+  "uniform": consecutive layers read disjoint parts of the code, so they are independent);
 - predictability: the Fate-style predictor's recall@k ("reference": the reference's per pair; "oracle": exact).
-Every policy and the plain model see one and the same model (a routing channel in the residual stream, see
-`Workload`), so parity holds, nothing changes at run time, and a GGUF export of the weights routes the same.
+Every policy and the plain model see one and the same model (a routing channel in the residual stream, see `Workload`),
+so parity holds, nothing changes at run time, and a GGUF export of the weights routes the same.
 
-Contract: `design(cfg, workload, seed=0, stats=None, ..., predictability="reference", cache=None) -> Workload`,
-kept on disk by `workloads.cache` (keyed by every input of the fit; `cache=False` or PDSCOPE_WORKLOAD_CACHE=0: fit
-afresh, write nothing; a missing, unreadable or mismatched file is fitted and written again);
-`Workload.transform(path, array) -> array` rewrites one parameter (others pass through), `.loader(loader)` wraps
-an `OffloadRunner` loader, `.apply(flat)` rewrites a flat parameter dict, `.experts(ids)` -> [M, N, K] the experts
-each token id picks per MoE layer, `.fate_experts(ids)` -> [M-1, N, K] what the Fate-style predictor at each
-layer guesses for the next, and `.summary()` the setting, targets and fitted values per layer (recorded in
-benchmark JSON next to `"workload"`). `reference_stats(path=None)` reads the reference's routing statistics.
+Contract: `design(cfg, workload, seed=0, stats=None, ..., predictability="reference", cache=None) -> Workload`, kept on
+disk by `workloads.cache` (keyed by every input of the fit; `cache=False` or PDSCOPE_WORKLOAD_CACHE=0: fit afresh, write
+nothing; a missing, unreadable or mismatched file is fitted and written again); `Workload.transform(path, array) ->
+array` rewrites one parameter (others pass through), `.loader(loader)` wraps an `OffloadRunner` loader, `.apply(flat)`
+rewrites a flat parameter dict, `.experts(ids)` -> [M, N, K] the experts each token id picks per MoE layer,
+`.fate_experts(ids)` -> [M-1, N, K] what the Fate-style predictor at each layer guesses for the next, and `.summary()`
+the setting, targets and fitted values per layer (recorded in benchmark JSON next to `"workload"`).
+`reference_stats(path=None)` reads the reference's routing statistics.
 """
 
 from __future__ import annotations
