@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pdscope_jax.cli.options import add_quality, quality_settings
+from pdscope_jax.cli.options import add_model_weights, quality_settings
 from pdscope_jax.sched import POLICIES
 
 
@@ -27,12 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="text (needs the checkpoint's tokenizer.json)")
     source.add_argument("--ids", help="comma-separated token ids")
-    parser.add_argument("--weights", help="'random' or a checkpoint directory (default: the model's own)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantize", choices=("int8", "int4"),
-                        help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
-                             "they load (default: the model's dtype)")
-    add_quality(parser)
+    add_model_weights(parser)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from pdscope_jax.cli.options import add_quality, quality_settings
+from pdscope_jax.cli.options import add_model_weights, quality_settings
 from pdscope_jax.sched import POLICIES
 
 
@@ -22,12 +22,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """MODEL and how to load it (shared with `chat`)."""
     parser.add_argument("model", nargs="?", default="reference-moe",
                         help="preset name, embedded model, checkpoint directory or HF-cache name")
-    parser.add_argument("--weights", help="'random' or a checkpoint directory (default: the model's own)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--quantize", choices=("int8", "int4"),
-                        help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
-                             "they load (default: the model's dtype)")
-    add_quality(parser)
+    add_model_weights(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of random weights")
     parser.add_argument("--policy", help=f"offloading policy: {', '.join(POLICIES)} (default: the whole model)")
     parser.add_argument("--gpu-memory", default="24GB")
