@@ -47,7 +47,7 @@ def save_figure(fig, path: Path, dpi: int, **tight_layout) -> None:
 
 
 def commit() -> str:
-    from pdscope_jax.provenance import source_commit
+    from pdscope_jax.artifacts.provenance import source_commit
 
     return source_commit() or "unknown"
 

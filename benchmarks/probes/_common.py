@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.provenance import source_commit
+from pdscope_jax.artifacts.provenance import source_commit
 
 
 def expert_shape_parser(description: str, reps: int, **int_options: int) -> argparse.ArgumentParser:

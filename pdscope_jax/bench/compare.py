@@ -27,7 +27,7 @@ import platform
 
 from pdscope_jax.bench import report as out
 from pdscope_jax.bench import runs as bench_runs
-from pdscope_jax.provenance import source_commit
+from pdscope_jax.artifacts.provenance import source_commit
 from pdscope_jax.sched import PLAIN
 
 

@@ -17,7 +17,7 @@ import argparse
 import shlex
 from pathlib import Path
 
-from pdscope_jax.provenance import source_commit
+from pdscope_jax.artifacts.provenance import source_commit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from pdscope_jax.integrity import atomic_write_json
+    from pdscope_jax.artifacts.integrity import atomic_write_json
 
     data = quality.heldout_data(s)  # the split's size is checked before any weight loads
     console = Console()

@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 from pdscope_jax.config import ModelConfig
 from pdscope_jax.phaseper.predictor import PredictorHParams, PredictorSet
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 from pdscope_jax.phaseper.traces import PHASES, TraceError, TraceWriter
 
 STATS_FILE = "layer_stats.json"

@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 
 PHASES = ("prefill", "decode")
 FORMAT_VERSION = 2

@@ -39,7 +39,7 @@ import ml_dtypes
 import numpy as np
 from rich.progress import Progress
 
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 from pdscope_jax.quant import formats
 from pdscope_jax.quant.loader import SCALE, dense_path, quantizing_loader
 from pdscope_jax.runtime import user_cache_dir

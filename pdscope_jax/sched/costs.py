@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 
 VERSION = 1
 PHASES = ("prefill", "decode")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 from pdscope_jax.sched.costs import PHASES
 
 REMEDY = ("make it again: `pdscope-jax collect-traces` writes layer_stats.json, `pdscope-jax bench --hot-table auto` "

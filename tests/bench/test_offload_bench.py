@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdscope_jax import provenance
+from pdscope_jax.artifacts import provenance
 from pdscope_jax.cli.bench import main as bench_main
 from pdscope_jax.errors import InputError
 from pdscope_jax.kernels import cpu_ffn

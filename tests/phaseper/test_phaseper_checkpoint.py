@@ -112,7 +112,7 @@ def test_restored_parameters_are_arrays_of_the_right_shapes(tmp_path):
 def test_a_checkpoint_from_before_the_linear_path_loads_without_it(tmp_path):
     import dataclasses
 
-    from pdscope_jax import integrity
+    from pdscope_jax.artifacts import integrity
 
     pset = PredictorSet(dataclasses.replace(HP, linear=False), CFG.moe_layers, (1, 2), seed=4)
     path = save_predictors(pset, CFG, tmp_path)

@@ -1,4 +1,4 @@
-"""pdscope_jax.integrity: atomic writes, the folder swap (and its fallback's recovery), stale temporaries,
+"""pdscope_jax.artifacts.integrity: atomic writes, the folder swap (and its fallback's recovery), stale temporaries,
 file checksums and sealed JSON."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 
 
 class Broken(ValueError):

@@ -33,7 +33,7 @@ BUCKETS = 30_000  # a cost table of a few MB
 # Hooks: after the first complete save, announce "hook" at one place of the next save and block there.
 HOOKS = """
 import os, sys
-from pdscope_jax import integrity
+from pdscope_jax.artifacts import integrity
 HOOK, SAVED = sys.argv[2], []
 
 

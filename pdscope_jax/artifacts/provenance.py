@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the checkout's root when the package runs from one
+ROOT = Path(__file__).resolve().parents[2]  # the checkout's root when the package runs from one
 
 
 def source_commit() -> str | None:
