@@ -3,7 +3,8 @@
 Each case runs `pdscope-jax generate` in fresh processes that share one new, empty compilation cache directory:
 the first process compiles everything (cold), the next `--warm` ones read it (warm). Per process it records the
 wall time from launch to exit, the seconds XLA spent compiling, and the compilation cache's hits and misses
-(jax's monitoring events); per case the cache's size on disk and cold / median warm. Cases:
+(jax's monitoring events), the seconds of loading (by the engine's build stages) and of generating as generate
+prints them; per case the cache's size on disk and cold / median warm. Cases:
 - `tiny`: tiny-deepseek-v2-lite, whole, float32 (any machine); `tiny-offloaded`: the same under `pdscope`
   with a slot pool of one expert (of 24);
 - `deepseek-offloaded`: DeepSeek-V2-Lite with random weights under `pdscope`, 24 GB GPU budget, 8 GB expert pool
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -65,7 +67,19 @@ def run_process(argv: list[str], env: dict) -> dict:
             "compile_s": round(seconds.get("/jax/core/compile/backend_compile_duration", 0.0), 3),
             "cache_hits": counts.get("/jax/compilation_cache/cache_hits", 0),
             "cache_misses": counts.get("/jax/compilation_cache/cache_misses", 0),
-            "output": lines[:-1]}
+            **load_stages(lines[:-1]), "output": lines[:-1]}
+
+
+def load_stages(lines: list[str]) -> dict:
+    """generate's last line, "load 80.6 s (budget 2.1 s, ...), generate 3.1 s (compilation included)", as
+    {"load_s", "load_stages_s": {stage: s}, "generate_s"}; {} when it is not there."""
+    found = re.fullmatch(r"load ([\d.]+) s(?: \((.*)\))?, generate ([\d.]+) s .*", lines[-1] if lines else "")
+    if not found:
+        return {}
+    parts = filter(None, (found[2] or "").split(", "))
+    stages = dict(re.fullmatch(r"(.+) ([\d.]+) s", part).groups() for part in parts)
+    return {"load_s": float(found[1]), "load_stages_s": {k: float(v) for k, v in stages.items()},
+            "generate_s": float(found[3])}
 
 
 def run_case(name: str, warm: int) -> dict:
@@ -80,7 +94,8 @@ def run_case(name: str, warm: int) -> dict:
     cold, warm_runs = processes[0], processes[1:]
     warm_wall = statistics.median(p["wall_s"] for p in warm_runs)
     return {"case": name, "argv": ["pdscope-jax", "generate", *CASES[name]], "cold": cold, "warm": warm_runs,
-            "cold_s": cold["wall_s"], "warm_median_s": warm_wall, "cold_over_warm": round(cold["wall_s"] / warm_wall, 2),
+            "cold_s": cold["wall_s"], "warm_median_s": warm_wall,
+            "cold_over_warm": round(cold["wall_s"] / warm_wall, 2),
             "same_output": all(p["output"][0] == cold["output"][0] for p in warm_runs), "cache_bytes": cache_bytes}
 
 
