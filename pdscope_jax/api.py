@@ -1,28 +1,27 @@
 """`load()` and the `Runner`: the public entry point.
 
 `load(name_or_path, weights=None, seed=0, dtype="bfloat16", policy=None, predictors=None, revision=None,
-compile_cache=True, quantize=None, quant_cache=True, accelerators=None, **runtime)` resolves 1. a preset name
-(`pdscope_jax.presets`; random weights, or `weights=<directory>` of that architecture's safetensors); 2. an embedded
-checkpoint (`EMBEDDED`, e.g. "reference-moe", the default model); 3. a directory with config.json (its safetensors, or
-`weights="random"`); 4. a hub name ("org/name") in the local hub cache (HF_HUB_CACHE, else HF_HOME/hub, else
-~/.cache/huggingface/hub; the snapshot `refs/main` names, or `revision=`; nothing is downloaded: `pdscope-jax download`
-fetches); else it raises `UnknownModelError` listing the known names. Without `policy` the model runs whole (`Runner`)
-on the default device, or with `accelerators=N` on this process's first N devices, the routed experts split E/N per
-device (`parallel.expert_parallel`; N must divide E). A policy (`gpu`, `static`, `ondemand`, `greedy`, `fate`,
-`pdscope`) runs in the one-accelerator offload engine (`engine.runner.OffloadRunner`, same calls) under a
-`RuntimeConfig` from `policy` and `**runtime` (`gpu_memory="24GB"`, `expert_pool="8GB"`, ...; `max_batch` (default 1)
-and `max_seq_len` size its KV cache) with the plain model's numbers: float32 logits within 1e-4, bfloat16 within bf16
-rounding (README: when they are bit-equal, how far greedy tokens agree). `predictors`: a PhasePer checkpoint directory
-(this model's fingerprint) for the planner. `quantize="int8" | "int4"` stores the routed experts quantized as they load
-(`quant.formats`, `quant.loader`), with or without a policy; from a checkpoint through a cache keyed by its fingerprint
-and the scheme (`quant.cache`; `quant_cache=False`: off, a directory: there). `quality="int8" | "mixed" | "int4"`
-(runtime) bounds the precision of expert copies (docs/PRECISION.md). `compile_cache`: the persistent compilation cache
-(False: off, a directory: there). `Runner.logits(input_ids) -> np.float32 [B,T,V]`, `.generate(input_ids | text, ...)`
-and `.steps(...)` (one step per `next`) take rectangular batches; text needs the checkpoint's tokenizer.json; sampling
-keywords: `SamplingParams`'s fields. `load` checks dtype, seed, policy, runtime settings and quantize (with quality)
-before reading any weight; calls check ids (integers in [0, vocab), before any cast), shapes, sampling and, offloaded,
-max_batch / max_seq_len before compiling; every bad input raises one `errors.InputError` (a ValueError) naming each
-problem. `runner.config` (ModelConfig), `.tokenizer` (or None), `.model` (NNX CausalLM; plain) or `.engine` (offloaded).
+compile_cache=True, quantize=None, quant_cache=True, accelerators=None, **runtime)`:
+- Resolves, in order: a preset name (`presets`: random weights, or `weights=` a directory of its safetensors); an
+  embedded checkpoint (`EMBEDDED`: "reference-moe", the default); a directory with config.json (its safetensors,
+  or `weights="random"`); an "org/name" in the local Hugging Face cache (`refs/main`, or `revision=`; nothing is
+  downloaded: `pdscope-jax download`). Else `UnknownModelError` listing the known names.
+- No `policy`: the model runs whole (`Runner`) on the default device, or its routed experts split E/N over the
+  first N devices (`accelerators=N`, `parallel.expert_parallel`; N divides E).
+- A policy (`sched.POLICIES`): the one-accelerator offload engine (`engine.runner.OffloadRunner`) under the
+  `RuntimeConfig` of `policy` and `**runtime` (`gpu_memory`, `expert_pool`, `max_batch`, `max_seq_len`, ...),
+  with the plain model's numbers (float32 logits within 1e-4; bf16 within its rounding: README).
+- `predictors`: a PhasePer checkpoint (this model's fingerprint) for the planner. `quantize="int8" | "int4"`:
+  routed experts stored quantized as they load (`quant`; from a checkpoint through a cache keyed by its
+  fingerprint, `quant_cache=False` off, a directory there). `quality=` (runtime): the lowest precision of an
+  expert's copy (docs/PRECISION.md). `compile_cache`: the persistent compilation cache (False off, a directory).
+- Validates first: dtype, seed, policy, runtime settings and quantize / quality before any weight is read; ids
+  (integers in [0, vocab) before any cast), shapes, sampling and the engine's max_batch / max_seq_len before any
+  compilation. Every bad input raises one `errors.InputError` (a ValueError) naming each problem.
+`Runner.logits(input_ids) -> np.float32 [B,T,V]`, `.generate(input_ids | text, ...)`, `.steps(...)` (one step per
+`next`): rectangular batches; text needs the checkpoint's tokenizer.json; sampling keywords are `SamplingParams`'
+fields. `.config` (ModelConfig), `.tokenizer` (or None), `.model` (plain) or `.engine` and `.startup_seconds`
+(offloaded).
 """
 
 from __future__ import annotations
@@ -88,6 +87,8 @@ class Runner:
 
 
 def hf_cache_dirs() -> list[Path]:
+    """Where the Hugging Face hub cache is, as huggingface_hub finds it: HF_HUB_CACHE, else HF_HOME/hub, else
+    ~/.cache/huggingface/hub."""
     if os.environ.get("HF_HUB_CACHE"):
         return [Path(os.environ["HF_HUB_CACHE"])]
     if os.environ.get("HF_HOME"):
