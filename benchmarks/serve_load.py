@@ -203,8 +203,10 @@ def server_phase(args, ps) -> dict:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        log.seek(0)  # uvicorn ends by raising the SIGTERM it handled again: exit code -15 after a clean stop
-        result |= {"exit_code": proc.returncode, "stopped_cleanly": "Finished server process" in log.read()}
+        log.seek(0)  # a clean stop: uvicorn's shutdown, then the service's close, then exit status 143 (SIGTERM)
+        text = log.read()
+        result |= {"exit_code": proc.returncode,
+                   "stopped_cleanly": "Finished server process" in text and "pdscope-jax serve: stopped" in text}
     return result
 
 

@@ -1,13 +1,17 @@
 """Run the app with uvicorn: in the foreground (`serve`) or in a thread (`ServerThread`, for tests and tools).
 
 Contract: `serve(service, load, host, port)` answers at once (503 until ready) while `load()` -> runner runs on a
-loader thread and is then attached; a load that fails stops the server with its error. `ServerThread(service,
+loader thread and is then attached; a load that fails stops the server with its error. SIGTERM or Ctrl-C: uvicorn
+stops gracefully, then the service closes (its worker stopped) before the process exits (SIGTERM: status 143,
+not the signal uvicorn raises again after its own shutdown, which would skip the close). `ServerThread(service,
 host="127.0.0.1", port=0)` is a context manager: uvicorn in a daemon thread on a free port (`url`), stopped and
 the worker with it on exit.
 """
 
 from __future__ import annotations
 
+import signal
+import sys
 import threading
 import time
 
@@ -28,12 +32,19 @@ def serve(service, load, host: str = "127.0.0.1", port: int = 8000, log_level: s
             server.should_exit = True
 
     threading.Thread(target=loader, name="pdscope-serve-loader", daemon=True).start()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)  # uvicorn restores it, then raises SIGTERM again
     try:
         server.run()
     finally:
+        signal.signal(signal.SIGTERM, previous)
         service.close()
+        print("pdscope-jax serve: stopped", file=sys.stderr, flush=True)
     if failure:
         raise failure[0]
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)
 
 
 class ServerThread:

@@ -2,6 +2,7 @@
 
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,7 +43,9 @@ def test_serve_command_loads_and_serves():
         assert httpx.get(url + "/v1/models").status_code == 401
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        output, _ = proc.communicate(timeout=30)
+    # SIGTERM: uvicorn shuts down gracefully, then the service closes before the process exits
+    assert proc.returncode == 128 + signal.SIGTERM and "pdscope-jax serve: stopped" in output, output[-2000:]
 
 
 def test_chat_command_streams_the_answer(runner):
