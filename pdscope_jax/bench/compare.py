@@ -127,7 +127,7 @@ def compare(args, command: str) -> dict:
               "complete": True}
     out.write_json(report, json_path)
     out.plot(report, png_path)
-    console.print(out.table(results))
+    console.print(out.table(results, on_gpu=report["device"].startswith("gpu")))
     for error in errors:
         console.print(f"[red]{error['policy']}: {error['error']}")
     print(out.summary_line(report, json_path, png_path), flush=True)

@@ -21,8 +21,9 @@ SUMMARY_KEYS = ("variant", "policy", "batch", "prompt_len", "prefill_tok_s", "de
                 "tokens_before_divergence")
 
 
-def table(results: list[dict]):
-    """A rich Table of the medians, one row per result (the plain run shows only its throughput and parity)."""
+def table(results: list[dict], on_gpu: bool = False):
+    """A rich Table of the medians, one row per result (the plain run shows only its throughput and parity); on a
+    GPU its caption names each run whose device decode ran without the host bridge, and why."""
     from rich.table import Table
 
     out = Table(title="offload benchmark (medians; times summed over layers, seconds)",
@@ -56,7 +57,21 @@ def table(results: list[dict]):
                     f"{(p['bytes_moved'] or 0) / 1e9:.2f}/{(d['bytes_moved'] or 0) / 1e9:.2f}", fmt(d["hit_rate"]),
                     f"{fmt(p['prefetch_accuracy'])}/{fmt(d['prefetch_accuracy'])}",
                     f"{fmt(p['planner_ms_per_layer'], 3)}/{fmt(d['planner_ms_per_layer'], 3)}", match)
+    notes = dict.fromkeys(f"{r['variant']}: device decode ran without the host bridge ({why}): the host computed "
+                          "none of its misses, the program copied them" for r in results
+                          if on_gpu and (why := bridge_missing(r)))
+    if notes:
+        out.caption += "\n" + "\n".join(notes)
     return out
+
+
+def bridge_missing(result: dict) -> str | None:
+    """Why a run whose decode ran on the device had no host bridge (the engine's `decode_host.why_not`), else
+    None (a bridge ran, or decode did not run on the device)."""
+    if not result.get("decode", {}).get("device_steps"):
+        return None
+    return next((why for rep in result.get("repeats", []) if (why := (rep.get("decode_host") or {}).get("why_not"))),
+                None)
 
 
 def plot(report: dict, path: Path) -> None:
