@@ -3,7 +3,6 @@ planners see CPU times times S, nothing measured moves it) and a tree with neith
 test_compare_inprocess.py."""
 
 import dataclasses
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,17 +11,8 @@ import pytest
 from pdscope_jax.engine.calibration import CpuCalibration
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "compare_trees_inprocess.py"
 CPU_SECONDS = (1e-3, 3e-3)
 WANT = tuple(v * 2.5 for v in CPU_SECONDS)  # the table's CPU times at the pin 2.5
-
-
-def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run as a script: its folder first (for `_shared`)
-    spec = importlib.util.spec_from_file_location("compare_trees_inprocess", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +40,8 @@ class _OldRunner:  # offload.engine.OffloadRunner's calibration, as in c2fbd38
         return {"cpu_cost_scale": {f"{p} {r}": s for (p, r), s in sorted(self._cpu_scale.items())}}
 
 
-def test_both_layouts_are_held_at_the_pin_and_a_tree_with_neither_is_refused(monkeypatch):
-    script = _script(monkeypatch)
+def test_both_layouts_are_held_at_the_pin_and_a_tree_with_neither_is_refused(load_script):
+    script = load_script("compare_trees_inprocess")
     timing = SimpleNamespace(phase="decode", step_rows=1, cpu_start=0.0, cpu_predicted=1e-3)
     new = SimpleNamespace(_calibration=CpuCalibration(_Table(CPU_SECONDS)))
     old = _OldRunner()
@@ -76,16 +66,16 @@ def test_both_layouts_are_held_at_the_pin_and_a_tree_with_neither_is_refused(mon
         script.pin_cpu_scale(SimpleNamespace(costs=_Table((1e-3,))), 2.0)
 
 
-def test_pin_must_be_a_tenth_at_least_one(monkeypatch, capsys):
-    script = _script(monkeypatch)
+def test_pin_must_be_a_tenth_at_least_one(load_script, capsys):
+    script = load_script("compare_trees_inprocess")
     for bad in ("0.5", "2.05"):
         with pytest.raises(SystemExit):
             script.main(["--old-tree", str(REPO), "--pin-cpu-scale", bad])
         assert "--pin-cpu-scale" in capsys.readouterr().err
 
 
-def test_a_tree_that_would_not_fit_the_host_stops_the_run_before_loading(monkeypatch):
-    script = _script(monkeypatch)
+def test_a_tree_that_would_not_fit_the_host_stops_the_run_before_loading(load_script, monkeypatch):
+    script = load_script("compare_trees_inprocess")
     monkeypatch.setattr(script.psutil, "virtual_memory", lambda: SimpleNamespace(available=10 * 10**9))
     script.check_host_memory("old", None)  # the first tree: nothing measured to compare with
     script.check_host_memory("new", 9 * 10**9)

@@ -1,21 +1,8 @@
 """benchmarks/start_times.py: generate's load line read back into seconds by stage."""
 
-import importlib.util
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "start_times.py"
-
-
-def _script(monkeypatch):
-    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as when run as a script: its folder first (for `_shared`)
-    spec = importlib.util.spec_from_file_location("start_times", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_load_line_becomes_seconds_by_stage(monkeypatch):
-    script = _script(monkeypatch)
+def test_load_line_becomes_seconds_by_stage(load_script):
+    script = load_script("start_times")
     offloaded = ["1,2", "prefill 1.0 tok/s (1.000 s), decode 2.00 tok/s (0.500 s)",
                  "load 45.1 s (budget 0.3 s, weights and expert store 44.3 s, policy 0.0 s), generate 9.5 s "
                  "(compilation included)"]
