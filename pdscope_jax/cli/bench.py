@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pdscope_jax.bench.runs import (COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, QUALITY, SUFFIXES,
                                     WITH_CPU, split_label)
-from pdscope_jax.cli.options import add_quality
+from pdscope_jax.cli.options import add_quality, add_quantize
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
 
@@ -75,9 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--quantize", choices=("int8", "int4"),
-                   help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
-                        "they load (default: the model's dtype)")
+    add_quantize(p)
     add_quality(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-threads", type=int, default=None, help="pin the process to this many cores")

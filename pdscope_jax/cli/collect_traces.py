@@ -17,6 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from pdscope_jax.cli.options import add_quantize
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdscope-jax collect-traces",
@@ -24,9 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="preset name or checkpoint directory")
     p.add_argument("--weights", help="'random', or a safetensors directory for a preset (see pdscope_jax.load)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
-    p.add_argument("--quantize", choices=("int8", "int4"),
-                   help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
-                        "they load (default: the model's dtype)")
+    add_quantize(p)
     p.add_argument("--out", type=Path, required=True, help="new trace directory")
     p.add_argument("--split", default="train", choices=("train", "heldout", "ood"),
                    help="corpus split the prompts are cut from (pdscope_jax.text.corpus)")

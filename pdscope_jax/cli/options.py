@@ -1,9 +1,10 @@
 """Options several commands share, defined once.
 
 Contract: `add_model_weights(parser)` adds `--weights`, `--dtype`, `--quantize` (how `pdscope_jax.load` builds the
-model) and the quality options below; `add_quality(parser)` adds `--quality` and `--mixed-threshold` (RuntimeConfig's `quality` and
-`mixed_threshold`, `sched.precision`); `quality_settings(args)` -> the runtime settings they give ({} when
-unset), which `api.check_load` checks with the rest before anything loads.
+model) and the quality options below; `add_quantize(parser)` adds `--quantize` alone; `add_quality(parser)` adds
+`--quality` and `--mixed-threshold` (RuntimeConfig's `quality` and `mixed_threshold`, `sched.precision`);
+`quality_settings(args)` -> the runtime settings they give ({} when unset), which `api.check_load` checks with the
+rest before anything loads.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ import argparse
 def add_model_weights(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", help="'random' or a checkpoint directory (default: the model's own)")
     parser.add_argument("--dtype", default="bfloat16")
+    add_quantize(parser)
+    add_quality(parser)
+
+
+def add_quantize(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantize", choices=("int8", "int4"),
                         help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
                              "they load (default: the model's dtype)")
-    add_quality(parser)
 
 
 def add_quality(parser: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdscope_jax.cli.options import add_quantize
 from pdscope_jax.sched import COMPARED
 
 PROMPT = '''import os
@@ -46,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", nargs="+", default=list(COMPARED),
                         help="offloading policies (default: %(default)s)")
     parser.add_argument("--dtype", default="float32", help="float32 on CPU: XLA:CPU bf16 is slow at few rows")
-    parser.add_argument("--quantize", choices=("int8", "int4"),
-                        help="store the routed experts int8 (per channel) or int4 (groups of 64), quantized as "
-                             "they load (default: the model's dtype)")
+    add_quantize(parser)
     parser.add_argument("--max-seq-len", type=int, default=1024,
                         help="tokens (prompt plus new) the offloaded KV cache holds (default: %(default)s)")
     args = parser.parse_args(argv)
