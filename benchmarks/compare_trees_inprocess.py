@@ -22,10 +22,10 @@ with neither stops the run. Each row records the scales each runner reports; pin
 control / old, the same code against itself, is the noise floor new / old is read against. Each tree holds its own
 weights in host memory: the script stops before a load when less is available than the first tree took.
 Output: JSON with `command`, `commit` (the new tree's: --new-commit, else this checkout's), `script_commit`,
-`old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every repeat's prefill / decode tok/s and
-their medians, new / old (and control / old) of the medians, `cpu_cost_scale` and `plans` (loads, prefetches,
-GPU / CPU experts, bytes since the policy was set) per tree, `same_plans`, and whether every tree generated the
-same tokens in every repeat. A line per generation goes to stderr (a run cut short shows where it was).
+`old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every timed repeat's prefill / decode tok/s
+(after `--settle` untimed ones) and their medians, new / old (and control / old) of the medians and the median of
+each repeat's ratio (`*_paired_ratio`), `cpu_cost_scale` and `plans` (loads, prefetches, GPU / CPU experts, bytes)
+per tree, `same_plans`, and whether every tree generated the same tokens. A line per generation goes to stderr.
 """
 
 from __future__ import annotations
@@ -176,18 +176,21 @@ def run(args, report: dict) -> dict:
             for t in args.prompt_lens:
                 times = {name: [] for name in names}
                 same_tokens = True
-                for rep in range(args.repeats):
+                for rep in range(-args.settle, args.repeats):  # negative: settling, not timed
                     ids = rng.integers(0, vocab, size=(1, t)).astype(np.int32)
                     order = names[rep % len(names):] + names[:rep % len(names)]  # each tree first in turn
                     tokens = {}
                     for name in order:
                         out = trees[name].generate(ids, max_new_tokens=args.new_tokens)
+                        if rep < 0:
+                            continue
                         tokens[name] = np.asarray(out.tokens)
                         times[name].append((out.prefill_tokens_per_s, out.decode_tokens_per_s))
                         print(f"{policy} {t} repeat {rep + 1}/{args.repeats} {name}: prefill "
                               f"{out.prefill_tokens_per_s:.1f} decode {out.decode_tokens_per_s:.2f} tok/s",
                               file=sys.stderr, flush=True)
-                    same_tokens &= all(np.array_equal(tokens["old"], tokens[name]) for name in names)
+                    if rep >= 0:
+                        same_tokens &= all(np.array_equal(tokens["old"], tokens[name]) for name in names)
                 row = {"policy": policy, "prompt_len": t, "same_tokens": same_tokens}
                 for name, reps in times.items():
                     row[name] = {"prefill_tok_s": [p for p, _ in reps], "decode_tok_s": [d for _, d in reps],
@@ -195,9 +198,13 @@ def run(args, report: dict) -> dict:
                                  "decode_median": statistics.median(d for _, d in reps)}
                 for phase in ("prefill", "decode"):
                     row[f"{phase}_ratio"] = row["new"][f"{phase}_median"] / row["old"][f"{phase}_median"]
+                    row[f"{phase}_paired_ratio"] = paired_ratio(row["new"][f"{phase}_tok_s"],
+                                                                row["old"][f"{phase}_tok_s"])
                     if control is not None:
                         row[f"{phase}_control_ratio"] = (row["control"][f"{phase}_median"]
                                                          / row["old"][f"{phase}_median"])
+                        row[f"{phase}_control_paired_ratio"] = paired_ratio(row["control"][f"{phase}_tok_s"],
+                                                                            row["old"][f"{phase}_tok_s"])
                 # the calibration each runner reports after the row (learned, or pinned), and its decisions
                 row["cpu_cost_scale"] = {name: reported_scales(r.engine) for name, r in trees.items()}
                 row["plans"] = {name: plan_counts(r.engine) for name, r in trees.items()}
@@ -207,12 +214,19 @@ def run(args, report: dict) -> dict:
                     args.out.write_text(json.dumps(report, indent=1) + "\n")
                 control_note = "" if control is None else (f"  control/old {row['prefill_control_ratio']:.3f} / "
                                                            f"{row['decode_control_ratio']:.3f}")
-                print(f"{policy:9s} {t:6d} prefill new/old {row['prefill_ratio']:.3f}  decode new/old "
-                      f"{row['decode_ratio']:.3f}{control_note}  same tokens: {same_tokens}  same plans: "
+                print(f"{policy:9s} {t:6d} prefill new/old {row['prefill_ratio']:.3f} (paired "
+                      f"{row['prefill_paired_ratio']:.3f})  decode new/old {row['decode_ratio']:.3f} (paired "
+                      f"{row['decode_paired_ratio']:.3f}){control_note}  same tokens: {same_tokens}  same plans: "
                       f"{row['same_plans']}", flush=True)
                 if args.pin_cpu_scale is not None:
                     check_pinned(row["cpu_cost_scale"], args.pin_cpu_scale)
     return report
+
+
+def paired_ratio(new: list[float], old: list[float]) -> float:
+    """The median of each repeat's new / old: the two generations of a repeat ran back to back, so a drift over
+    the repeats (both trees slowing or speeding together) cancels in it, where a ratio of medians keeps it."""
+    return statistics.median(n / o for n, o in zip(new, old))
 
 
 def check_pinned(scales: dict[str, dict[str, float]], pin: float) -> None:
@@ -235,6 +249,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=4)
+    ap.add_argument("--settle", type=int, default=0, metavar="N",
+                    help="N untimed repeats per prompt length before the timed ones (the planners' and caches' "
+                         "first generations drift)")
     ap.add_argument("--gpu-memory", default="24GB")
     ap.add_argument("--expert-pool", default="8GB")
     ap.add_argument("--cost-table", default=None)

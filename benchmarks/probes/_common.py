@@ -149,3 +149,22 @@ def probe_result(what: str, devices, records: list[dict], out: Path | None, **ex
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def perfetto_trace(run, out: Path) -> None:
+    """`run()` under jax's profiler; its Perfetto trace (the accelerator's kernels beside the host's threads) is moved
+    to `out`, the profiler's other files dropped."""
+    import glob
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        jax.profiler.start_trace(where, create_perfetto_trace=True)
+        try:
+            run()
+        finally:
+            jax.profiler.stop_trace()
+        found = glob.glob(f"{where}/**/perfetto_trace.json.gz", recursive=True)
+        if found:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(found[0], out)

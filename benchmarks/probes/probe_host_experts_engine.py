@@ -148,24 +148,17 @@ def kernel_alone(store, cfg) -> dict:
 
 def trace_decode(runner, prompt, tokens: int, out: Path) -> None:
     """One generation of `tokens` tokens whose decode steps (prefill excluded) run under jax's profiler; the
-    Perfetto trace is moved to `out` and the profiler's other files are dropped."""
-    import glob
-    import shutil
-    import tempfile
+    Perfetto trace goes to `out`."""
+    from _common import perfetto_trace
 
-    import jax
+    steps = runner.steps(prompt, tokens)
+    next(steps)  # prefill and the first token, outside the trace
 
-    with tempfile.TemporaryDirectory() as where:
-        steps = runner.steps(prompt, tokens)
-        next(steps)  # prefill and the first token, outside the trace
-        jax.profiler.start_trace(where, create_perfetto_trace=True)
+    def decode():
         for sampled in steps:
             np.asarray(sampled.token)
-        jax.profiler.stop_trace()
-        found = glob.glob(f"{where}/**/perfetto_trace.json.gz", recursive=True)
-        if found:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.move(found[0], out)
+
+    perfetto_trace(decode, out)
 
 
 def main(argv: list[str] | None = None) -> dict:

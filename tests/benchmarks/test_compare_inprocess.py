@@ -16,11 +16,11 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_same_tree_thrice_pinned_gives_identical_tokens_plans_and_every_ratio(tmp_path):
     """One run covers the options together (each run imports the package thrice, which is most of its time):
-    --new-tree, --control, --new-first and --pin-cpu-scale."""
+    --new-tree, --control, --new-first, --settle and --pin-cpu-scale."""
     out = tmp_path / "inprocess.json"
     argv = ["--old-tree", str(REPO), "--old-commit", "self", "--new-tree", str(REPO), "--new-commit", "newc",
             "--model", "tiny-deepseek-v2-lite", "--dtype", "float32", "--policies", "greedy", "--prompt-lens", "12",
-            "--new-tokens", "3", "--repeats", "2", "--gpu-memory", "1GB", "--expert-pool", "200KB",
+            "--new-tokens", "3", "--repeats", "2", "--settle", "1", "--gpu-memory", "1GB", "--expert-pool", "200KB",
             "--new-first", "--control", "--pin-cpu-scale", "2.0", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_trees_inprocess.py"), *argv],
@@ -40,5 +40,9 @@ def test_same_tree_thrice_pinned_gives_identical_tokens_plans_and_every_ratio(tm
         assert row["cpu_cost_scale"][tree] and set(row["cpu_cost_scale"][tree].values()) == {2.0}
     assert row["prefill_ratio"] == row["new"]["prefill_median"] / row["old"]["prefill_median"]
     assert row["decode_control_ratio"] == row["control"]["decode_median"] / row["old"]["decode_median"]
+    ratios = sorted(n / o for n, o in zip(row["new"]["decode_tok_s"], row["old"]["decode_tok_s"]))
+    assert row["decode_paired_ratio"] == (ratios[0] + ratios[1]) / 2  # the median of each repeat's ratio
+    assert "prefill_control_paired_ratio" in row
     assert f"{row['policy']:9s}" in done.stdout  # a line per row as it is measured
-    assert "greedy 12 repeat 2/2 new: prefill" in done.stderr  # a line per generation
+    assert "greedy 12 repeat 2/2 new: prefill" in done.stderr  # a line per timed generation
+    assert "repeat 0/2" not in done.stderr  # the settling repeat is not reported as timed
