@@ -173,6 +173,19 @@ def test_store_aliases_cpu_views_and_writes_slots_in_place():
     assert stacked.host_bytes_per_model_byte == 2.0  # a second copy with jax pinning
 
 
+def test_store_checks_an_alias_by_address_and_its_values_once(monkeypatch):
+    store = ExpertStore(select_devices())
+    gu, dn = _stacks()
+    compared = []
+    real = np.array_equal
+    monkeypatch.setattr(expert_store.np, "array_equal", lambda a, b: compared.append(a.shape) or real(a, b))
+    store.add_layer(1, gu, dn)
+    assert store.cpu_copy_bytes == 0 and len(compared) == 1  # every part aliased; values compared for the first
+    pinned, _ = store.host_weights(1, 0)
+    other = np.zeros_like(np.asarray(pinned))  # the right shape, not pinned's memory
+    assert store._reads_same_bytes(pinned, other) is False and len(compared) == 1  # refused by its address
+
+
 def test_store_write_of_many_experts_stages_then_commits(monkeypatch):
     monkeypatch.setattr(expert_store, "FUSED_MAX", 2)  # three experts are "many": stage + commit
     store = ExpertStore(select_devices())
