@@ -179,18 +179,15 @@ def run(args, report: dict) -> dict:
                 for rep in range(-args.settle, args.repeats):  # negative: settling, not timed
                     ids = rng.integers(0, vocab, size=(1, t)).astype(np.int32)
                     order = names[rep % len(names):] + names[:rep % len(names)]  # each tree first in turn
-                    tokens = {}
-                    for name in order:
-                        out = trees[name].generate(ids, max_new_tokens=args.new_tokens)
-                        if rep < 0:
-                            continue
-                        tokens[name] = np.asarray(out.tokens)
+                    outs = {name: trees[name].generate(ids, max_new_tokens=args.new_tokens) for name in order}
+                    if rep < 0:
+                        continue
+                    for name, out in outs.items():
                         times[name].append((out.prefill_tokens_per_s, out.decode_tokens_per_s))
                         print(f"{policy} {t} repeat {rep + 1}/{args.repeats} {name}: prefill "
                               f"{out.prefill_tokens_per_s:.1f} decode {out.decode_tokens_per_s:.2f} tok/s",
                               file=sys.stderr, flush=True)
-                    if rep >= 0:
-                        same_tokens &= all(np.array_equal(tokens["old"], tokens[name]) for name in names)
+                    same_tokens &= all(np.array_equal(outs["old"].tokens, out.tokens) for out in outs.values())
                 row = {"policy": policy, "prompt_len": t, "same_tokens": same_tokens}
                 for name, reps in times.items():
                     row[name] = {"prefill_tok_s": [p for p, _ in reps], "decode_tok_s": [d for _, d in reps],

@@ -233,7 +233,7 @@ class ExpertStore:
     def _reads_same_bytes(self, pinned: jax.Array, view: np.ndarray) -> bool:
         """Whether `view` is `pinned`'s memory: the same address, and the same values compared in full once per store
         (that the backend's address is the bytes themselves) and for every array whose address is unavailable.
-        Comparing every expert in full read the model twice more and took a quarter of a start."""
+        Not every array in full: that would read all experts twice more at every start."""
         try:
             same_address = pinned.unsafe_buffer_pointer() == view.ctypes.data
         except Exception:  # noqa: BLE001 (backends differ in what they refuse; compare the values instead)
