@@ -43,14 +43,14 @@ def _is_real(value) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
+    temperature: float = 0.0  # 0: greedy (argmax); above 0 divides the logits
+    top_k: int | None = None  # keep the k most likely tokens; None or 0: all
+    top_p: float = 1.0  # keep the smallest set whose probability reaches top_p; 1: all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely; 0: none
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted from a generated token's logit once per occurrence
+    repetition_penalty: float = 1.0  # transformers': seen tokens' positive logits divided by it, negative multiplied
+    seed: int = 0  # a row draws with fold_in(key(seed), step)
 
     def problems(self, vocab_size: int) -> list[str]:
         """What is wrong with these settings, each with its valid range (empty when nothing)."""

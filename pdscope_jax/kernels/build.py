@@ -3,27 +3,47 @@
 Contract: `shared_library(source)` -> the path of a shared library built from `source` (a .cc file) against
 the XLA FFI headers of the installed jax (`jax.ffi.include_dir()`), or None when it cannot be built. The
 library lands in a cache folder (`PDSCOPE_KERNEL_CACHE`, else `$XDG_CACHE_HOME/pdscope_jax/kernels` or
-`~/.cache/pdscope_jax/kernels`, else the temp folder), named by a hash of the source, its folder's headers, jax's FFI headers, the
-compiler's version and the flags: a later process reuses it, an edit or a jax upgrade rebuilds it. The build
-writes to a temporary name and renames it into place, so concurrent first uses are safe. The compiler is
-`$CXX`, else the first of g++, c++, clang++ on PATH. Failure (no compiler, compile error, unwritable cache)
-never raises: it warns once, in one line, and returns None, so callers fall back to XLA.
+`~/.cache/pdscope_jax/kernels`, else the temp folder), named by a hash of the source, its folder's headers,
+jax's FFI headers, the compiler's version and the flags: a later process reuses it, an edit or a jax upgrade
+rebuilds it. The build writes to a temporary name and renames it into place, so concurrent first uses are safe.
+The compiler is `$CXX`, else the first of g++, c++, clang++ on PATH. Failure (no compiler, compile error,
+unwritable cache) never raises: it warns once, in one line, and returns None, so callers fall back to XLA.
+`once(load)` wraps a library's loader so that the first call runs it under a lock and every later call returns
+what it returned (None too: a failed build is not retried in this process).
 Run `python -m pdscope_jax.kernels.build` to build every kernel ahead of time and print where they are.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-pthread"]
 SOURCES = Path(__file__).parent / "csrc"
+T = TypeVar("T")
+
+
+def once(load: Callable[[], T]) -> Callable[[], T]:
+    """`load` run on the first call only, under a lock (two threads never build one library twice); later calls
+    return its first result."""
+    lock = threading.Lock()
+    first = functools.cache(load)
+
+    @functools.wraps(load)
+    def loaded() -> T:
+        with lock:
+            return first()
+    return loaded
 
 
 def compiler() -> str | None:

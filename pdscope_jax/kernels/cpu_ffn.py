@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdscope_jax.kernels.build import SOURCES, shared_library
+from pdscope_jax.kernels.build import SOURCES, once, shared_library
 from pdscope_jax.kernels.expert_math import expert_ffn
 from pdscope_jax.quant.formats import QuantizedWeight, dense
 
@@ -49,20 +48,13 @@ TARGETS = {kind: f"{__name__}.{kind}" for kind in SYMBOLS}
 BLOCK = 32  # the kernel needs D and F to be multiples of this
 ISAS = {"portable": 0, "avx512_bf16": 2, "amx_bf16": 3}
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the loaded ctypes library or None, once tried
+_state: dict[str, object] = {}  # "forced": the portable path was chosen by set_isa
 
 
+@once
 def library() -> ctypes.CDLL | None:
     """The kernel library, built and loaded and its FFI targets registered on first call; None where it cannot
     be (no compiler, build failure, not x86-64 Linux, or PDSCOPE_CPU_KERNEL=0)."""
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load()
-        return _state["lib"]  # type: ignore[return-value]
-
-
-def _load() -> ctypes.CDLL | None:
     if os.environ.get("PDSCOPE_CPU_KERNEL", "1") == "0":
         return None
     path = shared_library(SOURCE)
@@ -297,8 +289,8 @@ def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: Weights | Sequence[Weigh
         raise RuntimeError("the CPU expert kernel is not built (see the warning of pdscope_jax.kernels.build)")
     if not supported:
         raise ValueError(f"the CPU expert kernel needs bf16 weights (or int8/int4 QuantizedWeights of compute dtype "
-                         f"bf16, int4 groups a power of two >= 32) with D and F multiples of {BLOCK}, got {_describe(first)} "
-                         f"{first.shape} for h {h.shape}")
+                         f"bf16, int4 groups a power of two >= 32) with D and F multiples of {BLOCK}, got "
+                         f"{_describe(first)} {first.shape} for h {h.shape}")
     out_type = jax.ShapeDtypeStruct(h.shape, jnp.float32)
     h = h.astype(jnp.bfloat16)
     coef = coef.astype(jnp.float32)

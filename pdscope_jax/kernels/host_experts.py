@@ -29,14 +29,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pdscope_jax.kernels import cpu_ffn
-from pdscope_jax.kernels.build import SOURCES, shared_library
+from pdscope_jax.kernels.build import SOURCES, once, shared_library
 
 SOURCE = SOURCES / "host_experts_cuda.cc"
 BEGIN, FETCHED, END = f"{__name__}.begin", f"{__name__}.fetched", f"{__name__}.end"
@@ -46,24 +45,17 @@ TIMELINE = 8192  # layers a bridge's timeline keeps (kTimeline)
 # for the Python one, which costs a decode step several milliseconds of host time.
 SIDE_EFFECT = False
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, object] = {}  # "why": the last reason a bridge was not made; "unloaded": why the library did not load
 
 
+@once
 def _library() -> ctypes.CDLL | None:
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _load()
-        return _state["lib"]  # type: ignore[return-value]
-
-
-def _load() -> ctypes.CDLL | None:
     if os.environ.get("PDSCOPE_HOST_EXPERTS", "1") == "0":
-        _state["why"] = "disabled by PDSCOPE_HOST_EXPERTS=0"
+        _state["unloaded"] = "disabled by PDSCOPE_HOST_EXPERTS=0"
         return None
     path = shared_library(SOURCE)
     if path is None:
-        _state["why"] = f"{SOURCE.name} could not be built"
+        _state["unloaded"] = f"{SOURCE.name} could not be built"
         return None
     lib = ctypes.CDLL(str(path))
     lib.pdscope_host_experts_create.restype = ctypes.c_int64
@@ -79,7 +71,7 @@ def _load() -> ctypes.CDLL | None:
                              (END, "pdscope_host_experts_end")):
             jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
     except Exception as error:  # noqa: BLE001 (a jax without the CUDA plugin refuses the platform)
-        _state["why"] = f"no CUDA platform to register the bridge with ({type(error).__name__}: {error})"
+        _state["unloaded"] = f"no CUDA platform to register the bridge with ({type(error).__name__}: {error})"
         return None
     return lib
 
@@ -107,6 +99,7 @@ class Bridge:
             return None
         lib = _library()
         if lib is None:
+            _state["why"] = str(_state["unloaded"])
             return None
         d, f = dims
         gate_up = np.array([a for gu, _ in addresses for a in gu], np.uint64)

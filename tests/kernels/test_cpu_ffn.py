@@ -1,5 +1,6 @@
 """The CPU expert kernel against the XLA path and an exact float64 reference; the fallback paths."""
 
+import threading
 import warnings
 
 import jax
@@ -162,7 +163,7 @@ def test_auto_falls_back_to_xla(weights, monkeypatch):
     gate_up, down = weights
     h, coef, ids = case(4, 3, seed=5)
     want = cpu_ffn.moe_ffn_xla(h, coef, gate_up, down, ids)
-    monkeypatch.setitem(cpu_ffn._state, "lib", None)  # as where no library could be built
+    monkeypatch.setattr(cpu_ffn, "library", lambda: None)  # as where no library could be built
     assert not cpu_ffn.available() and cpu_ffn.isa() is None and cpu_ffn.threads() == 0
     np.testing.assert_array_equal(np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids)), np.asarray(want))
     with pytest.raises(RuntimeError, match="not built"):
@@ -191,6 +192,23 @@ def test_failed_build_warns_once_and_returns_none(tmp_path, monkeypatch):
         assert build.shared_library(cpu_ffn.SOURCE) is None
     assert len(caught) == 1 and "using the XLA path" in str(caught[0].message)
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_a_library_loads_once_across_threads_and_a_failure_is_kept():
+    calls = []
+
+    def slow_failing_load():
+        calls.append(threading.get_ident())
+        threading.Event().wait(0.05)  # hold the lock while the other threads arrive
+        return None
+
+    load = build.once(slow_failing_load)
+    threads = [threading.Thread(target=load) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert load() is None and len(calls) == 1
 
 
 def test_profile_splits_each_call_into_phases(kernel, weights):

@@ -220,15 +220,20 @@ ffi::Error checked_run(Call& c, ffi::Buffer<ffi::BF16>& h, ffi::Buffer<ffi::F32>
   return ffi::Error::Success();
 }
 
-ffi::Error ffn_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs weights,
-                    ffi::ResultBuffer<ffi::F32> out) {
-  Call c;
+// The activations h [N, D] and coefficients coef [k, N] read into c.n, c.d and c.k; false where they do not fit.
+bool read_rows(Call& c, const ffi::Buffer<ffi::BF16>& h, const ffi::Buffer<ffi::F32>& coef) {
   auto hd = h.dimensions(), cd = coef.dimensions();
-  if (hd.size() != 2 || cd.size() != 2 || cd[1] != hd[0])
-    return ffi::Error::InvalidArgument("pdscope_cpu_ffn_list: h [N, D], coef [k, N]");
+  if (hd.size() != 2 || cd.size() != 2 || cd[1] != hd[0]) return false;
   c.n = int(hd[0]);
   c.d = int(hd[1]);
   c.k = int(cd[0]);
+  return true;
+}
+
+ffi::Error ffn_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs weights,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  Call c;
+  if (!read_rows(c, h, coef)) return ffi::Error::InvalidArgument("pdscope_cpu_ffn_list: h [N, D], coef [k, N]");
   if (weights.size() != size_t(2 * c.k))
     return ffi::Error::InvalidArgument("pdscope_cpu_ffn_list: expected k gate_up then k down buffers");
   for (int j = 0; j < 2 * c.k; ++j) {
@@ -254,13 +259,9 @@ ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi
                        ffi::Buffer<ffi::BF16> gate_up, ffi::Buffer<ffi::BF16> down,
                        ffi::ResultBuffer<ffi::F32> out) {
   Call c;
-  auto hd = h.dimensions(), cd = coef.dimensions(), gd = gate_up.dimensions(), dd = down.dimensions();
-  if (hd.size() != 2 || cd.size() != 2 || cd[1] != hd[0] || gd.size() != 3 || dd.size() != 3 ||
-      ids.element_count() != size_t(cd[0]))
+  auto gd = gate_up.dimensions(), dd = down.dimensions();
+  if (!read_rows(c, h, coef) || gd.size() != 3 || dd.size() != 3 || ids.element_count() != size_t(c.k))
     return ffi::Error::InvalidArgument("pdscope_cpu_ffn_stacked: h [N, D], coef [k, N], ids [k], stacks 3-d");
-  c.n = int(hd[0]);
-  c.d = int(hd[1]);
-  c.k = int(cd[0]);
   c.f = int(gd[2] / 2);
   const int64_t experts = gd[0];
   if (gd[1] != c.d || gd[2] != 2 * int64_t(c.f) || dd[0] != experts || dd[1] != c.f || dd[2] != c.d)
@@ -309,12 +310,8 @@ ffi::Error ffn_quant_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, 
                           ffi::ResultBuffer<ffi::F32> out, int32_t bits) {
   Call c;
   if (auto e = quant_format(c, bits); e.failure()) return e;
-  auto hd = h.dimensions(), cd = coef.dimensions();
-  if (hd.size() != 2 || cd.size() != 2 || cd[1] != hd[0])
+  if (!read_rows(c, h, coef))
     return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_list: h [N, D], coef [k, N]");
-  c.n = int(hd[0]);
-  c.d = int(hd[1]);
-  c.k = int(cd[0]);
   if (weights.size() != size_t(4 * c.k))
     return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_list: expected k gate_up q, k gate_up scales, "
                                        "k down q, k down scales");
@@ -348,13 +345,9 @@ ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coe
                              ffi::Buffer<ffi::F32> ds, ffi::ResultBuffer<ffi::F32> out, int32_t bits) {
   Call c;
   if (auto e = quant_format(c, bits); e.failure()) return e;
-  auto hd = h.dimensions(), cd = coef.dimensions(), gd = gq.dimensions();
-  if (hd.size() != 2 || cd.size() != 2 || cd[1] != hd[0] || gd.size() != 3 ||
-      ids.element_count() != size_t(cd[0]))
+  auto gd = gq.dimensions();
+  if (!read_rows(c, h, coef) || gd.size() != 3 || ids.element_count() != size_t(c.k))
     return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_stacked: h [N, D], coef [k, N], ids [k], stacks 3-d");
-  c.n = int(hd[0]);
-  c.d = int(hd[1]);
-  c.k = int(cd[0]);
   c.f = int(gd[2] / 2);
   const int64_t experts = gd[0];
   const int64_t gg = quant_group(gq, gs, bits, 1, c.d, 2 * int64_t(c.f)), dg = quant_group(dq, ds, bits, 1, c.f, c.d);

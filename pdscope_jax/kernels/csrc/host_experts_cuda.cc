@@ -410,32 +410,32 @@ ffi::Error end(CUstream stream, ffi::AnyBuffer, ffi::Result<ffi::Buffer<ffi::F32
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_begin, begin,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // h
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ids
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // coef
+                                  .Arg<ffi::AnyBuffer>()  // picks
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // copy_ids
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // ahead_ids
+                                  .Arg<ffi::AnyBuffer>()  // from_gate_ups
+                                  .Arg<ffi::AnyBuffer>()  // from_downs
+                                  .Ret<ffi::AnyBuffer>()  // h_out
+                                  .Ret<ffi::AnyBuffer>()  // picks_out
+                                  .Ret<ffi::AnyBuffer>()  // gate_ups
+                                  .Ret<ffi::AnyBuffer>()  // downs
+                                  .Ret<ffi::AnyBuffer>()  // ahead_gate_ups
+                                  .Ret<ffi::AnyBuffer>()  // ahead_downs
                                   .Attr<int64_t>("handle")
                                   .Attr<int64_t>("layer"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_fetched, fetched,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<CUstream>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()  // gate_ups (aliased to gate_ups_out)
+                                  .Arg<ffi::AnyBuffer>()  // downs (aliased to downs_out)
+                                  .Arg<ffi::AnyBuffer>()  // begin's ahead_gate_ups (read only to keep them allocated)
+                                  .Arg<ffi::AnyBuffer>()  // begin's ahead_downs (likewise)
+                                  .Ret<ffi::AnyBuffer>()  // gate_ups_out
+                                  .Ret<ffi::AnyBuffer>()  // downs_out
                                   .Attr<int64_t>("handle"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_end, end,
