@@ -7,9 +7,9 @@ Contract:
 - CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes, verified
   per expert (same address, same bytes); else the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0:
   every view aliases, 2.0: none does). `cpu_view="copy"` forces copies.
-- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"torch"` (one pinned buffer per layer imported
-  zero-copy through dlpack; the `torch` extra, a CUDA build); `"auto"`: torch on a GPU where it has CUDA, else jax (why:
-  docs/MEASUREMENTS.md). `store.host_alloc` says which ran.
+- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"torch"` (one page-locked buffer per layer
+  stack imported zero-copy through dlpack, `store.torch_pinned`; the `torch` extra, a CUDA build); `"auto"`: torch
+  on a GPU where it has CUDA, else jax (why: docs/MEASUREMENTS.md). `store.host_alloc` says which ran.
 - Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts by a
   computed index (`engine.device_decode`, `pull_traced`): free with torch; with jax only when `stacks=True`, as a second
   pinned copy (in host_bytes_per_model_byte).
@@ -37,6 +37,7 @@ import numpy as np
 
 from pdscope_jax.store.low_copies import to_slot
 from pdscope_jax.store.slot_pool import SlotPool
+from pdscope_jax.store.torch_pinned import pin_stack, torch_cuda
 from pdscope_jax.runtime import Devices
 
 
@@ -89,14 +90,6 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _torch_cuda() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
 def host_view(array: jax.Array) -> np.ndarray | None:
     """A numpy view of a single-buffer host-memory array's bytes, or None when its address is unavailable."""
     try:
@@ -114,8 +107,8 @@ class ExpertStore:
         if host_alloc not in ("auto", "jax", "torch"):
             raise ValueError(f"host_alloc must be 'auto', 'jax' or 'torch', got {host_alloc!r}")
         if host_alloc == "auto":
-            host_alloc = "torch" if devices.accel.platform == "gpu" and _torch_cuda() else "jax"
-        if host_alloc == "torch" and not _torch_cuda():
+            host_alloc = "torch" if devices.accel.platform == "gpu" and torch_cuda() else "jax"
+        if host_alloc == "torch" and not torch_cuda():
             raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
                              "through dlpack): pip install 'pdscope_jax[torch]' (a CUDA build of torch) on a GPU "
                              "machine, or use host_alloc='jax'")
@@ -126,7 +119,7 @@ class ExpertStore:
         self._stacks: dict[int, tuple[jax.Array, jax.Array]] = {}  # layer -> (gate_up, down) stacks, pinned
         self.stack_copy_bytes = 0  # bytes of stacks that are a second copy (host_alloc='jax')
         self._alias_checked = False  # one CPU alias's values compared in full with its pinned array
-        self._torch_buffers: list = []  # host_alloc='torch': the pinned allocations every view points into
+        self._torch_buffers: list = []  # host_alloc='torch': the PinnedStacks every view points into
         self._pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
         self._host: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> (gate_ups, downs) pinned
@@ -185,32 +178,15 @@ class ExpertStore:
         return bool(self._low)
 
     def _torch_pinned_parts(self, stack):
-        """`_torch_pinned_layer` for each array of `stack` (an array, or a QuantizedWeight's integers and scales).
-        -> (the stack, its E experts, their E numpy views), each in `stack`'s structure."""
+        """Each array of `stack` (an array, or a QuantizedWeight's integers and scales) in one page-locked buffer
+        (`torch_pinned.pin_stack`). -> (the stack, its E experts, their E numpy views), each in `stack`'s structure."""
         leaves, structure = jax.tree.flatten(stack)
-        parts = [self._torch_pinned_layer(np.asarray(leaf)) for leaf in leaves]
-        experts = range(parts[0][2].shape[0])
-        return (structure.unflatten([p[0] for p in parts]),
-                [structure.unflatten([p[1][e] for p in parts]) for e in experts],
-                [structure.unflatten([p[2][e] for p in parts]) for e in experts])
-
-    def _torch_pinned_layer(self, src: np.ndarray) -> tuple[jax.Array, list[jax.Array], np.ndarray]:
-        """Pin a layer's stack [E, ...] with torch, fill it through a numpy view, import it and each expert's slice
-        zero-copy through dlpack. -> (the stack, the experts, the numpy view)."""
-        import torch
-
-        buffer = torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=True)
-        view = buffer.numpy().view(src.dtype).reshape(src.shape)
-        view[...] = src
-        typed = buffer.view(getattr(torch, src.dtype.name)).reshape(src.shape)
-        whole = jax.dlpack.from_dlpack(typed)
-        experts = [jax.dlpack.from_dlpack(typed[e]) for e in range(src.shape[0])]
-        for array in (whole, *experts):
-            if array.sharding.memory_kind != "pinned_host" or array.devices() != {self.devices.accel}:
-                raise RuntimeError(f"dlpack import of pinned torch memory gave {array.sharding}, not pinned_host "
-                                   f"memory of {self.devices.accel}; use host_alloc='jax'")
-        self._torch_buffers.append(buffer)
-        return whole, experts, view
+        parts = [pin_stack(leaf, self.devices.accel) for leaf in leaves]
+        self._torch_buffers.extend(parts)
+        experts = range(parts[0].view.shape[0])
+        return (structure.unflatten([p.whole for p in parts]),
+                [structure.unflatten([p.experts[e] for p in parts]) for e in experts],
+                [structure.unflatten([p.view[e] for p in parts]) for e in experts])
 
     def _cpu_array(self, pinned, view):
         """The CPU-backend array (or QuantizedWeight) for one expert weight: each part a zero-copy alias of its
