@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.warmup + args.reps):
             ids = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in range(rows)]) for _ in range(layers)])
             w = rng.random((layers, rows, k), np.float32)
-            routings.append((jax.device_put(ids.astype(np.int32), accel), jax.device_put(w / w.sum(-1, keepdims=True), accel)))
+            routings.append((jax.device_put(ids.astype(np.int32), accel),
+                             jax.device_put(w / w.sum(-1, keepdims=True), accel)))
         x0 = jax.device_put(rng.standard_normal((rows, d), np.float32).astype(jnp.bfloat16), accel)
         runs = [(v, None) for v in args.variants if v != "dense"] + [("gather", q) for q in args.quant]
         for variant, quant in runs:

@@ -4,8 +4,8 @@ Loads `--model` with seeded random weights and no offloading (`pdscope_jax.load(
 with quantized experts (`--quantize int8|int4`), runs a `--prompt`-token prompt, then times `--steps` decode steps
 one by one (each waited for) and traces `--profile-steps` more under `jax.profiler.trace`
 (`probe_decode_step.kernel_profile`): busy accelerator microseconds and kernels per step, and the kinds of kernel
-by time; the greedy tokens of the timed steps. The step's wall time beside its busy time says how much is launch gaps and host work. XLA_FLAGS is
-recorded: run it under different flags to compare.
+by time; the greedy tokens of the timed steps. The step's wall time beside its busy time says how much is launch
+gaps and host work. XLA_FLAGS is recorded: run it under different flags to compare.
 Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_plain_decode.py [--quantize int4] [--out FILE]`.
 """

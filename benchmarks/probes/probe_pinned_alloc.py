@@ -1,0 +1,127 @@
+"""Page-locked host memory for the expert store's layer stacks, three ways, on a CUDA GPU with torch.
+
+Run from the repository root on the GPU node:
+    PYTHONPATH=. python benchmarks/probes/probe_pinned_alloc.py [--layers 4] [--out probe_pinned_alloc.json]
+Per layer of DeepSeek-V2-Lite's expert shape (gate_up [64, 2048, 2816] and down [64, 1408, 2048], bf16, random,
+generated on the GPU), for `--layers` layers:
+- "torch_cache": `torch.empty(pin_memory=True)`, torch's pinned caching allocator (blocks rounded up to powers
+  of two: its `host_memory_stats` bytes beside the bytes asked for);
+- "registered": `torch.empty` page-locked by `cudaHostRegister` at its exact size (`pdscope_jax.store.torch_pinned`);
+- "jax": one `jax.device_put` per expert into the GPU's pinned_host memory (the store's host_alloc="jax").
+Times the allocation, the fill from the GPU array (`np.asarray` then a numpy copy, first layer only; and a torch
+`copy_` from the array through dlpack), checks that the dlpack import is pinned_host memory of the GPU holding
+the same values, and times a host-to-GPU transfer of one layer's experts (3 repeats, GB/s).
+Writes: {what, command, commit, torch, jax, asked_bytes_per_layer, methods: {name: figures}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SHAPES = [(64, 2048, 2816), (64, 1408, 2048)]
+
+
+def timed(fn):
+    start = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - start
+
+
+def transfer_gbps(arrays, device, repeats: int = 3) -> list[float]:
+    gb = sum(a.nbytes for a in arrays) / 1e9
+    out = []
+    for _ in range(repeats):
+        _, seconds = timed(lambda: jax.block_until_ready(jax.device_put(arrays, device)))
+        out.append(round(gb / seconds, 1))
+    return out
+
+
+def torch_method(name: str, sources, layers: int, device) -> dict:
+    import torch
+
+    def allocate(nbytes):
+        if name == "torch_cache":
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister returned {code}")
+        return buffer
+
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    alloc_s = fill_copy_s = fill_numpy_s = 0.0
+    kept, kinds, equal = [], set(), True
+    for layer in range(layers):
+        for src in sources:
+            buffer, seconds = timed(lambda: allocate(src.nbytes))
+            alloc_s += seconds
+            view = buffer.numpy().view(np.dtype(src.dtype)).reshape(src.shape)
+            typed = buffer.view(torch.bfloat16).reshape(src.shape)
+            if layer == 0:
+                fill_numpy_s += timed(lambda: view.__setitem__(Ellipsis, np.asarray(src)))[1]
+            fill_copy_s += timed(lambda: typed.copy_(torch.from_dlpack(src)))[1]
+            experts = [jax.dlpack.from_dlpack(typed[e]) for e in range(src.shape[0])]
+            kinds.add(f"{experts[0].sharding.memory_kind} {sorted(map(str, experts[0].devices()))}")
+            equal = equal and bool(np.array_equal(np.asarray(experts[3]), np.asarray(src[3])))
+            kept.append((buffer, experts))
+    figures = {"alloc_s_per_layer": alloc_s / layers, "fill_numpy_s_first_layer": fill_numpy_s,
+               "fill_torch_copy_s_per_layer": fill_copy_s / layers, "dlpack_import": sorted(kinds),
+               "values_equal": equal, "h2d_one_layer_gbps": transfer_gbps(kept[0][1] + kept[1][1], device),
+               "torch_cache_bytes_added": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before}
+    if name == "registered":
+        for buffer, _ in kept:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+    return figures
+
+
+def jax_method(sources, layers: int, pinned, device) -> dict:
+    alloc_s, kept = 0.0, []
+    for _ in range(layers):
+        for src in sources:
+            experts, seconds = timed(lambda: jax.block_until_ready([jax.device_put(src[e], pinned)
+                                                                    for e in range(src.shape[0])]))
+            alloc_s += seconds
+            kept.append(experts)
+    return {"device_put_s_per_layer": alloc_s / layers, "h2d_one_layer_gbps": transfer_gbps(kept[0] + kept[1], device)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    import torch
+
+    from pdscope_jax.artifacts.provenance import source_commit
+
+    gpu = jax.devices("gpu")[0]
+    pinned = jax.sharding.SingleDeviceSharding(gpu, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(gpu, memory_kind="device")
+    sources = jax.block_until_ready([jax.random.normal(jax.random.key(i), s, jnp.bfloat16)
+                                     for i, s in enumerate(SHAPES)])
+    methods = {}
+    for name in ("torch_cache", "registered"):
+        methods[name] = torch_method(name, sources, args.layers, device)
+        print(name, json.dumps(methods[name]), flush=True)
+    methods["jax"] = jax_method(sources, args.layers, pinned, device)
+    print("jax", json.dumps(methods["jax"]), flush=True)
+    result = {"what": "page-locked host memory for the expert store's layer stacks: allocation, fill, transfer",
+              "command": "python3 " + shlex.join(sys.argv), "commit": source_commit(), "weights": "random (seeded)",
+              "torch": torch.__version__, "jax": jax.__version__,
+              "asked_bytes_per_layer": sum(s.nbytes for s in sources), "methods": methods}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
