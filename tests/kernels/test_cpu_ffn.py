@@ -27,14 +27,6 @@ def weights():
     return gate_up, down
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    if not cpu_ffn.built():
-        pytest.skip("the CPU expert kernel is not built here (no C++ compiler or a failed build)")
-    yield
-    cpu_ffn.set_isa(None)
-
-
 def fast_paths():
     """The fast instruction sets this CPU runs: AMX-BF16 (bf16 experts of several rows) and AVX-512 BF16."""
     best = cpu_ffn.set_isa(None) if cpu_ffn.built() else None

@@ -21,14 +21,6 @@ def case(rows: int, k: int, d: int, seed: int):
     return routing_case(rows, k, d, E, seed)
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    if not cpu_ffn.built():
-        pytest.skip("the CPU expert kernel is not built here (no C++ compiler or a failed build)")
-    yield
-    cpu_ffn.set_isa(None)
-
-
 _stacks: dict = {}
 
 
