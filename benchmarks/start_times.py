@@ -1,7 +1,8 @@
 """Cold against warm start of `pdscope-jax generate`: the persistent compilation cache measured.
 
-Each case runs `pdscope-jax generate` in fresh processes that share one new, empty compilation cache directory:
-the first process compiles everything (cold), the next `--warm` ones read it (warm). Per process it records the
+Each case runs `pdscope-jax generate` in fresh processes that share one new, empty compilation cache directory
+and one new, empty C++ kernel cache (`PDSCOPE_KERNEL_CACHE`), as after an install: the first process compiles
+and builds everything (cold), the next `--warm` ones read them (warm). Per process it records the
 wall time from launch to exit, the seconds XLA spent compiling, and the compilation cache's hits and misses
 (jax's monitoring events), the seconds of loading (by the engine's build stages) and of generating as generate
 prints them; per case the cache's size on disk and cold / median warm. Cases:
@@ -84,13 +85,16 @@ def load_stages(lines: list[str]) -> dict:
 
 def run_case(name: str, warm: int) -> dict:
     cache = Path(tempfile.mkdtemp(prefix=f"pdscope_cc_{name}_"))
-    env = {**os.environ, "PDSCOPE_JAX_COMPILE_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    kernels = Path(tempfile.mkdtemp(prefix=f"pdscope_kernels_{name}_"))  # a first start builds the C++ kernels too
+    env = {**os.environ, "PDSCOPE_JAX_COMPILE_CACHE": str(cache), "PDSCOPE_KERNEL_CACHE": str(kernels),
+           "PYTHONPATH": str(REPO)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the fresh directory above, not one configured elsewhere
     try:
         processes = [run_process(CASES[name], env) for _ in range(1 + warm)]
         cache_bytes = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file())
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(kernels, ignore_errors=True)
     cold, warm_runs = processes[0], processes[1:]
     warm_wall = statistics.median(p["wall_s"] for p in warm_runs)
     return {"case": name, "argv": ["pdscope-jax", "generate", *CASES[name]], "cold": cold, "warm": warm_runs,
@@ -107,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warm < 1:
         parser.error("--warm must be >= 1")
-    results = {"what": "cold vs warm start of `pdscope-jax generate` (persistent compilation cache)",
+    results = {"what": "cold vs warm start of `pdscope-jax generate` (persistent compilation and kernel caches, "
+                       "both new and empty for the cold process)",
                "command": "python3 benchmarks/start_times.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "commit": commit(), "machine": machine(), "cases": []}
     for name in args.cases:

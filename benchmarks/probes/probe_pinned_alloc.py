@@ -1,12 +1,13 @@
 """Page-locked host memory for the expert store's layer stacks, three ways, on a CUDA GPU with torch.
 
 Run from the repository root on the GPU node:
-    PYTHONPATH=. python benchmarks/probes/probe_pinned_alloc.py [--layers 4] [--out probe_pinned_alloc.json]
+    PYTHONPATH=. python benchmarks/probes/probe_pinned_alloc.py [--layers 4] [--threads 8] [--out F.json]
 Per layer of DeepSeek-V2-Lite's expert shape (gate_up [64, 2048, 2816] and down [64, 1408, 2048], bf16, random,
 generated on the GPU), for `--layers` layers:
 - "torch_cache": `torch.empty(pin_memory=True)`, torch's pinned caching allocator (blocks rounded up to powers
   of two: its `host_memory_stats` bytes beside the bytes asked for);
 - "registered": `torch.empty` page-locked by `cudaHostRegister` at its exact size (`pdscope_jax.store.torch_pinned`);
+  "registered_prefaulted": the same after `--threads` threads wrote every page (faulting in parallel);
 - "jax": one `jax.device_put` per expert into the GPU's pinned_host memory (the store's host_alloc="jax").
 Times the allocation, the fill from the GPU array (`np.asarray` then a numpy copy, first layer only; and a torch
 `copy_` from the array through dlpack), checks that the dlpack import is pinned_host memory of the GPU holding
@@ -45,13 +46,24 @@ def transfer_gbps(arrays, device, repeats: int = 3) -> list[float]:
     return out
 
 
-def torch_method(name: str, sources, layers: int, device) -> dict:
+def prefault(raw: np.ndarray, threads: int) -> None:
+    """Write every page of `raw` from `threads` threads (numpy releases the GIL for a fill)."""
+    import concurrent.futures
+
+    chunks = np.array_split(raw, threads)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda chunk: chunk.fill(0), chunks))
+
+
+def torch_method(name: str, sources, layers: int, device, threads: int) -> dict:
     import torch
 
     def allocate(nbytes):
         if name == "torch_cache":
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if name == "registered_prefaulted":  # the pages faulted in by threads first, then locked
+            prefault(buffer.numpy(), threads)
         code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
         if code != 0:
             raise RuntimeError(f"cudaHostRegister returned {code}")
@@ -77,7 +89,7 @@ def torch_method(name: str, sources, layers: int, device) -> dict:
                "fill_torch_copy_s_per_layer": fill_copy_s / layers, "dlpack_import": sorted(kinds),
                "values_equal": equal, "h2d_one_layer_gbps": transfer_gbps(kept[0][1] + kept[1][1], device),
                "torch_cache_bytes_added": torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before}
-    if name == "registered":
+    if name != "torch_cache":
         for buffer, _ in kept:
             torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
     return figures
@@ -97,6 +109,7 @@ def jax_method(sources, layers: int, pinned, device) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=8, help="threads that fault the pages in (registered_prefaulted)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     import torch
@@ -109,8 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
     sources = jax.block_until_ready([jax.random.normal(jax.random.key(i), s, jnp.bfloat16)
                                      for i, s in enumerate(SHAPES)])
     methods = {}
-    for name in ("torch_cache", "registered"):
-        methods[name] = torch_method(name, sources, args.layers, device)
+    for name in ("torch_cache", "registered", "registered_prefaulted"):
+        methods[name] = torch_method(name, sources, args.layers, device, args.threads)
         print(name, json.dumps(methods[name]), flush=True)
     methods["jax"] = jax_method(sources, args.layers, pinned, device)
     print("jax", json.dumps(methods["jax"]), flush=True)
