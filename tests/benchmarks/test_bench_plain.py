@@ -1,20 +1,13 @@
 """benchmarks/bench_plain.py (the whole-model upper bound) runs end to end and writes what it reports."""
 
-import importlib.util
 import json
 import shlex
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-def test_bench_plain_writes_json_and_png(tmp_path, monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # as when run as a script: its folder first on sys.path
-    spec = importlib.util.spec_from_file_location("bench_plain", BENCHMARKS / "bench_plain.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_bench_plain_writes_json_and_png(tmp_path, load_script):
+    bench = load_script("bench_plain")
     argv = ["--model", "tiny-mixtral-8x7b", "--lengths", "8", "16", "--new-tokens", "3", "--repeats", "1",
             "--out", str(tmp_path)]
     result = bench.main(argv)

@@ -1,9 +1,6 @@
 """benchmarks/eval_predictors.py and benchmarks/finetune_experiment.py end to end on a tiny random model."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,19 +10,14 @@ from pdscope_jax.phaseper.checkpoint import load_predictors, save_predictors
 from pdscope_jax.phaseper.collect import collect_traces, moe_layers
 from pdscope_jax.phaseper.predictor import PredictorHParams, PredictorSet
 from pdscope_jax.phaseper.traces import TraceWriter, load_traces
+from script_import import BENCHMARKS, import_script
 
 MODEL = "tiny-deepseek-v2-lite"
 B, T, STEPS = 2, 12, 3
-SCRIPTS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _script(name):
-    if str(SCRIPTS) not in sys.path:  # as when run as a script: its folder first on sys.path (for `_shared`)
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(BENCHMARKS / f"{name}.py")
 
 
 @pytest.fixture(scope="module")

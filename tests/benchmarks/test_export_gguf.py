@@ -5,12 +5,13 @@ the layout transforms written out here independently of the exporter (so a mappi
 ne shapes, storage types, the family's hyperparameter keys, and tensor values.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from script_import import import_script
 
 gguf = pytest.importorskip("gguf")
 
@@ -20,11 +21,7 @@ Q = gguf.GGMLQuantizationType
 
 @pytest.fixture(scope="module")
 def exporter():
-    spec = importlib.util.spec_from_file_location("export_gguf", BENCHMARKS / "export_gguf.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["export_gguf"] = module  # dataclasses look their module up while the class is made
-    spec.loader.exec_module(module)
-    yield module
+    yield import_script(BENCHMARKS / "export_gguf.py")
     sys.modules.pop("export_gguf", None)
 
 

@@ -1,18 +1,16 @@
 """benchmarks/results_index.py: the index and the README table come from the result JSON files themselves."""
 
-import importlib.util
 import json
 from pathlib import Path
+
+from script_import import import_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "results_index.py"
 RESULTS = SCRIPT.parent / "results"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("results_index", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return import_script(SCRIPT)
 
 
 def _bench(call, commit, workload, points, **extra):

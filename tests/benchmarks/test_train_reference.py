@@ -1,4 +1,3 @@
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ from pdscope_jax.config import ModelConfig
 from pdscope_jax.phaseper.collect import Walk
 from pdscope_jax.presets import preset
 from pdscope_jax.weights.checkpoint import load_state, open_checkpoint
+from script_import import import_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_reference_moe.py"
 
@@ -23,10 +23,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "train_reference_moe.
 @pytest.fixture(scope="module")
 def script():
     """The entry point, loaded by path; loading it puts scripts/ on sys.path for its stages `reference_moe`."""
-    spec = importlib.util.spec_from_file_location("train_reference_moe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_script(SCRIPT)
 
 
 @pytest.fixture(scope="module")
