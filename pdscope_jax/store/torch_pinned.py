@@ -48,7 +48,10 @@ class PinnedStack:
             self.registered = False
 
     def __del__(self):
-        self.release()
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 (at interpreter exit torch or CUDA may be gone; the OS unlocks the pages)
+            pass
 
 
 def pin_stack(src, accel: jax.Device) -> PinnedStack:
