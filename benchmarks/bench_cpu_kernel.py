@@ -9,7 +9,8 @@ weights, 17.3 MB an expert) at --rows (1, 4, 16, 64) and --experts k (1, 6, 16),
 `--quant int8,int4` repeats all of it on the same experts quantized (`quant.formats.quantize`, compute dtype
 bf16): the kernel reads integers and scales, the XLA path dequantizes in the program; rows carry `format`.
 Each repeat runs a different set of experts out of --pool-experts, so the weights come from memory, not the
-cache. GB/s = stored bytes of the k experts (integers and scales when quantized) / median time after warm-up. `--profile` adds the kernel's time
+cache. GB/s = stored bytes of the k experts (integers and scales when quantized) / median time after warm-up.
+`--profile` adds the kernel's time
 by phase (`kernels.cpu_ffn.profile_read`) from a second, untimed pass. Also records the pool's plain
 read bandwidth (`read_bandwidth`), the threads used, the CPU model, host and jax version, and writes all of it
 as JSON to --out. Builds the kernel on first use (needs a C++ compiler; without one only `xla` runs).
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
         "command": shlex.join([sys.executable, *sys.argv]), "host": socket.gethostname(), "cpu": cpu_model(),
         "cpus_usable": len(os.sched_getaffinity(0)), "jax": jax.__version__, "python": platform.python_version(),
         "kernel_built": built, "kernel_isa": cpu_ffn.isa(), "kernel_threads": threads,
-        "hidden": d, "intermediate": f, "formats": ["bf16", *schemes], "min_rows": args.min_rows, "reps": args.reps, "warm": args.warm,
+        "hidden": d, "intermediate": f, "formats": ["bf16", *schemes], "min_rows": args.min_rows, "reps": args.reps,
+        "warm": args.warm,
         "read_gbps": round(cpu_ffn.read_bandwidth(1 << 30), 1) if built else None, "results": [],
     }
     print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> dict:
         for n in args.rows:
             h = jax.device_put(rng.standard_normal((n, d)).astype(jnp.bfloat16), cpu)
             coef = jax.device_put(rng.random((k, n)).astype(np.float32), cpu)
-            id_sets = [np.array([(rep * k + j) % e for j in range(k)], np.int32) for rep in range(args.warm + args.reps)]
+            id_sets = [np.array([(rep * k + j) % e for j in range(k)], np.int32)
+                       for rep in range(args.warm + args.reps)]
             for fmt, impl in ((fmt, impl) for fmt in pools for impl in impls):
                 if impl == "kernel_stacked":
                     arg_sets = [(h, coef, ids, *stacks[fmt]) for ids in id_sets]

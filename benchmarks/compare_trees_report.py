@@ -7,7 +7,8 @@ Input: two JSON files written by `pdscope-jax bench` with the same arguments (on
 Output: a JSON with the provenance fields the results index reads (`what`, `command`, `commit`, `call`,
 `weights`), `old_commit`, `order` (which tree ran first), `comparison` (per policy, prompt length and phase:
 old, new, new / old, and the cold and warm prefill repeats) and both bench files whole under `trees`; a PNG of
-the ratios beside it; and the same table printed. Only reads and writes files; the figures are the bench files' own medians.
+the ratios beside it; and the same table printed. Only reads and writes files; the figures are the bench files'
+own medians.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def prompts_of(runner, data: corpus.Corpus, split: str, count: int, length: int,
         encode = corpus.tokenizer_encoder(tokenizers.Tokenizer.from_file(str(runner.tokenizer.path)))
     else:
         vocab = runner.config.vocab_size
-        encode = lambda texts: [np.frombuffer(t.encode(), np.uint8).astype(np.int32) % vocab for t in texts]  # noqa: E731
+        encode = lambda texts: [np.frombuffer(t.encode(), np.uint8).astype(np.int32) % vocab  # noqa: E731
+                                for t in texts]
     eos = runner.config.eos_token_id or 0
     stream = corpus.token_stream(encode, docs, eos)
     source = {"ood": data.ood_source, "cjk": "cjk (stdlib test/cjkencodings)", "heldout": "stdlib held-out"}[split]
@@ -187,7 +188,8 @@ def run(args) -> dict:
         "switch_to": args.switch_to,
         "tracked_tokens_before_switch": tokens_before,
         "recall_at_k_all_layers": recall,
-        "tracked_error_mean": {arm: {ph: {"before": float(np.mean(e_[:tokens_before[ph]])) if tokens_before[ph] else None,
+        "tracked_error_mean": {arm: {ph: {"before": (float(np.mean(e_[:tokens_before[ph]])) if tokens_before[ph]
+                                                     else None),
                                           "after": float(np.mean(e_[tokens_before[ph]:]))}
                                      for ph, e_ in es.items()} for arm, es in errs.items()},
         "window_error": {arm: {ph: sliding(e_, args.window)[::args.window] for ph, e_ in es.items()}

@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = pdscope_jax.load("reference-moe", dtype="float32", compile_cache=False)
     sets = {
-        "reference-moe experts (trained)": [np.asarray(v, np.float64) for p, v in models.to_flat(reference.model).items()
+        "reference-moe experts (trained)": [np.asarray(v, np.float64)
+                                            for p, v in models.to_flat(reference.model).items()
                                             if p.endswith((".experts.gate_up", ".experts.down"))],
         "gaussian [8, 512, 256]": [np.asarray(jax.random.normal(jax.random.key(0), (8, 512, 256)), np.float64)],
     }

@@ -24,7 +24,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 POLICY_ORDER = ("pdscope", "ondemand", "fate", "greedy", "static", "plain")
 MODEL_NAMES = {"deepseek-v2-lite": "DeepSeek-V2-Lite", "qwen3-30b-a3b": "Qwen3-30B-A3B",
-               "mixtral-8x7b": "Mixtral-8x7B", "moonlight-16b-a3b": "Moonlight-16B-A3B", "reference-moe": "reference MoE"}
+               "mixtral-8x7b": "Mixtral-8x7B", "moonlight-16b-a3b": "Moonlight-16B-A3B",
+               "reference-moe": "reference MoE"}
 
 
 def fmt(x) -> str:
@@ -262,7 +263,8 @@ def readme_section(entries: list[tuple[str, dict]], prompt_len: int = 4096) -> s
         lines.append(f"| `{policy}` | " + " | ".join(row) + " |")
     lines += ["", "From " + ", ".join(f"`{f}`" for f in files)
               + (f" (calls {', '.join(map(str, calls))})" if calls else "")
-              + "; each file's command and commit: `benchmarks/results/README.md`; the history: `docs/MEASUREMENTS.md`."]
+              + "; each file's command and commit: `benchmarks/results/README.md`; the history: "
+              "`docs/MEASUREMENTS.md`."]
     # a result that is known to flatter says so in its JSON ("caveat"), and the table carries it
     caveats: dict[str, list[str]] = {}
     for name, d in entries:

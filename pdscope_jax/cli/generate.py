@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seq-len", type=int,
                         help="tokens per sequence (prompt plus new) the offloaded KV cache holds (with --policy; "
                              "default 4096)")
-    parser.add_argument("--max-batch", type=int, help="sequences the offloaded KV cache holds (with --policy; default 1)")
+    parser.add_argument("--max-batch", type=int,
+                        help="sequences the offloaded KV cache holds (with --policy; default 1)")
     parser.add_argument("--revision", help="branch, tag or commit of a Hugging Face cache model (default: refs/main)")
     parser.add_argument("--accelerators", type=int,
                         help="run the whole model (no --policy) on N devices, each MoE layer's routed experts split "
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     rc = collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize,
                  args.accelerators)
     limits = {} if rc is None else {"max_batch": rc.max_batch, "max_seq_len": rc.max_seq_len}
-    collect(problems, check_request, ids if ids is not None else [[0]], None, resolve(args.model, args.revision)[0].vocab_size,
+    collect(problems, check_request, ids if ids is not None else [[0]], None,
+            resolve(args.model, args.revision)[0].vocab_size,
             args.new_tokens, args.temperature, args.top_k, args.seed, **limits)
     raise_problems(problems, "bad arguments")
     started = time.perf_counter()

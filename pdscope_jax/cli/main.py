@@ -38,7 +38,8 @@ COMMANDS = {  # name: (module, function, help)
     "generate": ("pdscope_jax.cli.generate", "main", "generate text or token ids with a model"),
     "bench": ("pdscope_jax.cli.bench", "main", "benchmark offloading policies"),
     "collect-traces": ("pdscope_jax.cli.collect_traces", "collect_traces_main", "record routing traces for PhasePer"),
-    "train-predictors": ("pdscope_jax.cli.train_predictors", "train_predictors_main", "train PhasePer on collected traces"),
+    "train-predictors": ("pdscope_jax.cli.train_predictors", "train_predictors_main",
+                         "train PhasePer on collected traces"),
     "profile": ("pdscope_jax.cli.profile", "profile_main", "measure the cost table of a model on this machine"),
     "download": ("pdscope_jax.cli.download", "main", "fetch a model's checkpoint from the Hugging Face hub"),
     "serve": ("pdscope_jax.cli.serve", "main", "an OpenAI-compatible HTTP server (the [serve] extra)"),
@@ -56,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(NO_COMPILE_CACHE, action="store_true",
                         help="compile every program afresh, without reading or writing the persistent compilation "
                              "cache (default: on, in $XDG_CACHE_HOME or ~/.cache, under pdscope_jax/xla)")
-    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[2]}" for k, v in COMMANDS.items()))
+    parser.add_argument("command", choices=sorted(COMMANDS),
+                        help="; ".join(f"{k}: {v[2]}" for k, v in COMMANDS.items()))
     no_cache = NO_COMPILE_CACHE in argv
     argv = [a for a in argv if a != NO_COMPILE_CACHE]
     debug = bool(argv) and argv[0] == "--debug"
@@ -108,7 +110,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from pdscope_jax.store.budget import BudgetError
     from pdscope_jax.weights.checkpoint import CheckpointError
 
-    return (InputError, UnknownModelError, ConfigError, CheckpointError, BudgetError, RuntimeConfigError, CostTableError,
+    return (InputError, UnknownModelError, ConfigError, CheckpointError, BudgetError, RuntimeConfigError,
+            CostTableError,
             PredictorCheckpointError, TraceError, HotTableError, FileNotFoundError)
 
 

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     reference = plain.generate(args.prompt, max_new_tokens=args.new_tokens)
     console.rule(f"{args.model}: plain model, whole on one device")
     console.print(args.prompt + f"[bold green]{reference.text[0]}[/]", highlight=False)
-    console.print(f"prefill {reference.prefill_tokens_per_s:.0f} tok/s, decode {reference.decode_tokens_per_s:.1f} tok/s")
+    console.print(f"prefill {reference.prefill_tokens_per_s:.0f} tok/s, "
+                  f"decode {reference.decode_tokens_per_s:.1f} tok/s")
 
     cfg = plain.config
     itemsize = np.dtype(args.dtype).itemsize

@@ -55,7 +55,8 @@ def _compile_and_read(key, abstract, cache) -> Measured | None:
     placed_graph, placed_state, layers = program_pieces(abstract)
     layers = [(graph, _without_experts(state)) if layer.is_moe else (graph, state)
               for (graph, state), layer in zip(layers, abstract.layers)]
-    h, w, ids, rows = s((n_pad, d), cache_dtype), s((n_pad, k), np.float32), s((n_pad, k), np.int32), s((n_pad, d), np.float32)
+    h, w = s((n_pad, d), cache_dtype), s((n_pad, k), np.float32)
+    ids, rows = s((n_pad, k), np.int32), s((n_pad, d), np.float32)
     peaks: dict[str, int] = {}
 
     def peak(name, jitted, *args, local=()):

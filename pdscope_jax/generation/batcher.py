@@ -16,7 +16,8 @@ prefilling) are masked: their cache rows and sampling state come back unchanged.
 and leaving compile nothing: decode runs on the first `rows` slots (a power of two >= the highest decoding
 slot + 1) over the first `length` cache positions (a power of two >= 64 covering every decoding row's
 position, at most S); a prefill chunk runs on one slot over `length` positions covering the chunk. `compiles`
-counts the programs this batcher built (batchers of one model and size share them). A row's tokens depend on its prompt, settings, seed and step only (float32: the
+counts the programs this batcher built (batchers of one model and size share them). A row's tokens depend on
+its prompt, settings, seed and step only (float32: the
 same tokens as `Generator` gives the request alone).
 """
 

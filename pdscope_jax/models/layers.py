@@ -403,7 +403,8 @@ def skeleton_sources(cfg: ModelConfig) -> dict[str, Source]:
 def build_gqa_moe(cfg: ModelConfig, rngs: nnx.Rngs, dtype) -> CausalLM:
     """Every layer GQA attention + a softmax top-k routed MoE (Qwen3-MoE, Mixtral; q/k norms per cfg.qk_norm)."""
     layers = [
-        DecoderLayer(cfg, GQAAttention(cfg, rngs, dtype), MoE(cfg, SoftmaxTopkRouter(cfg, rngs, dtype), rngs, dtype), dtype)
+        DecoderLayer(cfg, GQAAttention(cfg, rngs, dtype),
+                     MoE(cfg, SoftmaxTopkRouter(cfg, rngs, dtype), rngs, dtype), dtype)
         for _ in range(cfg.num_layers)
     ]
     return CausalLM(cfg, layers, init_kv_cache, rngs, dtype)

@@ -41,7 +41,8 @@ def test_bench_writes_json_png_and_flat_memory(tmp_path):
     assert [(r["policy"], r["prompt_len"]) for r in saved["results"]] == [("static", 16), ("pdscope", 16)]
     assert [e["policy"] for e in saved["errors"]] == ["gpu"]  # 6 slots cannot hold every expert
     for r in saved["results"]:
-        assert len(r["repeats"]) == 2 and r["decode_tok_s"] == statistics.median(x["decode_tok_s"] for x in r["repeats"])
+        assert len(r["repeats"]) == 2
+        assert r["decode_tok_s"] == statistics.median(x["decode_tok_s"] for x in r["repeats"])
         assert "tokens_match_plain" not in r  # no plain run to compare with
         assert [x["pool"] for x in r["repeats"]] == ["cold", "warm"]
         assert (r["prefill_tok_s_cold"], r["prefill_tok_s_warm"]) == tuple(x["prefill_tok_s"] for x in r["repeats"])
@@ -207,7 +208,8 @@ def test_results_name_the_commit_that_made_them(tmp_path, monkeypatch):
 
     monkeypatch.setattr(provenance, "ROOT", tmp_path)
     assert provenance.source_commit() is None
-    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path,  # noqa: E731
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a],  # noqa: E731
+                                    cwd=tmp_path,
                                     capture_output=True, text=True, check=True).stdout.strip()
     git("init", "-q")
     (tmp_path / "f").write_text("1")

@@ -27,7 +27,8 @@ def test_main_job_runs_every_policy_with_plain_tokens(capsys):
 
 
 def test_generate_prints_continuation_and_throughput(capsys):
-    assert cli.main(["generate", "tiny-qwen3-30b-a3b", "--ids", "1,2,3", "--new-tokens", "3", "--dtype", "float32"]) == 0
+    assert cli.main(["generate", "tiny-qwen3-30b-a3b", "--ids", "1,2,3", "--new-tokens", "3",
+                     "--dtype", "float32"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert len(lines[-3].split(",")) == 3 and "decode" in lines[-2]
     assert re.fullmatch(r"load \d+\.\d s, generate \d+\.\d s \(compilation included\)", lines[-1])  # whole model

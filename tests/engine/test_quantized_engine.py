@@ -1,6 +1,7 @@
 """Quantized experts in the offload engine: every policy reproduces the plain model holding the same quantized
 experts (float32 within 1e-4, the same tokens), through host decode, on-device decode (from per-expert arrays
-and from layer stacks) and the CPU expert paths (XLA, and the kernel in bf16); the pool and the transfers count quantized bytes."""
+and from layer stacks) and the CPU expert paths (XLA, and the kernel in bf16); the pool and the transfers count
+quantized bytes."""
 
 import jax
 import jax.numpy as jnp

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdscope_jax.sched import (COMPARED, PLAIN, POLICIES, CostTable, CostTableError, LayerDemand, ObservingPlanner, Plan, Planner,
+from pdscope_jax.sched import (COMPARED, PLAIN, POLICIES, CostTable, CostTableError, LayerDemand, ObservingPlanner,
+                               Plan, Planner,
                                PlanError, check_plan, make_planner)
 
 

@@ -288,7 +288,8 @@ inline __m512 exp_avx(__m512 x) {
 inline void activation_avx(const float* g, const float* u, float scale, bf16* act) {
   for (int i = 0; i < kBlock; i += 16) {
     const __m512 gv = _mm512_loadu_ps(g + i);
-    const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), gv);
+    const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx(neg)));
     const __m512 a = _mm512_mul_ps(_mm512_mul_ps(sig, _mm512_loadu_ps(u + i)), _mm512_set1_ps(scale));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(act + i), (__m256i)_mm512_cvtneps_pbh(a));
   }

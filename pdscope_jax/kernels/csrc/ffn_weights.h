@@ -107,7 +107,8 @@ const NibbleTable kNibbles;
 // 32 bytes zero-extended to words: the low nibble is the table index as it is, the high one after a shift.
 inline void pair_of_rows(const Int4Mat& m, int r, int c0, __m512i* row0, __m512i* row1) {
   const __m512i table = _mm512_load_si512(kNibbles.v);
-  const __m512i x = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.q + size_t(r >> 1) * m.ld + c0)));
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.q + size_t(r >> 1) * m.ld + c0));
+  const __m512i x = _mm512_cvtepu8_epi16(packed);
   *row0 = _mm512_permutexvar_epi16(x, table);
   *row1 = _mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), table);
 }
