@@ -8,12 +8,11 @@ weights, 17.3 MB an expert) at --rows (1, 4, 16, 64) and --experts k (1, 6, 16),
     row weighted by coef (the engine's dense decode path).
 `--quant int8,int4` repeats all of it on the same experts quantized (`quant.formats.quantize`, compute dtype
 bf16): the kernel reads integers and scales, the XLA path dequantizes in the program; rows carry `format`.
-Each repeat runs a different set of experts out of --pool-experts, so the weights come from memory, not the
-cache. GB/s = stored bytes of the k experts (integers and scales when quantized) / median time after warm-up.
-`--profile` adds the kernel's time
-by phase (`kernels.cpu_ffn.profile_read`) from a second, untimed pass. Also records the pool's plain
-read bandwidth (`read_bandwidth`), the threads used, the CPU model, host and jax version, and writes all of it
-as JSON to --out. Builds the kernel on first use (needs a C++ compiler; without one only `xla` runs).
+Each repeat runs a different set of experts out of --pool-experts, so the weights come from memory, not the cache.
+GB/s = stored bytes of the k experts (integers and scales when quantized) / median time after warm-up. `--profile`
+adds the kernel's time by phase (`kernels.cpu_ffn.profile_read`) from a second, untimed pass. Also records the
+pool's plain read bandwidth (`read_bandwidth`), the threads used, the CPU model, host and jax version, and writes
+all of it as JSON to --out. Builds the kernel on first use (needs a C++ compiler; without one only `xla` runs).
 Run from the repository root: `PYTHONPATH=. python3 benchmarks/bench_cpu_kernel.py --out /tmp/x.json`.
 """
 

@@ -4,11 +4,10 @@
         --old-commit C1 --new-commit C2 --command "..." --out benchmarks/results/NAME.json
 
 Input: two JSON files written by `pdscope-jax bench` with the same arguments (one per tree, one device call).
-Output: a JSON with the provenance fields the results index reads (`what`, `command`, `commit`, `call`,
-`weights`), `old_commit`, `order` (which tree ran first), `comparison` (per policy, prompt length and phase:
-old, new, new / old, and the cold and warm prefill repeats) and both bench files whole under `trees`; a PNG of
-the ratios beside it; and the same table printed. Only reads and writes files; the figures are the bench files'
-own medians.
+Output: a JSON with the provenance fields the results index reads (`what`, `command`, `commit`, `call`, `weights`),
+`old_commit`, `order` (which tree ran first), `comparison` (per policy, prompt length and phase: old, new, new /
+old, and the cold and warm prefill repeats) and both bench files whole under `trees`; a PNG of the ratios beside it;
+and the same table printed. Only reads and writes files; the figures are the bench files' own medians.
 """
 
 from __future__ import annotations

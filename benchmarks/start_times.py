@@ -1,11 +1,11 @@
 """Cold against warm start of `pdscope-jax generate`: the persistent compilation cache measured.
 
-Each case runs `pdscope-jax generate` in fresh processes that share one new, empty compilation cache directory
-and one new, empty C++ kernel cache (`PDSCOPE_KERNEL_CACHE`), as after an install: the first process compiles
-and builds everything (cold), the next `--warm` ones read them (warm). Per process it records the
-wall time from launch to exit, the seconds XLA spent compiling, and the compilation cache's hits and misses
-(jax's monitoring events), the seconds of loading (by the engine's build stages) and of generating as generate
-prints them; per case the cache's size on disk and cold / median warm. Cases:
+Each case runs `pdscope-jax generate` in fresh processes that share one new, empty compilation cache directory and
+one new, empty C++ kernel cache (`PDSCOPE_KERNEL_CACHE`), as after an install: the first process compiles and builds
+everything (cold), the next `--warm` ones read them (warm). Per process it records the wall time from launch to
+exit, the seconds XLA spent compiling, and the compilation cache's hits and misses (jax's monitoring events), the
+seconds of loading (by the engine's build stages) and of generating as generate prints them; per case the cache's
+size on disk and cold / median warm. Cases:
 - `tiny`: tiny-deepseek-v2-lite, whole, float32 (any machine); `tiny-offloaded`: the same under `pdscope`
   with a slot pool of one expert (of 24);
 - `deepseek-offloaded`: DeepSeek-V2-Lite with random weights under `pdscope`, 24 GB GPU budget, 8 GB expert pool

@@ -51,12 +51,13 @@ def main(argv: list[str] | None = None) -> dict:
         load_s = time.perf_counter() - start
         store = runner.engine.store
         prompt = np.random.default_rng(0).integers(0, runner.config.vocab_size, (1, 64))
-        layer = sorted(store._host)[len(store._host) // 2]
+        moe = runner.config.moe_layers
+        gate_ups, _ = store.layer_experts(moe[len(moe) // 2])
         run = {"host_alloc": store.host_alloc, "load_s": round(load_s, 1),
                "stages_s": {k: round(v, 1) for k, v in runner.startup_seconds.items()},
                "host_gb": store.host_bytes / 1e9, "host_bytes_per_model_byte": store.host_bytes_per_model_byte,
                "page_locked_buffers": sum(bool(getattr(p, "registered", False)) for p in store._torch_buffers),
-               "expert_digest": hashlib.sha256(np.asarray(store._host[layer][0][5]).tobytes()).hexdigest()[:16]}
+               "expert_digest": hashlib.sha256(np.asarray(gate_ups[5]).tobytes()).hexdigest()[:16]}
         for policy in ("ondemand", "static"):
             runner.engine.set_policy(policy)
             run[f"{policy}_tokens"] = np.asarray(runner.generate(prompt, max_new_tokens=args.tokens).tokens).tolist()

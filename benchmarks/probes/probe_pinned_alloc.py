@@ -21,27 +21,22 @@ import argparse
 import json
 import shlex
 import sys
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from _common import held, memory_shardings
+
 SHAPES = [(64, 2048, 2816), (64, 1408, 2048)]
-
-
-def timed(fn):
-    start = time.perf_counter()
-    out = fn()
-    return out, time.perf_counter() - start
 
 
 def transfer_gbps(arrays, device, repeats: int = 3) -> list[float]:
     gb = sum(a.nbytes for a in arrays) / 1e9
     out = []
     for _ in range(repeats):
-        _, seconds = timed(lambda: jax.block_until_ready(jax.device_put(arrays, device)))
+        _, seconds = held(lambda: jax.block_until_ready(jax.device_put(arrays, device)))
         out.append(round(gb / seconds, 1))
     return out
 
@@ -74,13 +69,13 @@ def torch_method(name: str, sources, layers: int, device, threads: int) -> dict:
     kept, kinds, equal = [], set(), True
     for layer in range(layers):
         for src in sources:
-            buffer, seconds = timed(lambda: allocate(src.nbytes))
+            buffer, seconds = held(lambda: allocate(src.nbytes))
             alloc_s += seconds
             view = buffer.numpy().view(np.dtype(src.dtype)).reshape(src.shape)
             typed = buffer.view(torch.bfloat16).reshape(src.shape)
             if layer == 0:
-                fill_numpy_s += timed(lambda: view.__setitem__(Ellipsis, np.asarray(src)))[1]
-            fill_copy_s += timed(lambda: typed.copy_(torch.from_dlpack(src)))[1]
+                fill_numpy_s += held(lambda: view.__setitem__(Ellipsis, np.asarray(src)))[1]
+            fill_copy_s += held(lambda: typed.copy_(torch.from_dlpack(src)))[1]
             experts = [jax.dlpack.from_dlpack(typed[e]) for e in range(src.shape[0])]
             kinds.add(f"{experts[0].sharding.memory_kind} {sorted(map(str, experts[0].devices()))}")
             equal = equal and bool(np.array_equal(np.asarray(experts[3]), np.asarray(src[3])))
@@ -99,7 +94,7 @@ def jax_method(sources, layers: int, pinned, device) -> dict:
     alloc_s, kept = 0.0, []
     for _ in range(layers):
         for src in sources:
-            experts, seconds = timed(lambda: jax.block_until_ready([jax.device_put(src[e], pinned)
+            experts, seconds = held(lambda: jax.block_until_ready([jax.device_put(src[e], pinned)
                                                                     for e in range(src.shape[0])]))
             alloc_s += seconds
             kept.append(experts)
@@ -117,8 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     from pdscope_jax.artifacts.provenance import source_commit
 
     gpu = jax.devices("gpu")[0]
-    pinned = jax.sharding.SingleDeviceSharding(gpu, memory_kind="pinned_host")
-    device = jax.sharding.SingleDeviceSharding(gpu, memory_kind="device")
+    pinned, device = memory_shardings(gpu)
     sources = jax.block_until_ready([jax.random.normal(jax.random.key(i), s, jnp.bfloat16)
                                      for i, s in enumerate(SHAPES)])
     methods = {}

@@ -111,8 +111,7 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from pdscope_jax.weights.checkpoint import CheckpointError
 
     return (InputError, UnknownModelError, ConfigError, CheckpointError, BudgetError, RuntimeConfigError,
-            CostTableError,
-            PredictorCheckpointError, TraceError, HotTableError, FileNotFoundError)
+            CostTableError, PredictorCheckpointError, TraceError, HotTableError, FileNotFoundError)
 
 
 if __name__ == "__main__":

@@ -3,15 +3,13 @@
 Contract: `build_programs() -> {name: jitted function}` with graphdefs (`static_graph.StaticGraph`) and shape
 arguments static, so each traces once per shape: `embed`, `dense_layer` (a decoder layer without routed experts),
 `moe_route` (attention, MoE input, router and shared experts, with the routing packed for one host fetch),
-`moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program),
-`gpu_experts` (`models.layers.combine_experts` over the slot pool, float32 sum), `take_rows` (the rows of the MoE input
-the CPU experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of
-positions) and `next_token` (sampling at one position, settings traced). KV caches are donated.
-`cache_size(jitted)` counts a
-jitted function's compiled programs (None where jax hides it). `program_pieces(model)` -> (static graph, state)
-of the model without its layers (embedding, logits) and of each layer: the arguments these pieces take.
-The engine (`engine.loop`, `engine.execute`)
-decides what runs when; nothing here touches the host.
+`moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program), `gpu_experts`
+(`models.layers.combine_experts` over the slot pool, float32 sum), `take_rows` (the rows of the MoE input the CPU
+experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of positions) and
+`next_token` (sampling at one position, settings traced). KV caches are donated. `cache_size(jitted)` counts a
+jitted function's compiled programs (None where jax hides it). `program_pieces(model)` -> (static graph, state) of
+the model without its layers (embedding, logits) and of each layer: the arguments these pieces take. The engine
+(`engine.loop`, `engine.execute`) decides what runs when; nothing here touches the host.
 """
 
 from __future__ import annotations

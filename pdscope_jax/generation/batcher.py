@@ -12,13 +12,12 @@ and a `SamplingState` of max_batch rows.
 - `release(slot)`: the row leaves now (EOS, stop string, cancelled); nothing is computed for it again.
 Ragged rows: each row has its own positions (cache index = position) and sampling step; the causal mask hides
 cache entries past a row's position, so a reused slot needs no clearing. Rows not decoding in a step (free or
-prefilling) are masked: their cache rows and sampling state come back unchanged. Shapes are bucketed so joining
-and leaving compile nothing: decode runs on the first `rows` slots (a power of two >= the highest decoding
-slot + 1) over the first `length` cache positions (a power of two >= 64 covering every decoding row's
-position, at most S); a prefill chunk runs on one slot over `length` positions covering the chunk. `compiles`
-counts the programs this batcher built (batchers of one model and size share them). A row's tokens depend on
-its prompt, settings, seed and step only (float32: the
-same tokens as `Generator` gives the request alone).
+prefilling) are masked: their cache rows and sampling state come back unchanged. Shapes are bucketed so joining and
+leaving compile nothing: decode runs on the first `rows` slots (a power of two >= the highest decoding slot + 1)
+over the first `length` cache positions (a power of two >= 64 covering every decoding row's position, at most S); a
+prefill chunk runs on one slot over `length` positions covering the chunk. `compiles` counts the programs this
+batcher built (batchers of one model and size share them). A row's tokens depend on its prompt, settings, seed and
+step only (float32: the same tokens as `Generator` gives the request alone).
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ Contract:
 - `Worker(runner, eos, max_queue)`: `submit(job)` queues it or raises `QueueFull` (the caller answers 429);
   `start()` / `stop()` the thread (`stop` returns once the thread has ended, also when it died); `queued` and
   `running` for the metrics. It serves one job at a time, in order; a job cancelled while queued never runs.
-  Generation stops at an EOS id (not sent as text), at a stop
-  string (`text.TextStream`), at max_tokens, or when cancelled: the step iterator is closed, so the model is
-  free for the next job at once.
+  Generation stops at an EOS id (not sent as text), at a stop string (`text.TextStream`), at max_tokens, or when
+  cancelled: the step iterator is closed, so the model is free for the next job at once.
 `active` is 0 or 1 (the job running). `serve.batching.BatchingWorker` (continuous batching of the whole model)
 has the same `submit` / events interface; offloaded models keep this one.
 """

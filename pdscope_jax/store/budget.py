@@ -1,12 +1,12 @@
 """Byte accounting of everything the offload engine keeps on the accelerator.
 
-Contract: `plan_budget(...)` splits `RuntimeConfig.gpu_memory` into non-expert weights (exact, from their
-shapes), the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step
-(`largest_step`; the caller's measured figure, `engine.activations`, else the upper estimate
-`activation_bytes`), transfer staging (the device copies of staged experts before they are written into their
-slots: while one layer's copies wait for their slot write, the next layer's are issued, so two layers) and what
-is left for the routed-expert slot pool, capped by `expert_pool`. The pool is a whole
-number of slots, one slot per expert (gate_up [D,2F] + down [F,D]; quantized: their integers and scales).
+Contract: `plan_budget(...)` splits `RuntimeConfig.gpu_memory` into non-expert weights (exact, from their shapes),
+the KV cache (exact, for `max_batch` x `max_seq_len`), activations of the largest step (`largest_step`; the caller's
+measured figure, `engine.activations`, else the upper estimate `activation_bytes`), transfer staging (the device
+copies of staged experts before they are written into their slots: while one layer's copies wait for their slot
+write, the next layer's are issued, so two layers) and what is left for the routed-expert slot pool, capped by
+`expert_pool`. The pool is a whole number of slots, one slot per expert (gate_up [D,2F] + down [F,D]; quantized:
+their integers and scales).
 Decode needs neither prefill's activations nor staging: what they hold beyond a decode step's own activations
 (`decode_activation_bytes`) is the decode bank, `decode_slots` more slots that exist only while decode runs
 (`SlotPool.open_decode_bank`); `expert_pool` caps the pool and the bank together, and neither phase's total

@@ -58,7 +58,7 @@ def pin_stack(src, accel: jax.Device) -> PinnedStack:
     import torch
 
     dtype = np.dtype(src.dtype)
-    buffer, registered = _page_locked(int(np.prod(src.shape)) * dtype.itemsize)
+    buffer, registered = _page_locked(src.nbytes)
     view = buffer.numpy().view(dtype).reshape(src.shape)
     typed = buffer.view(getattr(torch, dtype.name)).reshape(src.shape)
     if isinstance(src, jax.Array) and all(d.platform == "gpu" for d in src.devices()):
