@@ -127,6 +127,8 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: De
     store = ExpertStore(devices, cpu_view=cpu_view, host_alloc=host_alloc, stacks=expert_stacks)
     layers = expert_paths(moe_layers)
     expert_bytes = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if is_expert_path(p))
+    store.expect_stacks(s.size * np.dtype(s.dtype).itemsize for paths in layers.values()
+                        for p in paths + tuple(q + "_scale" for q in paths) if (s := shapes.get(p)) is not None)
     with Progress(transient=True, disable=expert_bytes < PROGRESS_BYTES) as progress:
         task = progress.add_task("routed experts -> pinned host memory (MoE layers)", total=len(layers))
         for layer, paths in layers.items():
@@ -138,6 +140,7 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: De
             store.add_layer(layer, *parts)
             del stacks, parts  # the layer's last references outside the store
             progress.advance(task)
+    store.loaded()
     return store, flat
 
 

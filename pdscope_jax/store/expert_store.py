@@ -7,12 +7,14 @@ Contract:
 - CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes, verified
   per expert (same address, same bytes); else the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0:
   every view aliases, 2.0: none does). `cpu_view="copy"` forces copies.
-- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"torch"` (one page-locked buffer per layer
-  stack imported zero-copy through dlpack, `store.torch_pinned`; the `torch` extra, a CUDA build); `"auto"`: torch
-  on a GPU where it has CUDA, else jax (why: docs/MEASUREMENTS.md). `store.host_alloc` says which ran.
+- Who allocates: `host_alloc="jax"` (device_put into pinned_host), `"driver"` (one buffer per layer stack
+  page-locked through the CUDA driver and imported zero-copy through dlpack, `store.page_locked`) or `"torch"`
+  (the same through torch, `store.torch_pinned`); `"auto"`: driver on a GPU, else jax (why: docs/MEASUREMENTS.md).
+  `store.host_alloc` says which ran. `expect_stacks(sizes)` lets the driver page-lock the stacks to come on
+  threads while earlier layers are added; `loaded()` ends that.
 - Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts by a
-  computed index (`engine.device_decode`, `pull_traced`): free with torch; with jax only when `stacks=True`, as a second
-  pinned copy (in host_bytes_per_model_byte).
+  computed index (`engine.device_decode`, `pull_traced`): free with a buffer per stack; with jax only when
+  `stacks=True`, as a second pinned copy (in host_bytes_per_model_byte).
 - Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched `device_put`
   and returns at once (issue it before the compute it should hide behind); `commit(pool, staged, slots)` writes the
   staged arrays into their slots with ONE jitted program that donates the pool (in place), compiled per power-of-two
@@ -35,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdscope_jax.store import page_locked, torch_pinned
 from pdscope_jax.store.low_copies import to_slot
 from pdscope_jax.store.slot_pool import SlotPool
-from pdscope_jax.store.torch_pinned import pin_stack, torch_cuda
 from pdscope_jax.runtime import Devices
 
 
@@ -104,22 +106,27 @@ class ExpertStore:
     def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "auto", stacks: bool = False):
         if cpu_view not in ("alias", "copy"):
             raise ValueError(f"cpu_view must be 'alias' or 'copy', got {cpu_view!r}")
-        if host_alloc not in ("auto", "jax", "torch"):
-            raise ValueError(f"host_alloc must be 'auto', 'jax' or 'torch', got {host_alloc!r}")
+        if host_alloc not in ("auto", "jax", "driver", "torch"):
+            raise ValueError(f"host_alloc must be 'auto', 'jax', 'driver' or 'torch', got {host_alloc!r}")
+        on_gpu = devices.accel.platform == "gpu"
         if host_alloc == "auto":
-            host_alloc = "torch" if devices.accel.platform == "gpu" and torch_cuda() else "jax"
-        if host_alloc == "torch" and not torch_cuda():
+            host_alloc = "driver" if on_gpu and page_locked.driver_ready() else "jax"
+        if host_alloc == "driver" and not (on_gpu and page_locked.driver_ready()):
+            raise ValueError("host_alloc='driver' page-locks memory through the CUDA driver (libcuda.so.1) for a GPU "
+                             f"accelerator; this one is {devices.accel.platform!r}: use host_alloc='jax'")
+        if host_alloc == "torch" and not torch_pinned.torch_cuda():
             raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
                              "through dlpack): pip install 'pdscope_jax[torch]' (a CUDA build of torch) on a GPU "
                              "machine, or use host_alloc='jax'")
         self.devices = devices
         self.cpu_view = cpu_view
         self.host_alloc = host_alloc
-        self.stacks = stacks or host_alloc == "torch"
+        self.stacks = stacks or host_alloc in ("driver", "torch")
         self._stacks: dict[int, tuple[jax.Array, jax.Array]] = {}  # layer -> (gate_up, down) stacks, pinned
         self.stack_copy_bytes = 0  # bytes of stacks that are a second copy (host_alloc='jax')
         self._alias_checked = False  # one CPU alias's values compared in full with its pinned array
-        self._torch_buffers: list = []  # host_alloc='torch': the PinnedStacks every view points into
+        self._page_locked: list = []  # host_alloc 'driver' / 'torch': the PinnedStacks every view points into
+        self._maker = page_locked.BufferMaker(devices.accel.local_hardware_id) if host_alloc == "driver" else None
         self._pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
         self._host: dict[int, tuple[list[jax.Array], list[jax.Array]]] = {}  # layer -> (gate_ups, downs) pinned
@@ -143,8 +150,8 @@ class ExpertStore:
         host, cpu, stacks = ([], []), ([], []), []
         for part, stack in enumerate((gate_up, down)):
             views = None
-            if self.host_alloc == "torch":  # one allocation per layer: the stack and its experts alias it
-                whole, experts, views = self._torch_pinned_parts(stack)
+            if self.host_alloc in ("driver", "torch"):  # one buffer per layer stack: its experts alias it
+                whole, experts, views = self._page_locked_parts(stack)
                 stacks.append(whole)
             else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
                 experts = [jax.device_put(stack[e], self._pinned) for e in range(stack.shape[0])]
@@ -177,12 +184,30 @@ class ExpertStore:
         """Whether the store keeps int4 copies (a quality that loads them)."""
         return bool(self._low)
 
-    def _torch_pinned_parts(self, stack):
+    def expect_stacks(self, sizes) -> None:
+        """The byte sizes of the layer stacks (and their scales) `add_layer` will take, in any order: with
+        host_alloc='driver' they are page-locked on threads from now on, ahead of the layers that need them."""
+        if self._maker is not None:
+            self._maker.expect(sizes)
+
+    def loaded(self) -> None:
+        """Every layer is added: stop page-locking ahead (buffers expected and not taken are freed)."""
+        if self._maker is not None:
+            self._maker.close()
+            self._maker = None
+
+    def _page_locked_parts(self, stack):
         """Each array of `stack` (an array, or a QuantizedWeight's integers and scales) in one page-locked buffer
-        (`torch_pinned.pin_stack`). -> (the stack, its E experts, their E numpy views), each in `stack`'s structure."""
+        (`pin_stack` of `store.page_locked` or `store.torch_pinned`). -> (the stack, its E experts, their E numpy
+        views), each in `stack`'s structure."""
         leaves, structure = jax.tree.flatten(stack)
-        parts = [pin_stack(leaf, self.devices.accel) for leaf in leaves]
-        self._torch_buffers.extend(parts)
+        if self._maker is not None:
+            parts = [page_locked.pin_stack(leaf, self.devices.accel, self._maker.take(leaf.nbytes)) for leaf in leaves]
+        elif self.host_alloc == "driver":
+            parts = [page_locked.pin_stack(leaf, self.devices.accel) for leaf in leaves]
+        else:
+            parts = [torch_pinned.pin_stack(leaf, self.devices.accel) for leaf in leaves]
+        self._page_locked.extend(parts)
         experts = range(parts[0].view.shape[0])
         return (structure.unflatten([p.whole for p in parts]),
                 [structure.unflatten([p.experts[e] for p in parts]) for e in experts],

@@ -1,0 +1,283 @@
+"""Page-locked host buffers through the CUDA driver, imported zero-copy into JAX as `pinned_host` arrays.
+
+Contract:
+- `driver_ready() -> bool`: libcuda loads and initialises (a CUDA GPU machine); nothing else here works without it.
+- `HostBuffer(nbytes, ordinal, huge_pages=True, populate_threads=8)`: nbytes of anonymous memory, 2 MiB aligned
+  (transparent huge pages asked for with madvise), faulted in by `populate_threads` threads, then page-locked for
+  every CUDA context (`cuMemHostRegister`, portable). `address`, `nbytes`, `view` (a uint8 numpy view);
+  `release()` unlocks it (idempotent; also on collection); the mapping lives as long as the object.
+- `import_array(buffer, offset, shape, dtype, accel) -> jax.Array` (by `DlpackView`): a `pinned_host` array of GPU `accel` over the
+  buffer's bytes from `offset`, through dlpack (kDLCUDAHost), no copy; the array keeps the buffer alive.
+- `fill_from_device(buffer, src)`: one device-to-host DMA of the GPU array's bytes into the buffer; returns when done.
+- `pin_stack(src, accel, buffer=None) -> PinnedStack`: src ([E, ...], a GPU jax array or numpy) copied into a
+  buffer of exactly its bytes (given, or made now) -> `whole` (the stack) and `experts` (its E slices), pinned_host
+  arrays of `accel` aliasing the buffer, and `view`, numpy over the same bytes.
+- `BufferMaker(ordinal, threads)`: `expect([nbytes, ...])` starts making buffers of those sizes on its threads, in
+  order; `take(nbytes)` returns the oldest expected one of that size (waiting for it) or makes one now. The store
+  uses it to page-lock the next layers' memory while the current one is drawn and copied.
+Why not torch's pinned allocator (docs/MEASUREMENTS.md): it rounds blocks up to powers of two, and importing torch
+costs every start seconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import ctypes
+import dataclasses
+import mmap
+import threading
+
+import jax
+import numpy as np
+
+HUGE_PAGE = 2 << 20
+_REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE: locked for every context, not only the current one
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
+DL_CPU, DL_CUDA_HOST = 1, 3  # DLPack device types
+_DL_CODES = {"i": 0, "u": 1, "f": 2}  # DLPack type codes by numpy kind
+_DL_BFLOAT = 4
+
+
+class _Driver:
+    """The few CUDA driver calls used here, on one device's primary context (the one XLA computes in)."""
+
+    _lock = threading.Lock()
+    _lib = None
+
+    @classmethod
+    def lib(cls):
+        with cls._lock:
+            if cls._lib is None:
+                lib = ctypes.CDLL("libcuda.so.1")
+                lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+                lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+                lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+                _check(lib, lib.cuInit(0), "cuInit")
+                cls._lib = lib
+            return cls._lib
+
+    _contexts: dict[int, ctypes.c_void_p] = {}
+
+    @classmethod
+    def enter(cls, ordinal: int):
+        """The driver, with `ordinal`'s primary context current on this thread."""
+        lib = cls.lib()
+        with cls._lock:
+            if ordinal not in cls._contexts:
+                device, context = ctypes.c_int(), ctypes.c_void_p()
+                _check(lib, lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+                _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+                cls._contexts[ordinal] = context
+        _check(lib, lib.cuCtxSetCurrent(cls._contexts[ordinal]), "cuCtxSetCurrent")
+        return lib
+
+
+def _check(lib, code: int, what: str) -> None:
+    if code != 0:
+        name = ctypes.c_char_p()
+        lib.cuGetErrorString(code, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: CUDA error {code} ({(name.value or b'?').decode()})")
+
+
+def driver_ready() -> bool:
+    try:
+        _Driver.lib()
+    except (OSError, RuntimeError, AttributeError):
+        return False
+    return True
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+class HostBuffer:
+    def __init__(self, nbytes: int, ordinal: int, huge_pages: bool = True, populate_threads: int = 8):
+        self.nbytes, self.ordinal = int(nbytes), ordinal
+        self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE)  # anonymous; the slack aligns the start to 2 MiB
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        start = -base % HUGE_PAGE
+        self.address = base + start
+        self.view = np.frombuffer(self._map, np.uint8, self.nbytes, start)
+        if huge_pages and self.nbytes:
+            _libc.madvise(self.address, _round_up(self.nbytes, HUGE_PAGE), _MADV_HUGEPAGE)  # a hint: may be refused
+        _populate(self.address, self.view, populate_threads)
+        self.registered = False
+        if self.nbytes:
+            lib = _Driver.enter(ordinal)
+            _check(lib, lib.cuMemHostRegister_v2(self.address, self.nbytes, _REGISTER_PORTABLE), "cuMemHostRegister")
+            self.registered = True
+
+    def release(self) -> None:
+        """Unlock the pages (the bytes stay readable while this object lives)."""
+        if self.registered:
+            self.registered = False
+            lib = _Driver.enter(self.ordinal)
+            lib.cuCtxSynchronize()  # no copy still reads them
+            lib.cuMemHostUnregister(self.address)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 (at interpreter exit the driver may be gone; the OS unlocks the pages)
+            pass
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _populate(address: int, view: np.ndarray, threads: int) -> None:
+    """Fault every page in, from `threads` threads: MADV_POPULATE_WRITE (Linux >= 5.14), else a write per page.
+    0 threads: leave it to the registration."""
+    if view.size == 0 or threads == 0:
+        return
+    bounds = np.linspace(0, view.size, max(threads, 1) + 1).astype(np.int64) // 4096 * 4096
+    bounds[-1] = view.size
+
+    def fault(i: int) -> None:  # ctypes and numpy's fill release the GIL: the threads fault in parallel
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        if hi > lo and _libc.madvise(address + lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
+            view[lo:hi:4096] = 0  # older kernels: one write per page (the pages are zero already)
+
+    if threads <= 1:
+        fault(0)
+        return
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fault, range(len(bounds) - 1)))
+
+
+# ---- dlpack export ---------------------------------------------------------------------------------------
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32), ("dtype", _DLDataType),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("strides", ctypes.POINTER(ctypes.c_int64)),
+                ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+
+# its own function object: `ctypes.pythonapi.PyCapsule_New` is shared, and other modules set its argtypes
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+_DLTENSOR = b"dltensor"
+
+
+class DlpackView:
+    """A `__dlpack__` producer over raw bytes: `address`, a C-contiguous `shape` of `dtype`, on DLPack device
+    (device_type, device_id), kept readable by `owner`. From its export until the importer calls the deleter (when
+    the imported array is freed), this object and so `owner` stay alive: an array never outlives its bytes."""
+
+    def __init__(self, address: int, shape: tuple[int, ...], dtype, device: tuple[int, int], owner):
+        dtype = np.dtype(dtype)
+        self._shape = (ctypes.c_int64 * len(shape))(*shape)
+        code = _DL_BFLOAT if dtype.name == "bfloat16" else _DL_CODES[dtype.kind]
+        tensor = _DLTensor(address, _DLDevice(*device), len(shape), _DLDataType(code, dtype.itemsize * 8, 1),
+                           self._shape, None, 0)
+        self._managed = _DLManagedTensor(tensor, None, ctypes.cast(_deleter, ctypes.c_void_p))
+        self._device, self.owner = device, owner
+
+    def __dlpack_device__(self):
+        return self._device
+
+    def __dlpack__(self, stream=None, **_):
+        key = ctypes.addressof(self._managed)
+        with _exported_lock:
+            _exported[key] = self
+        return _capsule_new(key, _DLTENSOR, None)
+
+
+_exported: dict[int, DlpackView] = {}  # managed tensor address -> its producer, until the importer lets go
+_exported_lock = threading.Lock()
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _deleter(managed: int, exported=_exported, lock=_exported_lock) -> None:
+    with lock:  # bound as defaults: arrays freed at interpreter exit call this after module globals are cleared
+        exported.pop(managed, None)
+
+
+def import_array(buffer: HostBuffer, offset: int, shape, dtype, accel: jax.Device) -> jax.Array:
+    dtype = np.dtype(dtype)
+    if offset < 0 or offset + int(np.prod(shape)) * dtype.itemsize > buffer.nbytes:
+        raise ValueError(f"bytes [{offset}, +{shape} {dtype}) lie outside the {buffer.nbytes}-byte buffer")
+    view = DlpackView(buffer.address + offset, tuple(int(s) for s in shape), dtype,
+                      (DL_CUDA_HOST, accel.local_hardware_id), buffer)
+    array = jax.dlpack.from_dlpack(view)
+    if array.sharding.memory_kind != "pinned_host" or array.devices() != {accel}:
+        raise RuntimeError(f"dlpack import of page-locked memory gave {array.sharding}, not pinned_host memory of "
+                           f"{accel}; use host_alloc='jax'")
+    return array
+
+
+def fill_from_device(buffer: HostBuffer, src: jax.Array) -> None:
+    if src.nbytes > buffer.nbytes:
+        raise ValueError(f"{src.nbytes} bytes do not fit the {buffer.nbytes}-byte buffer")
+    src.block_until_ready()
+    lib = _Driver.enter(buffer.ordinal)
+    _check(lib, lib.cuMemcpyDtoH_v2(buffer.address, src.unsafe_buffer_pointer(), src.nbytes), "cuMemcpyDtoH")
+
+
+@dataclasses.dataclass
+class PinnedStack:
+    whole: jax.Array
+    experts: list[jax.Array]
+    view: np.ndarray
+    buffer: HostBuffer
+
+    def release(self) -> None:
+        self.buffer.release()
+
+
+def on_gpu(src) -> bool:
+    return isinstance(src, jax.Array) and all(d.platform == "gpu" for d in src.devices())
+
+
+def pin_stack(src, accel: jax.Device, buffer: HostBuffer | None = None) -> PinnedStack:
+    dtype = np.dtype(src.dtype)
+    buffer = HostBuffer(src.nbytes, accel.local_hardware_id) if buffer is None else buffer
+    view = buffer.view[:src.nbytes].view(dtype).reshape(src.shape)
+    if on_gpu(src):
+        fill_from_device(buffer, src)
+    else:
+        view[...] = np.asarray(src)
+    each = src.nbytes // max(src.shape[0], 1)
+    whole = import_array(buffer, 0, src.shape, dtype, accel)
+    experts = [import_array(buffer, e * each, src.shape[1:], dtype, accel) for e in range(src.shape[0])]
+    return PinnedStack(whole, experts, view, buffer)
+
+
+class BufferMaker:
+    def __init__(self, ordinal: int, threads: int = 2, populate_threads: int = 8):
+        self.ordinal, self._populate = ordinal, populate_threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="page-lock")
+        self._expected: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+
+    def _make(self, nbytes: int) -> HostBuffer:
+        return HostBuffer(nbytes, self.ordinal, populate_threads=self._populate)
+
+    def expect(self, sizes) -> None:
+        for nbytes in sizes:
+            self._expected[int(nbytes)].append(self._pool.submit(self._make, int(nbytes)))
+
+    def take(self, nbytes: int) -> HostBuffer:
+        waiting = self._expected.get(int(nbytes))
+        return waiting.popleft().result() if waiting else self._make(nbytes)
+
+    def close(self) -> None:
+        """Stop making buffers; those expected and not taken are dropped (unlocked)."""
+        for waiting in self._expected.values():
+            for future in waiting:
+                future.cancel()
+        self._pool.shutdown(wait=True)
+        self._expected.clear()
