@@ -20,12 +20,13 @@ the traceback of user errors too. No command or an unknown one prints the usage 
 Every command but `download` runs with the persistent compilation cache on (`runtime.enable_compile_cache`);
 `--no-compile-cache` (before or after the command name) turns it off, by setting PDSCOPE_JAX_COMPILE_CACHE=0
 for this process and those it starts. This module imports nothing heavier than argparse, so
-`pdscope-jax --help` does not start JAX.
+`pdscope-jax --help` does not start JAX. Commands that start JAX collect garbage less often (`GC_NEW_OBJECTS`).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -48,6 +49,7 @@ COMMANDS = {  # name: (module, function, help)
 }
 NO_JAX = {"download"}  # commands that compile nothing: they start without the compilation cache (or JAX)
 NO_COMPILE_CACHE = "--no-compile-cache"
+GC_NEW_OBJECTS = 50_000
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from pdscope_jax.runtime import enable_compile_cache
 
         enable_compile_cache()
+    if args.command not in NO_JAX:
+        # One model a process: tracing makes many short-lived objects and every collection also runs XLA's
+        # garbage callback, so collections are made rarer than Python's default (700 new objects).
+        gc.set_threshold(GC_NEW_OBJECTS, 20, 20)
     command = getattr(importlib.import_module(module), function)
     try:
         result = command(argv[1:])

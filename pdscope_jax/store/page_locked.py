@@ -5,7 +5,8 @@ Contract:
 - `HostBuffer(nbytes, ordinal, huge_pages=True, populate_threads=8)`: nbytes of anonymous memory, 2 MiB aligned
   (transparent huge pages asked for with madvise), faulted in by `populate_threads` threads, then page-locked for
   every CUDA context (`cuMemHostRegister`, portable). `address`, `nbytes`, `view` (a uint8 numpy view);
-  `release()` unlocks it (idempotent; also on collection); the mapping lives as long as the object.
+  `release()` unlocks it (idempotent; also on collection, except at interpreter exit); the mapping lives as long
+  as the object.
 - `import_array(buffer, offset, shape, dtype, accel) -> jax.Array` (by `DlpackView`): a `pinned_host` array of GPU `accel` over the
   buffer's bytes from `offset`, through dlpack (kDLCUDAHost), no copy; the array keeps the buffer alive.
 - `fill_from_device(buffer, src)`: one device-to-host DMA of the GPU array's bytes into the buffer; returns when done.
@@ -21,6 +22,7 @@ costs every start seconds.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import ctypes
@@ -95,7 +97,8 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 class HostBuffer:
     def __init__(self, nbytes: int, ordinal: int, huge_pages: bool = True, populate_threads: int = 8):
         self.nbytes, self.ordinal = int(nbytes), ordinal
-        self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE)  # anonymous; the slack aligns the start to 2 MiB
+        # private anonymous memory (Python's default, shared, is shmem: no huge pages); the slack aligns to 2 MiB
+        self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         start = -base % HUGE_PAGE
         self.address = base + start
@@ -110,8 +113,9 @@ class HostBuffer:
             self.registered = True
 
     def release(self) -> None:
-        """Unlock the pages (the bytes stay readable while this object lives)."""
-        if self.registered:
+        """Unlock the pages (the bytes stay readable while this object lives). Not at interpreter exit: the
+        driver unlocks everything as the process ends, faster than buffer by buffer."""
+        if self.registered and not _exiting:
             self.registered = False
             lib = _Driver.enter(self.ordinal)
             lib.cuCtxSynchronize()  # no copy still reads them
@@ -122,6 +126,15 @@ class HostBuffer:
             self.release()
         except Exception:  # noqa: BLE001 (at interpreter exit the driver may be gone; the OS unlocks the pages)
             pass
+
+
+_exiting = False
+
+
+@atexit.register
+def _at_exit() -> None:
+    global _exiting
+    _exiting = True
 
 
 def _round_up(n: int, multiple: int) -> int:
