@@ -5,8 +5,10 @@ Contract (each function returns what it builds; nothing here is kept between cal
   anything is placed (activations measured by compiling the largest step's programs, `engine.activations`,
   unless `rc.activation_memory` is "estimated" or every expert fits the pool under the upper estimate anyway);
   raises `BudgetError` when the model does not fit.
-- `take_weights(model, weights, shapes, moe_layers, devices, **store options, quant, dtype, low)` -> (ExpertStore,
-  non-expert weights {path: array}); quantized experts (`quant`) reach the store as QuantizedWeights of compute
+- `new_store(shapes, moe_layers, devices, **store options)` -> an empty ExpertStore already page-locking the expert
+  stacks' memory ahead (`ExpertStore.expect_stacks`; the driver's allocation), so that runs beside the budget.
+- `take_weights(model, weights, shapes, moe_layers, store, quant, dtype, low)` -> (store, filled and `loaded()`,
+  non-expert weights {path: array}); on failure the store stops page-locking. Quantized experts (`quant`) reach the store as QuantizedWeights of compute
   dtype `dtype`, assembled from their integer and scale parameters; with `low` each layer's int4 copies
   (`store.low_copies.low_copy`) are made where the layer lies and kept beside it. `weights`: None (the model's
   own parameters), a flat `{path: array}` dict (routed-expert entries are popped as the store takes them, so the
@@ -100,10 +102,24 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
     return budget_of(cfg, rc, **parts), expert_dtype, cache_dtype
 
 
-def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view: str,
-                 host_alloc: str, expert_stacks: bool, quant: str | None = None,
+def new_store(shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view: str, host_alloc: str,
+              expert_stacks: bool) -> ExpertStore:
+    store = ExpertStore(devices, cpu_view=cpu_view, host_alloc=host_alloc, stacks=expert_stacks)
+    store.expect_stacks(s.size * np.dtype(s.dtype).itemsize for paths in expert_paths(moe_layers).values()
+                        for p in paths + tuple(q + "_scale" for q in paths) if (s := shapes.get(p)) is not None)
+    return store
+
+
+def take_weights(model, weights, shapes: dict[str, Any], moe_layers, store: ExpertStore, *, quant: str | None = None,
                  dtype=None, low: bool = False) -> tuple[ExpertStore, dict]:
-    accel = jax.sharding.SingleDeviceSharding(devices.accel)
+    try:
+        return _take_weights(model, weights, shapes, moe_layers, store, quant, dtype, low)
+    finally:
+        store.loaded()
+
+
+def _take_weights(model, weights, shapes, moe_layers, store: ExpertStore, quant, dtype, low):
+    accel = jax.sharding.SingleDeviceSharding(store.devices.accel)
 
     def placement(path):  # the loader generates or reads every parameter on the accelerator
         return accel
@@ -124,11 +140,8 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: De
     if abstract_values:
         raise ValueError(f"no values for {len(abstract_values)} parameters (e.g. {abstract_values[0]}): an "
                          "abstract model needs `weights` (a dict or a loader)")
-    store = ExpertStore(devices, cpu_view=cpu_view, host_alloc=host_alloc, stacks=expert_stacks)
     layers = expert_paths(moe_layers)
     expert_bytes = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if is_expert_path(p))
-    store.expect_stacks(s.size * np.dtype(s.dtype).itemsize for paths in layers.values()
-                        for p in paths + tuple(q + "_scale" for q in paths) if (s := shapes.get(p)) is not None)
     with Progress(transient=True, disable=expert_bytes < PROGRESS_BYTES) as progress:
         task = progress.add_task("routed experts -> pinned host memory (MoE layers)", total=len(layers))
         for layer, paths in layers.items():
@@ -140,7 +153,6 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, devices: De
             store.add_layer(layer, *parts)
             del stacks, parts  # the layer's last references outside the store
             progress.advance(task)
-    store.loaded()
     return store, flat
 
 

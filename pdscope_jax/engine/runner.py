@@ -35,8 +35,8 @@ import numpy as np
 
 from pdscope_jax import models
 from pdscope_jax.engine import decode, device_decode
-from pdscope_jax.engine.build import (analytic_costs, param_dtype, place_non_experts, plan_budget, round_up,
-                                      split_abstract, take_weights)
+from pdscope_jax.engine.build import (analytic_costs, new_store, param_dtype, place_non_experts, plan_budget,
+                                      round_up, split_abstract, take_weights)
 from pdscope_jax.engine.calibration import CpuCalibration
 from pdscope_jax.engine.cpu_experts import CpuExperts
 from pdscope_jax.engine.execute import PlanExecutor
@@ -80,18 +80,23 @@ class OffloadRunner:
         abstract = models.abstract_model(cfg, param_dtype(model))  # shapes only: nothing placed yet
         graphdef, flat_state, shapes = split_abstract(abstract)
         raise_problems(quality_problems(rc.quality, cfg.expert_quant), "OffloadRunner")
-        self.budget, expert_dtype, self.cache_dtype = plan_budget(cfg, rc, abstract, shapes)
-        clock.lap("budget")
-        self._check_policy(rc.policy)
-        self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
-                                    else analytic_costs(cfg, expert_dtype.itemsize))
-        keep_low = loads_low(rc.quality, cfg.expert_quant)
-        if keep_low:  # a table without the int4 transfer: the base one scaled by the bytes
-            self.costs = self.costs.with_precision(LOW, bytes_ratio=cfg.replace(expert_quant=LOW).expert_bytes()
-                                                   / cfg.expert_bytes(expert_dtype.itemsize))
-        self.store, non_expert = take_weights(model, weights, shapes, self._moe_layers, self.devices,
-                                              cpu_view=cpu_view, host_alloc=host_alloc, expert_stacks=expert_stacks,
-                                              quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
+        store = new_store(shapes, self._moe_layers, self.devices, cpu_view=cpu_view, host_alloc=host_alloc,
+                          expert_stacks=expert_stacks)  # page-locks host memory for the experts while budgeting
+        try:
+            self.budget, expert_dtype, self.cache_dtype = plan_budget(cfg, rc, abstract, shapes)
+            clock.lap("budget")
+            self._check_policy(rc.policy)
+            self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
+                                        else analytic_costs(cfg, expert_dtype.itemsize))
+            keep_low = loads_low(rc.quality, cfg.expert_quant)
+            if keep_low:  # a table without the int4 transfer: the base one scaled by the bytes
+                self.costs = self.costs.with_precision(LOW, bytes_ratio=cfg.replace(expert_quant=LOW).expert_bytes()
+                                                       / cfg.expert_bytes(expert_dtype.itemsize))
+            self.store, non_expert = take_weights(model, weights, shapes, self._moe_layers, store,
+                                                  quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
+        except BaseException:
+            store.loaded()  # no page-locking left running behind an error
+            raise
         clock.lap("weights and expert store")
         placed = place_non_experts(graphdef, flat_state, non_expert, self.devices.accel)
         clock.lap("non-expert weights")

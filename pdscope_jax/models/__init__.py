@@ -10,6 +10,8 @@ Contract:
 
 from __future__ import annotations
 
+import functools
+
 from types import ModuleType
 
 import jax
@@ -49,7 +51,16 @@ def _path(parts: tuple) -> str:
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> CausalLM:
-    return nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0), dtype))
+    """A fresh model of shapes only (ShapeDtypeStruct parameters): traced once per (cfg, dtype), then merged from
+    new Variables each call (callers replace values in place: a shared Variable would carry that to the next)."""
+    graphdef, state = _abstract_parts(cfg, jnp.dtype(dtype).name)
+    return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_parts(cfg: ModelConfig, dtype_name: str):
+    # tracing a model's construction takes about a second at real sizes, and one load asks up to three times
+    return nnx.split(nnx.eval_shape(lambda: build(cfg, nnx.Rngs(0), jnp.dtype(dtype_name))))
 
 
 def abstract_state(cfg: ModelConfig, dtype) -> dict[str, jax.ShapeDtypeStruct]:

@@ -218,3 +218,11 @@ def test_published_parameter_counts(name):
     assert abs(total / PUBLISHED_PARAMS[name] - 1) < 0.02, total
     expert_params = sum(int(np.prod(s.shape)) for p, s in shapes.items() if ".experts." in p)
     assert expert_params == len(cfg.moe_layers) * cfg.num_experts * cfg.expert_param_count()
+
+
+def test_abstract_models_share_no_variable():
+    cfg = preset("tiny-deepseek-v2-lite")
+    first, second = models.abstract_model(cfg, jnp.float32), models.abstract_model(cfg, jnp.float32)
+    first.embed.embedding.set_value(jax.ShapeDtypeStruct((0,), jnp.float32))  # as a caller emptying a parameter
+    assert second.embed.embedding.get_value().shape == (cfg.vocab_size, cfg.hidden_size)
+    assert models.abstract_model(cfg, jnp.float32).embed.embedding.get_value().shape[0] == cfg.vocab_size
