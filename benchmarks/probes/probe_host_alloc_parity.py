@@ -1,7 +1,7 @@
 """The expert store's two host allocations in one process: the same bytes, the same tokens, their load times.
 
-Run from the repository root on the GPU node (host_alloc "torch" needs torch with CUDA):
-    PYTHONPATH=. python benchmarks/probes/probe_host_alloc_parity.py [--host-allocs torch jax]
+Run from the repository root on the GPU node (host_alloc "driver" needs the CUDA driver):
+    PYTHONPATH=. python benchmarks/probes/probe_host_alloc_parity.py [--host-allocs driver jax]
         [--model deepseek-v2-lite] [--gpu-memory 24GB] [--expert-pool 8GB] [--tokens 8] [--out host_alloc_parity.json]
 For each allocation in turn (`pdscope_jax.store.expert_store`, forced as in `probe_load_stages.force_host_alloc`):
 load the model with seeded random weights (one compilation cache shared by the loads, so the first pays the
@@ -31,7 +31,7 @@ from probe_load_stages import force_host_alloc
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--host-allocs", nargs=2, default=["torch", "jax"], choices=("torch", "jax"))
+    ap.add_argument("--host-allocs", nargs=2, default=["driver", "jax"], choices=("driver", "jax"))
     ap.add_argument("--model", default="deepseek-v2-lite")
     ap.add_argument("--gpu-memory", default="24GB")
     ap.add_argument("--expert-pool", default="8GB")

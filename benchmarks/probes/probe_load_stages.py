@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--policy", default="pdscope")
     ap.add_argument("--gpu-memory", default="24GB")
     ap.add_argument("--expert-pool", default="8GB")
-    ap.add_argument("--host-alloc", choices=("auto", "jax", "driver", "torch"), default="auto")
+    ap.add_argument("--host-alloc", choices=("auto", "jax", "driver"), default="auto")
     ap.add_argument("--interval", type=float, default=0.005, help="seconds between samples")
     ap.add_argument("--top", type=int, default=60, help="frames kept per list")
     ap.add_argument("--out", type=Path)

@@ -6,7 +6,8 @@ Per layer of DeepSeek-V2-Lite's expert shape (gate_up [64, 2048, 2816] and down 
 generated on the GPU), for `--layers` layers:
 - "torch_cache": `torch.empty(pin_memory=True)`, torch's pinned caching allocator (blocks rounded up to powers
   of two: its `host_memory_stats` bytes beside the bytes asked for);
-- "registered": `torch.empty` page-locked by `cudaHostRegister` at its exact size (`pdscope_jax.store.torch_pinned`);
+- "registered": `torch.empty` page-locked by `cudaHostRegister` at its exact size (the store's way before
+  `store.page_locked`);
   "registered_prefaulted": the same after `--threads` threads wrote every page (faulting in parallel);
 - "jax": one `jax.device_put` per expert into the GPU's pinned_host memory (the store's host_alloc="jax");
 - "driver_*": `pdscope_jax.store.page_locked` (anonymous memory, cuMemHostRegister through the driver, no torch):

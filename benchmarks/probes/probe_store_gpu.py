@@ -5,9 +5,9 @@ Run from the repository root on the GPU node (several GB of host and GPU memory 
 On a CPU-only machine cpu:1 stands in for the GPU; small sizes (e.g. `--experts 8 --hidden 64 --intermediate 32
 --matmul 256`) smoke-test the script, not the hardware.
 What it checks, DeepSeek-V2-Lite expert shape by default (gate_up [2048, 2816], down [1408, 2048], bf16, random):
-1. placement: `ExpertStore.add_layer` puts experts in the GPU's pinned_host memory (`--host-alloc jax`, or torch
-   pinned memory imported through dlpack with `--host-alloc torch`); host RSS growth per model byte (target
-   1.0: no second copy for the CPU backend), build time; with jax, whether the torch route works too;
+1. placement: `ExpertStore.add_layer` puts experts in the GPU's pinned_host memory (`--host-alloc jax`, or memory
+   page-locked by the CUDA driver imported through dlpack with `--host-alloc driver`); host RSS growth per model
+   byte (target 1.0: no second copy for the CPU backend), build time; with jax, whether the driver route works too;
 2. zero-copy CPU view: does every CPU-backend view alias the pinned bytes (`host_bytes_per_model_byte`)? and
    does the view read the right values?
 3. slot writes: bandwidth of `ExpertStore.write` (stage + commit) for 1, 8 and `--experts` experts, in place
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--intermediate", type=int, default=1408)
     parser.add_argument("--matmul", type=int, default=8192, help="side of the GPU matmul the transfer hides behind")
     parser.add_argument("--cpu-view", default="alias", choices=["alias", "copy"])
-    parser.add_argument("--host-alloc", default="jax", choices=["jax", "torch"])
+    parser.add_argument("--host-alloc", default="jax", choices=["jax", "driver"])
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     found: list[dict] = []
@@ -95,18 +95,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
             cpu_array_aliases=on_cpu.unsafe_buffer_pointer() == pinned.unsafe_buffer_pointer(),
             cpu_array_matches=bool(np.array_equal(np.asarray(on_cpu), want)))
 
-    if args.host_alloc == "jax":  # the other route to one host copy, on one layer, where torch has CUDA
+    if args.host_alloc == "jax":  # the other route to one host copy, on one layer, through the CUDA driver
         try:
-            other = ExpertStore(dev, host_alloc="torch")
+            other = ExpertStore(dev, host_alloc="driver")
             other.add_layer(0, gu, dn)
             pinned_t, _ = other.host_weights(0, probe_expert)
-            finding(what="placement_torch", ok=True, memory_kind=pinned_t.sharding.memory_kind,
+            finding(what="placement_driver", ok=True, memory_kind=pinned_t.sharding.memory_kind,
                     device=str(next(iter(pinned_t.devices()))),
                     host_bytes_per_model_byte=other.host_bytes_per_model_byte,
                     values_match=bool(np.array_equal(np.asarray(other.cpu_weights(0, probe_expert)[0]), want)))
             del other, pinned_t
         except Exception as err:  # noqa: BLE001 (a probe reports any failure of this route and goes on)
-            finding(what="placement_torch", ok=False, error=f"{type(err).__name__}: {err}"[:400])
+            finding(what="placement_driver", ok=False, error=f"{type(err).__name__}: {err}"[:400])
 
     # 3. slot writes
     pool = SlotPool(2 * E, tuple(range(args.layers)), E, D, F, jnp.bfloat16, dev.accel)

@@ -86,9 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="CPU experts read pinned memory in place (alias) or from a second host copy")
     p.add_argument("--no-cpu-kernel", action="store_true",
                    help="CPU experts through XLA:CPU only (default: the CPU expert kernel at few rows, where built)")
-    p.add_argument("--host-alloc", default="auto", choices=["auto", "jax", "torch"],
-                   help="pin expert memory through jax (pinned_host) or torch (+dlpack; GPU only); auto: torch on a "
-                        "GPU where torch has CUDA (store.expert_store)")
+    p.add_argument("--host-alloc", default="auto", choices=["auto", "jax", "driver"],
+                   help="pin expert memory through jax (pinned_host) or the CUDA driver (+dlpack; GPU only); auto: the "
+                        "driver on a GPU (store.expert_store)")
     p.add_argument("--track-memory", type=int, default=0, metavar="N", help="also record memory over N decode steps")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="also profile (cProfile) one generation of N tokens per run, after the timed ones")

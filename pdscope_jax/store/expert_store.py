@@ -7,9 +7,9 @@ Contract:
 - CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes, verified
   per expert (same address, same bytes); else the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0:
   every view aliases, 2.0: none does). `cpu_view="copy"` forces copies.
-- Who allocates: `host_alloc="jax"` (device_put into pinned_host), `"driver"` (one buffer per layer stack
-  page-locked through the CUDA driver and imported zero-copy through dlpack, `store.page_locked`) or `"torch"`
-  (the same through torch, `store.torch_pinned`); `"auto"`: driver on a GPU, else jax (why: docs/MEASUREMENTS.md).
+- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"driver"` (one buffer per layer stack
+  page-locked through the CUDA driver and imported zero-copy through dlpack, `store.page_locked`); `"auto"`: the
+  driver on a GPU, else jax (why: docs/MEASUREMENTS.md).
   `store.host_alloc` says which ran. `expect_stacks(sizes)` lets the driver page-lock the stacks to come on
   threads while earlier layers are added; `loaded()` ends that.
 - Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts by a
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdscope_jax.store import page_locked, torch_pinned
+from pdscope_jax.store import page_locked
 from pdscope_jax.store.low_copies import to_slot
 from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import Devices
@@ -106,26 +106,22 @@ class ExpertStore:
     def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "auto", stacks: bool = False):
         if cpu_view not in ("alias", "copy"):
             raise ValueError(f"cpu_view must be 'alias' or 'copy', got {cpu_view!r}")
-        if host_alloc not in ("auto", "jax", "driver", "torch"):
-            raise ValueError(f"host_alloc must be 'auto', 'jax', 'driver' or 'torch', got {host_alloc!r}")
+        if host_alloc not in ("auto", "jax", "driver"):
+            raise ValueError(f"host_alloc must be 'auto', 'jax' or 'driver', got {host_alloc!r}")
         on_gpu = devices.accel.platform == "gpu"
         if host_alloc == "auto":
             host_alloc = "driver" if on_gpu and page_locked.driver_ready() else "jax"
         if host_alloc == "driver" and not (on_gpu and page_locked.driver_ready()):
             raise ValueError("host_alloc='driver' page-locks memory through the CUDA driver (libcuda.so.1) for a GPU "
                              f"accelerator; this one is {devices.accel.platform!r}: use host_alloc='jax'")
-        if host_alloc == "torch" and not torch_pinned.torch_cuda():
-            raise ValueError("host_alloc='torch' needs torch with CUDA (it pins memory with torch, then imports it "
-                             "through dlpack): pip install 'pdscope_jax[torch]' (a CUDA build of torch) on a GPU "
-                             "machine, or use host_alloc='jax'")
         self.devices = devices
         self.cpu_view = cpu_view
         self.host_alloc = host_alloc
-        self.stacks = stacks or host_alloc in ("driver", "torch")
+        self.stacks = stacks or host_alloc == "driver"
         self._stacks: dict[int, tuple[jax.Array, jax.Array]] = {}  # layer -> (gate_up, down) stacks, pinned
         self.stack_copy_bytes = 0  # bytes of stacks that are a second copy (host_alloc='jax')
         self._alias_checked = False  # one CPU alias's values compared in full with its pinned array
-        self._page_locked: list = []  # host_alloc 'driver' / 'torch': the PinnedStacks every view points into
+        self._page_locked: list = []  # host_alloc='driver': the PinnedStacks every view points into
         self._maker = page_locked.BufferMaker(devices.accel.local_hardware_id) if host_alloc == "driver" else None
         self._pinned = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="pinned_host")
         self._device = jax.sharding.SingleDeviceSharding(devices.accel, memory_kind="device")
@@ -150,7 +146,7 @@ class ExpertStore:
         host, cpu, stacks = ([], []), ([], []), []
         for part, stack in enumerate((gate_up, down)):
             views = None
-            if self.host_alloc in ("driver", "torch"):  # one buffer per layer stack: its experts alias it
+            if self.host_alloc == "driver":  # one buffer per layer stack: its experts alias it
                 whole, experts, views = self._page_locked_parts(stack)
                 stacks.append(whole)
             else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
@@ -198,15 +194,11 @@ class ExpertStore:
 
     def _page_locked_parts(self, stack):
         """Each array of `stack` (an array, or a QuantizedWeight's integers and scales) in one page-locked buffer
-        (`pin_stack` of `store.page_locked` or `store.torch_pinned`). -> (the stack, its E experts, their E numpy
-        views), each in `stack`'s structure."""
+        (`page_locked.pin_stack`, made ahead where expected). -> (the stack, its E experts, their E numpy views), each
+        in `stack`'s structure."""
         leaves, structure = jax.tree.flatten(stack)
-        if self._maker is not None:
-            parts = [page_locked.pin_stack(leaf, self.devices.accel, self._maker.take(leaf.nbytes)) for leaf in leaves]
-        elif self.host_alloc == "driver":
-            parts = [page_locked.pin_stack(leaf, self.devices.accel) for leaf in leaves]
-        else:
-            parts = [torch_pinned.pin_stack(leaf, self.devices.accel) for leaf in leaves]
+        made = (lambda n: self._maker.take(n)) if self._maker is not None else (lambda n: None)
+        parts = [page_locked.pin_stack(leaf, self.devices.accel, made(leaf.nbytes)) for leaf in leaves]
         self._page_locked.extend(parts)
         experts = range(parts[0].view.shape[0])
         return (structure.unflatten([p.whole for p in parts]),

@@ -161,11 +161,11 @@ def test_store_aliases_cpu_views_and_writes_slots_in_place():
     copies = ExpertStore(dev, cpu_view="copy")
     copies.add_layer(1, gu, dn)
     assert copies.host_bytes_per_model_byte == 2.0
-    if dev.accel.platform == "cpu":  # torch pinning needs a GPU
-        with pytest.raises(ValueError, match=r"host_alloc='torch' needs torch with CUDA.*pdscope_jax\[torch\]"):
-            ExpertStore(dev, host_alloc="torch")
+    if dev.accel.platform == "cpu":  # the driver's page-locking needs a GPU
+        with pytest.raises(ValueError, match=r"host_alloc='driver' page-locks memory through the CUDA driver.*'jax'"):
+            ExpertStore(dev, host_alloc="driver")
         assert ExpertStore(dev).host_alloc == "jax"  # what "auto" picks without a GPU
-    assert store.layer_stacks(1) is None  # whole-layer stacks only when asked for (or free, with torch)
+    assert store.layer_stacks(1) is None  # whole-layer stacks only when asked for (or free, with the driver)
     stacked = ExpertStore(dev, stacks=True)
     stacked.add_layer(1, gu, dn)
     np.testing.assert_array_equal(np.asarray(stacked.layer_stacks(1)[0]), gu)
