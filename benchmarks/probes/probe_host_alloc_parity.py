@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
         run = {"host_alloc": store.host_alloc, "load_s": round(load_s, 1),
                "stages_s": {k: round(v, 1) for k, v in runner.startup_seconds.items()},
                "host_gb": store.host_bytes / 1e9, "host_bytes_per_model_byte": store.host_bytes_per_model_byte,
-               "page_locked_buffers": sum(bool(getattr(p, "registered", False)) for p in store._page_locked),
+               "page_locked_buffers": sum(p.buffer.registered for p in store._page_locked),
                "expert_digest": hashlib.sha256(np.asarray(gate_ups[5]).tobytes()).hexdigest()[:16]}
         for policy in ("ondemand", "static"):
             runner.engine.set_policy(policy)

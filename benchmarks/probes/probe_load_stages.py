@@ -63,13 +63,14 @@ def _short(filename: str) -> str:
 
 
 def force_host_alloc(alloc: str) -> None:
-    """Make every ExpertStore built from now on allocate with `alloc`."""
+    """Make every ExpertStore built from now on allocate with `alloc` (a later call replaces an earlier one)."""
     from pdscope_jax.store import expert_store
 
-    init = expert_store.ExpertStore.__init__
+    init = getattr(expert_store.ExpertStore.__init__, "unforced", expert_store.ExpertStore.__init__)
 
     def forced(self, *args, **kwargs):
         init(self, *args, **{**kwargs, "host_alloc": alloc})
+    forced.unforced = init
     expert_store.ExpertStore.__init__ = forced
 
 
