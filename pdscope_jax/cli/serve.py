@@ -4,8 +4,8 @@ Contract: `main(argv)` checks the load settings (dtype, seed, policy, sizes) bef
 listens on --host (127.0.0.1 by default: loopback only) and --port at once, answering 503 until the model is
 loaded, and serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics (`serve.app`).
 --api-key (or PDSCOPE_API_KEY) makes /v1 need `Authorization: Bearer KEY`; --max-prompt-tokens, --max-tokens
-and --max-queue bound what one request may ask and how many wait; --max-batch N sequences of the whole model
-are decoded together (continuous batching; an offloaded model, --policy, serves one request at a time);
+and --max-queue bound what one request may ask and how many wait; --max-batch N sequences are decoded together
+(continuous batching; with --policy the engine budgets a KV cache for N, and N = 1 serves one at a time);
 --chat-template FILE overrides the checkpoint's template.
 """
 
@@ -39,7 +39,8 @@ def loader(args):
     import pdscope_jax
     from pdscope_jax.api import check_load
 
-    runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool}
+    runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool,
+                                              "max_batch": args.max_batch}  # the engine budgets the batch's cache
     if args.policy is not None and args.max_seq_len is not None:
         runtime["max_seq_len"] = args.max_seq_len
     runtime |= quality_settings(args)
@@ -70,8 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=1024, help="the most new tokens one request may ask")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond these get 429")
     parser.add_argument("--max-batch", type=int, default=8,
-                        help="sequences decoded together (continuous batching of the whole model; with --policy "
-                             "requests run one at a time)")
+                        help="sequences decoded together (continuous batching; with --policy the GPU budget holds a "
+                             "KV cache for this many, and 1 serves one request at a time)")
     args = parser.parse_args(argv)
 
     from pdscope_jax.errors import InputError

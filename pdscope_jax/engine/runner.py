@@ -15,8 +15,8 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
   reported, the CPU cost calibration. `activation_counts[phase][layer]`: tokens routed to each expert since the last
   reset. `timeline`: set to an `engine.timeline.Timeline` to record each layer's stages. `startup_seconds`: {stage: wall
   seconds} of building the engine (budget, weights and store, ..., policy).
-- `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing; `set_policy(name, options,
-  **engine)` switches planners (and the switches hot_table, async_io, batched_gpu, device_decode) without rebuilding.
+- `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing (`precompile_routed()`: its
+  routing-dependent part); `set_policy(name, options, **engine)` switches planners without rebuilding.
 - RuntimeConfig switches: `cost_table` (a name or path; else `build.analytic_costs`), seen by the planners with the
   in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot table,
   preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU program per
@@ -346,6 +346,13 @@ class OffloadRunner:
         combination with and without GPU and CPU parts, and every slot-commit batch size. Then the pool and the
         statistics start afresh, as after `set_policy`."""
         self.generate(np.zeros((batch, prompt_len), np.int32), max_new_tokens=max(new_tokens, 2))
+        self.precompile_routed()
+        self.warmed_shapes.add((batch, prompt_len, new_tokens))
+        return self.compiled_programs
+
+    def precompile_routed(self) -> None:
+        """For the step shapes run so far: compile what routing decides whether a run needs (CPU expert row
+        buckets, the layer combinations, the slot commits), then start the pool and statistics afresh."""
         first = self._moe_layers[0]
         shapes = self._loop.step_shapes
         for n in sorted({n_pad for _, _, n_pad in shapes}):
@@ -354,8 +361,6 @@ class OffloadRunner:
                            self.cpu_experts.min_rows)
         precompile_slot_writes(self.pool, self.store, first, self.config.num_experts)
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
-        self.warmed_shapes.add((batch, prompt_len, new_tokens))
-        return self.compiled_programs
 
     def device_memory(self) -> dict[str, int | None]:
         """Accelerator bytes held by live arrays, and the device allocator's bytes in use where it reports them."""

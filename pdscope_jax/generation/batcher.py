@@ -50,7 +50,7 @@ class Emitted:
 
 
 @dataclasses.dataclass
-class _Row:
+class Row:
     prompt: np.ndarray  # int32 [T]
     max_new: int
     state: SamplingState  # one row, fresh: written into the batch state by the chunk that ends the prompt
@@ -130,7 +130,7 @@ class Batcher:
         self.cache = self._init_cache(self.max_batch, self.cache_len, self.cache_dtype)
         self.sampling = SamplingState.create(SamplingParams(), np.zeros((self.max_batch, 1), np.int32),
                                              self.config.vocab_size)
-        self.rows: list[_Row | None] = [None] * self.max_batch
+        self.rows: list[Row | None] = [None] * self.max_batch
         self._admitted = 0
 
     @property
@@ -151,7 +151,7 @@ class Batcher:
             raise InputError(f"all {self.max_batch} slots are taken; admit when free_slots > 0")
         slot = self.rows.index(None)
         fresh = SamplingState.create(params, prompt[None], self.config.vocab_size)
-        self.rows[slot] = _Row(prompt, max_new_tokens, fresh, self._admitted)
+        self.rows[slot] = Row(prompt, max_new_tokens, fresh, self._admitted)
         self._admitted += 1
         return slot
 

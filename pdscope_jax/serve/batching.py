@@ -1,8 +1,9 @@
-"""The continuous-batching scheduler of the whole model, behind the same `submit` / events interface as `Worker`.
+"""The continuous-batching scheduler, behind the same `submit` / events interface as `Worker`.
 
-Contract: `BatchingWorker(runner, eos, max_queue, metrics=None, max_batch=8, max_len=None)` needs a whole-model
-runner (`runner.model`, a CausalLM; an offloaded runner keeps the one-at-a-time `worker.Worker`). Its thread
-runs `generation.batcher.Batcher` step by step: at every step boundary it admits waiting jobs into free slots
+Contract: `BatchingWorker(runner, eos, max_queue, metrics=None, max_batch=8, max_len=None, chunk=None)` batches
+a whole-model runner (`runner.model`: `generation.batcher.Batcher`) or an offloaded one (`runner.engine`:
+`engine.batching.OffloadBatcher`, warmed up at construction). Its thread runs the batcher step by step: at every
+step boundary it admits waiting jobs into free slots
 (first come, first served; a job cancelled while waiting never runs), runs one step (a decode of every row
 that has its first token plus one prefill chunk) and puts each row's token on its job's queue, as `Worker` does
 (token events, then one "done" with finish_reason "stop" | "length" | "cancelled", or "error"). A job leaves
@@ -36,7 +37,13 @@ class BatchingWorker(QueueWorker):
                  max_len: int | None = None, chunk: int | None = None):
         super().__init__(runner, eos, max_queue, metrics)
         extra = {} if chunk is None else {"chunk": chunk}
-        self.batcher = Batcher(runner.model, max_batch, max_len, **extra)
+        if getattr(runner, "model", None) is not None:
+            self.batcher = Batcher(runner.model, max_batch, max_len, **extra)
+        else:
+            from pdscope_jax.engine.batching import OffloadBatcher
+
+            self.batcher = OffloadBatcher(runner.engine, max_batch, max_len, **extra)
+            self.batcher.warmup()  # before serving: the first requests would wait for its compiles
         self._running: dict[int, _Running] = {}  # slot -> its job
 
     @property

@@ -65,7 +65,11 @@ class Service:
             self.context = self.limits.max_seq_len or min(runner.config.max_position_embeddings, BATCH_CONTEXT)
             worker = BatchingWorker(runner, eos, self.limits.max_queue, self.metrics, self.limits.max_batch,
                                     self.context)
-        else:  # offloaded: one request at a time, in the engine's own cache
+        elif limits.get("max_batch", 1) > 1:  # offloaded: continuous batching in the engine's budgeted cache
+            self.context = limits["max_seq_len"]
+            worker = BatchingWorker(runner, eos, self.limits.max_queue, self.metrics,
+                                    min(self.limits.max_batch, limits["max_batch"]), self.context)
+        else:  # offloaded with a cache for one sequence: one request at a time
             self.context = limits.get("max_seq_len") or runner.config.max_position_embeddings
             worker = Worker(runner, eos, self.limits.max_queue, self.metrics)
         worker.start()

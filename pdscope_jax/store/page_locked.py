@@ -7,8 +7,8 @@ Contract:
   every CUDA context (`cuMemHostRegister`, portable). `address`, `nbytes`, `view` (a uint8 numpy view);
   `release()` unlocks it (idempotent; also on collection, except at interpreter exit); the mapping lives as long
   as the object.
-- `import_array(buffer, offset, shape, dtype, accel) -> jax.Array` (by `DlpackView`): a `pinned_host` array of GPU `accel` over the
-  buffer's bytes from `offset`, through dlpack (kDLCUDAHost), no copy; the array keeps the buffer alive.
+- `import_array(buffer, offset, shape, dtype, accel) -> jax.Array`: a `pinned_host` array of GPU `accel` over the
+  buffer's bytes from `offset`, through dlpack (`DlpackView`, kDLCUDAHost), no copy; it keeps the buffer alive.
 - `fill_from_device(buffer, src)`: one device-to-host DMA of the GPU array's bytes into the buffer; returns when done.
 - `pin_stack(src, accel, buffer=None) -> PinnedStack`: src ([E, ...], a GPU jax array or numpy) copied into a
   buffer of exactly its bytes (given, or made now) -> `whole` (the stack) and `experts` (its E slices), pinned_host

@@ -1,9 +1,12 @@
 """The batching worker without HTTP: a cancelled request frees its slot for the one waiting, whose tokens are
-still those it gets alone; the whole model gets the batching worker, an offloaded one the one-at-a-time worker."""
+still those it gets alone; the whole model and an offloaded one budgeted for a batch get the batching worker
+(concurrent offloaded requests get their tokens alone), an offloaded one budgeted for one sequence the
+one-at-a-time worker."""
 
 import asyncio
 
 import pdscope_jax
+from pdscope_jax.engine.batching import OffloadBatcher
 from pdscope_jax.generation.sampling import SamplingParams
 from pdscope_jax.serve.batching import BatchingWorker
 from pdscope_jax.serve.service import Limits, Service
@@ -43,19 +46,50 @@ def test_cancelled_request_frees_its_slot_for_the_waiting_one(runner):
     assert [e.token_id for e in got[:-1] if e.token_id is not None] == alone
 
 
-def test_whole_model_batches_and_offloaded_serves_one_at_a_time(runner):
+def offloaded(max_batch: int):
+    return pdscope_jax.load("tiny-deepseek-v2-lite", dtype="float32", policy="ondemand", gpu_memory="1GB",
+                            max_seq_len=64, max_batch=max_batch)
+
+
+def test_the_whole_model_and_a_budgeted_offloaded_batch_get_the_batching_worker(runner):
     whole = Service("whole", Limits(max_batch=3, max_seq_len=128))
     whole.attach(runner)
-    offloaded = Service("offloaded", Limits(max_batch=3))
-    offloaded.attach(pdscope_jax.load("tiny-deepseek-v2-lite", dtype="float32", policy="ondemand",
-                                      gpu_memory="1GB", max_seq_len=64))
+    single = Service("single", Limits(max_batch=3))
+    single.attach(offloaded(1))
+    batched = Service("batched", Limits(max_batch=4))
+    batched.attach(offloaded(2))
     try:
         assert isinstance(whole.worker, BatchingWorker) and whole.worker.batcher.max_batch == 3
         assert whole.context == 128 and whole.worker.batcher.max_len == 128
-        assert type(offloaded.worker) is Worker and offloaded.context == 64
+        assert type(single.worker) is Worker and single.context == 64
+        assert isinstance(batched.worker.batcher, OffloadBatcher)
+        assert batched.worker.batcher.max_batch == 2 and batched.context == 64  # what the engine budgeted
     finally:
-        whole.close()
-        offloaded.close()
+        for service in (whole, single, batched):
+            service.close()
+
+
+def test_concurrent_offloaded_requests_get_their_tokens_alone():
+    engine_runner = offloaded(2)
+    prompts = [[5, 9, 2], list(range(3, 14)), [7] * 6]
+    lengths = [6, 3, 5]
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        worker = BatchingWorker(engine_runner, set(), max_queue=4, max_batch=2, max_len=64, chunk=8)
+        worker.start()
+        jobs = [Job(p, n, SamplingParams(), [], loop) for p, n in zip(prompts, lengths)]
+        for job in jobs:  # two run together, the third joins when one leaves
+            worker.submit(job)
+        got = [await events_of(job) for job in jobs]
+        worker.stop()
+        return got
+
+    got = asyncio.run(scenario())
+    for events, prompt, n in zip(got, prompts, lengths):
+        assert events[-1].finish_reason == "length"
+        tokens = [e.token_id for e in events[:-1] if e.token_id is not None]
+        assert tokens == engine_runner.generate([prompt], max_new_tokens=n).tokens[0].tolist()
 
 
 def test_stop_returns_when_the_clients_event_loop_has_closed(runner):
