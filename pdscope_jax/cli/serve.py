@@ -5,7 +5,7 @@ listens on --host (127.0.0.1 by default: loopback only) and --port at once, answ
 loaded, and serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics (`serve.app`).
 --api-key (or PDSCOPE_API_KEY) makes /v1 need `Authorization: Bearer KEY`; --max-prompt-tokens, --max-tokens
 and --max-queue bound what one request may ask and how many wait; --max-batch N sequences are decoded together
-(continuous batching; with --policy the engine budgets a KV cache for N, and N = 1 serves one at a time);
+(continuous batching; with --policy the engine budgets a KV cache for N, by default 1: one request at a time);
 --chat-template FILE overrides the checkpoint's template.
 """
 
@@ -40,7 +40,7 @@ def loader(args):
     from pdscope_jax.api import check_load
 
     runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool,
-                                              "max_batch": args.max_batch}  # the engine budgets the batch's cache
+                                              "max_batch": args.max_batch or 1}  # the engine budgets its cache
     if args.policy is not None and args.max_seq_len is not None:
         runtime["max_seq_len"] = args.max_seq_len
     runtime |= quality_settings(args)
@@ -70,9 +70,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, help="longer prompts get 413 (default: the context)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="the most new tokens one request may ask")
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond these get 429")
-    parser.add_argument("--max-batch", type=int, default=8,
-                        help="sequences decoded together (continuous batching; with --policy the GPU budget holds a "
-                             "KV cache for this many, and 1 serves one request at a time)")
+    parser.add_argument("--max-batch", type=int,
+                        help="sequences decoded together (continuous batching; default 8). With --policy the default "
+                             "is 1, one request at a time with the one-program decode step; N > 1 budgets a KV cache "
+                             "for N and decodes them in host-planned steps, slower on the H200 so far "
+                             "(docs/MEASUREMENTS.md)")
     args = parser.parse_args(argv)
 
     from pdscope_jax.errors import InputError
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         raise InputError(f"serving needs the [serve] extra ({err}): pip install 'pdscope_jax[serve]'") from None
 
     batch_len = args.max_seq_len if args.policy is None else None  # with --policy the engine sizes its own
-    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_queue, args.max_batch, batch_len)
+    limits = Limits(args.max_prompt_tokens, args.max_tokens, args.max_queue, args.max_batch or 8, batch_len)
     service = Service(args.served_model_name or args.model, limits, args.api_key, template)
     serve(service, load, args.host, args.port)
     return 0
