@@ -62,6 +62,23 @@ def _short(filename: str) -> str:
     return filename
 
 
+def sampled_frames(sampler: StackSampler, top: int, keep: tuple[str, ...] = ("",)) -> dict:
+    """{inclusive_s, leaf_s}: the `top` frames by seconds ([[frame, seconds]]), inclusive ones starting with `keep`."""
+    inclusive = [(w, s) for w, s in sampler.inclusive.most_common() if w.startswith(keep)][:top]
+    return {"inclusive_s": [[w, round(s, 2)] for w, s in inclusive],
+            "leaf_s": [[w, round(s, 2)] for w, s in sampler.leaf.most_common(top)]}
+
+
+def report(result: dict, headline: tuple[str, ...], shown: int, out: Path | None) -> dict:
+    """Print the `headline` fields as JSON and the `shown` top inclusive frames; write the result to `out`."""
+    print(json.dumps({k: result[k] for k in headline}))
+    for where, seconds in result["inclusive_s"][:shown]:
+        print(f"{seconds:8.2f} s  {where}")
+    if out:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def force_host_alloc(alloc: str) -> None:
     """Make every ExpertStore built from now on allocate with `alloc` (a later call replaces an earlier one)."""
     from pdscope_jax.store import expert_store
@@ -103,14 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
               "command": "python3 " + shlex.join(sys.argv), "commit": source_commit(), "weights": "random (seeded)",
               "host_alloc": store.host_alloc if store else None, "import_s": round(t1 - t0, 1),
               "load_s": round(t2 - t1, 1), "stages_s": {k: round(v, 1) for k, v in runner.startup_seconds.items()},
-              "inclusive_s": [[w, round(s, 2)] for w, s in sampler.inclusive.most_common(args.top)],
-              "leaf_s": [[w, round(s, 2)] for w, s in sampler.leaf.most_common(args.top)]}
-    print(json.dumps({k: result[k] for k in ("host_alloc", "import_s", "load_s", "stages_s")}))
-    for where, seconds in result["inclusive_s"][:25]:
-        print(f"{seconds:8.2f} s  {where}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+              **sampled_frames(sampler, args.top)}
+    return report(result, ("host_alloc", "import_s", "load_s", "stages_s"), 25, args.out)
 
 
 if __name__ == "__main__":

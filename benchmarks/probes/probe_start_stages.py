@@ -13,7 +13,6 @@ Writes: {what, command, commit, wall_s, import_s, run_s, exit_code, inclusive_s,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -21,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from probe_load_stages import StackSampler
+from probe_load_stages import StackSampler, report, sampled_frames
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -48,19 +47,11 @@ def main(argv: list[str] | None = None) -> dict:
     sampler.stop()
     from pdscope_jax.artifacts.provenance import source_commit
 
-    keep = ("pdscope_jax/", "jax/", "jaxlib/", "torch/")
-    inclusive = [(w, s) for w, s in sampler.inclusive.most_common() if w.startswith(keep)][:args.top]
     result = {"what": "where a pdscope-jax command's start goes (sampled main-thread stacks)",
               "command": "python3 " + shlex.join(sys.argv), "commit": source_commit(),
               "wall_s": round(t2 - t0, 2), "import_s": round(t1 - t0, 2), "run_s": round(t2 - t1, 2),
-              "exit_code": code, "inclusive_s": [[w, round(s, 2)] for w, s in inclusive],
-              "leaf_s": [[w, round(s, 2)] for w, s in sampler.leaf.most_common(args.top)]}
-    print(json.dumps({k: result[k] for k in ("wall_s", "import_s", "run_s", "exit_code")}))
-    for where, seconds in result["inclusive_s"][:40]:
-        print(f"{seconds:8.2f} s  {where}")
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    return result
+              "exit_code": code, **sampled_frames(sampler, args.top, ("pdscope_jax/", "jax/", "jaxlib/"))}
+    return report(result, ("wall_s", "import_s", "run_s", "exit_code"), 40, args.out)
 
 
 if __name__ == "__main__":

@@ -72,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond these get 429")
     parser.add_argument("--max-batch", type=int,
                         help="sequences decoded together (continuous batching; default 8). With --policy the default "
-                             "is 1, one request at a time with the one-program decode step; N > 1 budgets a KV cache "
-                             "for N and decodes them in host-planned steps, slower on the H200 so far "
-                             "(docs/MEASUREMENTS.md)")
+                             "is 1, one request at a time; N > 1 budgets a KV cache for N (host-planned batches "
+                             "were slower than one stream on the H200; the device step over the batch is not yet "
+                             "measured: docs/MEASUREMENTS.md)")
     args = parser.parse_args(argv)
 
     from pdscope_jax.errors import InputError

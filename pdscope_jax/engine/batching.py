@@ -20,11 +20,14 @@ need for them, then starts the pool afresh.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pdscope_jax.engine import decode
 from pdscope_jax.errors import InputError
 from pdscope_jax.generation.batcher import Batcher
 from pdscope_jax.generation.generator import CACHE_BUCKET
@@ -60,6 +63,15 @@ _programs = {"take_row": jax.jit(_take_row), "put_row": jax.jit(_put_row, donate
              "first_pick": jax.jit(_first_pick, static_argnums=0, donate_argnums=5)}
 
 
+@dataclasses.dataclass
+class _Session:
+    """Decode steps on the accelerator for a fixed set of rows."""
+    slots: list[int]  # the rows decoding, ascending
+    rows: list  # their Row objects: a slot left and taken again is not this session's
+    decoder: decode.DeviceDecode
+    left: int  # steps still to dispatch: the fewest tokens a row still needs
+
+
 class OffloadBatcher(Batcher):
     def __init__(self, engine, max_batch: int | None = None, max_len: int | None = None, chunk: int | None = None):
         rc = engine.runtime
@@ -78,11 +90,18 @@ class OffloadBatcher(Batcher):
         unit = max(CACHE_BUCKET, chunk)
         self.cache_len = -(-max_len // unit) * unit  # a multiple of chunk: no chunk runs past the end
         self.compiles = 0
+        self._session = None
         self.reset()
 
     def reset(self) -> None:
         """Every slot free and a fresh cache (after an error, whose donated buffers may be gone)."""
         e = self.engine
+        if self._session is not None:
+            try:
+                self._session.decoder.finish()  # its statistics and the pool's table back, its tokens dropped
+            except Exception:  # noqa: BLE001 (after an error the session's buffers may be gone: start afresh)
+                e.pool.close_decode_bank()
+            self._session = None
         self.cache = list(e._init_cache(self.max_batch, self.cache_len, e.cache_dtype))
         self.sampling = SamplingState.create(SamplingParams(), np.zeros((self.max_batch, 1), np.int32),
                                              self.config.vocab_size, e.devices.accel)
@@ -107,6 +126,58 @@ class OffloadBatcher(Batcher):
 
     def _put(self, array):
         return jax.device_put(array, self.engine.devices.accel)
+
+    def step(self) -> list:
+        live = [slot for slot, r in enumerate(self.rows) if r is not None and r.decoding]
+        prefilling = [(r.order, slot) for slot, r in enumerate(self.rows) if r is not None and not r.decoding]
+        out = []
+        session = self._session
+        if session is not None and (prefilling or live != session.slots or session.left == 0):
+            out += self._close()
+            live = [slot for slot, r in enumerate(self.rows) if r is not None and r.decoding]
+        if live and not prefilling and (self._session is not None or self._open(live)):
+            return out + self._device_step()
+        out += self._decode_step()
+        if prefilling:
+            out += self._prefill_step(min(prefilling)[1])
+        return out
+
+    def _open(self, live: list[int]) -> bool:
+        """A device decode session over the rows `live`, if `decode.choose` takes the device path for it."""
+        e, b = self.engine, self.max_batch
+        left = min(self.rows[slot].max_new - self.rows[slot].generated for slot in live)
+        if decode.choose(e, b, left) is not decode.DeviceDecode:
+            return False
+        tokens, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
+        positions, active = np.full(b, self.cache_len - 1, np.int32), np.zeros(b, bool)
+        for slot in live:
+            r = self.rows[slot]
+            tokens[slot], positions[slot], steps[slot] = r.token, len(r.prompt) + r.generated - 1, r.generated
+            active[slot] = True
+        decoder = decode.DeviceDecode(e, self._put(tokens), self.cache, positions, self.sampling, steps, active)
+        self._session = _Session(live, [self.rows[slot] for slot in live], decoder, left)
+        return True
+
+    def _device_step(self) -> list:
+        session = self._session
+        session.decoder.step(0)  # the step number lives on the accelerator, per row
+        session.left -= 1
+        out = []
+        while session.decoder.tokens:
+            out += self._emit_present(session.decoder.tokens.pop(0), session)
+        return out
+
+    def _close(self) -> list:
+        """End the session: its tokens in flight emitted (for rows still here), its cache and sampling state back."""
+        session, self._session = self._session, None
+        out = [e for picked in session.decoder.finish() for e in self._emit_present(picked, session)]
+        self.cache, self.sampling = list(session.decoder.caches), session.decoder.sampling
+        return out
+
+    def _emit_present(self, picked, session: _Session) -> list:
+        """`picked`'s tokens for the session's rows still in their slots (a row that left drops its own)."""
+        return self._emit(picked, {slot: slot for slot, row in zip(session.slots, session.rows)
+                                   if self.rows[slot] is row})
 
     def _decode_step(self) -> list:
         live = [slot for slot, r in enumerate(self.rows) if r is not None and r.decoding]

@@ -22,7 +22,9 @@ counted to the decode statistics.
   dispatched; where its steps copy nothing, it first fills the decode bank (`_fill_bank`, counted in `seconds`,
   bytes and `experts_placed`). Its steps count in `device_steps`, `seconds`, hits (copies ahead used included),
   bytes, prefetch use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host
-  computed), not in the time splits.
+  computed), not in the time splits. For a batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's
+  input position), `steps` int32 [B] (each row's sampling step at the first step), `active` [B] bool (the rest
+  route to no expert and count as no token).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class HostDecode:
 
 
 class DeviceDecode:
-    def __init__(self, engine, token, cache: list, t: int, sampling):
+    def __init__(self, engine, token, cache: list, t, sampling, steps=None, active=None):
         e = self.engine = engine
         e._transfers.commit_all()  # nothing staged stays behind the table's upload
         e._transfers.streamed.clear()
@@ -84,8 +86,11 @@ class DeviceDecode:
         self.graphs = tuple(layer.graph for layer in e._layers)
         self.state_tree, self.state_leaves = device_decode.flat_states((layer.state for layer in e._layers), e._state)
         self.token, self.caches = token, tuple(cache)
-        self.positions = jax.device_put(np.full((b, 1), t, np.int32), accel)
-        self.step_no = jax.device_put(np.int32(1), accel)  # the step counter lives on the accelerator
+        self.positions = jax.device_put(np.broadcast_to(np.asarray(t, np.int32).reshape(-1, 1), (b, 1)), accel)
+        # the step counter lives on the accelerator
+        self.step_no = jax.device_put(np.int32(1) if steps is None else np.asarray(steps, np.int32), accel)
+        self.active = None if active is None else jax.device_put(np.asarray(active, bool), accel)
+        self.real_rows = b if active is None else int(np.sum(active))
         self.sampling = sampling
         self.in_flight, self.tokens = [], []
         self.steps_run = 0
@@ -116,7 +121,7 @@ class DeviceDecode:
          self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
                                       self.state_leaves, self.experts,
                                       self.token, self.positions, self.caches, self.sampling, self.step_no,
-                                      pool.banks, self.table)
+                                      pool.banks, self.table, self.active)
         self.token = picked.token
         self.steps_run += 1
         for leaf in jax.tree.leaves(picked):
@@ -142,7 +147,7 @@ class DeviceDecode:
         stats = e.phase_stats["decode"]
         stats.steps += self.steps_run
         stats.device_steps += self.steps_run
-        stats.tokens += self.token.shape[0] * self.steps_run
+        stats.tokens += self.real_rows * self.steps_run
         stats.seconds += seconds
         stats.activated += counts["activated"]
         stats.hits += counts["hits"] + counts["used_ahead"]  # as the host loop counts: resident or in flight

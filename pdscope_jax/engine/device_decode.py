@@ -11,14 +11,15 @@ run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt 
   and take them when worth more (always under LRU), else are used once and not kept; at most `kept_rows(picks)` of a
   layer's misses (most worth first) are kept; a miss the host computes is never kept.
 - `decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
-  sampling, step, banks, table) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`: one model step
-  on token [B] at positions [B, 1]; `state_tree`, `state_leaves` = `flat_states(states, model_state)`, the layers' and
-  the model's parameters as one tuple of arrays; `experts[m]`: the m-th MoE layer's experts in pinned host memory,
-  whole-layer stacks (gate_up [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks` (the
-  pool, and the decode bank while open; the table numbers their slots one after the other). `host`: None (every miss
-  copied) or the `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. Sampling is
-  `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs, model
-  graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated).
+  sampling, step, banks, table, active=None) -> (Sampled, sampling', positions + 1, step + 1, caches, banks, table)`:
+  one model step on token [B] at positions [B, 1] (rows not `active` [B] route to no expert: a batch's free rows);
+  `state_tree`, `state_leaves` = `flat_states(states, model_state)`, the layers' and the model's parameters as one
+  tuple of arrays; `experts[m]`: the m-th MoE layer's experts in pinned host memory, whole-layer stacks (gate_up
+  [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks` (the pool, and the decode bank
+  while open; the table numbers their slots one after the other). `host`: None (every miss copied) or the
+  `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. Sampling is
+  `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs,
+  model graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated).
 - `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a non-hit victim.
 Numbers equal the host-driven loop's within float tolerance (same route program and expert function); each row's routed
 sum is the plain model's (`models.experts.combine_experts`): expert outputs in the model's dtype, weighted and summed in
@@ -116,18 +117,25 @@ def _bridge_pull(host: HostExperts, m, h, ids, coef, picks, copy_ids, take, ahea
     return h, picks, pulled, tuple(next_rows) if next_rows else None
 
 
-def _distinct(ids, num_experts: int):
-    """The distinct experts of ids [N, K], ascending, -1 padding the end to min(N * K, num_experts)."""
-    if ids.shape[0] == 1:  # one row's top-k are distinct: sorting them is their unique (one kernel, not several)
+def _distinct(ids, num_experts: int, masked: bool = False):
+    """The distinct experts of ids [N, K], ascending, -1 padding the end to min(N * K, num_experts); `masked`: ids
+    may hold -1 (rows routed nowhere), which count as padding."""
+    if ids.shape[0] == 1 and not masked:  # one row's top-k are distinct: sorting them is their unique (one kernel)
         return jnp.sort(ids.reshape(-1))
+    if masked:  # -1 sorts first in a unique: past every expert instead, then back to -1
+        out = jnp.unique(jnp.where(ids < 0, num_experts, ids).reshape(-1), size=min(ids.size, num_experts),
+                         fill_value=num_experts)
+        return jnp.where(out >= num_experts, -1, out)
     return jnp.unique(ids.reshape(-1), size=min(ids.size, num_experts), fill_value=-1)
 
 
-def _predict(router, m, h, table):
-    """MoE position m + 1's router (graph, state) on this layer's MoE input h [N, D]: -> (predicted [P], the
-    predicted experts not resident now, else -1 [P])."""
+def _predict(router, m, h, table, active=None):
+    """MoE position m + 1's router (graph, state) on this layer's MoE input h [N, D] (rows `active`, all when None):
+    -> (predicted [P], the predicted experts not resident now, else -1 [P])."""
     ids, num_experts = next_layer_picks(*router, h)
-    predicted = _distinct(ids, num_experts)
+    if active is not None:
+        ids = jnp.where(active[:, None], ids, -1)
+    predicted = _distinct(ids, num_experts, masked=active is not None)
     absent = (predicted >= 0) & (table.slot_of[m + 1, jnp.maximum(predicted, 0)] < 0)
     return predicted, jnp.where(absent, predicted, -1)
 
@@ -198,17 +206,20 @@ def _put(banks, target, parts):
     return tuple(out)
 
 
-def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router=None, ahead=None):
+def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router=None, ahead=None, active=None):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
     (see the module docstring); `router`: the next MoE layer's (graph, state) where this layer copies ahead for
-    it (`HostExperts.copies_ahead`), `ahead`: what the layer before copied ahead for this one (`Ahead`, or None).
+    it (`HostExperts.copies_ahead`), `ahead`: what the layer before copied ahead for this one (`Ahead`, or None);
+    `active` [N] bool: rows not active route nowhere (no pick, no count; their output is meaningless).
     -> (y, banks, table, this layer's `Ahead` or None). Straight-line code, no loop over the picks (a
     loop costs a kernel chain per pick and copies of the pool): the layer's misses are copied at once and every
     pick's weights come out of that copy's program as one array (hits read from their slots) before any slot is
     written, every distinct expert runs in one batched call, and the misses, most worth first, are paired with
     the slots least worth keeping (a hit slot never among them)."""
     num_slots = table.keep.shape[0]
-    picks = _distinct(ids, table.slot_of.shape[1])
+    if active is not None:
+        ids = jnp.where(active[:, None], ids, -1)
+    picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
     valid = picks >= 0
     picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
     slots = table.slot_of[m, picks]
@@ -245,7 +256,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
         if host.bridge_copies and host.copies:
             next_ids = None
             if router is not None:
-                next_predicted, next_ids = _predict(router, m, h, table)
+                next_predicted, next_ids = _predict(router, m, h, table, active)
                 ahead_counts[0] = jnp.sum(next_ids >= 0)
             copy_ids = jnp.where(copied, picks, early_rows if ahead is not None else -1)
             h, picks, pulled, next_rows = _bridge_pull(host, m, h, host_ids, host_coef, picks, copy_ids,
@@ -314,7 +325,7 @@ def flat_states(states, model_state) -> tuple:
 
 
 def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
-                sampling, step, banks, table):
+                sampling, step, banks, table, active=None):
     states, model_state = jax.tree.unflatten(state_tree, state_leaves)
     model = nnx.merge(model_graph.graphdef, model_state)
     x = model.embed(token[:, None])  # [B, 1, D]
@@ -330,7 +341,8 @@ def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves,
         router = None
         if host is not None and host.copies_ahead and m + 1 < len(moe_layers):
             router = (graphs[moe_layers[m + 1]], states[moe_layers[m + 1]])
-        y, banks, table, ahead = _routed_experts(m, h, weights, ids, experts[m], banks, table, host, router, ahead)
+        y, banks, table, ahead = _routed_experts(m, h, weights, ids, experts[m], banks, table, host, router, ahead,
+                                                 active)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
     picked, sampling = sample(logits, sampling, step)

@@ -1,6 +1,6 @@
 """engine.batching.OffloadBatcher: requests joining and leaving an offloaded batch at step boundaries, with ragged
-lengths and chunked prompts, get the greedy float32 tokens each gets alone; a batch larger than the engine's
-budgeted cache is refused."""
+lengths and chunked prompts, get the greedy float32 tokens each gets alone, with decode steps host-planned (a pool
+too small for the device step) or on the device; a batch larger than the engine's budgeted cache is refused."""
 
 import numpy as np
 import pytest
@@ -11,10 +11,13 @@ from pdscope_jax.errors import InputError
 from pdscope_jax.generation.sampling import SamplingParams
 
 
-@pytest.fixture(scope="module", params=["pdscope", "static"])
+@pytest.fixture(scope="module", params=[("pdscope", "40KB"), ("ondemand", None)], ids=["host-planned", "device"])
 def runner(request):
-    return pdscope_jax.load("tiny-deepseek-v2-lite", dtype="float32", policy=request.param, gpu_memory="1GB",
-                            expert_pool="40KB", max_seq_len=128, max_batch=3)
+    policy, pool = request.param
+    runner = pdscope_jax.load("tiny-deepseek-v2-lite", dtype="float32", policy=policy, gpu_memory="1GB",
+                              max_seq_len=128, max_batch=3, **({} if pool is None else {"expert_pool": pool}))
+    runner.device_path = request.param_index == 1  # the parameter's decode path, checked by the tests
+    return runner
 
 
 def test_ragged_requests_joining_midway_get_their_tokens_alone(runner):
@@ -25,7 +28,8 @@ def test_ragged_requests_joining_midway_get_their_tokens_alone(runner):
     batcher = OffloadBatcher(runner.engine, chunk=8)  # 19 prompt tokens: three chunks
     batcher.warmup()
     got, of_slot, waiting, step = {}, {}, list(range(4)), 0
-    decode_tokens = runner.engine.phase_stats["decode"].tokens
+    stats = runner.engine.phase_stats["decode"]
+    decode_tokens, device_steps = stats.tokens, stats.device_steps
     while waiting or batcher.active:
         # one request joins every other step (three slots for four: the last waits for a free one)
         if waiting and batcher.free_slots and (step % 2 == 0 or not batcher.active):
@@ -37,7 +41,8 @@ def test_ragged_requests_joining_midway_get_their_tokens_alone(runner):
         step += 1
     assert [got[i] for i in range(4)] == alone
     # decode counted the real rows only: every token but each request's first (sampled by its prefill)
-    assert runner.engine.phase_stats["decode"].tokens - decode_tokens == sum(n - 1 for n in new)
+    assert stats.tokens - decode_tokens == sum(n - 1 for n in new)
+    assert (stats.device_steps > device_steps) == runner.device_path  # the path this parameter is for was taken
 
 
 def test_a_released_row_frees_its_slot_and_a_new_one_takes_it(runner):
