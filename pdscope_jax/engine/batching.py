@@ -144,16 +144,11 @@ class OffloadBatcher(Batcher):
 
     def _open(self, live: list[int]) -> bool:
         """A device decode session over the rows `live`, if `decode.choose` takes the device path for it."""
-        e, b = self.engine, self.max_batch
+        e = self.engine
         left = min(self.rows[slot].max_new - self.rows[slot].generated for slot in live)
-        if decode.choose(e, b, left) is not decode.DeviceDecode:
+        if decode.choose(e, self.max_batch, left) is not decode.DeviceDecode:
             return False
-        tokens, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        positions, active = np.full(b, self.cache_len - 1, np.int32), np.zeros(b, bool)
-        for slot in live:
-            r = self.rows[slot]
-            tokens[slot], positions[slot], steps[slot] = r.token, len(r.prompt) + r.generated - 1, r.generated
-            active[slot] = True
+        tokens, positions, steps, active = self._decode_inputs(live)
         decoder = decode.DeviceDecode(e, self._put(tokens), self.cache, positions, self.sampling, steps, active)
         self._session = _Session(live, [self.rows[slot] for slot in live], decoder, left)
         return True
@@ -179,18 +174,24 @@ class OffloadBatcher(Batcher):
         return self._emit(picked, {slot: slot for slot, row in zip(session.slots, session.rows)
                                    if self.rows[slot] is row})
 
-    def _decode_step(self) -> list:
-        live = [slot for slot, r in enumerate(self.rows) if r is not None and r.decoding]
-        if not live:
-            return []
-        e, b = self.engine, self.max_batch
+    def _decode_inputs(self, live: list[int]):
+        """(tokens, positions, sampling steps, active) [max_batch] of a decode step of the rows `live`; the other
+        rows at the scratch position."""
+        b = self.max_batch
         tokens, steps = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        positions = np.full(b, self.cache_len - 1, np.int32)  # a scratch position for rows not decoding
-        active = np.zeros(b, bool)
+        positions, active = np.full(b, self.cache_len - 1, np.int32), np.zeros(b, bool)
         for slot in live:
             r = self.rows[slot]
             tokens[slot], positions[slot], steps[slot] = r.token, len(r.prompt) + r.generated - 1, r.generated
             active[slot] = True
+        return tokens, positions, steps, active
+
+    def _decode_step(self) -> list:
+        live = [slot for slot, r in enumerate(self.rows) if r is not None and r.decoding]
+        if not live:
+            return []
+        e = self.engine
+        tokens, positions, steps, active = self._decode_inputs(live)
         x, cache = e._loop.step(self._put(tokens[:, None]), self._put(positions[:, None]), self.cache, "decode",
                                 active)
         self.cache = list(cache)
