@@ -50,7 +50,8 @@ def parse(argv):
     ap.add_argument("--model", default="deepseek-v2-lite")
     for name, kind in LOAD_OPTIONS.items():
         ap.add_argument("--" + name.replace("_", "-"), type=kind, help="passed to `serve` and `load`")
-    ap.add_argument("--max-batch", type=int, help="the server's --max-batch (whole model: continuous batching)")
+    ap.add_argument("--max-batch", type=int,
+                    help="the server's --max-batch (continuous batching; with --policy the engine budgets it)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
