@@ -6,10 +6,11 @@ Contract (each function returns what it builds; nothing here is kept between cal
   unless `rc.activation_memory` is "estimated" or every expert fits the pool under the upper estimate anyway);
   raises `BudgetError` when the model does not fit.
 - `new_store(shapes, moe_layers, devices, **store options)` -> an empty ExpertStore already page-locking the expert
-  stacks' memory ahead (`ExpertStore.expect_stacks`; the driver's allocation), so that runs beside the budget.
-- `take_weights(model, weights, shapes, moe_layers, store, quant, dtype, low)` -> (store, filled and `loaded()`,
-  non-expert weights {path: array}); on failure the store stops page-locking. Quantized experts (`quant`) reach the store as QuantizedWeights of compute
-  dtype `dtype`, assembled from their integer and scale parameters; with `low` each layer's int4 copies
+  stacks' memory ahead (`ExpertStore.expect_stacks`; the driver's allocation), so that runs beside the budget; its
+  caller ends that with `store.loaded()`, also on failure.
+- `take_weights(model, weights, shapes, moe_layers, store, quant, dtype, low)` -> (the store, filled, non-expert
+  weights {path: array}). Quantized experts (`quant`) reach the store as QuantizedWeights of compute dtype `dtype`,
+  assembled from their integer and scale parameters; with `low` each layer's int4 copies
   (`store.low_copies.low_copy`) are made where the layer lies and kept beside it. `weights`: None (the model's
   own parameters), a flat `{path: array}` dict (routed-expert entries are popped as the store takes them, so the
   caller's dict keeps no second host copy), or a loader `loader(paths, placement) -> {path: array}` called once for
@@ -17,6 +18,7 @@ Contract (each function returns what it builds; nothing here is kept between cal
   copied into pinned host memory and dropped: the accelerator holds at most one layer of them (the budget's
   "transfer staging" line) and the host never holds the model twice. A progress bar counts the MoE layers once
   their experts reach `PROGRESS_BYTES`.
+- `nbytes(array or ShapeDtypeStruct)` -> its bytes.
 - `place_non_experts(graphdef, flat_state, weights, accel)` -> `Placed`: the model's non-expert weights on the
   accelerator split into the jitted pieces' arguments (expert stacks become empty arrays: attention, router and
   shared experts never read them).
@@ -85,10 +87,10 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
     # `cfg.expert_bytes`, which the budget uses for slots, staging and transfers)
     expert_dtype = (cache_dtype if cfg.expert_quant else
                     np.dtype(shapes[f"layers.{cfg.moe_layers[0]}.mlp.experts.gate_up"].dtype))
-    non_expert = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if not is_expert_path(p))
+    non_expert = sum(nbytes(s) for p, s in shapes.items() if not is_expert_path(p))
     kv = jax.eval_shape(lambda: abstract.init_cache(rc.max_batch, round_up(rc.max_seq_len, CACHE_BUCKET),
                                                     cache_dtype))
-    kv_bytes = sum(a.size * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(kv))
+    kv_bytes = sum(nbytes(a) for a in jax.tree.leaves(kv))
     parts = dict(non_expert_bytes=int(non_expert), kv_cache_bytes=int(kv_bytes), itemsize=expert_dtype.itemsize)
     if rc.activation_memory == "measured":
         try:  # every expert fits the pool even under the upper estimate: measuring could change nothing
@@ -102,23 +104,21 @@ def plan_budget(cfg, rc: RuntimeConfig, abstract, shapes: dict[str, Any]) -> tup
     return budget_of(cfg, rc, **parts), expert_dtype, cache_dtype
 
 
+def nbytes(spec) -> int:
+    """Bytes of an array or ShapeDtypeStruct."""
+    return spec.size * np.dtype(spec.dtype).itemsize
+
+
 def new_store(shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view: str, host_alloc: str,
               expert_stacks: bool) -> ExpertStore:
     store = ExpertStore(devices, cpu_view=cpu_view, host_alloc=host_alloc, stacks=expert_stacks)
-    store.expect_stacks(s.size * np.dtype(s.dtype).itemsize for paths in expert_paths(moe_layers).values()
+    store.expect_stacks(nbytes(s) for paths in expert_paths(moe_layers).values()
                         for p in paths + tuple(q + "_scale" for q in paths) if (s := shapes.get(p)) is not None)
     return store
 
 
 def take_weights(model, weights, shapes: dict[str, Any], moe_layers, store: ExpertStore, *, quant: str | None = None,
                  dtype=None, low: bool = False) -> tuple[ExpertStore, dict]:
-    try:
-        return _take_weights(model, weights, shapes, moe_layers, store, quant, dtype, low)
-    finally:
-        store.loaded()
-
-
-def _take_weights(model, weights, shapes, moe_layers, store: ExpertStore, quant, dtype, low):
     accel = jax.sharding.SingleDeviceSharding(store.devices.accel)
 
     def placement(path):  # the loader generates or reads every parameter on the accelerator
@@ -141,7 +141,7 @@ def _take_weights(model, weights, shapes, moe_layers, store: ExpertStore, quant,
         raise ValueError(f"no values for {len(abstract_values)} parameters (e.g. {abstract_values[0]}): an "
                          "abstract model needs `weights` (a dict or a loader)")
     layers = expert_paths(moe_layers)
-    expert_bytes = sum(s.size * np.dtype(s.dtype).itemsize for p, s in shapes.items() if is_expert_path(p))
+    expert_bytes = sum(nbytes(s) for p, s in shapes.items() if is_expert_path(p))
     with Progress(transient=True, disable=expert_bytes < PROGRESS_BYTES) as progress:
         task = progress.add_task("routed experts -> pinned host memory (MoE layers)", total=len(layers))
         for layer, paths in layers.items():

@@ -94,9 +94,8 @@ class OffloadRunner:
                                                        / cfg.expert_bytes(expert_dtype.itemsize))
             self.store, non_expert = take_weights(model, weights, shapes, self._moe_layers, store,
                                                   quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
-        except BaseException:
-            store.loaded()  # no page-locking left running behind an error
-            raise
+        finally:
+            store.loaded()  # every layer taken, or an error: no page-locking left running behind
         clock.lap("weights and expert store")
         placed = place_non_experts(graphdef, flat_state, non_expert, self.devices.accel)
         clock.lap("non-expert weights")

@@ -9,9 +9,8 @@ Contract:
   every view aliases, 2.0: none does). `cpu_view="copy"` forces copies.
 - Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"driver"` (one buffer per layer stack
   page-locked through the CUDA driver and imported zero-copy through dlpack, `store.page_locked`); `"auto"`: the
-  driver on a GPU, else jax (why: docs/MEASUREMENTS.md).
-  `store.host_alloc` says which ran. `expect_stacks(sizes)` lets the driver page-lock the stacks to come on
-  threads while earlier layers are added; `loaded()` ends that.
+  driver on a GPU, else jax (why: docs/MEASUREMENTS.md). `store.host_alloc` says which ran. `expect_stacks(sizes)`
+  lets the driver page-lock the stacks to come on threads while earlier layers are added; `loaded()` ends that.
 - Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts by a
   computed index (`engine.device_decode`, `pull_traced`): free with a buffer per stack; with jax only when
   `stacks=True`, as a second pinned copy (in host_bytes_per_model_byte).
@@ -197,8 +196,9 @@ class ExpertStore:
         (`page_locked.pin_stack`, made ahead where expected). -> (the stack, its E experts, their E numpy views), each
         in `stack`'s structure."""
         leaves, structure = jax.tree.flatten(stack)
-        made = (lambda n: self._maker.take(n)) if self._maker is not None else (lambda n: None)
-        parts = [page_locked.pin_stack(leaf, self.devices.accel, made(leaf.nbytes)) for leaf in leaves]
+        parts = [page_locked.pin_stack(leaf, self.devices.accel,
+                                       None if self._maker is None else self._maker.take(leaf.nbytes))
+                 for leaf in leaves]
         self._page_locked.extend(parts)
         experts = range(parts[0].view.shape[0])
         return (structure.unflatten([p.whole for p in parts]),
