@@ -10,7 +10,8 @@ compile_cache=True, quantize=None, quant_cache=True, accelerators=None, **runtim
   first N devices (`accelerators=N`, `parallel.expert_parallel`; N divides E).
 - A policy (`sched.POLICIES`): the one-accelerator offload engine (`engine.runner.OffloadRunner`) under the
   `RuntimeConfig` of `policy` and `**runtime` (`gpu_memory`, `expert_pool`, `max_batch`, `max_seq_len`, ...),
-  with the plain model's numbers (float32 logits within 1e-4; bf16 within its rounding: README).
+  with the plain model's numbers (float32 logits within 1e-4; bf16 within its rounding: README). Called before
+  JAX's backends start, it holds XLA's GPU preallocation to about `gpu_memory` (`runtime.hold_gpu_to_budget`).
 - `predictors`: a PhasePer checkpoint (this model's fingerprint) for the planner. `quantize="int8" | "int4"`:
   routed experts stored quantized as they load (`quant`; from a checkpoint through a cache keyed by its
   fingerprint, `quant_cache=False` off, a directory there). `quality=` (runtime): the lowest precision of an
@@ -151,6 +152,10 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
          compile_cache: bool | str | Path = True, quantize: str | None = None,
          quant_cache: bool | str | Path = True, accelerators: int | None = None, **runtime):
     rc = check_load(dtype, seed, policy, predictors, runtime, quantize, accelerators)  # before anything is read
+    if rc is not None:
+        from pdscope_jax.runtime import hold_gpu_to_budget
+
+        hold_gpu_to_budget(rc.gpu_memory)
     cfg, checkpoint = resolve(str(name_or_path), revision)
     if quantize is not None:
         check_quantizable(cfg, quantize)  # the config alone tells: before any weight is opened

@@ -324,6 +324,18 @@ def flat_states(states, model_state) -> tuple:
     return tree, tuple(leaves)
 
 
+def _layer_experts(m, h, weights, ids, experts, banks, table, host, router_graph, router_state, ahead, active):
+    router = None if router_graph is None else (router_graph, router_state)
+    return _routed_experts(m, h, weights, ids, experts, banks, table, host, router, ahead, active)
+
+
+# The step's layers as nested programs, the MoE position a traced value: a model's layers of one kind trace and lower
+# once (a start reads the step from the persistent cache, but traces it first), and XLA inlines them into the step.
+_dense_program = jax.jit(dense_layer, static_argnums=0)
+_route_program = jax.jit(moe_route, static_argnums=(0, 5, 6))
+_experts_program = jax.jit(_layer_experts, static_argnums=(7, 8))
+
+
 def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
                 sampling, step, banks, table, active=None):
     states, model_state = jax.tree.unflatten(state_tree, state_leaves)
@@ -334,15 +346,15 @@ def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves,
     ahead = None
     for i, (graph, state) in enumerate(zip(graphs, states)):
         if i not in moe_layers:
-            x, caches[i] = dense_layer(graph, state, x, positions, caches[i])
+            x, caches[i] = _dense_program(graph, state, x, positions, caches[i])
             continue
         m = moe_layers.index(i)
-        x, h, weights, ids, _, shared, caches[i] = moe_route(graph, state, x, positions, caches[i], rows, False)
-        router = None
+        x, h, weights, ids, _, shared, caches[i] = _route_program(graph, state, x, positions, caches[i], rows, False)
+        router_graph = router_state = None
         if host is not None and host.copies_ahead and m + 1 < len(moe_layers):
-            router = (graphs[moe_layers[m + 1]], states[moe_layers[m + 1]])
-        y, banks, table, ahead = _routed_experts(m, h, weights, ids, experts[m], banks, table, host, router, ahead,
-                                                 active)
+            router_graph, router_state = graphs[moe_layers[m + 1]], states[moe_layers[m + 1]]
+        y, banks, table, ahead = _experts_program(np.int32(m), h, weights, ids, experts[m], banks, table, host,
+                                                  router_graph, router_state, ahead, active)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
     picked, sampling = sample(logits, sampling, step)

@@ -7,7 +7,8 @@ Contract:
   and the CPU expert kernel (`cpu_ffn`) built and using AVX-512 BF16. `close()` stops its worker (no program
   using it may be pending); `stats()` -> {layers served, faults, seconds computing}; `timeline()` -> per served
   layer, its MoE position, experts computed, and when the worker saw "go" and wrote "done".
-- Inside a program jitted for that device, per MoE position m: `begin(bridge, m, h, ids, coef, picks)` ->
+- Inside a program jitted for that device, per MoE position m (an int or a traced int32 scalar: the worker reads it
+  from the program, so one traced layer serves every position): `begin(bridge, m, h, ids, coef, picks)` ->
   (h', picks'): the host starts y_cpu[n] = sum_u coef[u, n] * expert(m, ids[u])(h[n]) over ids[u] >= 0
   (h [N, D] bf16, ids [U] int32, coef [U, N] float32; U = 0: nothing, and no end follows); `end(bridge, dep,
   rows, hidden)` -> y_cpu [N, D] float32, after `dep`. The caller reads h' and picks' for its own expert work,
@@ -141,7 +142,7 @@ def begin(bridge: Bridge, m: int, h, ids, coef, picks, copy_ids=None, ahead_ids=
                                     jax.ShapeDtypeStruct(picks.shape, picks.dtype), *rows),
                             has_side_effect=SIDE_EFFECT)
     out = call(h, ids.astype(jnp.int32), coef.astype(jnp.float32), picks, *lists, *_rows_or_empty(bridge, ahead_rows),
-               handle=np.int64(bridge.handle), layer=np.int64(m))
+               jnp.asarray(m, jnp.int32).reshape(1), handle=np.int64(bridge.handle))
     return (*out[:2], *(out[2:4] if copy_ids is not None else ()), *(out[4:] if ahead_ids is not None else ()))
 
 

@@ -2,9 +2,9 @@
 //
 // Three XLA FFI handlers (platform CUDA) bracket a layer's GPU-side expert work in one program:
 //   begin(h [N, D] bf16, ids [U] s32, coef [U, N] f32, picks [P] s32, copy_ids [C] s32, ahead_ids [A] s32,
-//         from_gate_ups [B, D, 2F] bf16, from_downs [B, F, D] bf16)
+//         from_gate_ups [B, D, 2F] bf16, from_downs [B, F, D] bf16, layer [1] s32: the MoE position)
 //       -> (h', picks', gate_ups [C, D, 2F] bf16, downs [C, F, D] bf16, ahead gate_ups [A, ...], ahead downs)
-//     enqueues on the program's stream: copies of h, ids, coef and copy_ids into pinned host staging, copies
+//     enqueues on the program's stream: copies of h, ids, coef, copy_ids and layer into pinned host staging, copies
 //     of h and picks into h' and picks' (the GPU work that follows reads those, so it is ordered after begin),
 //     and a write of the call's sequence number into a pinned "go" word (U = 0: the host computes nothing;
 //     C = 0: nothing is copied);
@@ -16,23 +16,23 @@
 //   end(dep: any buffer) -> y [N, D] f32
 //     enqueues a wait until the pinned "done" word reaches that sequence number, then a copy of the host's
 //     result into y (`dep` is the GPU work end must follow).
-// A worker thread per bridge sees "go", issues the copies of the experts copy_ids from the host's copy into
-// begin's outputs on its own stream followed by a write of "copied" (DMA: the program has no conditional to
-// size its copies, so the host thread that launches it never waits for the GPU), then those of the next layer's
-// ahead_ids into the ahead outputs (a prediction: they overlap this layer's work and the next one's routing; the
-// next layer's rows taken from them are moved on the same stream, so after them), then computes out[n] =
-// sum_u coef[u, n] * expert(ids[u])(h[n]) over the valid ids (>= 0) of that layer with the CPU expert kernel
-// (cpu_ffn.cc's pdscope_cpu_ffn_run_bf16, passed in as a function pointer), and writes "done". Handlers only
-// enqueue: no host thread ever waits for the GPU, and the GPU waits where the program needs a result.
-// Ordering: begin and end alternate in program order and a program's handlers run in order on one host thread,
-// so each fetched and end waits for the latest begin. The staging is reused by the next begin only after the
-// stream passed this layer's fetched (the worker reads copy_ids before it issues the copies) and end (h, ids and
-// coef are read while computing); a layer with no host experts needs no end. Ahead ids are staged in a ring of
-// kAheadRing slots by sequence number: the worker reads a begin's slot before it writes that begin's "copied",
-// which the next layer's fetched waits for before any later begin. The worker serves begins in sequence; each
-// begin's (layer, N, U, C, A) sit in a ring read by sequence number. A worker that sees no "go" for kWatchdogNs
-// after its begin was enqueued writes "done" anyway and counts a fault (the program's result is then wrong, and
-// `pdscope_host_experts_faults` says so) rather than leave the GPU waiting forever.
+// A worker thread per bridge sees "go", issues the copies of the experts copy_ids from the host's copy into begin's
+// outputs on its own stream followed by a write of "copied" (DMA: the program has no conditional to size its copies, so
+// the host thread that launches it never waits for the GPU), then those of the next layer's ahead_ids into the ahead
+// outputs (a prediction: they overlap this layer's work and the next one's routing; the next layer's rows taken from
+// them are moved on the same stream, so after them), then computes out[n] = sum_u coef[u, n] * expert(ids[u])(h[n])
+// over the valid ids (>= 0) of that layer with the CPU expert kernel (cpu_ffn.cc's pdscope_cpu_ffn_run_bf16, passed in
+// as a function pointer), and writes "done". Handlers only enqueue: no host thread ever waits for the GPU, and the GPU
+// waits where the program needs a result. Ordering: begin and end alternate in program order and a program's handlers
+// run in order on one host thread, so each fetched and end waits for the latest begin. The staging is reused by the
+// next begin only after the stream passed this layer's fetched (the worker reads copy_ids before it issues the copies)
+// and end (h, ids and coef are read while computing); a layer with no host experts needs no end. Ahead ids are staged
+// in a ring of kAheadRing slots by sequence number: the worker reads a begin's slot before it writes that begin's
+// "copied", which the next layer's fetched waits for before any later begin. The worker serves begins in sequence; each
+// begin's (N, U, C, A) sit in a ring read by sequence number, its layer (a value of the program, so that one traced
+// layer serves every position) in the staging's ring, read once "go" is seen. A worker that sees no "go" for
+// kWatchdogNs after its begin was enqueued, or a layer out of range, writes "done" anyway and counts a fault (the
+// program's result is then wrong, and `pdscope_host_experts_faults` says so) rather than leave the GPU waiting.
 // CUDA is reached through the driver library (libcuda.so.1, dlopen), so this builds without the CUDA toolkit;
 // creating a bridge fails (returns -1, with a reason) where no driver or no stream memory operations exist.
 
@@ -64,7 +64,7 @@ namespace {
 
 using namespace pdscope_cuda;
 
-constexpr uint64_t kRing = 4096;
+constexpr uint64_t kRing = kBeginRing;
 constexpr size_t kTimeline = 8192;  // layers the timeline keeps (the latest)
 constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
 
@@ -129,29 +129,28 @@ class Bridge {
 
   ffi::Error Begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
                    ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Buffer<ffi::S32> ahead_ids,
-                   ffi::AnyBuffer from_gate_ups, ffi::AnyBuffer from_downs, ffi::Result<ffi::AnyBuffer> h_out,
-                   ffi::Result<ffi::AnyBuffer> picks_out, ffi::Result<ffi::AnyBuffer> gate_ups,
-                   ffi::Result<ffi::AnyBuffer> downs, ffi::Result<ffi::AnyBuffer> ahead_gate_ups,
-                   ffi::Result<ffi::AnyBuffer> ahead_downs, int64_t layer) {
+                   ffi::AnyBuffer from_gate_ups, ffi::AnyBuffer from_downs, ffi::Buffer<ffi::S32> layer,
+                   ffi::Result<ffi::AnyBuffer> h_out, ffi::Result<ffi::AnyBuffer> picks_out,
+                   ffi::Result<ffi::AnyBuffer> gate_ups, ffi::Result<ffi::AnyBuffer> downs,
+                   ffi::Result<ffi::AnyBuffer> ahead_gate_ups, ffi::Result<ffi::AnyBuffer> ahead_downs) {
     auto hd = h.dimensions(), cd = coef.dimensions();
     const int64_t c = int64_t(copy_ids.element_count()), a = int64_t(ahead_ids.element_count());
     if (h.element_type() != ffi::DataType::BF16 || hd.size() != 2 || hd[1] != d_ || hd[0] > max_rows_ ||
         cd.size() != 2 || (cd[0] > 0 && cd[1] != hd[0]) || cd[0] != int64_t(ids.element_count()) ||
-        cd[0] > max_picks_ || c > max_picks_ || a > max_picks_ || layer < 0 || layer >= layers_ ||
-        (a > 0 && layer + 1 >= layers_) || !rows_of_experts(*gate_ups, *downs, c) ||
-        !rows_of_experts(*ahead_gate_ups, *ahead_downs, a) || from_gate_ups.dimensions().size() == 0 ||
+        cd[0] > max_picks_ || c > max_picks_ || a > max_picks_ || layer.element_count() != 1 ||
+        !rows_of_experts(*gate_ups, *downs, c) || !rows_of_experts(*ahead_gate_ups, *ahead_downs, a) ||
+        from_gate_ups.dimensions().size() == 0 ||
         !rows_of_experts(from_gate_ups, from_downs, from_gate_ups.dimensions()[0]))
       return ffi::Error::InvalidArgument("pdscope_host_experts_begin: h [N<=" + std::to_string(max_rows_) + ", " +
                                          std::to_string(d_) + "] bf16, ids [U<=" + std::to_string(max_picks_) +
                                          "], coef [U, N], copy_ids [C], ahead_ids [A], from_* and outputs [B, C "
-                                         "or A, D, 2F] and [B, C or A, F, D] bf16, a layer of the bridge (not the "
-                                         "last with A)");
+                                         "or A, D, 2F] and [B, C or A, F, D] bf16, layer [1] s32");
     uint64_t seq;
     {
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait(lock, [&] { return enqueued_ - served_ < kRing || stop_; });
       seq = ++enqueued_;
-      ring_[seq % kRing] = Desc{layer, int(hd[0]), int(cd[0]), int(c), int(a), dev(*gate_ups), dev(*downs),
+      ring_[seq % kRing] = Desc{-1, int(hd[0]), int(cd[0]), int(c), int(a), dev(*gate_ups), dev(*downs),
                                 dev(*ahead_gate_ups), dev(*ahead_downs), dev(from_gate_ups), dev(from_downs),
                                 int(from_gate_ups.dimensions()[0])};
       enqueued_at_ns_ = now_ns();
@@ -159,8 +158,8 @@ class Bridge {
     cv_.notify_all();
     last_begin_ = seq;
     const Driver& dv = driver();
-    CUresult r = 0;
-    if (cd[0] > 0) r = dv.dtoh(s_.h, dev(h), h.size_bytes(), stream);
+    CUresult r = dv.dtoh(s_.layer_slot(seq), dev(layer), sizeof(int32_t), stream);
+    if (r == 0 && cd[0] > 0) r = dv.dtoh(s_.h, dev(h), h.size_bytes(), stream);
     if (r == 0 && ids.size_bytes()) r = dv.dtoh(s_.ids, dev(ids), ids.size_bytes(), stream);
     if (r == 0 && coef.size_bytes()) r = dv.dtoh(s_.coef, dev(coef), coef.size_bytes(), stream);
     if (r == 0 && c > 0) r = dv.dtoh(s_.copy_ids, dev(copy_ids), copy_ids.size_bytes(), stream);
@@ -267,6 +266,11 @@ class Bridge {
           std::this_thread::sleep_for(std::chrono::microseconds(20));
         }
       }
+      if (seen) {  // a layer out of range (or, copying ahead, the last) is served as a fault
+        std::atomic_thread_fence(std::memory_order_acquire);
+        desc.layer = *s_.layer_slot(want);
+        seen = desc.layer >= 0 && desc.layer < layers_ && (desc.a == 0 || desc.layer + 1 < layers_);
+      }
       const int64_t t0 = now_ns();
       int experts = 0;
       if (desc.c > 0 || desc.a > 0) Copy(desc, want, seen);
@@ -289,10 +293,7 @@ class Bridge {
     }
   }
 
-  bool stop_requested() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stop_;
-  }
+  bool stop_requested() { std::lock_guard<std::mutex> lock(mu_); return stop_; }
 
   // Issue the copies of the layer's copy_ids into begin's outputs on the copy stream (from the host, or from the
   // layer before's ahead outputs), then the write of "copied" (ordered after them by the stream), then the copies
@@ -382,14 +383,14 @@ Bridge* bridge(int64_t handle) {
 
 ffi::Error begin(CUstream stream, ffi::AnyBuffer h, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> coef,
                  ffi::AnyBuffer picks, ffi::Buffer<ffi::S32> copy_ids, ffi::Buffer<ffi::S32> ahead_ids,
-                 ffi::AnyBuffer from_gate_ups, ffi::AnyBuffer from_downs, ffi::Result<ffi::AnyBuffer> h_out,
-                 ffi::Result<ffi::AnyBuffer> picks_out, ffi::Result<ffi::AnyBuffer> gate_ups,
-                 ffi::Result<ffi::AnyBuffer> downs, ffi::Result<ffi::AnyBuffer> ahead_gate_ups,
-                 ffi::Result<ffi::AnyBuffer> ahead_downs, int64_t handle, int64_t layer) {
+                 ffi::AnyBuffer from_gate_ups, ffi::AnyBuffer from_downs, ffi::Buffer<ffi::S32> layer,
+                 ffi::Result<ffi::AnyBuffer> h_out, ffi::Result<ffi::AnyBuffer> picks_out,
+                 ffi::Result<ffi::AnyBuffer> gate_ups, ffi::Result<ffi::AnyBuffer> downs,
+                 ffi::Result<ffi::AnyBuffer> ahead_gate_ups, ffi::Result<ffi::AnyBuffer> ahead_downs, int64_t handle) {
   Bridge* b = bridge(handle);
   if (!b) return ffi::Error::InvalidArgument("pdscope_host_experts_begin: no bridge " + std::to_string(handle));
-  return b->Begin(stream, h, ids, coef, picks, copy_ids, ahead_ids, from_gate_ups, from_downs, h_out, picks_out,
-                  gate_ups, downs, ahead_gate_ups, ahead_downs, layer);
+  return b->Begin(stream, h, ids, coef, picks, copy_ids, ahead_ids, from_gate_ups, from_downs, layer, h_out,
+                  picks_out, gate_ups, downs, ahead_gate_ups, ahead_downs);
 }
 
 ffi::Error fetched(CUstream stream, ffi::AnyBuffer gate_ups, ffi::AnyBuffer downs, ffi::AnyBuffer, ffi::AnyBuffer,
@@ -418,14 +419,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_begin, begin,
                                   .Arg<ffi::Buffer<ffi::S32>>()  // ahead_ids
                                   .Arg<ffi::AnyBuffer>()  // from_gate_ups
                                   .Arg<ffi::AnyBuffer>()  // from_downs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer [1]: the MoE position
                                   .Ret<ffi::AnyBuffer>()  // h_out
                                   .Ret<ffi::AnyBuffer>()  // picks_out
                                   .Ret<ffi::AnyBuffer>()  // gate_ups
                                   .Ret<ffi::AnyBuffer>()  // downs
                                   .Ret<ffi::AnyBuffer>()  // ahead_gate_ups
                                   .Ret<ffi::AnyBuffer>()  // ahead_downs
-                                  .Attr<int64_t>("handle")
-                                  .Attr<int64_t>("layer"));
+                                  .Attr<int64_t>("handle"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_host_experts_fetched, fetched,
                               ffi::Ffi::Bind()

@@ -1,0 +1,47 @@
+"""`runtime.hold_gpu_to_budget`: before the backends start, XLA's GPU preallocation is set from the budget (the
+driver's answer stood in for here); a user's own setting, preallocation turned off, backends already started or
+no CUDA driver leave the environment as it was."""
+
+import pytest
+from jax._src import xla_bridge
+
+from pdscope_jax import runtime
+
+TOTAL = 141 * 10**9  # an H200's memory
+
+
+@pytest.fixture
+def unstarted(monkeypatch):
+    """A process whose backends have not started, on a GPU of TOTAL bytes; the settings cleared."""
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    monkeypatch.setattr(runtime, "_gpu_total_memory", lambda: TOTAL)
+    for name in (runtime.PREALLOCATION_ENV, "XLA_PYTHON_CLIENT_PREALLOCATE"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_the_budget_with_its_slack_becomes_the_fraction(unstarted):
+    fraction = runtime.hold_gpu_to_budget(24 * 10**9)
+    want = (24e9 * runtime.PREALLOCATION_FACTOR + runtime.PREALLOCATION_SLACK) / TOTAL
+    assert fraction == pytest.approx(want) and 0.2 < fraction < 0.21
+    assert float(runtime.os.environ[runtime.PREALLOCATION_ENV]) == pytest.approx(want, abs=1e-4)
+
+
+def test_a_budget_past_the_gpu_is_held_to_90_percent(unstarted):
+    assert runtime.hold_gpu_to_budget(10**12) == 0.9
+
+
+@pytest.mark.parametrize("setting", [(runtime.PREALLOCATION_ENV, "0.5"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false")])
+def test_the_users_own_setting_is_kept(unstarted, setting):
+    unstarted.setenv(*setting)
+    assert runtime.hold_gpu_to_budget(24 * 10**9) is None
+    assert runtime.os.environ.get(runtime.PREALLOCATION_ENV) == ("0.5" if setting[1] == "0.5" else None)
+
+
+def test_too_late_or_no_gpu_changes_nothing(unstarted):
+    unstarted.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert runtime.hold_gpu_to_budget(24 * 10**9) is None
+    unstarted.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    unstarted.setattr(runtime, "_gpu_total_memory", lambda: None)
+    assert runtime.hold_gpu_to_budget(24 * 10**9) is None
+    assert runtime.PREALLOCATION_ENV not in runtime.os.environ
