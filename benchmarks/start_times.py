@@ -48,9 +48,10 @@ counts, seconds = {}, {}
 monitoring.register_event_listener(lambda name, **kw: counts.__setitem__(name, counts.get(name, 0) + 1))
 monitoring.register_event_duration_secs_listener(
     lambda name, secs, **kw: seconds.__setitem__(name, seconds.get(name, 0.0) + secs))
-from pdscope_jax.cli.main import main
+from pdscope_jax.cli.main import end_process, main
 status = main(["generate", *sys.argv[1:]])
 print("@@" + json.dumps({"status": status, "counts": counts, "seconds": seconds}))
+end_process(status)  # as the console script ends
 """
 
 

@@ -44,3 +44,16 @@ def test_budget_too_small_names_the_numbers(capsys):
     assert cli.main(["generate", "tiny-mixtral-8x7b", "--policy", "ondemand", "--gpu-memory", "1KB"]) == 2
     err = capsys.readouterr().err
     assert "gpu_memory" in err and "KV cache" in err
+
+
+def test_the_console_entry_ends_at_once_with_its_output_and_status():
+    """`python -m pdscope_jax` (the console script's `entry`) after a command that ran JAX: its whole output
+    arrives through a pipe and its status is main's, for a result (0) and for a user error caught after JAX
+    started (2, the message on stderr)."""
+    run = [sys.executable, "-m", "pdscope_jax", "generate", "tiny-deepseek-v2-lite", "--dtype", "float32",
+           "--new-tokens", "3"]
+    done = subprocess.run([*run, "--ids", "1,2,3"], capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0 and len(lines[-3].split(",")) == 3 and lines[-1].startswith("load ")
+    done = subprocess.run([*run, "--ids", "1,2,99999999"], capture_output=True, text=True)
+    assert done.returncode == 2 and "99999999" in done.stderr and "Traceback" not in done.stderr
