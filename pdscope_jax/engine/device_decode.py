@@ -19,7 +19,8 @@ run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt 
   while open; the table numbers their slots one after the other). `host`: None (every miss copied) or the
   `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. Sampling is
   `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs,
-  model graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated).
+  model graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated). Its layers
+  are nested jitted programs with the MoE position a traced value: layers of one kind trace once.
 - `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a non-hit victim.
 Numbers equal the host-driven loop's within float tolerance (same route program and expert function); each row's routed
 sum is the plain model's (`models.experts.combine_experts`): expert outputs in the model's dtype, weighted and summed in

@@ -177,6 +177,20 @@ def ds():
     return Reference("tiny-deepseek-v2-lite", batch=1, prompt=20, new=10)
 
 
+def test_the_decode_step_traces_a_layer_kind_once(ds, monkeypatch):
+    """The step's MoE layers are one nested program with the position as a value: building the step traces the
+    layers' expert code once for all three MoE layers (ondemand: no copies ahead, so every layer is of one kind),
+    and the tokens stay the plain model's."""
+    traced = []
+    routed = device_decode._routed_experts
+    monkeypatch.setattr(device_decode, "_routed_experts", lambda m, *a, **k: traced.append(m) or routed(m, *a, **k))
+    jax.clear_caches()  # a program traced by an earlier test would be reused without tracing
+    runner = ds.runner("ondemand", _slots(ds, "small"))
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    assert runner.stats["decode"]["device_steps"] == ds.new - 1 and len(ds.cfg.moe_layers) == 3
+    assert len(traced) == 1 and isinstance(traced[0], jax.core.Tracer)
+
+
 @pytest.mark.parametrize("stacks", [True, False])
 @pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
 def test_decode_on_device_matches_plain_model(ds, policy, stacks):
