@@ -209,7 +209,8 @@ def test_decode_on_device_matches_plain_model(ds, policy, stacks):
     assert decode["bytes_moved"] == loaded * ds.cfg.expert_bytes(4) and runner.stats["evictions"] > 0
     assert sum(c.sum() for c in runner.activation_counts["decode"].values()) == (ds.new - 1) * len(
         ds.cfg.moe_layers) * ds.cfg.num_experts_per_tok
-    assert runner.store.host_bytes_per_model_byte == (2.0 if stacks else 1.0)
+    # jax's pinned arrays need a second copy for whole-layer stacks; the driver's buffers (a GPU) are the stacks
+    assert runner.store.host_bytes_per_model_byte == (2.0 if stacks and runner.store.host_alloc == "jax" else 1.0)
 
 
 def test_batched_decode_on_device_matches_plain_model():
