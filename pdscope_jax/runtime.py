@@ -259,19 +259,31 @@ def hold_gpu_to_budget(gpu_memory: int) -> float | None:
     may be shared, and a side by side at matching memory means it), and its start does not spend time
     preallocating the rest. Sets `PREALLOCATION_ENV` for this process, which XLA reads when the backends start.
     Does nothing where the user set it or XLA_PYTHON_CLIENT_PREALLOCATE=false, where JAX's backends already
-    started (then it is too late), or where no CUDA driver answers. -> the fraction set, or None."""
-    if PREALLOCATION_ENV in os.environ or os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in _OFF:
-        return None
+    started (then it is too late), or where no CUDA driver answers. -> the fraction set, or None. A later call
+    whose budget needs more than this process was held to raises `RuntimeConfigError` naming the fix."""
+    global _held_bytes
+    wanted = gpu_memory * PREALLOCATION_FACTOR + PREALLOCATION_SLACK
     from jax._src import xla_bridge  # private; absent, the backends count as started (nothing is changed)
 
     if getattr(xla_bridge, "backends_are_initialized", lambda: True)():
+        if _held_bytes is not None and wanted > _held_bytes:
+            raise RuntimeConfigError(
+                f"gpu_memory {format_size(gpu_memory)}: this process's GPU allocator was held to "
+                f"{format_size(_held_bytes)} for the budget of the first model it loaded; load the largest budget "
+                f"first, or set {PREALLOCATION_ENV} (a share of the GPU) before the process starts JAX")
+        return None
+    if PREALLOCATION_ENV in os.environ or os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in _OFF:
         return None
     total = _gpu_total_memory()
     if not total:
         return None
-    fraction = min(0.9, (gpu_memory * PREALLOCATION_FACTOR + PREALLOCATION_SLACK) / total)
+    fraction = min(0.9, wanted / total)
     os.environ[PREALLOCATION_ENV] = f"{fraction:.4f}"
+    _held_bytes = int(fraction * total)
     return fraction
+
+
+_held_bytes: int | None = None  # what hold_gpu_to_budget held this process's GPU allocator to
 
 
 def _gpu_total_memory() -> int | None:

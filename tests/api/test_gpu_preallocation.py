@@ -1,6 +1,7 @@
 """`runtime.hold_gpu_to_budget`: before the backends start, XLA's GPU preallocation is set from the budget (the
 driver's answer stood in for here); a user's own setting, preallocation turned off, backends already started or
-no CUDA driver leave the environment as it was."""
+no CUDA driver leave the environment as it was; a later, larger budget than the process was held to is refused
+with the fix."""
 
 import pytest
 from jax._src import xla_bridge
@@ -17,6 +18,7 @@ def unstarted(monkeypatch):
     monkeypatch.setattr(runtime, "_gpu_total_memory", lambda: TOTAL)
     for name in (runtime.PREALLOCATION_ENV, "XLA_PYTHON_CLIENT_PREALLOCATE"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(runtime, "_held_bytes", None)
     return monkeypatch
 
 
@@ -45,3 +47,11 @@ def test_too_late_or_no_gpu_changes_nothing(unstarted):
     unstarted.setattr(runtime, "_gpu_total_memory", lambda: None)
     assert runtime.hold_gpu_to_budget(24 * 10**9) is None
     assert runtime.PREALLOCATION_ENV not in runtime.os.environ
+
+
+def test_a_later_budget_beyond_the_held_one_is_refused_with_the_fix(unstarted):
+    runtime.hold_gpu_to_budget(8 * 10**9)
+    unstarted.setattr(xla_bridge, "backends_are_initialized", lambda: True)
+    assert runtime.hold_gpu_to_budget(8 * 10**9) is None  # the same budget fits what was held
+    with pytest.raises(runtime.RuntimeConfigError, match="load the largest budget first"):
+        runtime.hold_gpu_to_budget(24 * 10**9)
