@@ -326,6 +326,7 @@ def flat_states(states, model_state) -> tuple:
 
 
 def _layer_experts(m, h, weights, ids, experts, banks, table, host, router_graph, router_state, ahead, active):
+    """`_routed_experts`, the next layer's router passed as its graph (static) and its state (traced)."""
     router = None if router_graph is None else (router_graph, router_state)
     return _routed_experts(m, h, weights, ids, experts, banks, table, host, router, ahead, active)
 

@@ -130,7 +130,7 @@ class Bridge:
         return out[:n]
 
 
-def begin(bridge: Bridge, m: int, h, ids, coef, picks, copy_ids=None, ahead_ids=None, ahead_rows=None):
+def begin(bridge: Bridge, m: int | jax.Array, h, ids, coef, picks, copy_ids=None, ahead_ids=None, ahead_rows=None):
     """See the module docstring; h' and picks' are copies of h and picks made after the host was told to start.
     -> (h', picks'), then (gate_ups, downs) for `fetched` with `copy_ids`, then (ahead gate_ups, ahead downs) with
     `ahead_ids`. `ahead_rows`: the layer before's ahead outputs, which copy ids -2 - a take rows from."""
