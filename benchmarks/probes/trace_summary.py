@@ -5,9 +5,9 @@ Per trace: decode steps (a step starts at its first rotary-embedding kernel, `lo
 kernels a step, the span and busy ms a step of its compute stream, idle ms a step split by gap length (short gaps,
 5-40 us, are the GPU waiting for the next launch: the launching thread is behind; long ones, over 0.2 ms, are
 waits on the host: the bridge's copies and host experts, or the step boundary), the longest gaps with the kernels
-around them, and the kernels taking most time. The profiler slows the launching thread: compare traces with each
-other, not with untraced tok/s.
-Usage: `python benchmarks/probes/trace_summary.py A.trace.json.gz [B.trace.json.gz ...] [--out F.json]`.
+around them, and the kernels (and kinds of kernel: numbered fusions as one) taking most time. The profiler slows
+the launching thread: compare traces with each other, not with untraced tok/s.
+Usage: `python benchmarks/probes/trace_summary.py A.trace.json.gz [B.trace.json.gz ...] [--out F.json] [--top N]`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import argparse
 import collections
 import gzip
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -50,6 +51,11 @@ def summarize(path: Path, top: int = 8) -> dict:
     for e in kernels:
         totals[e["name"]][0] += 1
         totals[e["name"]][1] += e["dur"]
+    kinds: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for name, (n, us) in totals.items():  # fusions numbered apart (`loop_add_fusion_12`) as one kind
+        kind = kinds[re.sub(r"([._]\d+)+$", "", name)]
+        kind[0] += n
+        kind[1] += us
     per_step = 1e-3 / steps  # us in all -> ms a step
     return {"trace": path.name, "steps": steps, "kernels_per_step": len(kernels) / steps,
             "step_ms": [round((b - a) / 1e3, 3) for a, b in zip(starts, starts[1:])],
@@ -60,18 +66,21 @@ def summarize(path: Path, top: int = 8) -> dict:
             "longest_gaps": [{"ms": round(g / 1e3, 3), "after": a, "before": b}
                              for g, a, b in sorted(gaps, reverse=True)[:top]],
             "top_kernels": [{"name": name, "calls_per_step": n / steps, "ms_per_step": us * per_step}
-                            for name, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]]}
+                            for name, (n, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]],
+            "top_kernel_kinds": [{"kind": name, "calls_per_step": n / steps, "ms_per_step": us * per_step}
+                                 for name, (n, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])[:top]]}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", type=Path)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--top", type=int, default=8, help="gaps, kernels and kernel kinds kept")
     args = p.parse_args(argv)
-    out = [summarize(path) for path in args.traces]
+    out = [summarize(path, args.top) for path in args.traces]
     for s in out:
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()
-                          if k not in ("longest_gaps", "top_kernels")}))
+                          if k not in ("longest_gaps", "top_kernels", "top_kernel_kinds")}))
     if args.out is not None:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
     return out

@@ -9,14 +9,23 @@ A program's peak is its temporaries plus its outputs plus its step-local inputs 
 step made; weights, KV cache and pool are accounted elsewhere). `Measured.bytes` is the largest peak times
 `MARGIN`: the engine runs these programs one after another on one stream, whose allocator reuses a finished
 program's temporaries for the next. Results are kept per (config, shapes, backend) for the process, since tests
-build many engines of one model. The largest step is `store.budget.largest_step`, padded to its prefill bucket.
+build many engines of one model, and, where JAX's persistent compilation cache is on, in its folder
+(`activations/`, one JSON file per key; the key also holds jax's version, the device kind, XLA_FLAGS and
+`artifacts.provenance.source_digest()`), so a warm start neither traces nor loads these programs again.
+The largest step is `store.budget.largest_step`, padded to its prefill bucket.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
 
 import jax
+import jaxlib
 import numpy as np
 from flax import nnx
 
@@ -42,8 +51,60 @@ def measure_activations(cfg, rc: RuntimeConfig, abstract, kv_cache, expert_dtype
     key = (cfg, b, tq, n_pad, tuple(a.shape for a in jax.tree.leaves(kv_cache)), np.dtype(expert_dtype).name,
            np.dtype(cache_dtype).name, jax.default_backend())
     if key not in _RESULTS:
-        _RESULTS[key] = _compile_and_read(key, abstract, kv_cache)
+        path = _stored_at(key)
+        found, measured = _read(path)
+        if not found:
+            measured = _compile_and_read(key, abstract, kv_cache)
+            _write(path, measured)
+        _RESULTS[key] = measured
     return _RESULTS[key]
+
+
+def _stored_at(key) -> Path | None:
+    """The file of `key`'s figure in the persistent compilation cache's folder; None where that cache is off."""
+    folder = jax.config.jax_compilation_cache_dir
+    if not folder:
+        return None
+    from pdscope_jax.artifacts.provenance import source_digest
+
+    device = jax.devices()[0]
+    whole = repr((key, MARGIN, jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
+                  os.environ.get("XLA_FLAGS", ""), source_digest()))
+    return Path(folder) / "activations" / (hashlib.sha256(whole.encode()).hexdigest()[:40] + ".json")
+
+
+_NONE = "none"  # stored for a backend that reports no memory analysis
+
+
+def _read(path: Path | None) -> tuple[bool, Measured | None]:
+    """(whether a usable figure is stored at `path`, the figure: a Measured, or None for `_NONE`)."""
+    if path is None or not path.is_file():
+        return False, None
+    try:
+        data = json.loads(path.read_text())
+        if data == _NONE:
+            return True, None
+        return True, Measured(int(data["bytes"]), tuple((str(name), int(peak)) for name, peak in data["peaks"]))
+    except (OSError, ValueError, KeyError, TypeError):  # unreadable or written by other code: measure again
+        return False, None
+
+
+def _write(path: Path | None, measured: Measured | None) -> None:
+    """Store `measured` at `path` whole or not at all (a temporary file renamed over it); a cache that cannot be
+    written only costs the next start a measurement."""
+    if path is None:
+        return
+    data = _NONE if measured is None else {"bytes": measured.bytes, "peaks": [list(p) for p in measured.peaks]}
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
+            temporary = Path(out.name)
+            json.dump(data, out)
+        os.replace(temporary, path)
+    except OSError:
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
 
 
 def _compile_and_read(key, abstract, cache) -> Measured | None:

@@ -7,7 +7,10 @@ transformers implementations:
   and values from a compressed latent (`kv_a_proj_with_mqa` -> RMSNorm, eps 1e-6) expanded by `kv_b_proj`,
   plus one rotary key shared by all heads (decoupled RoPE, DeepSeek's interleaved pair layout). The cache
   stores the latent and the rotated rope key only. Under YaRN the softmax scale gains mscale(factor,
-  mscale_all_dim)^2 and cos/sin the YaRN attention factor.
+  mscale_all_dim)^2 and cos/sin the YaRN attention factor. Queries of at most `LATENT_MAX_QUERY` tokens against
+  a cache (decode) attend in the latent space instead: `kv_b_proj`'s key half is folded into the query and its
+  value half applied after the weighted sum, the same products in another order, so a step reads the cached
+  latent and never expands every cached position into per-head keys and values.
 - The first `first_k_dense` layers use a dense MLP, the rest a MoE with `num_shared_experts` shared experts.
 - Router (float32): `greedy` (softmax top-k), `group_limited_greedy` (softmax, best groups by their max score),
   or `noaux_tc` (sigmoid; choice by score + e_score_correction_bias inside the best groups by the sum of each
@@ -32,6 +35,9 @@ from pdscope_jax.weights.spec import Source
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
+# up to here, attending in the latent space costs fewer products than expanding the cache (which costs the same
+# whatever the query length): decode steps, batched or not, and the shortest prompt chunks
+LATENT_MAX_QUERY = 16
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -80,12 +86,29 @@ class MLAttention(nnx.Module):
         else:
             cache, k_pos = update_cache(cache, (latent, k_rope), positions)
             latent, k_rope = cache
+            if t <= LATENT_MAX_QUERY:
+                out = self._attend_latent(q_nope, q_rope, latent, k_rope, causal_mask(positions, k_pos))
+                return self.o_proj(out.reshape(b, t, -1)), cache
         s = latent.shape[1]
         kv = self.kv_b_proj(latent).reshape(b, s, h, dn + cfg.v_head_dim)  # [B, S, H, Dn + Dv]
         k = jnp.concatenate([kv[..., :dn], jnp.broadcast_to(k_rope[:, :, None, :], (b, s, h, dr))], axis=-1)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         out = attention(q, k, kv[..., dn:], causal_mask(positions, k_pos), self.scale)  # [B, T, H, Dv]
         return self.o_proj(out.reshape(b, t, -1)), cache
+
+    def _attend_latent(self, q_nope, q_rope, latent, k_rope, mask):
+        """Attention against the cached latent [B, S, R] and rope key [B, S, Dr] without expanding them: the
+        query's nope part folded through `kv_b_proj`'s key half (per head [R, Dn]), the probabilities' weighted
+        latent through its value half. Scores and softmax float32, as `layers.attention`. -> [B, T, H, Dv]."""
+        cfg = self.cfg
+        h, dn = cfg.num_heads, cfg.qk_nope_head_dim
+        w = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, h, dn + cfg.v_head_dim)
+        q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, w[..., :dn], preferred_element_type=F32).astype(latent.dtype)
+        scores = (jnp.einsum("bthr,bsr->bhts", q_latent, latent, preferred_element_type=F32)
+                  + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=F32)) * self.scale
+        probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1).astype(latent.dtype)
+        context = jnp.einsum("bhts,bsr->bthr", probs, latent, preferred_element_type=F32).astype(latent.dtype)
+        return jnp.einsum("bthr,rhd->bthd", context, w[..., dn:], preferred_element_type=F32).astype(q_nope.dtype)
 
 
 class DeepseekRouter(nnx.Module):

@@ -1,5 +1,8 @@
 """engine.activations: the budget's activation figure comes from XLA's buffer assignment for the largest prefill
-step, stays under the formula that bounds it, cannot miss what attention must hold, and is used by the engine."""
+step, stays under the formula that bounds it, cannot miss what attention must hold, is used by the engine, and
+is stored beside the persistent compilation cache."""
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -77,3 +80,47 @@ def test_a_backend_without_memory_analysis_keeps_the_estimate(monkeypatch):
     runner = Reference("tiny-deepseek-v2-lite", batch=1, prompt=8, new=2).runner("ondemand", 5)
     assert not runner.budget.activations_measured
     assert runner.budget.activations == activation_bytes(runner.config, runner.runtime, 4)
+
+
+@pytest.fixture
+def compile_cache_folder(tmp_path):
+    """JAX's persistent compilation cache pointed at a fresh folder for the test, then put back as it was."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    compilation_cache.reset_cache()
+    yield tmp_path
+    jax.config.update("jax_compilation_cache_dir", before)
+    compilation_cache.reset_cache()
+
+
+def test_the_figure_is_stored_with_the_compilation_cache_and_read_back(compile_cache_folder, monkeypatch):
+    """A second process (here: the in-process results forgotten) reads the stored figure instead of compiling;
+    a damaged file is measured again and rewritten; other code (another source digest) has a file of its own."""
+    from pdscope_jax.artifacts import provenance
+    from pdscope_jax.engine import activations
+
+    monkeypatch.setattr(activations, "_RESULTS", {})
+    cfg, rc, measured = _measure("tiny-qwen3-30b-a3b", max_seq_len=96)
+    (stored,) = (compile_cache_folder / "activations").glob("*.json")
+    assert not list(stored.parent.glob("*.tmp"))  # written whole
+
+    def no_compiling(*args):
+        raise AssertionError("compiled although the figure is stored")
+
+    monkeypatch.setattr(activations, "_RESULTS", {})
+    with monkeypatch.context() as patched:
+        patched.setattr(activations, "_compile_and_read", no_compiling)
+        assert _measure("tiny-qwen3-30b-a3b", max_seq_len=96)[2] == measured
+
+    stored.write_text("{not json")
+    monkeypatch.setattr(activations, "_RESULTS", {})
+    assert _measure("tiny-qwen3-30b-a3b", max_seq_len=96)[2] == measured
+    assert json.loads(stored.read_text())["bytes"] == measured.bytes
+
+    monkeypatch.setattr(provenance, "source_digest", lambda: "other code")
+    monkeypatch.setattr(activations, "_RESULTS", {})
+    _measure("tiny-qwen3-30b-a3b", max_seq_len=96)
+    assert len(list(stored.parent.glob("*.json"))) == 2
+

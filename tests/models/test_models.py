@@ -47,6 +47,32 @@ def test_cached_decode_equals_full_recompute(name):
     assert np.abs(np.asarray(full)).max() > 0.01  # logits are not trivially zero
 
 
+@pytest.mark.parametrize("name", ["tiny-deepseek-v2-lite", "tiny-moonlight-16b-a3b"])
+def test_mla_decode_attends_in_the_latent_space(name, monkeypatch):
+    """A decode step against a long cache: attending in the latent space gives the expanded attention's logits
+    (float32) with fewer products than expanding every cached position (XLA's cost analysis of the two steps)."""
+    from pdscope_jax.models import deepseek
+
+    model = tiny_model(name)
+    graphdef, state = nnx.split(model)
+    b, prompt = 2, 40
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, model.config.vocab_size, (b, prompt + 1)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(prompt + 1, dtype=jnp.int32), ids.shape)
+    cache = jax.jit(_cached, static_argnums=0)(graphdef, state, ids[:, :prompt], positions[:, :prompt],
+                                               model.init_cache(b, 512, jnp.float32))[1]
+    step = (graphdef, state, ids[:, prompt:], positions[:, prompt:], cache)
+
+    def run():  # a new function each time: the path is chosen while tracing, and jax caches traces by function
+        compiled = jax.jit(lambda *args: _cached(*args), static_argnums=0).lower(*step).compile()
+        return compiled(*step[1:])[0], compiled.cost_analysis()["flops"]
+
+    latent, latent_flops = run()
+    monkeypatch.setattr(deepseek, "LATENT_MAX_QUERY", 0)
+    expanded, expanded_flops = run()
+    np.testing.assert_allclose(latent, expanded, atol=2e-5, rtol=0)
+    assert latent_flops < 0.5 * expanded_flops, (latent_flops, expanded_flops)
+
+
 def test_mla_cache_holds_latent_not_heads():
     model = tiny_model("tiny-deepseek-v2-lite")
     cfg = model.config
