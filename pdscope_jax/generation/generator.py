@@ -47,6 +47,7 @@ CACHE_BUCKET = 64  # cache lengths are rounded up to a multiple of this so nearb
 # docs/MEASUREMENTS.md ("Whole-model decode: steps per program").
 ACCELERATOR_DECODE_CHUNK = 32
 CHUNK_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,WHILE,CONDITIONAL"}
+CHUNK_SAMPLER_BRANCHES = True  # chunk programs skip the drawing when every row is greedy (`sampling.sample`)
 
 
 @dataclasses.dataclass
@@ -147,10 +148,11 @@ def _prefill(graph, leaves, input_ids, positions, cache, sampling):
     return picked, sampling, cache
 
 
-def _decode(graph, leaves, token, position, cache, sampling, step):
-    """One step; the position and step counter come back advanced, so the host creates nothing per step."""
+def _decode(graph, leaves, token, position, cache, sampling, step, branch=False):
+    """One step; the position and step counter come back advanced, so the host creates nothing per step.
+    `branch`: `sampling.sample`'s (chunk programs, whose conditionals stay on the device)."""
     logits, cache = _model(graph, leaves)(token[:, None], position[:, None], cache)
-    picked, sampling = sample(logits[:, 0], sampling, step)
+    picked, sampling = sample(logits[:, 0], sampling, step, branch)
     return picked, sampling, cache, position + 1, step + 1
 
 
@@ -159,7 +161,8 @@ def _decode_chunk(graph, leaves, token, position, cache, sampling, step, n):
     position, step)."""
     def body(carry, _):
         token, position, cache, sampling, step = carry
-        picked, sampling, cache, position, step = _decode(graph, leaves, token, position, cache, sampling, step)
+        picked, sampling, cache, position, step = _decode(graph, leaves, token, position, cache, sampling, step,
+                                                          CHUNK_SAMPLER_BRANCHES)
         return (picked.token, position, cache, sampling, step), picked
 
     (_, position, cache, sampling, step), picked = jax.lax.scan(body, (token, position, cache, sampling, step),

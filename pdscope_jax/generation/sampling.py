@@ -6,8 +6,10 @@ Contract:
 - `SamplingState` (a pytree of arrays, one row per sequence): the settings as [B] arrays, the per-row seeds,
   `counts` [B, V] int32 (tokens generated so far) and `seen` [B, V] bool (tokens of the prompt).
   `SamplingState.create(params | [params per row], prompt_ids [B, T], vocab_size, device)` builds it.
-- `sample(logits [B, V], state, step) -> (Sampled, state')`: the pure function the programs call inside their
-  own jit; `sample_jit` is it jitted alone. Order: repetition penalty on seen or generated tokens (positive logits
+- `sample(logits [B, V], state, step, branch=False) -> (Sampled, state')`: the pure function the programs call
+  inside their own jit; `sample_jit` is it jitted alone. `branch=True` skips the drawing (its sort over the
+  vocabulary) when every row is greedy, by a conditional: for programs whose conditionals run on the device
+  (command buffers), not for those where XLA's runtime would read the predicate back to the host. Order: repetition penalty on seen or generated tokens (positive logits
   divided, negative multiplied, as transformers does), presence and frequency penalties on generated tokens (as
   OpenAI does), then rows with temperature 0 take the argmax; the others divide by the temperature, keep the top_k
   most likely, the smallest set whose probability reaches top_p, the tokens whose probability is at least min_p
@@ -175,13 +177,20 @@ def _picked(raw, token, state: SamplingState) -> tuple[Sampled, SamplingState]:
     return picked, dataclasses.replace(state, counts=counts)
 
 
-def sample(logits: jax.Array, state: SamplingState, step) -> tuple[Sampled, SamplingState]:
+def sample(logits: jax.Array, state: SamplingState, step, branch: bool = False) -> tuple[Sampled, SamplingState]:
     """See the module docstring. logits [B, V] (any float dtype); step: int, int32 scalar array, or int32 [B]
     (each row's own step, as continuous batching needs)."""
     logits = logits.astype(F32)
     penalized = _penalized(logits, state)
     greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
-    token = jnp.where(state.temperature == 0, greedy, _draw(penalized, state, step))  # no conditional: `_truncated`
+
+    def drawn():
+        return jnp.where(state.temperature == 0, greedy, _draw(penalized, state, step))
+
+    if branch:
+        token = jax.lax.cond(jnp.all(state.temperature == 0), lambda: greedy, drawn)
+    else:
+        token = drawn()  # no conditional: `_truncated`
     return _picked(jax.nn.log_softmax(logits, axis=-1), token, state)
 
 

@@ -65,6 +65,24 @@ def test_seeds_and_rows_are_independent_of_the_batch():
     assert not np.array_equal(draw(a, steps=range(20)), draw(SamplingParams(temperature=1.0, seed=3), steps=range(20)))
 
 
+@pytest.mark.parametrize("rows", [[SamplingParams(), SamplingParams(presence_penalty=1.5)],
+                                  [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, seed=2)]])
+def test_the_branching_sampler_gives_the_same_tokens(rows):
+    """`branch=True` (chunk programs) skips the drawing only where every row is greedy: same tokens and logprobs
+    as the select form, for an all-greedy batch (the skipping branch) and a mixed one (the drawing branch)."""
+    from pdscope_jax.generation.sampling import sample
+
+    both = jnp.concatenate([LOGITS, LOGITS[:, ::-1]])
+    branching = jax.jit(lambda logits, state, step: sample(logits, state, step, branch=True))
+    state = plain = SamplingState.create(rows, [[0], [0]], V)
+    for step in range(12):
+        picked, state = branching(both, state, step)
+        want, plain = sample_jit(both, plain, step)
+        np.testing.assert_array_equal(picked.token, want.token)
+        np.testing.assert_array_equal(picked.top_logprobs, want.top_logprobs)
+    assert "cond" in str(jax.make_jaxpr(lambda s: sample(both, s, 0, branch=True))(state))
+
+
 def test_logprobs_are_the_model_distribution():
     state = SamplingState.create(SamplingParams(temperature=0.5, repetition_penalty=1.3), [[1]], V)
     picked, _ = sample_jit(LOGITS, state, 0)
