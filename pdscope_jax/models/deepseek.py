@@ -8,9 +8,10 @@ transformers implementations:
   plus one rotary key shared by all heads (decoupled RoPE, DeepSeek's interleaved pair layout). The cache
   stores the latent and the rotated rope key only. Under YaRN the softmax scale gains mscale(factor,
   mscale_all_dim)^2 and cos/sin the YaRN attention factor. Queries of at most `LATENT_MAX_QUERY` tokens against
-  a cache (decode) attend in the latent space instead: `kv_b_proj`'s key half is folded into the query and its
-  value half applied after the weighted sum, the same products in another order, so a step reads the cached
-  latent and never expands every cached position into per-head keys and values.
+  a cache of at least `LATENT_MIN_CACHE` positions (decode at long contexts) attend in the latent space instead:
+  `kv_b_proj`'s key half is folded into the query and its value half applied after the weighted sum, the same
+  products in another order, so a step reads the cached latent and never expands every cached position into
+  per-head keys and values.
 - The first `first_k_dense` layers use a dense MLP, the rest a MoE with `num_shared_experts` shared experts.
 - Router (float32): `greedy` (softmax top-k), `group_limited_greedy` (softmax, best groups by their max score),
   or `noaux_tc` (sigmoid; choice by score + e_score_correction_bias inside the best groups by the sum of each
@@ -35,9 +36,11 @@ from pdscope_jax.weights.spec import Source
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
-# up to here, attending in the latent space costs fewer products than expanding the cache (which costs the same
-# whatever the query length): decode steps, batched or not, and the shortest prompt chunks
+# Attending in the latent space costs fewer products than expanding the cache up to about this many query
+# tokens (decode steps, batched or not, and the shortest prompt chunks), but more small programs a layer: on the
+# GPU node expanding stayed faster at 576 cached positions and lost from about 1,000 (docs/MEASUREMENTS.md).
 LATENT_MAX_QUERY = 16
+LATENT_MIN_CACHE = 1024
 
 
 def softmax_scale(cfg: ModelConfig) -> float:
@@ -86,7 +89,7 @@ class MLAttention(nnx.Module):
         else:
             cache, k_pos = update_cache(cache, (latent, k_rope), positions)
             latent, k_rope = cache
-            if t <= LATENT_MAX_QUERY:
+            if t <= LATENT_MAX_QUERY and latent.shape[1] >= LATENT_MIN_CACHE:
                 out = self._attend_latent(q_nope, q_rope, latent, k_rope, causal_mask(positions, k_pos))
                 return self.o_proj(out.reshape(b, t, -1)), cache
         s = latent.shape[1]

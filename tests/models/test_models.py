@@ -49,8 +49,9 @@ def test_cached_decode_equals_full_recompute(name):
 
 @pytest.mark.parametrize("name", ["tiny-deepseek-v2-lite", "tiny-moonlight-16b-a3b"])
 def test_mla_decode_attends_in_the_latent_space(name, monkeypatch):
-    """A decode step against a long cache: attending in the latent space gives the expanded attention's logits
-    (float32) with fewer products than expanding every cached position (XLA's cost analysis of the two steps)."""
+    """A decode step against a long cache (the latent path's minimum): attending in the latent space gives the
+    expanded attention's logits (float32) with fewer products than expanding every cached position (XLA's cost
+    analysis of the two steps)."""
     from pdscope_jax.models import deepseek
 
     model = tiny_model(name)
@@ -59,7 +60,7 @@ def test_mla_decode_attends_in_the_latent_space(name, monkeypatch):
     ids = jnp.asarray(np.random.default_rng(1).integers(0, model.config.vocab_size, (b, prompt + 1)), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(prompt + 1, dtype=jnp.int32), ids.shape)
     cache = jax.jit(_cached, static_argnums=0)(graphdef, state, ids[:, :prompt], positions[:, :prompt],
-                                               model.init_cache(b, 512, jnp.float32))[1]
+                                               model.init_cache(b, deepseek.LATENT_MIN_CACHE, jnp.float32))[1]
     step = (graphdef, state, ids[:, prompt:], positions[:, prompt:], cache)
 
     def run():  # a new function each time: the path is chosen while tracing, and jax caches traces by function
