@@ -13,9 +13,10 @@ Contract:
 - `pin_stack(src, accel, buffer=None) -> PinnedStack`: src ([E, ...], a GPU jax array or numpy) copied into a
   buffer of exactly its bytes (given, or made now) -> `whole` (the stack) and `experts` (its E slices), pinned_host
   arrays of `accel` aliasing the buffer, and `view`, numpy over the same bytes.
-- `BufferMaker(ordinal, threads)`: `expect([nbytes, ...])` starts making buffers of those sizes on its threads, in
-  order; `take(nbytes)` returns the oldest expected one of that size (waiting for it) or makes one now. The store
-  uses it to page-lock the next layers' memory while the current one is drawn and copied.
+- `BufferMaker(ordinal, threads=None)`: `expect([nbytes, ...])` starts making buffers of those sizes on its threads
+  (default `page_lock_threads()`: PDSCOPE_PAGE_LOCK_THREADS, else `PAGE_LOCK_THREADS`), in order; `take(nbytes)`
+  returns the oldest expected one of that size (waiting for it) or makes one now. The store uses it to page-lock
+  the next layers' memory while the current one is drawn and copied (a start's critical path).
 Why not torch's pinned allocator (docs/MEASUREMENTS.md): it rounds blocks up to powers of two, and importing torch
 costs every start seconds.
 """
@@ -28,6 +29,7 @@ import concurrent.futures
 import ctypes
 import dataclasses
 import mmap
+import os
 import threading
 
 import jax
@@ -270,10 +272,27 @@ def pin_stack(src, accel: jax.Device, buffer: HostBuffer | None = None) -> Pinne
     return PinnedStack(whole, experts, view, buffer)
 
 
+PAGE_LOCK_THREADS = 2  # buffers page-locked at once; each faults its pages in with `populate_threads` more
+PAGE_LOCK_THREADS_ENV = "PDSCOPE_PAGE_LOCK_THREADS"
+
+
+def page_lock_threads() -> int:
+    """Buffers a `BufferMaker` page-locks at once: PDSCOPE_PAGE_LOCK_THREADS (a positive integer), else
+    `PAGE_LOCK_THREADS`; ValueError naming the variable for anything else."""
+    setting = os.environ.get(PAGE_LOCK_THREADS_ENV, "").strip()
+    if not setting:
+        return PAGE_LOCK_THREADS
+    if not setting.isdigit() or int(setting) < 1:
+        raise ValueError(f"{PAGE_LOCK_THREADS_ENV} must be a positive integer (buffers page-locked at once), got "
+                         f"{setting!r}; unset it for the default, {PAGE_LOCK_THREADS}")
+    return int(setting)
+
+
 class BufferMaker:
-    def __init__(self, ordinal: int, threads: int = 2, populate_threads: int = 8):
+    def __init__(self, ordinal: int, threads: int | None = None, populate_threads: int = 8):
         self.ordinal, self._populate = ordinal, populate_threads
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="page-lock")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads or page_lock_threads(),
+                                                           thread_name_prefix="page-lock")
         self._expected: dict[int, collections.deque] = collections.defaultdict(collections.deque)
 
     def _make(self, nbytes: int) -> HostBuffer:

@@ -77,3 +77,14 @@ def test_a_buffer_maker_hands_out_expected_buffers_in_order_and_makes_unexpected
     assert [b.nbytes for b in (first, second, other, unexpected)] == [4096, 4096, 8192, 12288]
     assert all(b.registered for b in (first, second, other, unexpected)) and first is not second
     maker.close()
+
+
+def test_page_lock_threads_come_from_the_environment_or_the_default(monkeypatch):
+    monkeypatch.delenv(page_locked.PAGE_LOCK_THREADS_ENV, raising=False)
+    assert page_locked.page_lock_threads() == page_locked.PAGE_LOCK_THREADS
+    monkeypatch.setenv(page_locked.PAGE_LOCK_THREADS_ENV, "6")
+    assert page_locked.page_lock_threads() == 6
+    for bad in ("0", "-2", "four", "1.5"):
+        monkeypatch.setenv(page_locked.PAGE_LOCK_THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=page_locked.PAGE_LOCK_THREADS_ENV):
+            page_locked.page_lock_threads()
