@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from pdscope_jax import cuda_driver
 from pdscope_jax.errors import InputError, collect
 
 _UNITS = {
@@ -274,7 +275,7 @@ def hold_gpu_to_budget(gpu_memory: int) -> float | None:
         return None
     if PREALLOCATION_ENV in os.environ or os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in _OFF:
         return None
-    total = _gpu_total_memory()
+    total = cuda_driver.total_memory()
     if not total:
         return None
     fraction = min(0.9, wanted / total)
@@ -284,21 +285,6 @@ def hold_gpu_to_budget(gpu_memory: int) -> float | None:
 
 
 _held_bytes: int | None = None  # what hold_gpu_to_budget held this process's GPU allocator to
-
-
-def _gpu_total_memory() -> int | None:
-    """The first visible CUDA GPU's memory in bytes, from the driver; None without one."""
-    import ctypes
-
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        device, total = ctypes.c_int(), ctypes.c_size_t()
-        if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(device), 0) or lib.cuDeviceTotalMem_v2(ctypes.byref(total),
-                                                                                                 device):
-            return None
-    except (OSError, AttributeError):
-        return None
-    return total.value
 
 
 def user_cache_dir(name: str) -> Path:

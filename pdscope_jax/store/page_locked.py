@@ -35,6 +35,8 @@ import threading
 import jax
 import numpy as np
 
+from pdscope_jax import cuda_driver
+
 HUGE_PAGE = 2 << 20
 _REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE: locked for every context, not only the current one
 _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
@@ -53,11 +55,10 @@ class _Driver:
     def lib(cls):
         with cls._lock:
             if cls._lib is None:
-                lib = ctypes.CDLL("libcuda.so.1")
+                lib = cuda_driver.driver()
                 lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
                 lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
                 lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
-                _check(lib, lib.cuInit(0), "cuInit")
                 cls._lib = lib
             return cls._lib
 
@@ -77,11 +78,7 @@ class _Driver:
         return lib
 
 
-def _check(lib, code: int, what: str) -> None:
-    if code != 0:
-        name = ctypes.c_char_p()
-        lib.cuGetErrorString(code, ctypes.byref(name))
-        raise RuntimeError(f"{what} failed: CUDA error {code} ({(name.value or b'?').decode()})")
+_check = cuda_driver.check
 
 
 def driver_ready() -> bool:
