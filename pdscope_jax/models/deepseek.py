@@ -100,17 +100,19 @@ class MLAttention(nnx.Module):
         return self.o_proj(out.reshape(b, t, -1)), cache
 
     def _attend_latent(self, q_nope, q_rope, latent, k_rope, mask):
-        """Attention against the cached latent [B, S, R] and rope key [B, S, Dr] without expanding them, as
-        one-head attention (`layers.attention`) with keys [latent, rope key] and values the latent: the query's nope
-        part folded through `kv_b_proj`'s key half (per head [Dn, R]) beside its rope part, the weighted latent then
-        through the value half. -> [B, T, H, Dv]."""
+        """Attention against the cached latent [B, S, R] and rope key [B, S, Dr] without expanding them: the
+        query's nope part folded through `kv_b_proj`'s key half (per head [R, Dn]), the probabilities' weighted
+        latent through its value half. Scores and softmax float32, as `layers.attention`. -> [B, T, H, Dv].
+        (Scored as two products, latent and rope, rather than one over their concatenation, which copies the
+        whole cache every step: measured slower on the GPU node, docs/MEASUREMENTS.md.)"""
         cfg = self.cfg
         h, dn = cfg.num_heads, cfg.qk_nope_head_dim
         w = self.kv_b_proj.kernel[...].reshape(cfg.kv_lora_rank, h, dn + cfg.v_head_dim)
         q_latent = jnp.einsum("bthd,rhd->bthr", q_nope, w[..., :dn], preferred_element_type=F32).astype(latent.dtype)
-        q = jnp.concatenate([q_latent, q_rope.astype(latent.dtype)], axis=-1)  # [B, T, H, R + Dr]
-        k = jnp.concatenate([latent, k_rope], axis=-1)[:, :, None]  # [B, S, 1, R + Dr]
-        context = attention(q, k, latent[:, :, None], mask, self.scale)  # [B, T, H, R]
+        scores = (jnp.einsum("bthr,bsr->bhts", q_latent, latent, preferred_element_type=F32)
+                  + jnp.einsum("bthd,bsd->bhts", q_rope, k_rope, preferred_element_type=F32)) * self.scale
+        probs = jax.nn.softmax(jnp.where(mask[:, None], scores, -jnp.inf), axis=-1).astype(latent.dtype)
+        context = jnp.einsum("bhts,bsr->bthr", probs, latent, preferred_element_type=F32).astype(latent.dtype)
         return jnp.einsum("bthr,rhd->bthd", context, w[..., dn:], preferred_element_type=F32).astype(q_nope.dtype)
 
 
