@@ -27,7 +27,8 @@ from pdscope_jax.generation.generator import CACHE_BUCKET, Generator
 from pdscope_jax.models import deepseek
 
 SHIPPED = (deepseek.LATENT_MAX_QUERY, deepseek.LATENT_MIN_CACHE)
-ARMS = {"expanded": (0, SHIPPED[1], True), "latent": (SHIPPED[0], 0, True), "latent-select-sampler": (SHIPPED[0], 0, False)}
+ARMS = {"expanded": (0, SHIPPED[1], True), "latent": (SHIPPED[0], 0, True),
+        "latent-select-sampler": (SHIPPED[0], 0, False)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -9,12 +9,13 @@ Contract:
 - `sample(logits [B, V], state, step, branch=False) -> (Sampled, state')`: the pure function the programs call
   inside their own jit; `sample_jit` is it jitted alone. `branch=True` skips the drawing (its sort over the
   vocabulary) when every row is greedy, by a conditional: for programs whose conditionals run on the device
-  (command buffers), not for those where XLA's runtime would read the predicate back to the host. Order: repetition penalty on seen or generated tokens (positive logits
-  divided, negative multiplied, as transformers does), presence and frequency penalties on generated tokens (as
-  OpenAI does), then rows with temperature 0 take the argmax; the others divide by the temperature, keep the top_k
-  most likely, the smallest set whose probability reaches top_p, the tokens whose probability is at least min_p
-  times the largest, and draw with key fold_in(key(seed_row), step). So a row's tokens depend on its own settings,
-  seed and step only, not on the batch it runs in. state' counts the picked token.
+  (command buffers), not for those where XLA's runtime would read the predicate back to the host. Order:
+  repetition penalty on seen or generated tokens (positive logits divided, negative multiplied, as transformers
+  does), presence and frequency penalties on generated tokens (as OpenAI does), then rows with temperature 0 take
+  the argmax; the others divide by the temperature, keep the top_k most likely, the smallest set whose probability
+  reaches top_p, the tokens whose probability is at least min_p times the largest, and draw with key
+  fold_in(key(seed_row), step). So a row's tokens depend on its own settings, seed and step only, not on the batch
+  it runs in. state' counts the picked token.
 - `Sampled`: token [B] int32; logprob [B] and the TOP_LOGPROBS most likely (top_ids, top_logprobs [B, N]) of
   the model's own distribution, log_softmax of the raw logits (before penalties and temperature).
 With defaults (greedy, no penalty) the token is argmax(logits), bit for bit what the old static sampler gave.
