@@ -1,7 +1,6 @@
 """Test session setup: two CPU devices stand in for host and accelerator (must run before JAX is first used);
 no persistent compilation or workload-design cache unless a test turns one on (tests must not fill the user's
-cache directory, and every test compiles what it runs and fits what it designs); the slowest files first, so that
-two workers taking a file each do not end with one of them running a long file alone."""
+cache directory, and every test compiles what it runs and fits what it designs)."""
 
 import gc
 import os
@@ -20,26 +19,6 @@ MAPPINGS_BEFORE_CLEARING = 20_000
 MAPS = Path("/proc/self/maps")
 
 import pytest  # noqa: E402
-
-# Files of 35 s or more on the 2-core machine (`pytest --durations`), slowest first; the rest keep their order.
-SLOWEST_FILES = ("bench/test_bench_ablation.py", "api/test_compile_cache.py", "engine/test_bf16_contract.py",
-                 "benchmarks/test_compare_inprocess.py", "benchmarks/test_long_run.py", "generation/test_batcher.py",
-                 "parallel/test_expert_parallel_processes.py", "bench/test_offload_bench.py", "cli/test_cli.py",
-                 "engine/test_offload_batching.py", "serve/test_batching_worker.py", "serve/test_serve_load.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
-    tests = Path(__file__).parent
-
-    def place(item):
-        try:
-            name = Path(str(item.fspath)).relative_to(tests).as_posix()
-        except ValueError:
-            name = ""
-        return rank.get(name, len(rank))
-
-    items.sort(key=place)  # stable: within a rank, collection order
 
 
 def _mappings() -> int:
