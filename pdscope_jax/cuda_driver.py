@@ -1,8 +1,9 @@
 """The CUDA driver (libcuda) through ctypes: loaded and initialised once a process, shared by its users.
 
 Contract:
-- `driver() -> ctypes.CDLL`: libcuda.so.1 with cuInit(0) done. OSError where the library does not load (no CUDA
-  driver), RuntimeError naming the driver's error where cuInit fails. Thread-safe; the same object every call.
+- `driver() -> ctypes.CDLL`: libcuda.so.1 with cuInit(0) done and the argument types of the calls that take
+  addresses or sizes declared. OSError where the library does not load (no CUDA driver), RuntimeError naming the
+  driver's error where cuInit fails. Thread-safe; the same object every call.
 - `check(lib, code, what)`: RuntimeError naming `what` and the driver's error string when `code` is not 0.
 - `total_memory(ordinal=0) -> int | None`: that GPU's memory in bytes; None without a driver or such a GPU.
 Used before JAX starts its backends (`runtime.hold_gpu_to_budget`) and beside them (`store.page_locked`); it
@@ -23,6 +24,9 @@ def driver() -> ctypes.CDLL:
     with _lock:
         if _lib is None:
             lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+            lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+            lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
             check(lib, lib.cuInit(0), "cuInit")
             _lib = lib
         return _lib

@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import jax
@@ -29,6 +28,8 @@ import jaxlib
 import numpy as np
 from flax import nnx
 
+from pdscope_jax.artifacts import provenance
+from pdscope_jax.artifacts.integrity import atomic_write_json
 from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, program_pieces
 from pdscope_jax.engine.route import DENSE_MAX_ROWS
 from pdscope_jax.quant.formats import QuantizedWeight, scheme, shapes as quant_shapes
@@ -65,11 +66,9 @@ def _stored_at(key) -> Path | None:
     folder = jax.config.jax_compilation_cache_dir
     if not folder:
         return None
-    from pdscope_jax.artifacts.provenance import source_digest
-
     device = jax.devices()[0]
     whole = repr((key, MARGIN, jax.__version__, jaxlib.__version__, device.platform, device.device_kind,
-                  os.environ.get("XLA_FLAGS", ""), source_digest()))
+                  os.environ.get("XLA_FLAGS", ""), provenance.source_digest()))
     return Path(folder) / "activations" / (hashlib.sha256(whole.encode()).hexdigest()[:40] + ".json")
 
 
@@ -90,21 +89,16 @@ def _read(path: Path | None) -> tuple[bool, Measured | None]:
 
 
 def _write(path: Path | None, measured: Measured | None) -> None:
-    """Store `measured` at `path` whole or not at all (a temporary file renamed over it); a cache that cannot be
-    written only costs the next start a measurement."""
+    """Store `measured` at `path` whole or not at all (`artifacts.integrity.atomic_write_json`); a cache that cannot
+    be written only costs the next start a measurement."""
     if path is None:
         return
     data = _NONE if measured is None else {"bytes": measured.bytes, "peaks": [list(p) for p in measured.peaks]}
-    temporary = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
-            temporary = Path(out.name)
-            json.dump(data, out)
-        os.replace(temporary, path)
+        atomic_write_json(path, data)
     except OSError:
-        if temporary is not None:
-            temporary.unlink(missing_ok=True)
+        pass
 
 
 def _compile_and_read(key, abstract, cache) -> Measured | None:

@@ -49,41 +49,26 @@ class _Driver:
     """The few CUDA driver calls used here, on one device's primary context (the one XLA computes in)."""
 
     _lock = threading.Lock()
-    _lib = None
-
-    @classmethod
-    def lib(cls):
-        with cls._lock:
-            if cls._lib is None:
-                lib = cuda_driver.driver()
-                lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-                lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
-                lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
-                cls._lib = lib
-            return cls._lib
-
     _contexts: dict[int, ctypes.c_void_p] = {}
 
     @classmethod
     def enter(cls, ordinal: int):
         """The driver, with `ordinal`'s primary context current on this thread."""
-        lib = cls.lib()
+        lib = cuda_driver.driver()
         with cls._lock:
             if ordinal not in cls._contexts:
                 device, context = ctypes.c_int(), ctypes.c_void_p()
-                _check(lib, lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
-                _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+                cuda_driver.check(lib, lib.cuDeviceGet(ctypes.byref(device), ordinal), "cuDeviceGet")
+                cuda_driver.check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(context), device),
+                                  "cuDevicePrimaryCtxRetain")
                 cls._contexts[ordinal] = context
-        _check(lib, lib.cuCtxSetCurrent(cls._contexts[ordinal]), "cuCtxSetCurrent")
+        cuda_driver.check(lib, lib.cuCtxSetCurrent(cls._contexts[ordinal]), "cuCtxSetCurrent")
         return lib
-
-
-_check = cuda_driver.check
 
 
 def driver_ready() -> bool:
     try:
-        _Driver.lib()
+        cuda_driver.driver()
     except (OSError, RuntimeError, AttributeError):
         return False
     return True
@@ -108,7 +93,8 @@ class HostBuffer:
         self.registered = False
         if self.nbytes:
             lib = _Driver.enter(ordinal)
-            _check(lib, lib.cuMemHostRegister_v2(self.address, self.nbytes, _REGISTER_PORTABLE), "cuMemHostRegister")
+            cuda_driver.check(lib, lib.cuMemHostRegister_v2(self.address, self.nbytes, _REGISTER_PORTABLE),
+                              "cuMemHostRegister")
             self.registered = True
 
     def release(self) -> None:
@@ -237,7 +223,7 @@ def fill_from_device(buffer: HostBuffer, src: jax.Array) -> None:
         raise ValueError(f"{src.nbytes} bytes do not fit the {buffer.nbytes}-byte buffer")
     src.block_until_ready()
     lib = _Driver.enter(buffer.ordinal)
-    _check(lib, lib.cuMemcpyDtoH_v2(buffer.address, src.unsafe_buffer_pointer(), src.nbytes), "cuMemcpyDtoH")
+    cuda_driver.check(lib, lib.cuMemcpyDtoH_v2(buffer.address, src.unsafe_buffer_pointer(), src.nbytes), "cuMemcpyDtoH")
 
 
 @dataclasses.dataclass
