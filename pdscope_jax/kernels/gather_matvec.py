@@ -45,14 +45,12 @@ BLOCK_N = 128
 class Tiles(NamedTuple):
     """How a call cuts its work: columns a program takes (`block_n`, a multiple of 16 dividing N), rows of K a tile
     takes for 2-byte dense weights (`block_k`; 4-byte weights take half, int4 one group), the grid's target size
-    (`programs`: K is split until the grid has about this many), Triton's `num_warps` / `num_stages`, and where
-    K's parts are added (`sum_in_kernel`: by the last program of each output tile, else by XLA after the call)."""
+    (`programs`: K is split until the grid has about this many), and Triton's `num_warps` / `num_stages`."""
     block_n: int = BLOCK_N
     block_k: int = 64
     programs: int = 2112  # 16 per multiprocessor of an H100/H200: enough weight bytes in flight
     num_warps: int = 4
     num_stages: int = 3
-    sum_in_kernel: bool = True
 
 
 TILES = Tiles()
@@ -67,7 +65,7 @@ def tiles_for(n: int) -> Tiles:
 
 def kernel_name(tiles: Tiles) -> str:
     """The kernel's name in profiles: its tiles, so that a trace tells cuts apart."""
-    return "gather_matvec_n{}_k{}_p{}_w{}_s{}".format(*tiles[:5]) + ("" if tiles.sum_in_kernel else "_xlasum")
+    return "gather_matvec_n{}_k{}_p{}_w{}_s{}".format(*tiles)
 
 
 def _block_k(dtype, scheme=None, k: int = 0, tiles: Tiles = TILES) -> int:
@@ -97,7 +95,7 @@ def _splits(a: int, k_blocks: int, n_blocks: int, programs: int = TILES.programs
     return splits
 
 
-def _kernel(idx_ref, x_ref, w_ref, *out_refs, block_k: int, block_n: int, steps: int, dtype, finish):
+def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, steps: int, dtype):
     """Dense weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
@@ -109,7 +107,7 @@ def _kernel(idx_ref, x_ref, w_ref, *out_refs, block_k: int, block_n: int, steps:
         wb = w_ref[slot, pl.ds(start, block_k), cols].astype(F32)  # [BK, BN]: rows of BN contiguous values
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
 
-    finish(jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32)), *out_refs)
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
 
 def _rounded(v: jax.Array, dtype) -> jax.Array:
@@ -123,8 +121,7 @@ def _rounded(v: jax.Array, dtype) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, F32)
 
 
-def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, *out_refs, block_k: int, block_n: int, steps: int, dtype,
-                 finish):
+def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, block_k: int, block_n: int, steps: int, dtype):
     """int8 weights with one float32 scale per column: each tile dequantized (q * scale, rounded to dtype)."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
@@ -137,11 +134,11 @@ def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, *out_refs, block_k: int, bloc
         wb = _rounded(q_ref[slot, pl.ds(start, block_k), cols].astype(F32) * scale[None, :], dtype)
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
 
-    finish(jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32)), *out_refs)
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
 
-def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, *out_refs, group: int, block_n: int, steps: int,
-                 dtype, finish):
+def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, group: int, block_n: int, steps: int,
+                 dtype):
     """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows:
     a tile is one group; x comes split into its even and odd elements, so each nibble meets its own x."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -161,32 +158,7 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, *out_refs, gr
         xo = x_odd_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
         return acc + jnp.sum(xe * w_even + xo * w_odd, axis=0)
 
-    finish(jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32)), *out_refs)
-
-
-def _store_part(acc, o_ref):
-    """This program's part of K's sum into its block of the parts (XLA adds them after the call)."""
-    o_ref[...] = acc
-
-
-def _sum_last(acc, counts_in_ref, parts_ref, out_ref, counts_ref, *, splits: int, block_n: int, interpret: bool):
-    """K's parts added inside the call: each program stores its part and counts itself in its output tile's counter;
-    the tile's last program adds the parts in order of s and stores the tile. CUTLASS's serial split-K semaphore:
-    a barrier puts every thread's store before the counter's release; the atomic (acquire-release, GPU scope, one
-    thread a program) then makes them visible to the program that sees the count complete."""
-    from jax.experimental.pallas import triton as pl_triton
-
-    del counts_in_ref  # the same buffer as counts_ref (aliased): zeros when the call starts
-    a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
-    parts_ref[s, a, cols] = acc
-    if not interpret:  # the interpreter runs programs one after another
-        pl_triton.debug_barrier()
-    arrived = pl_triton.atomic_add(counts_ref, (a, j), jnp.ones((), jnp.int32))
-
-    @pl.when(arrived == splits - 1)
-    def _():
-        out_ref[a, cols] = jnp.sum(parts_ref[:, a, cols], axis=0)
+    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
@@ -202,18 +174,9 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tile
                          f"for {tiles}")
     n_blocks, k_blocks = n // block_n, k // block_k
     splits = _splits(a, k_blocks, n_blocks, tiles.programs)
-    whole = pl.BlockSpec(memory_space=pl.ANY) if interpret else pl.no_block_spec
-    in_kernel = tiles.sum_in_kernel and splits > 1
-    if in_kernel:
-        finish = functools.partial(_sum_last, splits=splits, block_n=block_n, interpret=interpret)
-        out_shape = (jax.ShapeDtypeStruct((splits, a, n), F32), jax.ShapeDtypeStruct((a, n), F32),
-                     jax.ShapeDtypeStruct((a, n_blocks), jnp.int32))
-        out_specs, extra = (whole, whole, whole), (jnp.zeros((a, n_blocks), jnp.int32),)
-    else:
-        finish, extra = _store_part, ()
-        out_shape = jax.ShapeDtypeStruct((splits, a, n), F32)
-        out_specs = pl.BlockSpec((None, None, block_n), lambda i, j, s: (s, i, j))
-    cut = dict(block_n=block_n, steps=k_blocks // splits, dtype=jnp.dtype(w.dtype), finish=finish)
+    steps = k_blocks // splits
+    dtype = jnp.dtype(w.dtype)
+    cut = dict(block_n=block_n, steps=steps, dtype=dtype)
     if scheme is None:
         kernel, operands = functools.partial(_kernel, block_k=block_k, **cut), (x, w)
     elif scheme.bits == 8:
@@ -221,22 +184,20 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tile
     else:
         kernel = functools.partial(_kernel_int4, group=block_k, **cut)
         operands = (x[:, 0::2], x[:, 1::2], w.q, w.scale)
+    whole = pl.BlockSpec(memory_space=pl.ANY) if interpret else pl.no_block_spec
     from jax.experimental.pallas import triton as pl_triton
 
-    out = pl.pallas_call(
+    parts = pl.pallas_call(
         kernel,
-        out_shape=out_shape,
+        out_shape=jax.ShapeDtypeStruct((splits, a, n), F32),
         grid=(a, n_blocks, splits),
-        in_specs=[whole] * (1 + len(operands) + len(extra)),
-        out_specs=out_specs,
-        input_output_aliases={1 + len(operands): 2} if in_kernel else {},
+        in_specs=[whole] * (1 + len(operands)),
+        out_specs=pl.BlockSpec((None, None, block_n), lambda i, j, s: (s, i, j)),
         compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
         name=kernel_name(tiles),
         interpret=interpret,
-    )(idx.astype(jnp.int32), *operands, *extra)
-    if in_kernel:
-        return out[1]
-    return out.sum(axis=0) if splits > 1 else out[0]
+    )(idx.astype(jnp.int32), *operands)
+    return parts.sum(axis=0) if splits > 1 else parts[0]
 
 
 @functools.cache

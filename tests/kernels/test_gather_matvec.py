@@ -62,24 +62,6 @@ def test_splitting_k_keeps_the_sum():
     assert rel(gm.gather_matvec(x, w, idx, interpret=True), reference(x, w, idx)) < 1e-6
 
 
-@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
-def test_k_parts_add_up_alike_in_the_kernel_and_after_it(scheme):
-    """Where K is cut into parts, each output tile's last program adds them (`sum_in_kernel`, the default: no
-    reduction is left outside the kernel) or XLA does after the call; both give the exact product."""
-    rng = np.random.default_rng(2)
-    w = jnp.asarray(rng.standard_normal((4, 512, 256)) * 0.05, jnp.bfloat16)
-    w = w if scheme is None else quantize(w, scheme)
-    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
-    idx = jnp.asarray([1, 3, 1], jnp.int32)
-    assert gm._splits(3, 512 // gm._block_k(w.dtype, getattr(w, "scheme", None), 512), 2) > 1
-    for in_kernel in (True, False):
-        tiles = gm.TILES._replace(sum_in_kernel=in_kernel)
-        assert rel(gm.gather_matvec(x, w, idx, interpret=True, tiles=tiles), reference(x, w, idx)) < 1e-6
-        (call,) = jax.make_jaxpr(functools.partial(gm.gather_matvec, interpret=True, tiles=tiles))(x, w, idx).eqns
-        outside = [eqn.primitive.name for eqn in call.params["jaxpr"].eqns]  # the jitted function's own steps
-        assert "pallas_call" in outside and ("reduce_sum" in outside) != in_kernel
-
-
 @pytest.mark.parametrize("tiles", [gm.Tiles(block_n=64, block_k=32, programs=64, num_warps=8, num_stages=2),
                                    gm.Tiles(block_n=256, block_k=128, programs=2048)])
 def test_other_tiles_keep_the_product(tiles):
