@@ -288,8 +288,9 @@ def check_load(dtype, seed, policy, predictors, runtime: dict, quantize=None, ac
 class OffloadedRunner(Runner):
     """The `Runner` calls over the offload engine; `engine.stats` holds the per-phase figures.
 
-    As with the plain model, timings exclude compilation: the first `generate` of a (batch, prompt length,
-    new tokens) shape runs the engine's warm-up for it first (which also starts the slot pool afresh)."""
+    As with the plain model, timings exclude compilation: the first `generate` of a shape (batch, prompt length and
+    KV cache length: `engine.program_shape`) runs the engine's warm-up for it first (which also starts the slot pool
+    afresh)."""
 
     def __init__(self, engine, tokenizer: Tokenizer | None = None):
         self.engine = engine
@@ -304,7 +305,7 @@ class OffloadedRunner(Runner):
         # check before warm-up, which compiles for tens of seconds
         batch, prompt_len = check_request(input_ids, self.tokenizer, self.config.vocab_size, max_new_tokens,
                                           temperature, top_k, seed, **self._limits, **sampling).shape
-        if (batch, prompt_len, max_new_tokens) not in self.engine.warmed_shapes:
+        if self.engine.program_shape(batch, prompt_len, max_new_tokens) not in self.engine.warmed_shapes:
             self.engine.warmup(batch, prompt_len, max_new_tokens)
         return super().generate(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
 

@@ -16,7 +16,8 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
   reset. `timeline`: set to an `engine.timeline.Timeline` to record each layer's stages. `startup_seconds`: {stage: wall
   seconds} of building the engine (budget, weights and store, ..., policy).
 - `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing (`precompile_routed()`: its
-  routing-dependent part); `set_policy(name, options, **engine)` switches planners without rebuilding.
+  routing-dependent part) and adds its `program_shape` (what the programs depend on) to `warmed_shapes`;
+  `set_policy(name, options, **engine)` switches planners without rebuilding.
 - RuntimeConfig switches: `cost_table` (a name or path; else `build.analytic_costs`), seen by the planners with the
   in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot table,
   preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU program per
@@ -59,6 +60,7 @@ from pdscope_jax.store.budget import BudgetError
 from pdscope_jax.store.slot_pool import SlotPool
 
 __all__ = ["OffloadRunner", "analytic_costs"]
+WARMUP_TOKENS = 2  # a warm-up's generation: the prefill's token and one decode step, which compiles every step's
 
 
 
@@ -115,7 +117,7 @@ class OffloadRunner:
         self._executor = PlanExecutor(self._programs, self.pool, self.cpu_experts, self._transfers, self.devices,
                                       self.costs, self._mark)
         self._loop = HostLoop(self, self._router, self._executor, self._transfers, self._calibration)
-        self.warmed_shapes: set[tuple[int, int, int]] = set()  # (batch, prompt_len, new_tokens) warmed up
+        self.warmed_shapes: set[tuple[int, int, int, int]] = set()  # `program_shape`s warmed up
         self.track_memory = False
         self.timeline: Timeline | None = None
         self.memory_trace: list[dict[str, int | None]] = []
@@ -316,9 +318,9 @@ class OffloadRunner:
         params, _ = sampling_params(temperature, top_k, seed, **sampling)
         return Steps(self._steps(ids, max_new_tokens, params), ids.shape[1])
 
-    def _steps(self, ids: np.ndarray, max_new_tokens: int, params):
+    def _steps(self, ids: np.ndarray, max_new_tokens: int, params, cache_tokens: int | None = None):
         b, t = ids.shape
-        cache, chunks = self._start(ids, max_new_tokens)
+        cache, chunks = self._start(ids, max_new_tokens, cache_tokens)
         state = SamplingState.create(params, ids, self.config.vocab_size, self.devices.accel)
         # the first new token: sampled in the chunk that holds the prompt's last token, t - 1 (T >= 1 is checked)
         for c0, x, cache in self._prefill(chunks, cache, t):
@@ -340,14 +342,23 @@ class OffloadRunner:
         yield from tokens
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
-        """Compile the programs of this shape: one generation on dummy tokens, then what routing decides
-        whether a real run needs: every CPU expert row bucket for the token counts it used, the layer
-        combination with and without GPU and CPU parts, and every slot-commit batch size. Then the pool and the
-        statistics start afresh, as after `set_policy`."""
-        self.generate(np.zeros((batch, prompt_len), np.int32), max_new_tokens=max(new_tokens, 2))
+        """Compile the programs of this shape: a generation of two tokens on dummy tokens in a KV cache sized for
+        `new_tokens` (a decode step's programs are the same at every step), then what routing decides whether a
+        real run needs: every CPU expert row bucket for the token counts it used, the layer combination with and
+        without GPU and CPU parts, and every slot-commit batch size. Then the pool and the statistics start afresh,
+        as after `set_policy`."""
+        ids = np.zeros((batch, prompt_len), np.int32)
+        params, _ = sampling_params(0.0, None, 0)
+        for _ in self._steps(ids, WARMUP_TOKENS, params, cache_tokens=new_tokens):
+            pass
         self.precompile_routed()
-        self.warmed_shapes.add((batch, prompt_len, new_tokens))
+        self.warmed_shapes.add(self.program_shape(batch, prompt_len, new_tokens))
         return self.compiled_programs
+
+    def program_shape(self, batch: int, prompt_len: int, new_tokens: int) -> tuple[int, int, int, int]:
+        """What a generation's programs depend on: (batch, padded prompt, prompt chunk, KV cache length). Shapes
+        with the same key run the same programs, so one warm-up serves them all."""
+        return (batch, *self._geometry(batch, prompt_len, new_tokens))
 
     def precompile_routed(self) -> None:
         """For the step shapes run so far: compile what routing decides whether a run needs (CPU expert row
@@ -382,18 +393,23 @@ class OffloadRunner:
         return check_request(input_ids, None, self.config.vocab_size, max_new_tokens, temperature, top_k, seed,
                              max_batch=rc.max_batch, max_seq_len=rc.max_seq_len, what=what, **sampling)
 
-    def _start(self, ids: np.ndarray, max_new_tokens: int):
-        """A fresh KV cache and the padded prompt's chunks [(c0, ids [B, C])]."""
-        b, t = ids.shape
+    def _geometry(self, batch: int, prompt_len: int, new_tokens: int) -> tuple[int, int, int]:
+        """(padded prompt length, prefill chunk, KV cache length) of a generation."""
         rc = self.runtime
-        if b > 1 and t > rc.prefill_chunk:
+        if batch > 1 and prompt_len > rc.prefill_chunk:
             chunk = rc.prefill_chunk
-            t_pad = round_up(t, chunk)
+            t_pad = round_up(prompt_len, chunk)
         else:
-            t_pad = chunk = bucket(t, rc.prefill_buckets)
+            t_pad = chunk = bucket(prompt_len, rc.prefill_buckets)
+        return t_pad, chunk, round_up(max(t_pad, prompt_len + new_tokens), CACHE_BUCKET)
+
+    def _start(self, ids: np.ndarray, max_new_tokens: int, cache_tokens: int | None = None):
+        """A fresh KV cache (sized for `cache_tokens` new tokens, default `max_new_tokens`) and the padded prompt's
+        chunks [(c0, ids [B, C])]."""
+        b, t = ids.shape
+        t_pad, chunk, max_len = self._geometry(b, t, max(max_new_tokens, cache_tokens or 0))
         padded = np.zeros((b, t_pad), np.int32)
         padded[:, :t] = ids
-        max_len = round_up(max(t_pad, t + max_new_tokens), CACHE_BUCKET)
         cache = self._init_cache(b, max_len, self.cache_dtype)
         return list(cache), [(c0, padded[:, c0:c0 + chunk]) for c0 in range(0, t_pad, chunk)]
 
