@@ -9,19 +9,18 @@ generations of `--tokens` new tokens after a `--prompt-len` prompt.
 With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not; with
 `--samplers select conditional`, once with the package's sampler, once with one holding conditionals.
 Reports per (setting, run): decode tok/s (median), the host's ms in the decode step's jitted call alone
-(`launch_ms_median`: arguments, launches and any wait inside the program; `dispatch_ms_median` also holds the
-wait for the token two steps back, so it equals the step whenever the GPU is the bottleneck), the greedy tokens
-and whether they equal the first run's, bridge faults, host experts per step, the bridge worker's ms per host expert,
-and the kernel's profile over the decode steps only (ms per call: wall time of the compute, the mean and the
-slowest group; the slowest far above the mean means threads that started late or were preempted), the bridge's
-per-layer timeline (host compute, and the GPU's part between two host parts), the CPU
-seconds of the process's busiest threads (by name) and the cgroup's CPU throttling over the decode.
-Outside the engine, in the same process, per setting: the kernel alone on the store's own experts (one row,
-k = 1, 2, 6 experts of random layers, no GPU work) in GB/s of expert bytes, and the pool's read bandwidth.
-With `--trace DIR`, each run's decode of `--trace-tokens` more tokens is recorded by jax's profiler (Perfetto
-trace per run: the GPU's kernels and idle gaps beside the launching thread).
-Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_host_experts_engine.py --out F.json`.
-Random weights.
+(`launch_ms_median`: arguments, launches and any wait inside the program; `dispatch_ms_median` also holds the wait
+for the token two steps back, so it equals the step whenever the GPU is the bottleneck), the greedy tokens and
+whether they equal the first run's, bridge faults, host experts per step, the bridge worker's ms per host expert,
+programs compiled inside each timed repeat (`compiled_in_run`: 0 when warm-up compiled them all), and the kernel's
+profile over the decode steps only (ms per call: wall time of the compute, the mean and the slowest group; the
+slowest far above the mean means threads that started late or were preempted), the bridge's per-layer timeline (host
+compute, and the GPU's part between two host parts), the CPU seconds of the process's busiest threads (by name) and
+the cgroup's CPU throttling over the decode. Outside the engine, in the same process, per setting: the kernel alone
+on the store's own experts (one row, k = 1, 2, 6 experts of random layers, no GPU work) in GB/s of expert bytes, and
+the pool's read bandwidth. With `--trace DIR`, each run's decode of `--trace-tokens` more tokens is recorded by
+jax's profiler (Perfetto trace per run: the GPU's kernels and idle gaps beside the launching thread). Run from the
+repository root: `PYTHONPATH=. python benchmarks/probes/probe_host_experts_engine.py --out F.json`. Random weights.
 """
 
 from __future__ import annotations
@@ -229,6 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
             tok_s, profiles, host = [], [], []
             for _ in range(args.repeats):
                 runner.reset_stats()
+                compiled_before = runner.compiled_programs["total"]
                 before = {b: s["seconds"] for b, s in runner._host_stats()["bridges"].items()}
                 steps = runner.steps(prompt, args.tokens)
                 tokens = [int(np.asarray(next(steps).token)[0])]  # prefill and the first token
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "prefetch_accuracy": decode.prefetch_accuracy,
                              "gb_moved_per_token": decode.bytes_moved / 1e9 / (args.tokens - 1),
                              "throttled": throttled, "decode_seconds": seconds,
+                             "compiled_in_run": runner.compiled_programs["total"] - compiled_before,
                              "thread_cpu_seconds": {k: round(v, 3) for v, k in busiest[:8]},
                              "dispatch_ms_median": 1e3 * statistics.median(step_host) if step_host else None,
                              "launch_ms_median": 1e3 * statistics.median(step_launch) if step_launch else None,

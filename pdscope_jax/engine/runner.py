@@ -48,7 +48,7 @@ from pdscope_jax.engine.route import Router
 from pdscope_jax.engine.stats import PhaseStats
 from pdscope_jax.engine.timeline import StageClock, Timeline
 from pdscope_jax.engine.transfers import Transfers
-from pdscope_jax.engine.warmup import precompile_combine, precompile_slot_writes
+from pdscope_jax.engine.warmup import precompile_bank_writes, precompile_combine, precompile_slot_writes
 from pdscope_jax.errors import raise_problems
 from pdscope_jax.generation.generator import CACHE_BUCKET, GenerationResult, Steps, check_request, sampling_params
 from pdscope_jax.generation.sampling import SamplingState
@@ -362,7 +362,8 @@ class OffloadRunner:
 
     def precompile_routed(self) -> None:
         """For the step shapes run so far: compile what routing decides whether a run needs (CPU expert row
-        buckets, the layer combinations, the slot commits), then start the pool and statistics afresh."""
+        buckets, the layer combinations, the slot commits, the decode bank's fill), then start the pool and
+        statistics afresh."""
         first = self._moe_layers[0]
         shapes = self._loop.step_shapes
         for n in sorted({n_pad for _, _, n_pad in shapes}):
@@ -370,6 +371,7 @@ class OffloadRunner:
         precompile_combine(self._programs, shapes, self.devices, self.cache_dtype, self.config.hidden_size,
                            self.cpu_experts.min_rows)
         precompile_slot_writes(self.pool, self.store, first, self.config.num_experts)
+        precompile_bank_writes(self.pool, self.store, first, self.config.num_experts, self.decode_slots)
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
 
     def device_memory(self) -> dict[str, int | None]:

@@ -59,3 +59,21 @@ def precompile_slot_writes(pool: SlotPool, store: ExpertStore, layer: int, num_e
             pool.release(layer, experts)
             kinds = np.full(size, low)
             store.write(pool, layer, experts, pool.allocate(layer, experts, low=kinds), kinds)
+
+
+def precompile_bank_writes(pool: SlotPool, store: ExpertStore, layer: int, num_experts: int, slots: int) -> None:
+    if slots <= 0:
+        return
+    opened = pool.decode_slots == 0
+    pool.open_decode_bank(slots)
+    pooled, bank = pool.banks
+    limit, size = min(num_experts, slots), 1
+    while True:
+        rows = np.arange(min(size, limit))
+        bank = store.write_bank(bank, layer, rows, rows)  # experts 0..n-1 into rows 0..n-1
+        if size >= limit:
+            break
+        size *= 2
+    pool.banks = (pooled, bank)
+    if opened:
+        pool.close_decode_bank()

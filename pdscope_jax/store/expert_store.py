@@ -248,7 +248,11 @@ class ExpertStore:
 
     @property
     def compiled_programs(self) -> int:
-        return len(self._commit_sizes) + len(self._pull_sizes)
+        """Commit and pull programs compiled: one per count, kind and target (the pool, or a decode bank)."""
+        sizes = [getattr(fn, "_cache_size", None) for fn in (*self._commit.values(), *self._pull.values())]
+        if all(sizes):  # jax's own count (private, present in 0.10-0.12)
+            return sum(size() for size in sizes)
+        return len(self._commit_sizes) + len(self._pull_sizes)  # the counts and kinds seen
 
     def _sources(self, layer: int, experts: np.ndarray, low: np.ndarray | None) -> tuple[list, list]:
         """(gate_ups, downs) of `experts` of `layer` in pinned memory: the int4 copy where `low` says so."""

@@ -191,6 +191,25 @@ def test_the_decode_step_traces_a_layer_kind_once(ds, monkeypatch):
     assert len(traced) == 1 and isinstance(traced[0], jax.core.Tracer)
 
 
+def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds):
+    """Decode's bank fill writes each layer's share, whose size follows the real prompt's routing (warm-up's dummy
+    tokens may give other sizes): after warm-up, writing any count of experts into the bank compiles nothing."""
+    slot = ds.cfg.expert_bytes(4)
+    probe = ds.runner("static", 1)
+    config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
+                                   decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
+    runner = type(probe)(ds.model, config)
+    runner.warmup(1, ds.ids.shape[1], ds.new)
+    compiled = runner.compiled_programs["slot_commit"]
+    runner.pool.open_decode_bank(runner.decode_slots)
+    pooled, bank = runner.pool.banks
+    for n in range(1, min(ds.cfg.num_experts, runner.decode_slots) + 1):
+        bank = runner.store.write_bank(bank, ds.cfg.moe_layers[-1], np.arange(n), np.arange(n))
+    runner.pool.banks = (pooled, bank)
+    runner.pool.close_decode_bank()
+    assert runner.decode_slots == 6 and runner.compiled_programs["slot_commit"] == compiled
+
+
 @pytest.mark.parametrize("stacks", [True, False])
 @pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
 def test_decode_on_device_matches_plain_model(ds, policy, stacks):
