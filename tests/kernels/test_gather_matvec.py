@@ -17,14 +17,6 @@ from pdscope_jax.quant.formats import QuantizedWeight, quantize
 from tests.kernels.ffn_reference import rel
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu_backend():
-    """Every test here runs on the CPU backend, also on a GPU machine: the interpreter stands in for the kernel,
-    `on_gpu` must take its CPU branch, and float32 products must not be XLA:GPU's TF32 ones."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
-
 def reference(x, w, idx):
     """float64 x[a] (rounded to w's dtype) @ w[idx[a]] (quantized: its dequantized values in the compute dtype)."""
     xw = np.asarray(jnp.asarray(x).astype(w.dtype).astype(jnp.float32), np.float64)
