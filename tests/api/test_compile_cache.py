@@ -1,4 +1,4 @@
-"""The persistent compilation cache: a second process generating on the tiny model compiles nothing new (every
+"""The persistent compilation cache: a second process generating on a tiny model compiles nothing new (every
 program comes from the cache, counted through jax's monitoring events, not timed), with the same tokens; the
 offload engine's second process does not even ask for the activation measurement's programs (the figure is
 stored beside them); the CLI puts the cache in the user cache directory and `--no-compile-cache` writes none."""
@@ -18,9 +18,9 @@ monitoring.register_event_listener(lambda name, **kw: counts.__setitem__(name, c
 import pdscope_jax
 from pdscope_jax.runtime import request_cpu_stand_in
 request_cpu_stand_in()
-policy = sys.argv[1] or None
+policy, model = sys.argv[1] or None, sys.argv[2]
 runtime = {"gpu_memory": "1GB", "expert_pool": "40KB"} if policy else {}
-m = pdscope_jax.load("tiny-deepseek-v2-lite", dtype="float32", policy=policy, **runtime)
+m = pdscope_jax.load(model, dtype="float32", policy=policy, **runtime)
 out = m.generate([[1, 2, 3, 4]], max_new_tokens=5)
 print(json.dumps({"tokens": out.tokens.tolist(), **{k.rsplit("/", 1)[1]: v for k, v in counts.items()
                                                     if k.startswith("/jax/compilation_cache/")}}))
@@ -32,8 +32,8 @@ def _env(**extra) -> dict:
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 
-def _generate(env: dict, policy: str = "") -> dict:
-    done = subprocess.run([sys.executable, "-c", GENERATE, policy], env=env, capture_output=True, text=True)
+def _generate(env: dict, policy: str = "", model: str = "tiny-mixtral-8x7b") -> dict:
+    done = subprocess.run([sys.executable, "-c", GENERATE, policy, model], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -43,9 +43,11 @@ def _entries(cache: Path) -> set[str]:
 
 
 def test_second_process_reads_every_program_from_the_cache(tmp_path):
-    for policy in ("", "pdscope"):  # the whole model, then the offload engine, each with a cache of its own
+    # the whole model (tiny Mixtral: its programs compile fastest), then the offload engine on tiny DeepSeek (MLA,
+    # shared experts; the engine runs each layer's own programs), each with a cache of its own
+    for policy, model in (("", "tiny-mixtral-8x7b"), ("pdscope", "tiny-deepseek-v2-lite")):
         env = _env(PDSCOPE_JAX_COMPILE_CACHE=str(tmp_path / f"xla{policy}"))
-        cold, warm = _generate(env, policy), _generate(env, policy)
+        cold, warm = _generate(env, policy, model), _generate(env, policy, model)
         assert cold["cache_misses"] > 0 and cold.get("cache_hits", 0) == 0, cold
         assert warm.get("cache_misses", 0) == 0, warm  # nothing compiled anew
         assert warm["cache_hits"] == warm["compile_requests_use_cache"]

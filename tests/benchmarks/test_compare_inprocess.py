@@ -15,14 +15,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_same_tree_thrice_pinned_gives_identical_tokens_plans_and_every_ratio(tmp_path):
-    """One run covers the options together (each run imports the package thrice, which is most of its time):
-    --new-tree, --control, --new-first, --settle and --pin-cpu-scale."""
+    """One run covers the options together (each run imports and loads the package thrice, which is most of its
+    time): --new-tree, --control, --new-first, --settle and --pin-cpu-scale."""
     out = tmp_path / "inprocess.json"
     argv = ["--old-tree", str(REPO), "--old-commit", "self", "--new-tree", str(REPO), "--new-commit", "newc",
             "--model", "tiny-deepseek-v2-lite", "--dtype", "float32", "--policies", "greedy", "--prompt-lens", "12",
             "--new-tokens", "3", "--repeats", "2", "--settle", "1", "--gpu-memory", "1GB", "--expert-pool", "200KB",
             "--new-first", "--control", "--pin-cpu-scale", "2.0", "--out", str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    # one compilation cache for the three copies of one tree: the copies loaded after the first read its programs
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PDSCOPE_JAX_COMPILE_CACHE": str(tmp_path / "xla")}
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "compare_trees_inprocess.py"), *argv],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -184,7 +184,10 @@ def test_the_decode_step_traces_a_layer_kind_once(ds, monkeypatch):
     traced = []
     routed = device_decode._routed_experts
     monkeypatch.setattr(device_decode, "_routed_experts", lambda m, *a, **k: traced.append(m) or routed(m, *a, **k))
-    jax.clear_caches()  # a program traced by an earlier test would be reused without tracing
+    # a step traced by an earlier test would be reused without tracing: forget the traces of the step and of its
+    # nested experts program only (jax.clear_caches() would make every later test compile all it runs again)
+    device_decode.build_decode_step().clear_cache()
+    device_decode._experts_program.clear_cache()
     runner = ds.runner("ondemand", _slots(ds, "small"))
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     assert runner.stats["decode"]["device_steps"] == ds.new - 1 and len(ds.cfg.moe_layers) == 3
