@@ -1,4 +1,5 @@
-"""Test session setup: two CPU devices stand in for host and accelerator (must run before JAX is first used);
+"""Test session setup: XLA:CPU compiles without LLVM's optimisations (tiny programs: compile time dominates); two
+CPU devices stand in for host and accelerator (must run before JAX is first used);
 no persistent compilation or workload-design cache unless a test turns one on (tests must not fill the user's
 cache directory, and every test compiles what it runs and fits what it designs)."""
 
@@ -6,7 +7,11 @@ import gc
 import os
 from pathlib import Path
 
-import jax
+# Test programs are tiny: XLA:CPU's LLVM optimisations cost more compile time than they save (about 40 % of a test
+# file's time); every check compares results computed under the same flags. Subprocesses inherit it.
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 2)
 os.environ["PDSCOPE_JAX_COMPILE_CACHE"] = "0"  # runtime.COMPILE_CACHE_ENV; subprocesses inherit it
