@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 # Test programs are tiny: XLA:CPU's LLVM optimisations cost more compile time than they save (about 40 % of a test
-# file's time); every check compares results computed under the same flags. Subprocesses inherit it.
+# file's time). What the tests check does not depend on them. Subprocesses inherit the flag.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
 import jax  # noqa: E402
