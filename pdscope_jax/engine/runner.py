@@ -60,7 +60,7 @@ from pdscope_jax.store.budget import BudgetError
 from pdscope_jax.store.slot_pool import SlotPool
 
 __all__ = ["OffloadRunner", "analytic_costs"]
-WARMUP_TOKENS = 2  # a warm-up's generation: the prefill's token and one decode step, which compiles every step's
+WARMUP_TOKENS = 2  # a warm-up's generation: the prefill's token and one decode step (every step's programs)
 
 
 

@@ -7,6 +7,9 @@ Contract (each runs its programs on zeros or on slots it frees again; the caller
 - `precompile_slot_writes(pool, store, layer, num_experts)`: the commits of staged copies (power-of-two sizes up
   to the one a whole layer pads to) and the pull-and-commit loads (each count up to `FUSED_MAX`), of base
   copies and, where the store keeps them, of int4 copies.
+- `precompile_bank_writes(pool, store, layer, num_experts, slots)`: `store.write_bank` into a decode bank of `slots`
+  rows (opened for this when closed, closed again) for every size a count up to min(E, slots) pads to: decode's
+  bank fill writes each layer's share, whose count follows the real prompt's routing, not warm-up's.
 """
 
 from __future__ import annotations
@@ -42,18 +45,24 @@ def precompile_combine(programs: dict, step_shapes, devices: Devices, dtype, hid
             programs["moe_combine"](x, shared, y_gpu, y_cpu, take)
 
 
+def _padded_counts(limit: int) -> list[int]:
+    """Counts that reach every size a commit of 1..limit experts pads to (powers of two): 1, 2, 4, ..., then limit
+    itself (its padded size is the next power of two); none for limit 0."""
+    counts, size = [], 1
+    while size < limit:
+        counts.append(size)
+        size *= 2
+    return counts + [limit] if limit else []
+
+
 def precompile_slot_writes(pool: SlotPool, store: ExpertStore, layer: int, num_experts: int) -> None:
     limit = min(num_experts, pool.num_slots)
     for low in (False, True) if store.has_low else (False,):
-        size = 1
-        while limit:  # commits pad to a power of two: up to the one `limit` experts pad to
-            experts = np.arange(min(size, limit))
+        for count in _padded_counts(limit):
+            experts = np.arange(count)
             pool.release(layer, experts)
             kinds = np.full(experts.size, low)
             store.commit(pool, store.stage(layer, experts, kinds), pool.allocate(layer, experts, low=kinds))
-            if size >= limit:
-                break
-            size *= 2
         for size in range(1, min(FUSED_MAX, limit) + 1):
             experts = np.arange(size)
             pool.release(layer, experts)
@@ -67,13 +76,9 @@ def precompile_bank_writes(pool: SlotPool, store: ExpertStore, layer: int, num_e
     opened = pool.decode_slots == 0
     pool.open_decode_bank(slots)
     pooled, bank = pool.banks
-    limit, size = min(num_experts, slots), 1
-    while True:
-        rows = np.arange(min(size, limit))
+    for count in _padded_counts(min(num_experts, slots)):
+        rows = np.arange(count)
         bank = store.write_bank(bank, layer, rows, rows)  # experts 0..n-1 into rows 0..n-1
-        if size >= limit:
-            break
-        size *= 2
     pool.banks = (pooled, bank)
     if opened:
         pool.close_decode_bank()
