@@ -41,10 +41,10 @@ def parse() -> argparse.Namespace:
 
 def kernel_rate(gate_ups, downs, dims, per_call: int, seconds: float, expert_bytes: int) -> float:
     """GB/s of expert bytes the kernel reads over `seconds` (calls of `per_call` experts, 20 at a time)."""
-    addresses = [a.ctypes.data for a in gate_ups], [a.ctypes.data for a in downs]
+    weights = cpu_ffn.HostWeights(tuple(a.ctypes.data for a in gate_ups), tuple(a.ctypes.data for a in downs))
     times, start = [], time.perf_counter()
     while time.perf_counter() - start < seconds:
-        times.append(cpu_ffn.seconds_per_expert(*addresses, dims, per_call, 1, 20))
+        times.append(cpu_ffn.seconds_per_expert(weights, dims, per_call, 1, 20))
     return expert_bytes / statistics.median(times) / 1e9
 
 

@@ -7,7 +7,8 @@ sum; x += both. Each layer has its own `--experts` random bf16 experts of DeepSe
 memory (so the weights come from DRAM, not the cache), the ids drawn anew per repetition.
 Records, per (n host experts, GPU matmuls): the median ms per layer over `--reps` programs waited for, beside
 the same chain without the bridge (`bridge: false`: the GPU work alone), and the check of one layer's host
-sum against XLA's on the GPU (max abs and relative difference). Random weights.
+sum against XLA's on the GPU (max abs and relative difference). Random weights; `--formats` bf16, int8, int4
+(quantized from the bf16 experts; the check's reference is the dequantized bf16 weights).
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_host_experts.py --out F.json`.
 """
 
@@ -25,6 +26,7 @@ import numpy as np
 from _common import emit, probe_result
 from pdscope_jax.kernels import cpu_ffn, host_experts
 from pdscope_jax.models.layers import expert_ffn
+from pdscope_jax.quant.formats import dense, quantize
 from pdscope_jax.runtime import select_devices
 
 F32 = jnp.float32
@@ -43,6 +45,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--alloc", nargs="+", default=["numpy"], choices=["numpy", "torch", "registered"],
                    help="where the host experts lie: numpy arrays (NumPy asks for transparent huge pages), torch "
                         "pinned memory (the expert store's), numpy arrays page-locked with cudaHostRegister")
+    p.add_argument("--formats", nargs="+", default=["bf16"], choices=["bf16", "int8", "int4"],
+                   help="how the host experts are stored (quantized ones lie in numpy memory, scales float32)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
@@ -70,6 +74,29 @@ def placed(arrays, alloc: str, keep: list):
     return out
 
 
+def addresses(arrays) -> tuple[int, ...]:
+    return tuple(a.ctypes.data for a in arrays)
+
+
+def quantized(gate_ups, downs, name: str, keep: list):
+    """Per layer, `cpu_ffn.HostWeights` of its experts quantized as `name` (numpy integers and float32 scales, held
+    in `keep`), and the dense bf16 weights they stand for (the check's reference), in gate_ups' and downs' shape."""
+    weights, refs = [], ([], [])
+    for gu_layer, dn_layer in zip(gate_ups, downs):
+        parts = []
+        for layer, ref in ((gu_layer, refs[0]), (dn_layer, refs[1])):
+            qs = [quantize(jnp.asarray(w), name, jnp.bfloat16) for w in layer]
+            ints, scales = [np.asarray(x.q) for x in qs], [np.asarray(x.scale, np.float32) for x in qs]
+            keep += ints + scales
+            ref.append([np.asarray(dense(x)) for x in qs])
+            parts.append((ints, scales))
+        (gq, gs), (dq, ds) = parts
+        groups = (gu_layer[0].shape[0] // gs[0].shape[0], dn_layer[0].shape[0] // ds[0].shape[0])
+        weights.append(cpu_ffn.HostWeights(addresses(gq), addresses(dq), qs[0].scheme.bits, addresses(gs),
+                                           addresses(ds), groups))
+    return weights, refs
+
+
 def huge_pages_kb() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("AnonHugePages:"):
@@ -91,26 +118,34 @@ def main() -> None:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     emit(records, {"transparent_hugepage": thp.read_text().strip() if thp.exists() else None,
                    "anon_huge_pages_kb": huge_pages_kb()})
-    for alloc in args.alloc:
-        keep: list = []
-        gus = [placed(layer, alloc, keep) for layer in gate_ups]
-        dns = [placed(layer, alloc, keep) for layer in downs]
-        emit(records, {"alloc": alloc, "anon_huge_pages_kb": huge_pages_kb()})
-        measure(args, records, devices, gus, dns, alloc)
+    for fmt in args.formats:
+        for alloc in args.alloc if fmt == "bf16" else ["numpy"]:
+            keep: list = []
+            if fmt == "bf16":
+                refs = tuple([placed(layer, alloc, keep) for layer in part] for part in (gate_ups, downs))
+                weights = [cpu_ffn.HostWeights(addresses(gu), addresses(dn)) for gu, dn in zip(*refs)]
+            else:
+                weights, refs = quantized(gate_ups, downs, fmt, keep)
+            emit(records, {"alloc": alloc, "format": fmt, "anon_huge_pages_kb": huge_pages_kb()})
+            measure(args, records, devices, weights, refs, f"{fmt}/{alloc}")
     probe_result("host_experts_bridge", devices, records, args.out, hidden=d, intermediate=f, layers=layers,
                  experts=e, picks=args.picks)
 
 
-def measure(args, records, devices, gate_ups, downs, alloc: str) -> None:
+def measure(args, records, devices, weights, refs, alloc: str) -> None:
+    """The check and the timings of one way of storing the host experts: `weights` per layer, `refs` their dense
+    bf16 (gate_ups, downs) per layer and expert; `alloc` labels the records."""
     accel = devices.accel
     d, f, layers, e = args.hidden, args.intermediate, args.layers, args.experts
+    gate_ups, downs = refs
     rng = np.random.default_rng(0)
-    addresses = [([a.ctypes.data for a in gu], [a.ctypes.data for a in dn]) for gu, dn in zip(gate_ups, downs)]
-    bridge = host_experts.Bridge.create(addresses, (d, f), accel, 1, args.picks)
+    bridge = host_experts.Bridge.create(weights, (d, f), accel, 1, args.picks)
     emit(records, {"alloc": alloc, "bridge_created": bridge is not None, "why_not": host_experts.why_not(),
                    "cpu_kernel_isa": cpu_ffn.isa(), "cpu_kernel_threads": cpu_ffn.threads()})
     if bridge is None:
         return
+    # an expert's stored bytes: its weights at `bits` a value (scales, 1/64 of int4's and less, not counted)
+    expert_bytes = (gate_ups[0][0].size + downs[0][0].size) * weights[0].bits // 8
     mix = jax.device_put((rng.standard_normal((d, d), np.float32) / np.sqrt(d)).astype(jnp.bfloat16), accel)
 
     def chain(x, ids, coef, use_bridge: bool, matmuls: int):
@@ -175,7 +210,7 @@ def measure(args, records, devices, gate_ups, downs, alloc: str) -> None:
                 ms = statistics.median(times) * 1e3 / layers
                 if not use_bridge:
                     base = ms
-                nbytes = n_host * (gate_ups[0][0].nbytes + downs[0][0].nbytes)
+                nbytes = n_host * expert_bytes
                 emit(records, {"alloc": alloc, "bridge": use_bridge, "host_experts": n_host, "gpu_matmuls": matmuls,
                                "ms_per_layer": round(ms, 4), "over_gpu_alone_ms": round(ms - base, 4),
                                "host_GBps": round(nbytes / (ms * 1e-3) / 1e9, 1) if n_host else None})

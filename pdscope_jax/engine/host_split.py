@@ -8,7 +8,8 @@ capability; with "auto" or "off", RuntimeConfig.decode_bridge_copies and a plann
 (`decode_copies`), the bridge's worker makes the copies, and with RuntimeConfig.decode_copies_ahead and a
 planner that reads next-layer scores also copies predicted experts a layer ahead (`HostExperts.ahead`). None where
 neither applies or the bridge cannot run
-(`why_not` then says why: not a CUDA GPU, experts not bf16, no kernel). The share of a layer's misses copied:
+(`why_not` then says why: not a CUDA GPU, experts neither bf16 nor int8, no kernel). Quantized experts' bridge
+computes but copies none: the step then copies its share itself. The share of a layer's misses copied:
 1 where the host computes none, 0 for a planner that never copies in decode, else
 RuntimeConfig.decode_copy_share, else 0 (nothing copied, not even into free slots) where the host computes an
 expert no slower than the link (the cost table's) copies one, else the host's time for one expert over the
@@ -22,6 +23,8 @@ engine's collection, stops them.
 
 from __future__ import annotations
 
+import functools
+import operator
 import weakref
 
 import jax.numpy as jnp
@@ -48,6 +51,10 @@ class HostSplit:
             bridge = self.bridges[batch] if batch in self.bridges else self._bridge(batch)
             if bridge is None:
                 return None
+        if bridge is not None and not bridge.can_copy:  # quantized experts: the step copies its share itself
+            if not computes:
+                return None
+            dma = False
         ahead = dma and runtime.decode_copies_ahead and planner.reads_next_scores
         if not computes:  # every miss copied, by the bridge's worker
             return HostExperts(1.0, bridge, True, bridge_copies=True, ahead=ahead)
@@ -78,10 +85,10 @@ class HostSplit:
     def _bridge(self, batch: int) -> host_experts.Bridge | None:
         cfg = self.config
         addresses = None
-        if cfg.expert_quant is None and self.dtype == jnp.bfloat16:
+        if self.dtype == jnp.bfloat16:
             addresses = [self.store.host_addresses(layer) for layer in cfg.moe_layers]
         if addresses is None or any(a is None for a in addresses):
-            bridge, self.why_not = None, "the experts are not bf16 arrays with host addresses"
+            bridge, self.why_not = None, "the experts are neither bf16 nor int8 arrays with host addresses"
         else:
             picks = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
             bridge = host_experts.Bridge.create(addresses, (cfg.hidden_size, cfg.moe_intermediate_size), self.device,
@@ -95,15 +102,14 @@ class HostSplit:
 
 
 def kernel_seconds_per_expert(store, config, per_call: int, rows: int = 1, repeats: int = 12) -> float | None:
-    """`cpu_ffn.seconds_per_expert` on the store's own bf16 experts of the first three MoE layers (more bytes than
-    a CPU's caches hold), read where they lie as the bridge reads them; None where the kernel is not built."""
-    gate_ups, downs = [], []
-    for layer in config.moe_layers[:3]:
-        gus, dns = store.host_addresses(layer)
-        gate_ups += gus
-        downs += dns
-    return cpu_ffn.seconds_per_expert(gate_ups, downs, (config.hidden_size, config.moe_intermediate_size),
-                                      per_call, rows, repeats)
+    """`cpu_ffn.seconds_per_expert` on the store's own experts (bf16 or int8) of the first three MoE layers (more
+    bytes than a CPU's caches hold), read where they lie as the bridge reads them; None where the kernel is not
+    built or the experts have no host addresses."""
+    weights = [store.host_addresses(layer) for layer in config.moe_layers[:3]]
+    if any(w is None for w in weights):
+        return None
+    return cpu_ffn.seconds_per_expert(functools.reduce(operator.add, weights),
+                                      (config.hidden_size, config.moe_intermediate_size), per_call, rows, repeats)
 
 
 def _close(bridges: dict) -> None:

@@ -20,6 +20,8 @@ XLA path rounds each expert's output to h's dtype first): the two agree to bf16 
   (XLA:CPU is pathologically slow on bf16 matmuls of one row), as the engine's dense path computes them.
 `available()`: the library is built and loaded, its targets registered, and the CPU has AVX-512 BF16 (the
 kernel's portable path is correct but not fast, so "auto" uses it only when forced with `set_isa("portable")`).
+Outside XLA: `HostWeights` (where experts lie: bf16, or int8 / int4 integers with float32 scales), `run(weights, h,
+coef, dims)` (one call, as the CUDA bridge's worker makes it) and `seconds_per_expert(weights, dims, ...)` (its time).
 The library is compiled on first use (`kernels.build`); `PDSCOPE_CPU_KERNEL=0` disables it. Threads:
 `PDSCOPE_CPU_FFN_THREADS` or `set_threads(n)`, by default the CPUs this process may run on (less two where there
 are 8 or more); a call is cut into `set_groups(n)` groups per thread (`PDSCOPE_CPU_FFN_GROUPS`, 4 by default).
@@ -28,6 +30,7 @@ are 8 or more); a call is cut into `set_groups(n)` groups per thread (`PDSCOPE_C
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 from collections.abc import Sequence
 
@@ -67,9 +70,8 @@ def library() -> ctypes.CDLL | None:
                  "pdscope_cpu_ffn_set_groups", "pdscope_cpu_ffn_set_amx_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
-    lib.pdscope_cpu_ffn_run_bf16.restype = ctypes.c_int
-    lib.pdscope_cpu_ffn_run_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int] * 4 + [
-        ctypes.c_void_p] * 3
+    lib.pdscope_cpu_ffn_run.restype = ctypes.c_int
+    lib.pdscope_cpu_ffn_run.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 7 + [ctypes.c_void_p] * 5
     lib.pdscope_cpu_ffn_read.restype = None
     lib.pdscope_cpu_ffn_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.pdscope_cpu_ffn_profile.restype = None
@@ -162,31 +164,94 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return buffer.nbytes / float(np.median(times[1:])) / 1e9
 
 
-def seconds_per_expert(gate_ups: Sequence[int], downs: Sequence[int], dims: tuple[int, int], per_call: int = 2,
-                       rows: int = 1, repeats: int = 12) -> float | None:
+@dataclasses.dataclass(frozen=True)
+class HostWeights:
+    """Experts' weights where they lie in host memory, for native code that reads them in place: per expert, the
+    addresses of gate_up [D, 2F] and down [F, D], stored as `bits` says (16: bf16; 8 or 4: `quant.formats`'
+    integers, with the addresses of their float32 scales and int4's rows per scale row, `groups` = (gate_up's,
+    down's)). `a + b` lists a's experts then b's (one format); `take(at)` the experts at indices `at`."""
+
+    gate_up: tuple[int, ...]
+    down: tuple[int, ...]
+    bits: int = 16
+    gate_up_scale: tuple[int, ...] = ()
+    down_scale: tuple[int, ...] = ()
+    groups: tuple[int, int] = (0, 0)
+
+    def __len__(self) -> int:
+        return len(self.gate_up)
+
+    def __add__(self, other: "HostWeights") -> "HostWeights":
+        if (self.bits, self.groups) != (other.bits, other.groups):
+            raise ValueError(f"experts of two formats: {self.bits}-bit {self.groups} and {other.bits}-bit "
+                             f"{other.groups}")
+        return dataclasses.replace(self, **{name: getattr(self, name) + getattr(other, name) for name in
+                                            ("gate_up", "down", "gate_up_scale", "down_scale")})
+
+    def take(self, at) -> "HostWeights":
+        return dataclasses.replace(self, **{name: tuple(getattr(self, name)[i] for i in at) if getattr(self, name)
+                                            else () for name in ("gate_up", "down", "gate_up_scale", "down_scale")})
+
+    def address_arrays(self) -> tuple[np.ndarray, ...]:
+        """(gate_up, gate_up scales, down, down scales) as uint64 arrays (scales empty for bf16)."""
+        return tuple(np.asarray(getattr(self, name), np.uint64)
+                     for name in ("gate_up", "gate_up_scale", "down", "down_scale"))
+
+
+def run(weights: HostWeights, h: np.ndarray, coef: np.ndarray, dims: tuple[int, int]) -> np.ndarray:
+    """out [N, D] float32 = sum_j coef[j, n] * expert_j(h[n]) over the k experts of `weights` (h [N, D] bf16 as
+    uint16 or bfloat16, coef [k, N] float32), through the entry the CUDA bridge's worker calls: the math of the
+    FFI handlers. ValueError where the library is not built or the kernel does not take the sizes or format."""
+    lib = library()
+    if lib is None:
+        raise ValueError("the CPU expert kernel is not built")
+    h = np.ascontiguousarray(np.asarray(h).view(np.uint16))
+    coef = np.ascontiguousarray(coef, np.float32)
+    out = np.empty((h.shape[0], dims[0]), np.float32)
+    if _run(lib, weights, h, coef, out, dims) != 0:
+        raise ValueError(_refusal(weights, dims))
+    return out
+
+
+def _refusal(weights: HostWeights, dims: tuple[int, int]) -> str:
+    """Why the kernel refused a call (`run`)."""
+    if weights.bits not in (16, 8, 4):
+        return f"bits must be 16, 8 or 4, not {weights.bits}"
+    if any(n <= 0 or n % BLOCK for n in dims):
+        return f"the kernel takes hidden and intermediate sizes that are multiples of {BLOCK}, not {dims}"
+    return (f"int4 groups (rows per scale row) must be powers of two, multiples of {BLOCK}, dividing D and F "
+            f"{dims}: not {weights.groups}")
+
+
+def _run(lib, weights: HostWeights, h, coef, out, dims) -> int:
+    gu, gus, dn, dns = weights.address_arrays()
+    return lib.pdscope_cpu_ffn_run(h.ctypes.data, coef.ctypes.data, h.shape[0], *dims, len(weights), weights.bits,
+                                   *weights.groups, gu.ctypes.data, gus.ctypes.data, dn.ctypes.data, dns.ctypes.data,
+                                   out.ctypes.data)
+
+
+def seconds_per_expert(weights: HostWeights, dims: tuple[int, int], per_call: int = 2, rows: int = 1,
+                       repeats: int = 12) -> float | None:
     """Seconds the kernel takes per expert: the median of `repeats` calls (after one untimed), each of `rows` rows
-    routed to the next `per_call` experts of those whose bf16 weights lie at the host addresses gate_ups[i]
-    ([D, 2F]) and downs[i] ([F, D]), read where they lie; dims (D, F). Give more experts than the CPU's caches hold
-    (calls cycle through them) for the time of weights that come from memory. None where not built."""
+    routed to the next `per_call` experts of `weights`, read where they lie; dims (D, F). Give more experts than
+    the CPU's caches hold (calls cycle through them) for the time of weights that come from memory. None where not
+    built; ValueError where the kernel does not take the sizes (`run`)."""
     import time
 
     lib = library()
-    if lib is None or not gate_ups:
+    if lib is None or not len(weights):
         return None
     d, f = dims
-    k = min(per_call, len(gate_ups))
+    k = min(per_call, len(weights))
     h = np.full((rows, d), 0x3C00, np.uint16)  # bf16 0.0078125: the values do not change the time
     coef = np.full((k, rows), 1.0 / k, np.float32)
     out = np.empty((rows, d), np.float32)
-    gu, dn = np.asarray(gate_ups, np.uint64), np.asarray(downs, np.uint64)
     times = []
     for rep in range(repeats + 1):
-        at = (np.arange(k) + rep * k) % len(gu)
-        gu_call, dn_call = np.ascontiguousarray(gu[at]), np.ascontiguousarray(dn[at])
+        call = weights.take((np.arange(k) + rep * k) % len(weights))
         start = time.perf_counter()
-        if lib.pdscope_cpu_ffn_run_bf16(h.ctypes.data, coef.ctypes.data, rows, d, f, k, gu_call.ctypes.data,
-                                        dn_call.ctypes.data, out.ctypes.data) != 0:
-            raise ValueError(f"the kernel takes hidden and intermediate sizes that are multiples of 32, not {dims}")
+        if _run(lib, call, h, coef, out, dims) != 0:
+            run(call, h, coef, dims)  # raises, naming what the kernel does not take
         times.append(time.perf_counter() - start)
     return float(np.median(times[1:])) / k
 

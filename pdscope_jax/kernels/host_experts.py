@@ -1,12 +1,14 @@
 """Routed experts computed by the host's CPU from inside a CUDA program (the bridge), with an XLA stand-in.
 
 Contract:
-- `Bridge.create(addresses, dims, device, max_rows, max_picks)` -> a Bridge, or None with `why_not()` saying why:
-  `addresses` [(gate_up addresses [E], down addresses [E])] per MoE position of bf16 experts in host memory
-  that outlive the bridge; `dims` (D, F). Needs a CUDA `device`, the bridge library (csrc/host_experts_cuda.cc)
-  and the CPU expert kernel (`cpu_ffn`) built and using AVX-512 BF16. `close()` stops its worker (no program
-  using it may be pending); `stats()` -> {layers served, faults, seconds computing}; `timeline()` -> per served
-  layer, its MoE position, experts computed, and when the worker saw "go" and wrote "done".
+- `Bridge.create(weights, dims, device, max_rows, max_picks)` -> a Bridge, or None with `why_not()` saying why:
+  `weights` [`cpu_ffn.HostWeights` of E experts] per MoE position, of one format, in host memory that outlives
+  the bridge; `dims` (D, F). Needs a CUDA `device`, the bridge library (csrc/host_experts_cuda.cc) and the CPU
+  expert kernel (`cpu_ffn`) built and using AVX-512 BF16. Quantized experts (int8, int4) are computed only:
+  their bridge takes no `copy_ids` or `ahead_ids` (`Bridge.can_copy` is False), whose rows are bf16. `close()`
+  stops its worker (no program using it may be pending); `stats()` -> {layers served, faults, seconds computing};
+  `timeline()` -> per served layer, its MoE position, experts computed, and when the worker saw "go" and wrote
+  "done".
 - Inside a program jitted for that device, per MoE position m (an int or a traced int32 scalar: the worker reads it
   from the program, so one traced layer serves every position): `begin(bridge, m, h, ids, coef, picks)` ->
   (h', picks'): the host starts y_cpu[n] = sum_u coef[u, n] * expert(m, ids[u])(h[n]) over ids[u] >= 0
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
+import operator
 import os
 
 import jax
@@ -60,7 +64,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     lib.pdscope_host_experts_create.restype = ctypes.c_int64
-    lib.pdscope_host_experts_create.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    lib.pdscope_host_experts_create.argtypes = ([ctypes.c_int] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+                                                + [ctypes.c_void_p] * 3 + [ctypes.c_int])
     lib.pdscope_host_experts_problem.restype = ctypes.c_char_p
     lib.pdscope_host_experts_destroy.argtypes = [ctypes.c_int64]
     lib.pdscope_host_experts_stats.argtypes = [ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
@@ -87,9 +92,10 @@ class Bridge:
     handle: int
     rows: int  # the most rows a layer may send (the program's batch)
     dims: tuple[int, int]  # (D, F) of the experts
+    can_copy: bool = True  # whether its worker may copy experts (bf16 ones): `begin`'s copy_ids and ahead_ids
 
     @classmethod
-    def create(cls, addresses, dims: tuple[int, int], device: jax.Device, max_rows: int,
+    def create(cls, weights: list[cpu_ffn.HostWeights], dims: tuple[int, int], device: jax.Device, max_rows: int,
                max_picks: int) -> "Bridge | None":
         _state["why"] = ""
         if device.platform != "gpu" or "cuda" not in device.client.platform_version.lower():
@@ -103,16 +109,17 @@ class Bridge:
             _state["why"] = str(_state["unloaded"])
             return None
         d, f = dims
-        gate_up = np.array([a for gu, _ in addresses for a in gu], np.uint64)
-        down = np.array([a for _, dn in addresses for a in dn], np.uint64)
-        run = ctypes.cast(cpu_ffn.library().pdscope_cpu_ffn_run_bf16, ctypes.c_void_p)
-        handle = lib.pdscope_host_experts_create(len(addresses), len(addresses[0][0]), d, f, max_rows, max_picks,
-                                                 gate_up.ctypes.data, down.ctypes.data, run,
+        every = functools.reduce(operator.add, weights)  # layer after layer
+        gate_up, gate_up_scale, down, down_scale = every.address_arrays()
+        run = ctypes.cast(cpu_ffn.library().pdscope_cpu_ffn_run, ctypes.c_void_p)
+        handle = lib.pdscope_host_experts_create(len(weights), len(weights[0]), d, f, max_rows, max_picks,
+                                                 gate_up.ctypes.data, down.ctypes.data, every.bits, *every.groups,
+                                                 gate_up_scale.ctypes.data, down_scale.ctypes.data, run,
                                                  device.local_hardware_id or 0)
         if handle < 0:
             _state["why"] = lib.pdscope_host_experts_problem().decode()
             return None
-        return cls(int(handle), max_rows, (d, f))
+        return cls(int(handle), max_rows, (d, f), can_copy=every.bits == 16)
 
     def close(self) -> None:
         _library().pdscope_host_experts_destroy(self.handle)
@@ -134,6 +141,9 @@ def begin(bridge: Bridge, m: int | jax.Array, h, ids, coef, picks, copy_ids=None
     """See the module docstring; h' and picks' are copies of h and picks made after the host was told to start.
     -> (h', picks'), then (gate_ups, downs) for `fetched` with `copy_ids`, then (ahead gate_ups, ahead downs) with
     `ahead_ids`. `ahead_rows`: the layer before's ahead outputs, which copy ids -2 - a take rows from."""
+    if not bridge.can_copy and (copy_ids is not None or ahead_ids is not None):
+        raise ValueError("this bridge's experts are quantized: its worker computes them but copies none "
+                         "(no copy_ids or ahead_ids)")
     d, f = bridge.dims
     lists = [jnp.zeros((0,), jnp.int32) if a is None else a.astype(jnp.int32) for a in (copy_ids, ahead_ids)]
     rows = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for n in (a.shape[0] for a in lists)

@@ -22,6 +22,7 @@ Contract:
   copies from pinned memory and writes the donated pool (compiled per exact count), more through stage + commit;
   `Written.done` is ready when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode
   bank alike. Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
+- Native readers: `host_addresses(layer)` -> where a layer's bf16 or int8 experts lie (`kernels.cpu_ffn.HostWeights`).
 - Int4 copies (`store.low_copies`): `add_low_layer` pins a layer's too (`low_bytes`); `stage`, `write`, `count_moved`
   take `low` ([n] bool) to move them, turned into the pool's format as they are written (one program per kind).
 """
@@ -36,10 +37,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdscope_jax.kernels.cpu_ffn import HostWeights
+from pdscope_jax.quant.formats import is_quantized
+from pdscope_jax.runtime import Devices
 from pdscope_jax.store import page_locked
 from pdscope_jax.store.low_copies import to_slot
 from pdscope_jax.store.slot_pool import SlotPool
-from pdscope_jax.runtime import Devices
 
 
 FUSED_MAX = 8  # `write` moves at most this many experts in one pull-and-commit program
@@ -287,18 +290,24 @@ class ExpertStore:
         gus, dns = self._host[layer]
         return tuple(gus), tuple(dns)
 
-    def host_addresses(self, layer: int) -> tuple[list[int], list[int]] | None:
-        """(gate_up addresses [E], down addresses [E]): where each expert's pinned bytes of `layer` lie, for native
-        code that reads them in place; None where an expert is quantized or has no host address."""
+    def host_addresses(self, layer: int) -> HostWeights | None:
+        """Where each expert's pinned bytes of `layer` lie, for native code that reads them in place: bf16 experts,
+        or int8 ones (their float32 scales too); None for other experts or where an address is unavailable."""
         gus, dns = self._host[layer]
-        out = ([], [])
-        for part, arrays in zip(out, (gus, dns)):
-            for array in arrays:
-                view = host_view(array) if isinstance(array, jax.Array) else None
-                if view is None:
-                    return None
-                part.append(view.ctypes.data)
-        return out
+        first = gus[0]
+        quantized = is_quantized(first)
+        if (first.scheme.bits != 8 or first.scale.dtype != np.float32) if quantized else first.dtype != jnp.bfloat16:
+            return None
+        parts = [[w.q for w in gus], [w.scale for w in gus], [w.q for w in dns], [w.scale for w in dns]] \
+            if quantized else [gus, [], dns, []]
+        addresses = []
+        for arrays in parts:
+            views = [host_view(a) if isinstance(a, jax.Array) else None for a in arrays]
+            if any(v is None for v in views):
+                return None
+            addresses.append(tuple(v.ctypes.data for v in views))
+        gate_up, gate_up_scale, down, down_scale = addresses
+        return HostWeights(gate_up, down, 8 if quantized else 16, gate_up_scale, down_scale)
 
     def host_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
         """(gate_up, down) of one expert in pinned_host memory."""

@@ -10,6 +10,8 @@ from pdscope_jax.models.layers import expert_ffn
 
 
 class StandInBridge:
+    can_copy = True  # as a bridge of bf16 experts
+
     def __init__(self, layers):
         """`layers`: per MoE position, (gate_up [E, D, 2F], down [E, F, D])."""
         self.stacked = tuple(jnp.stack([jnp.asarray(layer[k]) for layer in layers]) for k in range(2))

@@ -3,6 +3,8 @@ experts (float32 within 1e-4, the same tokens), through host decode, on-device d
 and from layer stacks) and the CPU expert paths (XLA, and the kernel in bf16); the pool and the transfers count
 quantized bytes."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -115,3 +117,51 @@ def test_cpu_experts_of_quantized_layers_run_in_the_kernel(quant):
     y, want = np.asarray(fast.dispatch(1, h, groups), np.float64), np.asarray(xla.dispatch(1, h, groups), np.float64)
     assert {path for path, *_ in fast._shapes} == {"kernel"} and {path for path, *_ in xla._shapes} == {"dense"}
     assert np.linalg.norm(y - want) / np.linalg.norm(want) < 1e-2  # bf16 rounding apart
+
+
+@pytest.mark.skipif(not cpu_ffn.available(), reason="the CPU expert kernel does not run here")
+def test_the_stores_host_addresses_are_what_the_bridges_worker_computes_from():
+    """bf16 and int8 layers give the addresses of their pinned bytes (int8: with its float32 scales), which the
+    worker's entry (`cpu_ffn.run`) computes from as the kernel does from the arrays; int4 (bf16 scales) and float32
+    layers give none, so no bridge is made for them."""
+    rng = np.random.default_rng(2)
+    store = ExpertStore(select_devices())
+    e, d, f = 8, 64, 96
+    gate_up = jnp.asarray(rng.standard_normal((e, d, 2 * f)) * 0.1, jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((e, f, d)) * 0.1, jnp.bfloat16)
+    layers = {1: (gate_up, down), 2: (quantize(gate_up, "int8", jnp.bfloat16), quantize(down, "int8", jnp.bfloat16)),
+              3: (quantize(gate_up, "int4", jnp.bfloat16), quantize(down, "int4", jnp.bfloat16)),
+              4: (gate_up.astype(jnp.float32), down.astype(jnp.float32))}
+    for layer, (gu, dn) in layers.items():
+        store.add_layer(layer, gu, dn)
+    assert store.host_addresses(3) is None and store.host_addresses(4) is None
+    h = jnp.asarray(rng.standard_normal((2, d)), jnp.bfloat16)
+    coef = np.array([[0.5, 0.0], [0.25, 1.0]], np.float32)
+    ids = np.array([6, 1], np.int32)
+    for layer, bits in ((1, 16), (2, 8)):
+        weights = store.host_addresses(layer)
+        assert weights.bits == bits and len(weights) == e and bool(weights.gate_up_scale) == (bits == 8)
+        gu, dn = layers[layer]
+        want = cpu_ffn.moe_ffn_cpu(h, jnp.asarray(coef), gu, dn, jnp.asarray(ids), impl="kernel")
+        np.testing.assert_array_equal(cpu_ffn.run(weights.take(ids), np.asarray(h), coef, (d, f)), np.asarray(want))
+
+
+def test_int8_decode_splits_its_misses_between_the_host_and_the_steps_own_copies():
+    """int8 pdscope with the host's part computed by XLA ops (the bridge's stand-in) and half the misses copied by
+    the step itself: the quantized plain model's logits and tokens, some experts on the host, some copied. A
+    bridge of quantized experts copies nothing (`Bridge.copies` False): the step keeps its own copies, and where
+    the host would compute nothing there is no split at all."""
+    qds = reference("int8")
+    runner = qds.runner("pdscope", 5, decode_cpu_experts="xla", decode_copy_share=0.5)
+    qds.check(runner)
+    decode = runner.stats["decode"]
+    assert decode["device_steps"] == qds.new - 1 and decode["cpu_experts"] > 0 and decode["experts_loaded_now"] > 0
+
+    auto = qds.runner("pdscope", 5, decode_cpu_experts="auto", decode_copy_share=0.5)
+    split, bridge = auto.host_split, types.SimpleNamespace(can_copy=False)  # only its presence and can_copy matter
+    split._bridge = lambda batch: split.bridges.setdefault(batch, bridge)
+    host = split.for_step(auto.runtime, auto.planner, auto.costs, 1)
+    assert host.bridge is bridge and host.computes and host.copies and not host.bridge_copies
+    assert host.copy_share == 0.5
+    assert split.for_step(auto.runtime.replace(decode_cpu_experts="off"), auto.planner, auto.costs, 1) is None
+    split.bridges.clear()  # the stand-in has nothing to close

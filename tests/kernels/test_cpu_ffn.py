@@ -270,11 +270,11 @@ def test_seconds_per_expert_times_the_kernel_on_weights_where_they_lie(kernel):
     rng = np.random.default_rng(3)
     experts = [(np.asarray(rng.standard_normal((D, 2 * F)) * 0.05, jnp.bfloat16),
                 np.asarray(rng.standard_normal((F, D)) * 0.05, jnp.bfloat16)) for _ in range(6)]
-    gate_ups = [gu.ctypes.data for gu, _ in experts]
-    downs = [dn.ctypes.data for _, dn in experts]
-    one = cpu_ffn.seconds_per_expert(gate_ups, downs, (D, F), per_call=2, rows=1, repeats=5)
-    many = cpu_ffn.seconds_per_expert(gate_ups, downs, (D, F), per_call=2, rows=64, repeats=5)
+    weights = cpu_ffn.HostWeights(tuple(gu.ctypes.data for gu, _ in experts),
+                                  tuple(dn.ctypes.data for _, dn in experts))
+    one = cpu_ffn.seconds_per_expert(weights, (D, F), per_call=2, rows=1, repeats=5)
+    many = cpu_ffn.seconds_per_expert(weights, (D, F), per_call=2, rows=64, repeats=5)
     assert one is not None and 0 < one < 1.0
     assert many is not None and 0 < many < 1.0
     with pytest.raises(ValueError, match="multiples of 32"):
-        cpu_ffn.seconds_per_expert(gate_ups, downs, (D, F + 1))
+        cpu_ffn.seconds_per_expert(weights, (D, F + 1))

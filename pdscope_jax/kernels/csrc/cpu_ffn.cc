@@ -23,7 +23,7 @@
 // (h, coef, ids [k] int32, gate_up [E, D, 2F], down [E, F, D] -> out); pdscope_cpu_ffn_quant_list (h, coef,
 // k gate_up q, k gate_up scales, k down q, k down scales; attribute bits 8 or 4) and
 // pdscope_cpu_ffn_quant_stacked (h, coef, ids, the four stacks; bits). Exported controls: threads, ISA,
-// phase profile, the streamed few-row path (off by default), and pdscope_cpu_ffn_run_bf16 for the CUDA bridge.
+// phase profile, the streamed few-row path (off by default), and pdscope_cpu_ffn_run for the CUDA bridge.
 // Parts: ffn_types.h (the call, scratch, tunables), ffn_weights.h (the formats), ffn_units.h (one unit:
 // portable and AVX-512 BF16 kernels), ffn_amx.h (bf16 units of several rows on AMX-BF16 tiles), ffn_stream.h
 // (few rows, contiguous passes), thread_pool.h; this file plans a call, runs its groups and reduces them.
@@ -81,10 +81,7 @@ int best_isa() { return !cpu_has_avx512bf16() ? kScalar : amx_permitted() ? kAmx
 
 int current_isa() {
   int isa = g_isa.load();
-  if (isa < 0) {
-    isa = best_isa();
-    g_isa.store(isa);
-  }
+  if (isa < 0) g_isa.store(isa = best_isa());
   return isa;
 }
 
@@ -320,10 +317,8 @@ ffi::Error ffn_quant_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, 
   for (int j = 0; j < c.k; ++j) {
     auto gq = weights.get<ffi::AnyBuffer>(j), dq = weights.get<ffi::AnyBuffer>(2 * c.k + j);
     auto gs = weights.get<ffi::Buffer<ffi::F32>>(c.k + j), ds = weights.get<ffi::Buffer<ffi::F32>>(3 * c.k + j);
-    if (!gq.has_value()) return gq.error();
-    if (!dq.has_value()) return dq.error();
-    if (!gs.has_value()) return gs.error();
-    if (!ds.has_value()) return ds.error();
+    if (!gq.has_value() || !dq.has_value() || !gs.has_value() || !ds.has_value())
+      return ffi::Error::InvalidArgument(std::string("pdscope_cpu_ffn_quant_list") + kQuantLayout + " (f32 scales)");
     if (j == 0 && gq->dimensions().size() == 2) c.f = int(gq->dimensions()[1] / 2);
     const int64_t gg = quant_group(*gq, *gs, bits, 0, c.d, 2 * int64_t(c.f));
     const int64_t dg = quant_group(*dq, *ds, bits, 0, c.f, c.d);
@@ -472,15 +467,26 @@ int pdscope_cpu_ffn_set_threads(int n) {
   return g_pool->size();
 }
 
-// One bf16 call from outside XLA (the CUDA bridge's worker, host_experts_cuda.cc): h [n, d], coef [k, n], k
-// gate_up [d, 2f] and k down [f, d] addresses, out [n, d] float32; the math of pdscope_cpu_ffn_list. Returns 0,
-// or 1 when d or f is not a multiple of 32.
-int pdscope_cpu_ffn_run_bf16(const uint16_t* h, const float* coef, int n, int d, int f, int k,
-                             const void* const* gate_up, const void* const* down, float* out) {
+// One call from outside XLA (the CUDA bridge's worker): h [n, d] bf16, coef [k, n], k gate_up [d, 2f] and k down
+// [f, d] addresses stored as `bits` says (16: bf16, scales unused; 8, 4: pdscope_cpu_ffn_quant_list's integers, with k
+// float32 scale addresses each and int4's rows per scale row, gu_group and dn_group), out [n, d] float32; the list
+// handlers' math. Returns 0, or 1 when the sizes, format or groups do not fit the kernel.
+int pdscope_cpu_ffn_run(const uint16_t* h, const float* coef, int n, int d, int f, int k, int bits, int gu_group,
+                        int dn_group, const void* const* gate_up, const float* const* gate_up_scale,
+                        const void* const* down, const float* const* down_scale, float* out) {
   Call c;
   c.n = n, c.d = d, c.f = f, c.k = k, c.h = h, c.coef = coef, c.out = out;
   c.gate_up.assign(gate_up, gate_up + k);
   c.down.assign(down, down + k);
+  const auto fits = [](int g, int rows) { return g > 0 && rows % g == 0 && g % kBlock == 0 && !(g & (g - 1)); };
+  if (bits != 16 && bits != 8 && bits != 4) return 1;
+  if (bits != 16) {
+    if (bits == 4 && !(fits(gu_group, d) && fits(dn_group, f))) return 1;
+    c.fmt = bits == 8 ? kInt8 : kInt4;
+    c.gu_group = bits == 8 ? d : gu_group, c.dn_group = bits == 8 ? f : dn_group;
+    c.gate_up_scale.assign(gate_up_scale, gate_up_scale + k);
+    c.down_scale.assign(down_scale, down_scale + k);
+  }
   if (check_shapes(c).failure()) return 1;
   run_call(c);
   return 0;

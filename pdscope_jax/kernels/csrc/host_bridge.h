@@ -34,8 +34,19 @@ constexpr uint64_t kRing = kBeginRing;
 constexpr size_t kTimeline = 8192;  // layers the timeline keeps (the latest)
 constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
 
-using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, const void* const*, const void* const*,
-                      float*);
+// cpu_ffn.cc's pdscope_cpu_ffn_run: (h, coef, n, d, f, k, bits, gu_group, dn_group, gate_up, gate_up scales, down,
+// down scales, out) -> 0 on success.
+using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, int, int, int, const void* const*,
+                      const float* const*, const void* const*, const float* const*, float*);
+
+// Where a bridge's experts lie in host memory, at [layer * experts + expert]: gate_up [d, 2f] and down [f, d] as
+// `bits` says (16: bf16; 8 or 4: cpu_ffn.cc's integers with float32 scales, int4 with rows per scale row
+// gu_group / dn_group; then the worker computes them but copies none: its copies fill bf16 rows).
+struct HostExperts {
+  int bits = 16, gu_group = 0, dn_group = 0;
+  std::vector<const void*> gate_up, down;
+  std::vector<const float*> gate_up_scale, down_scale;  // empty for bf16
+};
 
 struct Desc {
   int64_t layer = 0;
@@ -53,10 +64,9 @@ struct Served {
 
 class Bridge {
  public:
-  Bridge(int layers, int experts, int d, int f, int max_rows, int max_picks, std::vector<const void*> gate_up,
-         std::vector<const void*> down, RunFn run)
+  Bridge(int layers, int experts, int d, int f, int max_rows, int max_picks, HostExperts w, RunFn run)
       : layers_(layers), experts_(experts), d_(d), f_(f), max_rows_(max_rows), max_picks_(max_picks),
-        gate_up_(std::move(gate_up)), down_(std::move(down)), run_(run) {}
+        w_(std::move(w)), run_(run) {}
 
   ~Bridge() {
     {
@@ -104,13 +114,15 @@ class Bridge {
     if (h.element_type() != ffi::DataType::BF16 || hd.size() != 2 || hd[1] != d_ || hd[0] > max_rows_ ||
         cd.size() != 2 || (cd[0] > 0 && cd[1] != hd[0]) || cd[0] != int64_t(ids.element_count()) ||
         cd[0] > max_picks_ || c > max_picks_ || a > max_picks_ || layer.element_count() != 1 ||
+        (w_.bits != 16 && (c > 0 || a > 0)) ||
         !rows_of_experts(*gate_ups, *downs, c) || !rows_of_experts(*ahead_gate_ups, *ahead_downs, a) ||
         from_gate_ups.dimensions().size() == 0 ||
         !rows_of_experts(from_gate_ups, from_downs, from_gate_ups.dimensions()[0]))
       return ffi::Error::InvalidArgument("pdscope_host_experts_begin: h [N<=" + std::to_string(max_rows_) + ", " +
                                          std::to_string(d_) + "] bf16, ids [U<=" + std::to_string(max_picks_) +
                                          "], coef [U, N], copy_ids [C], ahead_ids [A], from_* and outputs [B, C "
-                                         "or A, D, 2F] and [B, C or A, F, D] bf16, layer [1] s32");
+                                         "or A, D, 2F] and [B, C or A, F, D] bf16, layer [1] s32; C = A = 0 "
+                                         "where the experts are quantized");
     uint64_t seq;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -295,8 +307,8 @@ class Bridge {
       }
       if (ids[i] < 0 || ids[i] >= experts_) continue;
       const size_t at = size_t(layer) * experts_ + ids[i];
-      r = dv.htod(gate_up_dst + i * gu_bytes, gate_up_[at], gu_bytes, copy_stream_);
-      if (r == 0) r = dv.htod(down_dst + i * dn_bytes, down_[at], dn_bytes, copy_stream_);
+      r = dv.htod(gate_up_dst + i * gu_bytes, w_.gate_up[at], gu_bytes, copy_stream_);
+      if (r == 0) r = dv.htod(down_dst + i * dn_bytes, w_.down[at], dn_bytes, copy_stream_);
     }
     return r;
   }
@@ -304,16 +316,21 @@ class Bridge {
   // -> the experts computed.
   int Compute(const Desc& desc) {
     std::vector<const void*> gu, dn;
+    std::vector<const float*> gus, dns;  // quantized: the picks' scales
     std::vector<float> coef;
+    const bool scaled = w_.bits != 16;
     for (int u = 0; u < desc.u; ++u) {
       const int32_t id = s_.ids[u];
       if (id < 0 || id >= experts_) continue;
-      gu.push_back(gate_up_[size_t(desc.layer) * experts_ + id]);
-      dn.push_back(down_[size_t(desc.layer) * experts_ + id]);
+      const size_t at = size_t(desc.layer) * experts_ + id;
+      gu.push_back(w_.gate_up[at]);
+      dn.push_back(w_.down[at]);
+      if (scaled) gus.push_back(w_.gate_up_scale[at]), dns.push_back(w_.down_scale[at]);
       coef.insert(coef.end(), s_.coef + size_t(u) * desc.n, s_.coef + size_t(u + 1) * desc.n);
     }
     if (desc.u == 0) return 0;  // this layer's host part is nothing (no end waits for it)
-    if (gu.empty() || run_(s_.h, coef.data(), desc.n, d_, f_, int(gu.size()), gu.data(), dn.data(), s_.out) != 0) {
+    if (gu.empty() || run_(s_.h, coef.data(), desc.n, d_, f_, int(gu.size()), w_.bits, w_.gu_group, w_.dn_group,
+                           gu.data(), gus.data(), dn.data(), dns.data(), s_.out) != 0) {
       if (!gu.empty()) faults_.fetch_add(1);
       std::memset(s_.out, 0, sizeof(float) * size_t(desc.n) * d_);
     }
@@ -321,7 +338,7 @@ class Bridge {
   }
 
   const int layers_, experts_, d_, f_, max_rows_, max_picks_;
-  const std::vector<const void*> gate_up_, down_;  // [layer * experts + expert] host addresses
+  const HostExperts w_;
   const RunFn run_;
   CUcontext ctx_ = nullptr;
   CUstream copy_stream_ = nullptr;  // the worker's: the copies of begin's copy_ids and the "copied" writes
