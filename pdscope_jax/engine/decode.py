@@ -19,8 +19,9 @@ counted to the decode statistics.
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
   engine's `decode_slots`, closed again by `finish()`, so the next prefill has its memory back), uploads the
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
-  dispatched; where its steps copy nothing, it first fills the decode bank (`_fill_bank`, counted in `seconds`,
-  bytes and `experts_placed`). Its steps count in `device_steps`, `seconds`, hits (copies ahead used included),
+  dispatched; where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`) it first loads those
+  not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
+  count in `seconds`, bytes and `experts_placed`. Its steps count in `device_steps`, `seconds`, hits (copies ahead used included),
   bytes, prefetch use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host
   computed), not in the time splits. For a batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's
   input position), `steps` int32 [B] (each row's sampling step at the first step), `active` [B] bool (the rest
@@ -80,6 +81,8 @@ class DeviceDecode:
         e.pool.open_decode_bank(e.decode_slots)
         self.host = e.decode_host(b)
         self.start = time.perf_counter()  # decode's time from here: the bank's fill, then the steps
+        if self.host is not None and self.host.every_resident:
+            self._fill_pool()
         bank = self._fill_bank() if self.host is not None and not self.host.copies else []
         self.table = pool_table.upload(e.pool, moe, decode_bonus(e, b), accel, bank)
         self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
@@ -94,6 +97,20 @@ class DeviceDecode:
         self.sampling = sampling
         self.in_flight, self.tokens = [], []
         self.steps_run = 0
+
+    def _fill_pool(self) -> None:
+        """Load, once, every routed expert not resident into the pool that can hold them all (no slot is taken
+        from a resident expert), so that no step misses."""
+        e, pool = self.engine, self.engine.pool
+        moved_before, placed = e.store.bytes_moved, 0
+        for layer in e._moe_layers:
+            missing = np.flatnonzero(pool.slot_of(layer) < 0)
+            if missing.size:
+                e.store.write(pool, layer, missing, pool.allocate(layer, missing))
+                placed += missing.size
+        stats = e.phase_stats["decode"]
+        stats.experts_placed += placed
+        stats.bytes_moved += e.store.bytes_moved - moved_before
 
     def _fill_bank(self) -> list[tuple[int, int]]:
         """A step that copies nothing leaves the decode bank as it opened, empty: fill it now, once, with the

@@ -58,27 +58,33 @@ class HostExperts:
     no conditional per layer and its launching thread runs ahead of the GPU; else the program copies them. With
     `ahead` as well, each layer also predicts the next MoE layer's experts (its router on this layer's MoE input,
     Fate's predictor) and the worker copies those not resident after this layer's copies; a miss of the next
-    layer among them is then neither copied again nor computed by the host."""
+    layer among them is then neither copied again nor computed by the host. `EVERY_RESIDENT`: the pool holds
+    every routed expert for the whole decode (filled as it starts): no miss, so nothing is copied or computed by
+    the host, and the step has no copies and no conditional."""
     copy_share: float
     bridge: host_experts.Bridge | None = None
     fill_free: bool = True
     bridge_copies: bool = False
     ahead: bool = False
+    every_resident: bool = False
 
     @property
     def computes(self) -> bool:
         """Whether the host may compute any miss (a share of 1 copies every one)."""
-        return self.copy_share < 1
+        return self.copy_share < 1 and not self.every_resident
 
     @property
     def copies(self) -> bool:
         """Whether any miss may be copied."""
-        return self.copy_share > 0 or self.fill_free
+        return (self.copy_share > 0 or self.fill_free) and not self.every_resident
 
     @property
     def copies_ahead(self) -> bool:
         """Whether the bridge's worker copies predicted experts a layer ahead."""
         return self.ahead and self.bridge_copies and self.copies and self.bridge is not None
+
+
+EVERY_RESIDENT = HostExperts(0.0, fill_free=False, every_resident=True)
 
 
 class Ahead(NamedTuple):

@@ -214,7 +214,10 @@ class OffloadRunner:
 
     def decode_host(self, batch: int):
         """How device decode splits a batch of `batch` rows' misses between copies and the host
-        (`engine.host_split`): a `device_decode.HostExperts`, or None when every miss is copied."""
+        (`engine.host_split`): a `device_decode.HostExperts`, or None when every miss is copied;
+        `device_decode.EVERY_RESIDENT` where the pool holds every routed expert (decode misses none)."""
+        if self.pool.num_slots >= self.config.num_experts * len(self._moe_layers):
+            return device_decode.EVERY_RESIDENT
         return self.host_split.for_step(self.runtime, self.planner, self.costs, batch)
 
     def _host_stats(self) -> dict[str, Any]:

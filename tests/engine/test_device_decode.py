@@ -540,3 +540,31 @@ def test_the_copy_share_with_a_bridge_comes_from_its_kernel_timed_on_the_stores_
         host = split.for_step(runner.runtime, runner.planner, runner.costs, 1)
         assert (host.copy_share, host.copies, host.computes) == (share, copies, True)
     split.bridges.clear()  # the stand-in has nothing to close
+
+
+def test_a_pool_of_every_expert_decodes_without_copies_or_conditionals(ds, experts):
+    """Where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`), decode loads those prefill left
+    out as it starts (`experts_placed`, the only bytes it moves) and its steps miss nothing: the plain model's
+    tokens, every pick a hit, none on the host; a layer's program then neither copies nor holds a conditional
+    (XLA's GPU runtime waits for a conditional's predicate on the host: a wait per layer). A smaller pool splits
+    as before."""
+    every = _slots(ds, "all")
+    assert ds.runner("pdscope", every - 1).decode_host(1) is not device_decode.EVERY_RESIDENT
+    runner = ds.runner("pdscope", every)
+    assert runner.decode_host(1) is device_decode.EVERY_RESIDENT
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    stats = runner.stats["decode"]
+    assert stats["device_steps"] == ds.new - 1 and stats["hit_rate"] == 1.0 and stats["cpu_experts"] == 0
+    assert stats["bytes_moved"] == stats["experts_placed"] * ds.cfg.expert_bytes(4)
+    assert all((runner.pool.slot_of(layer) >= 0).all() for layer in ds.cfg.moe_layers)
+
+    resident = {0: 0, 1: 1, 3: 2}  # the row picks 3, 1, 0: all resident
+    program = jax.make_jaxpr(functools.partial(device_decode._routed_experts, host=device_decode.EVERY_RESIDENT),
+                             static_argnums=0)
+    table = pool_table.upload(_pool(select_devices(), *experts, resident), (5,), None, select_devices().accel)
+    h = np.random.default_rng(2).standard_normal((1, D)).astype(np.float32)
+    jaxpr = program(0, jnp.asarray(h), jnp.ones((1, 3)), jnp.array([[3, 1, 0]], jnp.int32),
+                    tuple(jnp.asarray(a) for a in experts), _pool(select_devices(), *experts, resident).banks, table)
+    assert "cond" not in {eqn.primitive.name for eqn in jaxpr.eqns}
+    assert not [eqn for eqn in jaxpr.eqns  # no expert's weights written anywhere
+                if eqn.primitive.name.startswith("scatter") and eqn.invars[0].aval.shape[1:] == (D, 2 * F)]

@@ -138,7 +138,10 @@ int64_t pdscope_host_experts_create(int layers, int experts, int d, int f, int m
                                     int dn_group, const float* const* gate_up_scale, const float* const* down_scale,
                                     void* run, int ordinal) {
   const size_t n = size_t(layers) * experts;
-  HostExperts w{bits, gu_group, dn_group, {gate_up, gate_up + n}, {down, down + n}, {}, {}};
+  HostExperts w;  // (assign, not braces: a braced pair of pointers would be a list of those two pointers)
+  w.bits = bits, w.gu_group = gu_group, w.dn_group = dn_group;
+  w.gate_up.assign(gate_up, gate_up + n);
+  w.down.assign(down, down + n);
   if (bits != 16) {
     w.gate_up_scale.assign(gate_up_scale, gate_up_scale + n);
     w.down_scale.assign(down_scale, down_scale + n);
