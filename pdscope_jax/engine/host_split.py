@@ -9,7 +9,8 @@ capability; with "auto" or "off", RuntimeConfig.decode_bridge_copies and a plann
 planner that reads next-layer scores also copies predicted experts a layer ahead (`HostExperts.ahead`). None where
 neither applies or the bridge cannot run
 (`why_not` then says why: not a CUDA GPU, experts neither bf16 nor int8, no kernel). Quantized experts' bridge
-computes but copies none: the step then copies its share itself. The share of a layer's misses copied:
+computes but copies none: the step then copies its share itself, and by default (no copy share given) the host
+computes only where it is no slower than the link, else None (every miss copied). The share of a layer's misses copied:
 1 where the host computes none, 0 for a planner that never copies in decode, else
 RuntimeConfig.decode_copy_share, else 0 (nothing copied, not even into free slots) where the host computes an
 expert no slower than the link (the cost table's) copies one, else the host's time for one expert over the
@@ -66,6 +67,8 @@ class HostSplit:
             host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
             if host <= link:  # copying what the host computes as fast only takes memory bandwidth from it
                 return HostExperts(0.0, bridge, False)
+            if bridge is not None and not bridge.can_copy:  # the step's own copies wait for the GPU per layer:
+                return None  # beside them, a slower host lost to copies alone (docs/MEASUREMENTS.md)
             share = round(host / (host + link), 2)
         dma = dma and bridge is not None
         return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma, ahead=ahead and dma)

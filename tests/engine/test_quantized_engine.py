@@ -164,4 +164,11 @@ def test_int8_decode_splits_its_misses_between_the_host_and_the_steps_own_copies
     assert host.bridge is bridge and host.computes and host.copies and not host.bridge_copies
     assert host.copy_share == 0.5
     assert split.for_step(auto.runtime.replace(decode_cpu_experts="off"), auto.planner, auto.costs, 1) is None
+    # no share given: the host computes every miss where it is no slower than the link, else none
+    default, link = auto.runtime.replace(decode_copy_share=None), auto.costs.t_transfer(1)
+    split.host_seconds[1] = link  # as if measured so
+    host = split.for_step(default, auto.planner, auto.costs, 1)
+    assert (host.copy_share, host.copies, host.computes) == (0.0, False, True)
+    split.host_seconds[1] = 2 * link
+    assert split.for_step(default, auto.planner, auto.costs, 1) is None
     split.bridges.clear()  # the stand-in has nothing to close
