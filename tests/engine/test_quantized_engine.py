@@ -149,8 +149,8 @@ def test_the_stores_host_addresses_are_what_the_bridges_worker_computes_from():
 def test_int8_decode_splits_its_misses_between_the_host_and_the_steps_own_copies():
     """int8 pdscope with the host's part computed by XLA ops (the bridge's stand-in) and half the misses copied by
     the step itself: the quantized plain model's logits and tokens, some experts on the host, some copied. A
-    bridge of quantized experts copies nothing (`Bridge.copies` False): the step keeps its own copies, and where
-    the host would compute nothing there is no split at all."""
+    bridge of quantized experts copies nothing (`Bridge.can_copy` False): the step keeps its own copies; where the
+    host would compute nothing, or (no share given) is slower than the link, there is no split at all."""
     qds = reference("int8")
     runner = qds.runner("pdscope", 5, decode_cpu_experts="xla", decode_copy_share=0.5)
     qds.check(runner)
