@@ -19,11 +19,11 @@ counted to the decode statistics.
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
   engine's `decode_slots`, closed again by `finish()`, so the next prefill has its memory back), uploads the
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
-  dispatched; where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`) it opens no bank and
-  first loads the experts not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank
-  (`_fill_bank`); both count in `seconds`, bytes and `experts_placed`. Its steps count in `device_steps`,
-  `seconds`, hits (copies ahead used included), bytes, prefetch use, prediction recall (where it copies ahead),
-  gpu_experts and cpu_experts (misses the host computed), not in the time splits. For a batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's
+  dispatched; where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`) it first loads those
+  not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
+  count in `seconds`, bytes and `experts_placed`. Its steps count in `device_steps`, `seconds`, hits (copies ahead used included),
+  bytes, prefetch use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host
+  computed), not in the time splits. For a batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's
   input position), `steps` int32 [B] (each row's sampling step at the first step), `active` [B] bool (the rest
   route to no expert and count as no token).
 """
@@ -78,9 +78,8 @@ class DeviceDecode:
         stats.handoff_seconds += time.perf_counter() - waited
         accel, b = e.devices.accel, token.shape[0]
         moe = e._moe_layers
+        e.pool.open_decode_bank(e.decode_slots)
         self.host = e.decode_host(b)
-        # a pool of every expert misses nothing: no bank, so the step's one bank is read where it lies
-        e.pool.open_decode_bank(0 if self.host is not None and self.host.every_resident else e.decode_slots)
         self.start = time.perf_counter()  # decode's time from here: the bank's fill, then the steps
         if self.host is not None and self.host.every_resident:
             self._fill_pool()

@@ -17,8 +17,7 @@ run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt 
   tuple of arrays; `experts[m]`: the m-th MoE layer's experts in pinned host memory, whole-layer stacks (gate_up
   [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks` (the pool, and the decode bank
   while open; the table numbers their slots one after the other). `host`: None (every miss copied) or the
-  `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. A step that copies nothing
-  from one bank multiplies the picks' slots where they lie (`models.experts.picked_experts_ffn`). Sampling is
+  `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. Sampling is
   `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs,
   model graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated). Its layers
   are nested jitted programs with the MoE position a traced value: layers of one kind trace once.
@@ -40,7 +39,7 @@ from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
 from pdscope_jax.kernels import host_experts
-from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, picked_experts_ffn, stacked_experts_ffn, weighted_sum
+from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, stacked_experts_ffn, weighted_sum
 from pdscope_jax.engine.programs import dense_layer, moe_route, next_layer_picks
 from pdscope_jax.engine.pool_table import PoolTable, slot_count
 from pdscope_jax.store.expert_store import pull_traced
@@ -274,19 +273,14 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
             copied = copied | early
         elif host.computes:
             h, picks, pending = _host_begin(host, m, h, host_ids, host_coef, picks)
-        if not host.copies and len(banks) > 1:  # nothing to copy: every row from the pool, with no conditional
+        if not host.copies:  # nothing to copy: every row from the pool, with no conditional
             pulled = _take(banks, resident)
         n_miss = jnp.sum(copied, dtype=jnp.int32)
+    if pulled is None:  # the program copies the misses itself
+        pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
+    gate_ups, downs = pulled
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
-    if host is not None and not host.copies and len(banks) == 1:  # one bank: its slots read where they lie
-        (pool_gate_up, pool_down), n = banks[0], h.shape[0]
-        outputs = picked_experts_ffn(rows.reshape(-1, h.shape[1]), pool_gate_up, pool_down,
-                                     jnp.repeat(resident, n)).reshape(rows.shape)
-    else:
-        if pulled is None:  # the program copies the misses itself
-            pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
-        gate_ups, downs = pulled
-        outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
+    outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
         pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
         on_gpu = jnp.any(chose & ~on_cpu[:, None, None], axis=0)
