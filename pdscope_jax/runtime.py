@@ -132,6 +132,10 @@ class RuntimeConfig:
     decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
     # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
     # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)
+    decode_chunk: int = 1  # device decode steps a program where a step has no bridge or host part (every miss
+    # copied by the program, or none missed: `device_decode.EVERY_RESIDENT`): >1 scans that many steps in one
+    # program run as XLA command buffers (the whole model's chunks); 1: a program a step. Not yet measured on a
+    # GPU (docs/MEASUREMENTS.md)
     quality: str | None = None  # the lowest precision a copy of an expert may load in (`sched.precision`): None
     # (the stored precision), "int8", "mixed" (int4 copies of light experts, the rest stored precision) or "int4"
     mixed_threshold: float = 1.0  # "mixed": a copy loads int4 when its expert's routing weight over the token's
@@ -155,7 +159,7 @@ class RuntimeConfig:
             problems.append(f"policy: expected a planner name or None, got {self.policy!r}")
         if isinstance(self.policy_options, dict):
             set_("policy_options", tuple(sorted(self.policy_options.items())))
-        for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows", "cpu_threads"):
+        for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows", "cpu_threads", "decode_chunk"):
             value = getattr(self, name)
             if name == "cpu_threads" and value is None:
                 continue

@@ -5,12 +5,13 @@ Contract
 - `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
   name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
   `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`,
-  `decode_copies_ahead`, `quality`, `mixed_threshold`. A label
+  `decode_copies_ahead`, `decode_chunk`, `quality`, `mixed_threshold`. A label
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
-  (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on), `:quality=Q` (`quality` Q, else
-  `args.quality`). With `args.ablation` the runs are `ABLATION` then the plain run. `build_quality(args, runs)`:
-  the quality the runner is built with (one that keeps the int4 copies where any run loads them).
+  (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on), `:chunk=N` (`decode_chunk` N),
+  `:quality=Q` (`quality` Q, else `args.quality`). With `args.ablation` the runs are `ABLATION` then the plain
+  run. `build_quality(args, runs)`: the quality the runner is built with (one that keeps the int4 copies where any
+  run loads them).
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
   stands without activation counts (a fixed resident set: `hot_slots(..., have_table=False)` is not None).
@@ -37,13 +38,14 @@ COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.dec
 PROGRAM_COPIES = ":progcopy"  # a policy name's suffix: RuntimeConfig.decode_bridge_copies off (the program copies)
 AHEAD = ":ahead"  # a policy name's suffix: RuntimeConfig.decode_copies_ahead on (predicted experts copied ahead)
 QUALITY = ":quality="  # a policy name's suffix with a quality (int8, mixed, int4): RuntimeConfig.quality
+CHUNK = ":chunk="  # a policy name's suffix with a step count: RuntimeConfig.decode_chunk
 QUALITIES = ("int8", "mixed", "int4")  # sched.precision.QUALITIES (here: `--help` stays without numpy)
 SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, AHEAD)
 
 
 def split_label(label: str) -> tuple[str, dict]:
     """(policy, engine switches its suffixes set) of a run label: NAME, then any of `SUFFIXES` and
-    `:copy=F` (0 <= F <= 1) and `:quality=Q`; ValueError naming the part it does not know."""
+    `:copy=F` (0 <= F <= 1), `:chunk=N` (N >= 1) and `:quality=Q`; ValueError naming the part it does not know."""
     policy, *parts = label.split(":")
     switches = {}
     for part in parts:
@@ -67,6 +69,11 @@ def split_label(label: str) -> tuple[str, dict]:
             if not 0 <= share <= 1:
                 raise ValueError(f"{label!r}: {COPY_SHARE}F needs 0 <= F <= 1")
             switches["decode_copy_share"] = share
+        elif f":{part}".startswith(CHUNK):
+            steps = part[len(CHUNK) - 1:]
+            if not steps.isdigit() or int(steps) < 1:
+                raise ValueError(f"{label!r}: {CHUNK}N needs a whole number N >= 1")
+            switches["decode_chunk"] = int(steps)
         elif f":{part}".startswith(QUALITY):
             quality = part[len(QUALITY) - 1:]
             if quality not in QUALITIES:
@@ -132,7 +139,8 @@ def engine_switches(run: dict, hot_table) -> dict:
             "decode_cpu_experts": run.get("decode_cpu_experts") or default_setting("decode_cpu_experts"),
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True),
-            "decode_copies_ahead": run.get("decode_copies_ahead", False), "quality": run.get("quality"),
+            "decode_copies_ahead": run.get("decode_copies_ahead", False),
+            "decode_chunk": run.get("decode_chunk") or default_setting("decode_chunk"), "quality": run.get("quality"),
             "mixed_threshold": run.get("mixed_threshold") or default_setting("mixed_threshold")}
 
 
@@ -155,7 +163,7 @@ def time_point(runner, run: dict, engine: dict, prompt, args, tokens: dict, adva
     The first repeat's tokens go into `tokens[(label, batch, prompt_len)]`."""
     b, t = prompt.shape
     for _ in range(args.warmup):
-        runner.warmup(b, t)  # decode programs do not depend on the step count
+        runner.warmup(b, t, args.new_tokens)  # the run's cache (and with decode_chunk, its chunks)
         advance()
     compiled_after_warmup = runner.compiled_programs["total"]
     repeats = []

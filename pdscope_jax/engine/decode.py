@@ -9,11 +9,11 @@ layer's distinct experts (`device_decode.fits`) and the planner copies misses or
 depends on nothing that changes between steps, so it holds for the whole decode (the device executor keeps the
 pool's table on the accelerator from its first step to its last).
 Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
-`generation.sampling.SamplingState` on the accelerator, donated step by step)); `step(n)` runs decode step n
-(sampling at step n); `tokens` holds the host copies (`Sampled`, numpy arrays that own their memory:
-`host_copy`) of the steps fetched and not yet taken, in order (the device executor's lag two steps behind); the
-caller pops what it has taken, so a long decode keeps nothing per step; `finish()` -> the rest, and adds what it
-counted to the decode statistics.
+`generation.sampling.SamplingState` on the accelerator, donated step by step), count (the steps to come, or
+None)); `step(n)` runs decode step n (sampling at step n); `tokens` holds the host copies (`Sampled`, numpy
+arrays that own their memory: `host_copy`) of the steps fetched and not yet taken, in order (the device
+executor's lag two steps behind); the caller pops what it has taken, so a long decode keeps nothing per step;
+`finish()` -> the rest, and adds what it counted to the decode statistics.
 - `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
 - `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
@@ -21,9 +21,13 @@ counted to the decode statistics.
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
   dispatched; where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`) it first loads those
   not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
-  count in `seconds`, bytes and `experts_placed`. Its steps count in `device_steps`, `seconds`, hits (copies ahead used included),
-  bytes, prefetch use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses the host
-  computed), not in the time splits. For a batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's
+  count in `seconds`, bytes and `experts_placed`. With RuntimeConfig.decode_chunk above 1, steps without a
+  bridge or host part (every miss copied by the program, or EVERY_RESIDENT) and the run's `count` of steps
+  given, the first step of each chunk runs that many steps in one program (`device_decode.decode_chunk`) and the
+  others run nothing; tokens then arrive a chunk late. Its steps count in
+  `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch use, prediction recall (where it
+  copies ahead), gpu_experts and cpu_experts (misses the host computed), not in the time splits. For a batch's
+  ragged rows (`engine.batching`): t may be int32 [B] (each row's
   input position), `steps` int32 [B] (each row's sampling step at the first step), `active` [B] bool (the rest
   route to no expert and count as no token).
 """
@@ -50,7 +54,7 @@ def choose(engine, batch: int, steps: int):
 
 
 class HostDecode:
-    def __init__(self, engine, token, cache: list, t: int, sampling):
+    def __init__(self, engine, token, cache: list, t: int, sampling, count=None):
         self.engine, self.token, self.cache, self.t = engine, token, cache, t
         self.sampling = sampling
         self.tokens: list = []
@@ -68,7 +72,7 @@ class HostDecode:
 
 
 class DeviceDecode:
-    def __init__(self, engine, token, cache: list, t, sampling, steps=None, active=None):
+    def __init__(self, engine, token, cache: list, t, sampling, steps=None, active=None, count=None):
         e = self.engine = engine
         e._transfers.commit_all()  # nothing staged stays behind the table's upload
         e._transfers.streamed.clear()
@@ -97,6 +101,10 @@ class DeviceDecode:
         self.sampling = sampling
         self.in_flight, self.tokens = [], []
         self.steps_run = 0
+        # steps a program: RuntimeConfig.decode_chunk where no step has a bridge (whose calls must run as issued,
+        # not as a recorded command buffer) and the steps to come are known
+        chunks = self.host is None or self.host.bridge is None and not self.host.computes
+        self.chunk, self.count, self.ahead = (e.runtime.decode_chunk if chunks and count else 1), count, 0
 
     def _fill_pool(self) -> None:
         """Load, once, every routed expert not resident into the pool that can hold them all (no slot is taken
@@ -133,6 +141,9 @@ class DeviceDecode:
         return pairs
 
     def step(self, n: int) -> None:
+        if self.chunk > 1:
+            self._chunk_step(n)
+            return
         e, pool = self.engine, self.engine.pool
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
          self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
@@ -147,9 +158,38 @@ class DeviceDecode:
         if len(self.in_flight) > 2:
             self.tokens.append(host_copy(self.in_flight.pop(0)))
 
+    def _chunk_step(self, n: int) -> None:
+        """Step n of a decode run in programs of `chunk` steps: the first step of a chunk dispatches the whole
+        chunk (`device_decode.decode_chunk`), then hands out the chunk before it; the others run nothing."""
+        if self.ahead:
+            self.ahead -= 1
+            return
+        e, pool = self.engine, self.engine.pool
+        size = min(self.chunk, self.count - n + 1)
+        (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
+         self.table) = e._decode_chunk(size, self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
+                                       self.state_leaves, self.experts, self.token, self.positions, self.caches,
+                                       self.sampling, self.step_no, pool.banks, self.table, self.active)
+        self.token = picked.token[-1]
+        self.steps_run += size
+        self.ahead = size - 1
+        for leaf in jax.tree.leaves(picked):
+            leaf.copy_to_host_async()
+        self.tokens += self._unstacked()  # the chunk before, done or nearly
+        self.in_flight.append(picked)
+
+    def _unstacked(self) -> list:
+        """Host copies of the chunks in flight, one Sampled a step (and none left in flight)."""
+        out = []
+        for chunk in self.in_flight:
+            steps = host_copy(chunk)
+            out += [jax.tree.map(lambda a, i=i: a[i], steps) for i in range(len(steps.token))]
+        self.in_flight = []
+        return out
+
     def finish(self) -> list:
         e, tokens = self.engine, self.tokens
-        tokens += [host_copy(picked) for picked in self.in_flight]
+        tokens += self._unstacked() if self.chunk > 1 else [host_copy(picked) for picked in self.in_flight]
         self.in_flight = []
         seconds = time.perf_counter() - self.start
         moe = e._moe_layers

@@ -21,6 +21,9 @@ run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt 
   `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs,
   model graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated). Its layers
   are nested jitted programs with the MoE position a traced value: layers of one kind trace once.
+- `decode_chunk(n, ...)`: `n` steps of `decode_step` in one program (a scan; same arguments after n, the same
+  outputs with each step's Sampled stacked [n, ...]); `build_decode_chunk(compiler_options)` jits it (n static too),
+  for steps with no bridge (its calls must run as issued) as XLA command buffers.
 - `fits(slots, picks)`: more slots than a layer's `picks` distinct experts, so a miss always finds a non-hit victim.
 Numbers equal the host-driven loop's within float tolerance (same route program and expert function); each row's routed
 sum is the plain model's (`models.experts.combine_experts`): expert outputs in the model's dtype, weighted and summed in
@@ -367,6 +370,26 @@ def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves,
     logits = model.logits(x)[:, 0]
     picked, sampling = sample(logits, sampling, step)
     return picked, sampling, positions + 1, step + 1, tuple(caches), banks, table
+
+
+def decode_chunk(n, graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
+                 sampling, step, banks, table, active=None):
+    def one(carry, _):
+        token, positions, caches, sampling, step, banks, table = carry
+        picked, sampling, positions, step, caches, banks, table = decode_step(
+            graphs, model_graph, moe_layers, host, state_tree, state_leaves, experts, token, positions, caches,
+            sampling, step, banks, table, active)
+        return (picked.token, positions, caches, sampling, step, banks, table), picked
+
+    carry, picked = jax.lax.scan(one, (token, positions, caches, sampling, step, banks, table), None, length=n)
+    _, positions, caches, sampling, step, banks, table = carry
+    return picked, sampling, positions, step, caches, banks, table
+
+
+def build_decode_chunk(compiler_options=None):
+    """`decode_chunk` jitted: n and `decode_step`'s statics static, its donations donated."""
+    return jax.jit(decode_chunk, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnums=(10, 11, 13, 14),
+                   compiler_options=compiler_options or None)
 
 
 def build_decode_step():

@@ -50,7 +50,8 @@ from pdscope_jax.engine.timeline import StageClock, Timeline
 from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.engine.warmup import precompile_bank_writes, precompile_combine, precompile_slot_writes
 from pdscope_jax.errors import raise_problems
-from pdscope_jax.generation.generator import CACHE_BUCKET, GenerationResult, Steps, check_request, sampling_params
+from pdscope_jax.generation.generator import (CACHE_BUCKET, CHUNK_COMPILER_OPTIONS, GenerationResult, Steps,
+                                               check_request, sampling_params)
 from pdscope_jax.generation.sampling import SamplingState
 from pdscope_jax.runtime import Devices, RuntimeConfig, RuntimeConfigError, bucket, select_devices
 from pdscope_jax.sched import (CostTable, ObservingPlanner, activation_counts, load_cost_table, make_planner,
@@ -109,6 +110,9 @@ class OffloadRunner:
         self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows, kernel=rc.cpu_kernel)
         self._programs = build_programs()
         self._decode_step = device_decode.build_decode_step()
+        # several steps a program run as command buffers on a GPU, as the whole model's chunks do
+        self._decode_chunk = device_decode.build_decode_chunk(
+            CHUNK_COMPILER_OPTIONS if self.devices.accel.platform == "gpu" else None)
         self.host_split = HostSplit(self.store, cfg, self.devices.accel, expert_dtype)
         self._calibration = CpuCalibration(self.costs)
         self._transfers = Transfers(self.pool, self.store)
@@ -132,6 +136,7 @@ class OffloadRunner:
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
         `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu`, `device_decode`,
         `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`, `decode_copies_ahead`,
+        `decode_chunk`,
         `quality` and `mixed_threshold` at the same time (a quality that loads int4 copies only where the store
         keeps them: RuntimeConfigError otherwise); a different policy also forgets the CPU calibration (learned
         under another's load).
@@ -139,7 +144,7 @@ class OffloadRunner:
         given, `hot_per_layer` = their hot slots split evenly over the MoE layers."""
         unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank",
                                  "decode_cpu_experts", "decode_copy_share", "decode_bridge_copies",
-                                 "decode_copies_ahead", "quality", "mixed_threshold"}
+                                 "decode_copies_ahead", "decode_chunk", "quality", "mixed_threshold"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -235,6 +240,7 @@ class OffloadRunner:
         """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
         counts = {name: cache_size(fn) for name, fn in self._programs.items()}
         counts["decode_step"] = cache_size(self._decode_step)
+        counts["decode_chunk"] = cache_size(self._decode_chunk)
         counts["init_cache"] = cache_size(self._init_cache)
         counts["slot_commit"] = self.store.compiled_programs
         counts["cpu_expert"] = self.cpu_experts.compiled_programs
@@ -332,7 +338,7 @@ class OffloadRunner:
         token, first = first.token, decode.host_copy(first)  # only the token stays on the accelerator
         yield first
         executor = decode.choose(self, b, max_new_tokens - 1)  # host-planned layers, or one program per step
-        decoder = executor(self, token, cache, t, state)
+        decoder = executor(self, token, cache, t, state, count=max_new_tokens - 1)
         try:
             for step in range(1, max_new_tokens):
                 decoder.step(step)
@@ -346,13 +352,16 @@ class OffloadRunner:
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:
         """Compile the programs of this shape: a generation of two tokens on dummy tokens in a KV cache sized for
-        `new_tokens` (a decode step's programs are the same at every step), then what routing decides whether a
-        real run needs: every CPU expert row bucket for the token counts it used, the layer combination with and
-        without GPU and CPU parts, and every slot-commit batch size. Then the pool and the statistics start afresh,
-        as after `set_policy`."""
+        `new_tokens` (a decode step's programs are the same at every step; with `decode_chunk` above 1, of
+        `new_tokens` tokens, so that its chunks compile: another count's last chunk compiles when it first runs),
+        then what routing decides whether a real run needs: every CPU expert row bucket for the token counts it
+        used, the layer combination with and without GPU and CPU parts, and every slot-commit batch size. Then the
+        pool and the statistics start afresh, as after `set_policy`."""
         ids = np.zeros((batch, prompt_len), np.int32)
         params, _ = sampling_params(0.0, None, 0)
-        for _ in self._steps(ids, WARMUP_TOKENS, params, cache_tokens=new_tokens):
+        # decode chunks are sized by the steps to come: warm the real run's count, so its chunks compile here
+        tokens = new_tokens if self.runtime.decode_chunk > 1 else WARMUP_TOKENS
+        for _ in self._steps(ids, tokens, params, cache_tokens=new_tokens):
             pass
         self.precompile_routed()
         self.warmed_shapes.add(self.program_shape(batch, prompt_len, new_tokens))

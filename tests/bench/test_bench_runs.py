@@ -33,7 +33,7 @@ def test_runs_for_policies_host_decode_and_plain():
                                                   "device_decode": True, "decode_bank": True,
                                                   "decode_cpu_experts": "auto", "decode_copy_share": None,
                                                   "decode_bridge_copies": True, "decode_copies_ahead": False,
-                                                  "quality": None, "mixed_threshold": 1.0}
+                                                  "decode_chunk": 1, "quality": None, "mixed_threshold": 1.0}
     no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
     assert engine_switches(no_table, "t.json")["hot_table"] is None
 
@@ -47,7 +47,9 @@ def test_suffixes_combine_and_unknown_ones_are_named():
         (False, "off", None, True, False), (True, "auto", 0.25, True, False), (True, "auto", None, False, False),
         (True, "auto", None, True, True)]
     assert split_label("ondemand") == ("ondemand", {})
+    assert split_label("pdscope:chunk=32") == ("pdscope", {"decode_chunk": 32})
     for bad, named in (("pdscope:fast", "':fast'"), ("pdscope:copy=2", ":copy=F"), ("pdscope:copy=x", ":copy=F"),
+                       ("pdscope:chunk=0", ":chunk=N"), ("pdscope:chunk=x", ":chunk=N"),
                        ("pdscope:quality=int2", ":quality=Q")):
         with pytest.raises(ValueError, match=named):
             split_label(bad)

@@ -568,3 +568,55 @@ def test_a_pool_of_every_expert_decodes_without_copies_or_conditionals(ds, exper
     assert "cond" not in {eqn.primitive.name for eqn in jaxpr.eqns}
     assert not [eqn for eqn in jaxpr.eqns  # no expert's weights written anywhere
                 if eqn.primitive.name.startswith("scatter") and eqn.invars[0].aval.shape[1:] == (D, 2 * F)]
+
+
+def test_a_pool_of_every_expert_decodes_in_chunks_of_steps(ds):
+    """RuntimeConfig.decode_chunk: where no step misses, several decode steps run in one program (a scan of the
+    step; on a GPU as command buffers): the plain model's tokens and the per-step path's statistics; warm-up
+    compiles the chunks of its count (9 steps: three of 3), so the run compiles nothing."""
+    every = _slots(ds, "all")
+    single = ds.runner("pdscope", every)
+    single.warmup(1, ds.ids.shape[1], ds.new)  # as the other: the same pool when decode starts
+    want = single.generate(ds.ids, ds.new)
+    runner = ds.runner("pdscope", every, decode_chunk=3)
+    runner.warmup(1, ds.ids.shape[1], ds.new)
+    compiled, real = runner.compiled_programs, runner._decode_chunk
+    sizes = _chunk_sizes(runner)
+    got = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(got.tokens, ds.tokens)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert sizes == [3, 3, 3]
+    runner._decode_chunk = real
+    assert runner.compiled_programs == compiled
+    stats, one = runner.stats["decode"], single.stats["decode"]
+    for key in ("device_steps", "steps", "tokens", "activated", "hits", "cpu_experts", "bytes_moved"):
+        assert stats[key] == one[key], key
+    assert stats["device_steps"] == ds.new - 1
+    sizes = _chunk_sizes(runner)
+    steps = list(runner.steps(ds.ids, 5))  # 4 steps: a chunk of 3, then one of 1, in order
+    np.testing.assert_array_equal(np.stack([s.token for s in steps], axis=1), ds.tokens[:, :5])
+    assert sizes == [3, 1]
+
+
+def _chunk_sizes(runner) -> list[int]:
+    """The step counts of the runner's chunk programs, in the order they run (recorded from now on)."""
+    sizes, real = [], runner._decode_chunk
+    runner._decode_chunk = lambda n, *args: sizes.append(n) or real(n, *args)
+    return sizes
+
+
+def test_steps_that_copy_their_misses_decode_in_chunks_too(ds):
+    """decode_chunk on steps with no bridge that copy their misses themselves (ondemand, a small pool, the
+    conditional per layer inside the scan): the plain model's tokens and the per-step path's counts."""
+    single = ds.runner("ondemand", _slots(ds, "small"))
+    assert single.decode_host(1) is None  # every miss copied by the program
+    want = single.generate(ds.ids, ds.new)
+    runner = ds.runner("ondemand", _slots(ds, "small"), decode_chunk=4)
+    sizes = _chunk_sizes(runner)
+    got = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(got.tokens, ds.tokens)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert sizes == [4, 4, 1]
+    stats, one = runner.stats["decode"], single.stats["decode"]
+    for key in ("device_steps", "activated", "hits", "experts_loaded_now", "bytes_moved"):
+        assert stats[key] == one[key], key
