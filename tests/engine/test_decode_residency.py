@@ -1,0 +1,106 @@
+"""Decode where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`: no copies, no conditional, no
+host part) and decode in chunks of steps (RuntimeConfig.decode_chunk): the plain model's tokens and the one-step
+path's statistics, on the CPU backend."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax.engine import device_decode, pool_table
+from pdscope_jax.runtime import select_devices
+from test_device_decode import D, F, _pool
+from test_offload_engine import Reference, _slots
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return Reference("tiny-deepseek-v2-lite", batch=1, prompt=20, new=10)
+
+
+@pytest.fixture(scope="module")
+def experts():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((4, D, 2 * F)).astype(np.float32), rng.standard_normal((4, F, D)).astype(np.float32)
+
+
+def test_a_pool_of_every_expert_decodes_without_copies_or_conditionals(ds, experts):
+    """Where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`), decode loads those prefill left
+    out as it starts (`experts_placed`, the only bytes it moves) and its steps miss nothing: the plain model's
+    tokens, every pick a hit, none on the host; a layer's program then neither copies nor holds a conditional
+    (XLA's GPU runtime waits for a conditional's predicate on the host: a wait per layer). A smaller pool splits
+    as before."""
+    every = _slots(ds, "all")
+    assert ds.runner("pdscope", every - 1).decode_host(1) is not device_decode.EVERY_RESIDENT
+    runner = ds.runner("pdscope", every)
+    assert runner.decode_host(1) is device_decode.EVERY_RESIDENT
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    stats = runner.stats["decode"]
+    assert stats["device_steps"] == ds.new - 1 and stats["hit_rate"] == 1.0 and stats["cpu_experts"] == 0
+    assert stats["bytes_moved"] == stats["experts_placed"] * ds.cfg.expert_bytes(4)
+    assert all((runner.pool.slot_of(layer) >= 0).all() for layer in ds.cfg.moe_layers)
+
+    resident = {0: 0, 1: 1, 3: 2}  # the row picks 3, 1, 0: all resident
+    program = jax.make_jaxpr(functools.partial(device_decode._routed_experts, host=device_decode.EVERY_RESIDENT),
+                             static_argnums=0)
+    table = pool_table.upload(_pool(select_devices(), *experts, resident), (5,), None, select_devices().accel)
+    h = np.random.default_rng(2).standard_normal((1, D)).astype(np.float32)
+    jaxpr = program(0, jnp.asarray(h), jnp.ones((1, 3)), jnp.array([[3, 1, 0]], jnp.int32),
+                    tuple(jnp.asarray(a) for a in experts), _pool(select_devices(), *experts, resident).banks, table)
+    assert "cond" not in {eqn.primitive.name for eqn in jaxpr.eqns}
+    assert not [eqn for eqn in jaxpr.eqns  # no expert's weights written anywhere
+                if eqn.primitive.name.startswith("scatter") and eqn.invars[0].aval.shape[1:] == (D, 2 * F)]
+
+
+def test_a_pool_of_every_expert_decodes_in_chunks_of_steps(ds):
+    """RuntimeConfig.decode_chunk: where no step misses, several decode steps run in one program (a scan of the
+    step; on a GPU as command buffers): the plain model's tokens and the per-step path's statistics; warm-up
+    compiles the chunks of its count (9 steps: three of 3), so the run compiles nothing."""
+    every = _slots(ds, "all")
+    single = ds.runner("pdscope", every)
+    single.warmup(1, ds.ids.shape[1], ds.new)  # as the other: the same pool when decode starts
+    want = single.generate(ds.ids, ds.new)
+    runner = ds.runner("pdscope", every, decode_chunk=3)
+    runner.warmup(1, ds.ids.shape[1], ds.new)
+    compiled, real = runner.compiled_programs, runner._decode_chunk
+    sizes = _chunk_sizes(runner)
+    got = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(got.tokens, ds.tokens)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert sizes == [3, 3, 3]
+    runner._decode_chunk = real
+    assert runner.compiled_programs == compiled
+    stats, one = runner.stats["decode"], single.stats["decode"]
+    for key in ("device_steps", "steps", "tokens", "activated", "hits", "cpu_experts", "bytes_moved"):
+        assert stats[key] == one[key], key
+    assert stats["device_steps"] == ds.new - 1
+    sizes = _chunk_sizes(runner)
+    steps = list(runner.steps(ds.ids, 5))  # 4 steps: a chunk of 3, then one of 1, in order
+    np.testing.assert_array_equal(np.stack([s.token for s in steps], axis=1), ds.tokens[:, :5])
+    assert sizes == [3, 1]
+
+
+def _chunk_sizes(runner) -> list[int]:
+    """The step counts of the runner's chunk programs, in the order they run (recorded from now on)."""
+    sizes, real = [], runner._decode_chunk
+    runner._decode_chunk = lambda n, *args: sizes.append(n) or real(n, *args)
+    return sizes
+
+
+def test_steps_that_copy_their_misses_decode_in_chunks_too(ds):
+    """decode_chunk on steps with no bridge that copy their misses themselves (ondemand, a small pool, the
+    conditional per layer inside the scan): the plain model's tokens and the per-step path's counts."""
+    single = ds.runner("ondemand", _slots(ds, "small"))
+    assert single.decode_host(1) is None  # every miss copied by the program
+    want = single.generate(ds.ids, ds.new)
+    runner = ds.runner("ondemand", _slots(ds, "small"), decode_chunk=4)
+    sizes = _chunk_sizes(runner)
+    got = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(got.tokens, ds.tokens)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert sizes == [4, 4, 1]
+    stats, one = runner.stats["decode"], single.stats["decode"]
+    for key in ("device_steps", "activated", "hits", "experts_loaded_now", "bytes_moved"):
+        assert stats[key] == one[key], key

@@ -1,0 +1,67 @@
+"""The host split of device decode (`engine.host_split`): its bridges stop with the engine, and the copy share
+comes from the CPU kernel timed on the store's own experts."""
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pdscope_jax.runtime import select_devices
+from pdscope_jax.store import expert_store
+from test_offload_engine import Reference, _slots
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return Reference("tiny-deepseek-v2-lite", batch=1, prompt=20, new=10)
+
+
+def test_an_engines_bridges_stop_when_it_is_collected():
+    from pdscope_jax.engine.host_split import HostSplit
+
+    closed = []
+
+    class Bridge:
+        def close(self):
+            closed.append(self)
+
+    split = HostSplit(None, None, None, None)
+    split.bridges.update({1: Bridge(), 2: None})
+    del split
+    import gc
+    gc.collect()
+    assert len(closed) == 1
+
+
+def test_the_copy_share_with_a_bridge_comes_from_its_kernel_timed_on_the_stores_experts(ds):
+    """With a bridge (a stand-in here: only its presence matters), the host's time for one expert is the CPU
+    kernel timed once on the store's own experts, not the cost table's CPU time. Where the host is slower than
+    the link, the share balances the two; where it is not, nothing is copied, not even into free slots. (The
+    reference model is float32, whose experts the kernel does not read: the split times a store of bf16 experts
+    of the same shapes; float32 ones fall back to the cost table.)"""
+    from pdscope_jax.kernels import cpu_ffn
+
+    if not cpu_ffn.built():
+        pytest.skip("the CPU expert kernel is not built here")
+    runner = ds.runner("pdscope", _slots(ds, "small"), decode_cpu_experts="auto")
+    split, bridge = runner.host_split, types.SimpleNamespace(can_copy=True)
+    split._bridge = lambda batch: split.bridges.setdefault(batch, bridge)
+    assert split._host_seconds(runner.costs, 1, bridge) == runner.costs.t_cpu(1)  # float32 experts: not timed
+    cfg, rng = ds.cfg, np.random.default_rng(0)
+    split.store = expert_store.ExpertStore(select_devices())
+    for layer in cfg.moe_layers:
+        d, f = cfg.hidden_size, cfg.moe_intermediate_size
+        split.store.add_layer(layer, *(jnp.asarray(rng.standard_normal(shape) * 0.1, jnp.bfloat16)
+                                       for shape in ((cfg.num_experts, d, 2 * f), (cfg.num_experts, f, d))))
+    split.host_seconds.clear()  # timed anew on these
+    host = split.for_step(runner.runtime, runner.planner, runner.costs, 1)
+    measured, link = split.host_seconds[1], runner.costs.t_transfer(1)
+    assert host.bridge is bridge and 0 < measured < 0.1 and measured != runner.costs.t_cpu(1)
+    assert host.copy_share == (0.0 if measured <= link else round(measured / (measured + link), 2))
+    for seconds, share, copies in ((3 * link, 0.75, True), (link, 0.0, False)):
+        split.host_seconds[1] = seconds  # as if measured so
+        host = split.for_step(runner.runtime, runner.planner, runner.costs, 1)
+        assert (host.copy_share, host.copies, host.computes) == (share, copies, True)
+    split.bridges.clear()  # the stand-in has nothing to close
+
