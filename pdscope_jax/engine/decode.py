@@ -104,7 +104,8 @@ class DeviceDecode:
         # steps a program: RuntimeConfig.decode_chunk where no step has a bridge (whose calls must run as issued,
         # not as a recorded command buffer) and the steps to come are known
         chunks = self.host is None or self.host.bridge is None and not self.host.computes
-        self.chunk, self.count, self.ahead = (e.runtime.decode_chunk if chunks and count else 1), count, 0
+        self.chunk, self.count = (e.runtime.decode_chunk if chunks and count else 1), count
+        self.chunk_left = 0  # steps of the chunk in flight still to be called: they run nothing
 
     def _fill_pool(self) -> None:
         """Load, once, every routed expert not resident into the pool that can hold them all (no slot is taken
@@ -161,8 +162,8 @@ class DeviceDecode:
     def _chunk_step(self, n: int) -> None:
         """Step n of a decode run in programs of `chunk` steps: the first step of a chunk dispatches the whole
         chunk (`device_decode.decode_chunk`), then hands out the chunk before it; the others run nothing."""
-        if self.ahead:
-            self.ahead -= 1
+        if self.chunk_left:
+            self.chunk_left -= 1
             return
         e, pool = self.engine, self.engine.pool
         size = min(self.chunk, self.count - n + 1)
@@ -172,7 +173,7 @@ class DeviceDecode:
                                        self.sampling, self.step_no, pool.banks, self.table, self.active)
         self.token = picked.token[-1]
         self.steps_run += size
-        self.ahead = size - 1
+        self.chunk_left = size - 1
         for leaf in jax.tree.leaves(picked):
             leaf.copy_to_host_async()
         self.tokens += self._unstacked()  # the chunk before, done or nearly
