@@ -189,8 +189,11 @@ class HostWeights:
                                             ("gate_up", "down", "gate_up_scale", "down_scale")})
 
     def take(self, at) -> "HostWeights":
-        return dataclasses.replace(self, **{name: tuple(getattr(self, name)[i] for i in at) if getattr(self, name)
-                                            else () for name in ("gate_up", "down", "gate_up_scale", "down_scale")})
+        def pick(addresses: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(addresses[i] for i in at) if addresses else ()  # bf16: no scales to pick
+
+        return dataclasses.replace(self, gate_up=pick(self.gate_up), down=pick(self.down),
+                                   gate_up_scale=pick(self.gate_up_scale), down_scale=pick(self.down_scale))
 
     def address_arrays(self) -> tuple[np.ndarray, ...]:
         """(gate_up, gate_up scales, down, down scales) as uint64 arrays (scales empty for bf16)."""
