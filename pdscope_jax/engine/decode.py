@@ -103,7 +103,7 @@ class DeviceDecode:
         self.steps_run = 0
         # steps a program: RuntimeConfig.decode_chunk where no step has a bridge (whose calls must run as issued,
         # not as a recorded command buffer) and the steps to come are known
-        chunks = self.host is None or self.host.bridge is None and not self.host.computes
+        chunks = self.host is None or (self.host.bridge is None and not self.host.computes)
         self.chunk, self.count = (e.runtime.decode_chunk if chunks and count else 1), count
         self.chunk_left = 0  # steps of the chunk in flight still to be called: they run nothing
 

@@ -52,7 +52,8 @@ class HostSplit:
             bridge = self.bridges[batch] if batch in self.bridges else self._bridge(batch)
             if bridge is None:
                 return None
-        if bridge is not None and not bridge.can_copy:  # quantized experts: the step copies its share itself
+        quantized = bridge is not None and not bridge.can_copy  # its experts: the step copies its share itself
+        if quantized:
             if not computes:
                 return None
             dma = False
@@ -67,8 +68,8 @@ class HostSplit:
             host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
             if host <= link:  # copying what the host computes as fast only takes memory bandwidth from it
                 return HostExperts(0.0, bridge, False)
-            if bridge is not None and not bridge.can_copy:  # the step's own copies wait for the GPU per layer:
-                return None  # beside them, a slower host lost to copies alone (docs/MEASUREMENTS.md)
+            if quantized:  # the step's own copies wait for the GPU per layer: beside them, a slower host lost to
+                return None  # copies alone (docs/MEASUREMENTS.md)
             share = round(host / (host + link), 2)
         dma = dma and bridge is not None
         return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma, ahead=ahead and dma)

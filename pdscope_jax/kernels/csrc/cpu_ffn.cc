@@ -275,9 +275,11 @@ ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi
   return checked_run(c, h, coef, out);
 }
 
-// One quantized matrix of dense shape [k, n] after `lead` leading axes: its integers' dtype and shape match the
-// format, its scales are [k / G, n] (int8: G = k; int4: G a power of two, a multiple of 32). Returns G, or 0
-// when it does not.
+// Whether g rows may share an int4 scale row of a `rows`-row matrix: a power of two, a multiple of kBlock, dividing.
+bool int4_group(int64_t g, int64_t rows) { return g > 0 && rows % g == 0 && g % kBlock == 0 && !(g & (g - 1)); }
+
+// One quantized matrix of dense shape [k, n] after `lead` leading axes: its integers' dtype and shape match the format,
+// its scales are [k / G, n] (int8: G = k; int4: `int4_group(G, k)`). Returns G, or 0 when it does not.
 int64_t quant_group(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& scale, int bits, size_t lead, int64_t k,
                     int64_t n) {
   auto qd = q.dimensions(), sd = scale.dimensions();
@@ -289,7 +291,7 @@ int64_t quant_group(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& scale,
   for (size_t a = 0; a < lead; ++a)
     if (qd[a] != sd[a]) return 0;
   const int64_t g = k / sd[lead];
-  if (int4 ? (g % kBlock != 0 || (g & (g - 1)) != 0) : sd[lead] != 1) return 0;
+  if (int4 ? !int4_group(g, k) : sd[lead] != 1) return 0;
   return g;
 }
 
@@ -478,15 +480,13 @@ int pdscope_cpu_ffn_run(const uint16_t* h, const float* coef, int n, int d, int 
   c.n = n, c.d = d, c.f = f, c.k = k, c.h = h, c.coef = coef, c.out = out;
   c.gate_up.assign(gate_up, gate_up + k);
   c.down.assign(down, down + k);
-  const auto fits = [](int g, int rows) { return g > 0 && rows % g == 0 && g % kBlock == 0 && !(g & (g - 1)); };
-  if (bits != 16 && bits != 8 && bits != 4) return 1;
-  if (bits != 16) {
-    if (bits == 4 && !(fits(gu_group, d) && fits(dn_group, f))) return 1;
+  if (bits == 8 || (bits == 4 && int4_group(gu_group, d) && int4_group(dn_group, f))) {
     c.fmt = bits == 8 ? kInt8 : kInt4;
     c.gu_group = bits == 8 ? d : gu_group, c.dn_group = bits == 8 ? f : dn_group;
     c.gate_up_scale.assign(gate_up_scale, gate_up_scale + k);
     c.down_scale.assign(down_scale, down_scale + k);
   }
+  if (c.fmt == kBf16 && bits != 16) return 1;  // another format, or int4 groups the kernel does not take
   if (check_shapes(c).failure()) return 1;
   run_call(c);
   return 0;
