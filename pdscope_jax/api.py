@@ -8,7 +8,8 @@ compile_cache=True, quantize=None, quant_cache=True, accelerators=None, **runtim
   downloaded: `pdscope-jax download`). Else `UnknownModelError` listing the known names.
 - No `policy`: the model runs whole (`Runner`) on the default device, or its routed experts split E/N over the
   first N devices (`accelerators=N`, `parallel.expert_parallel`; N divides E).
-- A policy (`sched.POLICIES`): the one-accelerator offload engine (`engine.runner.OffloadRunner`) under the
+- A policy (`sched.POLICIES`): the offload engine (`engine.runner.OffloadRunner`; over N accelerators with
+  `accelerators=N`, each owning E/N experts of every layer: `engine.shards`) under the
   `RuntimeConfig` of `policy` and `**runtime` (`gpu_memory`, `expert_pool`, `max_batch`, `max_seq_len`, ...),
   with the plain model's numbers (float32 logits within 1e-4; bf16 within its rounding: README). Called before
   JAX's backends start, it holds XLA's GPU preallocation to about `gpu_memory` (`runtime.hold_gpu_to_budget`).
@@ -159,7 +160,12 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
     cfg, checkpoint = resolve(str(name_or_path), revision)
     if quantize is not None:
         check_quantizable(cfg, quantize)  # the config alone tells: before any weight is opened
-    mesh = accelerator_mesh(cfg, accelerators) if accelerators not in (None, 1) else None
+    mesh = None
+    if accelerators not in (None, 1):  # the experts split evenly, or an error before any weight is read
+        from pdscope_jax.parallel import split_size
+
+        split_size(cfg.num_experts, accelerators)
+        mesh = accelerator_mesh(cfg, accelerators) if rc is None else None
     from pdscope_jax.runtime import enable_compile_cache
 
     enable_compile_cache(compile_cache)
@@ -207,7 +213,8 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
 
         predictor, _manifest = load_predictors(predictors, cfg)
         predictor.to_device(select_devices().accel)  # it reads the hidden states where the model computes them
-    engine = OffloadRunner(models.abstract_model(cfg, jdtype), rc, loader, predictor=predictor)
+    engine = OffloadRunner(models.abstract_model(cfg, jdtype), rc, loader, predictor=predictor,
+                           accelerators=accelerators or 1)
     runner = OffloadedRunner(engine, tokenizer)
     runner.checkpoint = checkpoint
     return runner
@@ -245,9 +252,6 @@ def accelerator_problems(accelerators, policy) -> list[str]:
     if accelerators > available:
         problems.append(f"accelerators={accelerators}, but this process sees {available} device(s) "
                         f"({jax.devices()[0].platform}); use at most {available}")
-    if policy is not None and accelerators > 1:
-        problems.append(f"accelerators={accelerators} splits the whole model's experts over devices (policy=None); "
-                        f"the offload engine (policy={policy!r}) runs on one accelerator: drop one of the two")
     return problems
 
 

@@ -14,7 +14,8 @@ finite and positive (`expert_pool` may be 0: no slots). Every bad field is named
 `select_devices()` is the one place that decides which device is the accelerator and which is the CPU
 backend: the first GPU and the first CPU device when a GPU exists; otherwise, with two or more CPU devices
 (tests set `jax_num_cpu_devices=2`), cpu:1 stands for the accelerator and cpu:0 for the CPU backend; with one
-CPU device both roles fall on it.
+CPU device both roles fall on it. `select_accelerators(n)` extends it to the offload engine's n accelerators
+(`request_cpu_stand_in(n)` asks for n + 1 CPU devices where no GPU exists).
 
 `hold_gpu_to_budget(gpu_memory)`, called by `load()` before JAX's backends start, makes XLA preallocate about the
 budget (`PREALLOCATION_FACTOR` x budget + `PREALLOCATION_SLACK`) of the first GPU instead of its default 75 %.
@@ -198,12 +199,12 @@ class Devices(NamedTuple):
     cpu: jax.Device  # the CPU backend: computes CPU-placed experts
 
 
-def request_cpu_stand_in() -> None:
-    """Ask for a second CPU device to stand in for the accelerator on machines without a GPU. Call before the
-    first JAX computation; once backends have started (e.g. under pytest, whose conftest set two devices) the
-    device count is fixed and this does nothing."""
+def request_cpu_stand_in(accelerators: int = 1) -> None:
+    """Ask for CPU devices to stand in for `accelerators` accelerators (one more than that: device 0 is the CPU
+    backend's) on machines without a GPU. Call before the first JAX computation; once backends have started (e.g.
+    under pytest, whose conftest set two devices) the device count is fixed and this does nothing."""
     try:
-        jax.config.update("jax_num_cpu_devices", max(2, jax.config.jax_num_cpu_devices))
+        jax.config.update("jax_num_cpu_devices", max(accelerators + 1, jax.config.jax_num_cpu_devices))
     except RuntimeError:
         pass
 
@@ -238,6 +239,22 @@ def select_devices() -> Devices:
     if gpus:
         return Devices(gpus[0], cpus[0])
     return Devices(cpus[1] if len(cpus) > 1 else cpus[0], cpus[0])
+
+
+def select_accelerators(n: int) -> tuple[jax.Device, ...]:
+    """The `n` accelerators the offload engine splits the routed experts over; the first is `select_devices()`'s.
+    Without a GPU, CPU devices stand in: devices 1, 2, ... and then device 0 (the CPU backend's own) when the
+    process has no more. Raises ValueError when the process has fewer than `n` devices of that kind."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    cpus = jax.devices("cpu")
+    pool = list(gpus) if gpus else cpus[1:] + cpus[:1]
+    if not 0 < n <= len(pool):
+        raise ValueError(f"{n} accelerators asked for, this process sees {len(pool)} "
+                         f"({'GPUs' if gpus else 'CPU devices standing in'}): use 1 to {len(pool)}")
+    return tuple(pool[:n])
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:

@@ -36,7 +36,7 @@ def compare(args, command: str) -> dict:
 
     from pdscope_jax.runtime import request_cpu_stand_in, start_backends
 
-    request_cpu_stand_in()
+    request_cpu_stand_in(args.accelerators)
     start_backends(args.xla_cpu_cores)
     import jax.numpy as jnp
     import numpy as np
@@ -94,7 +94,7 @@ def compare(args, command: str) -> dict:
         "device": f"{accel.platform}:{accel.id} {getattr(accel, 'device_kind', '')}".strip(),
         "cpu_device": str(devices.cpu), "weights": "checkpoint" if checkpoint else "random",
         "checkpoint": str(checkpoint) if checkpoint else None, "model": cfg.name, "dtype": args.dtype,
-        "quantize": args.quantize, "quality": args.quality,
+        "quantize": args.quantize, "quality": args.quality, "accelerators": args.accelerators,
         "workload": "checkpoint" if checkpoint else args.workload,
         "workload_design": design or None,
         "ablation": args.ablation, "batch": args.batch, "new_tokens": args.new_tokens, "repeats": args.repeats,
@@ -166,8 +166,9 @@ def _build_runner(cfg, dtype, rc, loader, args, console, checkpoint):
 
     with console.status(f"building {cfg.name} ({'checkpoint' if checkpoint else 'random weights'})"):
         runner = OffloadRunner(models.abstract_model(cfg, dtype), rc, loader, cpu_view=args.cpu_view,
-                               host_alloc=args.host_alloc)
-    console.print(f"budget: {runner.budget.describe()}; double buffering: {runner.pool.can_double_buffer}; "
+                               host_alloc=args.host_alloc, accelerators=args.accelerators)
+    each = f" (on each of {runner.accelerators} accelerators)" if runner.accelerators > 1 else ""
+    console.print(f"budget{each}: {runner.budget.describe()}; double buffering: {runner.pool.can_double_buffer}; "
                   f"host bytes per model byte: {runner.store.host_bytes_per_model_byte:.2f}")
     return runner
 

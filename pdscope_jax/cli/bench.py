@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", nargs="+", type=int, default=[1])
     p.add_argument("--gpu-memory", default="24GB")
     p.add_argument("--expert-pool", default=None, help="cap on the expert slot pool, e.g. 8GB")
+    p.add_argument("--accelerators", type=int, default=1, metavar="N",
+                   help="run the offloaded policies over N accelerators, each with a pool of --expert-pool and E/N "
+                        "experts of every layer (plain runs on one)")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--hot-per-layer", type=int, default=None,
                    help="resident experts per layer of the policies with a fixed hot set (static; default: the "
@@ -125,7 +128,7 @@ def check_args(args) -> None:
     for flag, value, low in (("--new-tokens", args.new_tokens, 1), ("--prefill-chunk", args.prefill_chunk, 1),
                              ("--hot-per-layer", args.hot_per_layer, 1), ("--repeats", args.repeats, 1),
                              ("--warmup", args.warmup, 0), ("--track-memory", args.track_memory, 0),
-                             ("--cprofile", args.cprofile, 0)):
+                             ("--cprofile", args.cprofile, 0), ("--accelerators", args.accelerators, 1)):
         checks.check_int(problems, flag, value, low)
     cores = len(os.sched_getaffinity(0))
     checks.check_int(problems, "--cpu-threads", args.cpu_threads, 1, cores)
@@ -149,6 +152,13 @@ def check_args(args) -> None:
             activation_counts(args.hot_table)
         except (HotTableError, TraceError) as err:
             problems.append(f"--hot-table: {err}")
+    if resolved is not None and isinstance(args.accelerators, int) and args.accelerators >= 1:
+        from pdscope_jax.parallel import ExpertParallelError, split_size
+
+        try:
+            split_size(resolved[0].num_experts, args.accelerators)
+        except ExpertParallelError as err:
+            problems.append(f"--accelerators: {err}")
     checks.check_writable_dir(problems, "--out", args.out)
     raise_problems(problems, "bad arguments")
 

@@ -1,10 +1,9 @@
 """`pdscope-jax generate`: generate from a prompt (text or token ids) with any model and policy.
 
 Contract: `main(argv)` loads MODEL through `pdscope_jax.load` (preset names use seeded random weights unless
-`--weights DIR`; `--revision` picks a Hugging Face cache snapshot), runs the model whole (on `--accelerators N`
-devices, the routed experts split over them) or under `--policy` with
+`--weights DIR`; `--revision` picks a Hugging Face cache snapshot), runs the model whole or under `--policy` with
 `--gpu-memory` / `--expert-pool` (the KV cache sized by `--max-seq-len` / `--max-batch`, copies bounded by
-`--quality`), prints the
+`--quality`), on `--accelerators N` devices with the routed experts split over them where asked, prints the
 continuation (text when the checkpoint has a tokenizer, token ids otherwise), the per-phase throughput, and the
 seconds of loading (offloaded: by the engine's build stages) and of the whole generation, compilation included.
 Every argument that can be checked without weights (ids, sampling settings, policy, sizes, lengths) is checked
@@ -43,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sequences the offloaded KV cache holds (with --policy; default 1)")
     parser.add_argument("--revision", help="branch, tag or commit of a Hugging Face cache model (default: refs/main)")
     parser.add_argument("--accelerators", type=int,
-                        help="run the whole model (no --policy) on N devices, each MoE layer's routed experts split "
-                             "E/N per device (default: one device)")
+                        help="split each MoE layer's routed experts E/N over N devices: the whole model (no "
+                             "--policy), or the offload engine's pools and host copies (default: one device)")
     args = parser.parse_args(argv)
 
     import pdscope_jax

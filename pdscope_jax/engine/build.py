@@ -8,9 +8,11 @@ Contract (each function returns what it builds; nothing here is kept between cal
 - `new_store(shapes, moe_layers, devices, **store options)` -> an empty ExpertStore already page-locking the expert
   stacks' memory ahead (`ExpertStore.expect_stacks`; the driver's allocation), so that runs beside the budget; its
   caller ends that with `store.loaded()`, also on failure.
-- `take_weights(model, weights, shapes, moe_layers, store, quant, dtype, low)` -> (the store, filled, non-expert
-  weights {path: array}). Quantized experts (`quant`) reach the store as QuantizedWeights of compute dtype `dtype`,
-  assembled from their integer and scale parameters; with `low` each layer's int4 copies
+- `take_weights(model, weights, shapes, moe_layers, stores, quant, dtype, low)` -> (the stores, filled, non-expert
+  weights {path: array}); with several stores (one per accelerator, `engine.shards`; `new_store(..., shares=n)`),
+  store k takes the k-th of n equal blocks of each layer's experts. Quantized experts (`quant`) reach the store as
+  QuantizedWeights of compute dtype `dtype`, assembled from their integer and scale parameters; with `low` each
+  layer's int4 copies
   (`store.low_copies.low_copy`) are made where the layer lies and kept beside it. `weights`: None (the model's
   own parameters), a flat `{path: array}` dict (routed-expert entries are popped as the store takes them, so the
   caller's dict keeps no second host copy), or a loader `loader(paths, placement) -> {path: array}` called once for
@@ -110,16 +112,16 @@ def nbytes(spec) -> int:
 
 
 def new_store(shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view: str, host_alloc: str,
-              expert_stacks: bool) -> ExpertStore:
+              expert_stacks: bool, shares: int = 1) -> ExpertStore:
     store = ExpertStore(devices, cpu_view=cpu_view, host_alloc=host_alloc, stacks=expert_stacks)
-    store.expect_stacks(nbytes(s) for paths in expert_paths(moe_layers).values()
+    store.expect_stacks(nbytes(s) // shares for paths in expert_paths(moe_layers).values()
                         for p in paths + tuple(q + "_scale" for q in paths) if (s := shapes.get(p)) is not None)
     return store
 
 
-def take_weights(model, weights, shapes: dict[str, Any], moe_layers, store: ExpertStore, *, quant: str | None = None,
-                 dtype=None, low: bool = False) -> tuple[ExpertStore, dict]:
-    accel = jax.sharding.SingleDeviceSharding(store.devices.accel)
+def take_weights(model, weights, shapes: dict[str, Any], moe_layers, stores: list[ExpertStore], *,
+                 quant: str | None = None, dtype=None, low: bool = False) -> tuple[list[ExpertStore], dict]:
+    accel = jax.sharding.SingleDeviceSharding(stores[0].devices.accel)
 
     def placement(path):  # the loader generates or reads every parameter on the accelerator
         return accel
@@ -148,12 +150,24 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, store: Expe
             stacks = layer_stacks(paths + tuple(p + "_scale" for p in paths) if quant else paths)
             parts = [stacks[p] if quant is None else QuantizedWeight(stacks[p], stacks[p + "_scale"], scheme(quant),
                                                                      dtype) for p in paths]
-            if low:
-                store.add_low_layer(layer, *(low_copy(part) for part in parts))
-            store.add_layer(layer, *parts)
-            del stacks, parts  # the layer's last references outside the store
+            for store, share in zip(stores, _shares(parts, len(stores))):
+                if low:
+                    store.add_low_layer(layer, *(low_copy(part) for part in share))
+                store.add_layer(layer, *share)
+            del stacks, parts, share  # the layer's last references outside the stores
             progress.advance(task)
-    return store, flat
+    return stores, flat
+
+
+def _shares(parts: list, n: int):
+    """The stacks `parts` ([E, ...] each) in n equal blocks of experts, block k for the k-th store; one block at a
+    time, so at most one block is copied beside the layer."""
+    if n == 1:
+        yield parts
+        return
+    size = parts[0].shape[0] // n
+    for k in range(n):
+        yield [part[k * size:(k + 1) * size] for part in parts]
 
 
 def place_non_experts(graphdef, flat_state, weights: dict, accel_device) -> Placed:

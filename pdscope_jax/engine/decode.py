@@ -1,11 +1,11 @@
 """The decode step executors and the choice between them.
 
 Contract: `choose(engine, batch, steps)` -> the executor class for a generate's `steps` decode steps:
-`DeviceDecode` when the planner's capability `decodes_on_device` holds, RuntimeConfig's `device_decode`,
-`async_io` and `batched_gpu` are on, no copy may load from the int4 copies (the engine's `precision` is None, or
-the planner never copies in decode: the decode program copies the stored precision alone), the pool can serve a
-layer's distinct experts (`device_decode.fits`) and the planner copies misses or the host can compute them
-(`engine.host_split`); else `HostDecode`. The choice
+`DeviceDecode` when the engine runs on one accelerator, the planner's capability `decodes_on_device` holds,
+RuntimeConfig's `device_decode`, `async_io` and `batched_gpu` are on, no copy may load from the int4 copies (the
+engine's `precision` is None, or the planner never copies in decode: the decode program copies the stored precision
+alone), the pool can serve a layer's distinct experts (`device_decode.fits`) and the planner copies misses or the
+host can compute them (`engine.host_split`); else `HostDecode`. The choice
 depends on nothing that changes between steps, so it holds for the whole decode (the device executor keeps the
 pool's table on the accelerator from its first step to its last).
 Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
@@ -45,7 +45,7 @@ from pdscope_jax.engine import device_decode, pool_table
 def choose(engine, batch: int, steps: int):
     rc, cfg = engine.runtime, engine.config
     picks = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
-    on_device = (steps > 0 and rc.device_decode and rc.async_io and rc.batched_gpu
+    on_device = (steps > 0 and len(engine.shards) == 1 and rc.device_decode and rc.async_io and rc.batched_gpu
                  and (engine.precision is None or not engine.planner.decode_copies)
                  and engine.planner.decodes_on_device
                  and device_decode.fits(engine.pool.num_slots + engine.decode_slots, picks)

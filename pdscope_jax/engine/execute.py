@@ -8,6 +8,10 @@ experts compute while they copy; stage the next layer's transfers (`Transfers.is
 dispatched, so they overlap it; dispatch the GPU experts (one `gpu_experts` program over the pool with a
 slot_of map, or one per expert with `batched_gpu` off); hand the GPU result and the copies to helper threads that
 stamp when each is done (`LayerTiming.ready`); wait for the CPU part only; add the parts and the shared experts.
+`dispatch` (up to the CPU part's end, nothing waited for) and `join` (the CPU part, the slots freed) are the two
+halves, for an engine that runs several executors' shares of a layer at once (`engine.shards`). An executor may
+own a share of the model's experts (`first_expert`, `first_expert + pool.num_experts`): its pool, store and plans
+number them from 0, the routing (`Routed`) keeps the model's ids.
 With `async_io` off each copy is waited for where it is issued and the CPU experts start after the copies.
 Copies the plan marks low (`load_low`, `prefetch_low`, `stream_low`) move the host's int4 copies, turned into the
 pool's format as they are written (`store.low_copies`). Counts bytes, loads (by precision) and GPU experts
@@ -19,6 +23,7 @@ Marks "cpu_submitted", "loads_issued", "next_issued", "gpu_dispatched", "cpu_joi
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import time
 
 import jax
@@ -34,18 +39,49 @@ from pdscope_jax.store.expert_store import Staged
 from pdscope_jax.store.slot_pool import SlotPool
 
 
+@dataclasses.dataclass
+class Dispatched:
+    """One layer's share of a plan in flight: its GPU part (y [Nb, D] f32, or None), its CPU part still running
+    (`_run_cpu`'s pair, or None), and what `join` needs to settle it."""
+
+    layer: int
+    phase: str
+    plan: Plan
+    on_gpu: np.ndarray  # [E] the plan's GPU experts
+    y_gpu: jax.Array | None
+    cpu_part: tuple | None
+    cpu_start: float
+    start: float
+    dispatched: float
+    loads_end: float | None
+    ready: dict
+    cpu_predicted: float
+    rows: int
+
+
 class PlanExecutor:
     def __init__(self, programs: dict, pool: SlotPool, cpu_experts: CpuExperts, transfers: Transfers,
-                 devices: Devices, costs: CostTable, mark):
+                 devices: Devices, costs: CostTable, mark, first_expert: int = 0, num_experts: int | None = None):
         self._programs, self.pool, self.cpu_experts, self.transfers = programs, pool, cpu_experts, transfers
         self.store = transfers.store
         self.devices, self.costs, self._mark = devices, costs, mark
+        # the routing's expert ids are the model's; this executor's pool, store and plans number its share from 0
+        self.first_expert = first_expert
+        self.num_experts = pool.num_experts if num_experts is None else num_experts
         # stamps when a part running elsewhere is done (its thread waits, the host does not)
         self.waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
         self.trace: list | None = None  # (phase, layer, GPU experts computed from int4 copies), when a list
 
     def execute(self, i: int, nxt: int | None, phase: str, plan: Plan, r: Routed, stats: PhaseStats,
                 rc: RuntimeConfig):
+        (y_gpu, y_cpu, cpu_rows), timing = self.join(self.dispatch(i, nxt, phase, plan, r, stats, rc))
+        x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu, cpu_rows)
+        self._mark(phase, "combined", i)
+        return x, timing
+
+    def dispatch(self, i: int, nxt: int | None, phase: str, plan: Plan, r: Routed, stats: PhaseStats,
+                 rc: RuntimeConfig) -> Dispatched:
+        """Everything of the layer's plan up to its CPU part's end, issued without waiting for it."""
         pool = self.pool
         on_gpu = np.zeros(pool.num_experts, bool)  # [E]
         on_gpu[plan.gpu] = True
@@ -74,14 +110,20 @@ class PlanExecutor:
             ready["transfer"] = self.waiter.submit(staged_ready_at, staged_next)
         if cpu_part is not None:
             ready["cpu"] = self.waiter.submit(ready_at, cpu_part[0])
-        (y_cpu, cpu_rows), cpu_end = self._join_cpu(cpu_part)
-        self._mark(phase, "cpu_joined", i)
-        x = self._programs["moe_combine"](r.x, r.shared, y_gpu, y_cpu, cpu_rows)
-        self._mark(phase, "combined", i)
-        pool.release(i, plan.unload[on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
-        pool.touch(i, plan.gpu)
-        return x, LayerTiming(i, phase, plan.gpu.size, plan.cpu.size, start, dispatched, cpu_start, cpu_end,
-                              loads_end, ready, self.costs.t_cpu(r.tokens[plan.cpu]), r.padded_rows)
+        return Dispatched(i, phase, plan, on_gpu, y_gpu, cpu_part, cpu_start, start, dispatched, loads_end, ready,
+                          self.costs.t_cpu(r.tokens[plan.cpu]), r.padded_rows)
+
+    def join(self, d: Dispatched) -> tuple[tuple, LayerTiming]:
+        """Wait for the CPU part of a dispatched layer and free what the plan unloads. -> ((y_gpu, y_cpu on the
+        accelerator, its rows or None), the layer's LayerTiming)."""
+        i, plan = d.layer, d.plan
+        (y_cpu, cpu_rows), cpu_end = self._join_cpu(d.cpu_part)
+        self._mark(d.phase, "cpu_joined", i)
+        self.pool.release(i, plan.unload[d.on_gpu[plan.unload]])  # after compute in dispatch order: safe to reuse
+        self.pool.touch(i, plan.gpu)
+        return (d.y_gpu, y_cpu, cpu_rows), LayerTiming(i, d.phase, plan.gpu.size, plan.cpu.size, d.start,
+                                                       d.dispatched, d.cpu_start, cpu_end, d.loads_end, d.ready,
+                                                       d.cpu_predicted, d.rows)
 
     def _load_now(self, i: int, experts: np.ndarray, low: np.ndarray, stats: PhaseStats, async_io: bool
                   ) -> tuple[jax.Array | None, float | None]:
@@ -111,10 +153,12 @@ class PlanExecutor:
         if experts.size == 0:
             return None
         pool = self.pool
-        slot_of = pool.slot_of(i)  # [E]
-        slot_of[~on_gpu] = -1
+        mine = pool.slot_of(i)  # [E of this share]
+        mine[~on_gpu] = -1
+        slot_of = np.full(self.num_experts, -1, np.int32)  # [E]: the routing's ids are the model's
+        slot_of[self.first_expert:self.first_expert + mine.size] = mine
         # batched: one program for every GPU expert; else one program per expert (the ablation's baseline)
-        parts = [slot_of] if batched else [_only(slot_of, e) for e in experts]
+        parts = [slot_of] if batched else [_only(slot_of, e + self.first_expert) for e in experts]
         y_gpu = None
         for part in parts:
             y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down, part)  # part: host [E]
@@ -125,7 +169,8 @@ class PlanExecutor:
         """Dispatch layer i's CPU `experts` on the CPU backend (returns at once). -> (y f32 there, rows): y [Nb, D]
         and rows None when h came to the host with the routing (few rows), else only the rows the experts read
         (`cpu_experts.compact_rows`, gathered on the accelerator): y [R, D] for rows [R] on the accelerator."""
-        groups = _groups(experts, r.rows, r.w_host, r.ids_host)
+        first = self.first_expert
+        groups = [(e - first, rows, w) for e, rows, w in _groups(experts + first, r.rows, r.w_host, r.ids_host)]
         if r.h_host is not None:
             return self.cpu_experts.dispatch(i, jax.device_put(r.h_host, self.devices.cpu), groups), None
         take, groups = compact_rows(groups, r.h.shape[0], self.cpu_experts.min_rows)

@@ -9,11 +9,13 @@ programs is bounded; padded rows route but count in no statistic. Per MoE layer 
   plan     a `LayerDemand` -> the planner's `Plan` (costs with the in-situ CPU calibration), checked; where the
            engine's `precision` rule loads int4 copies, the demand carries it and the routing's relative weights;
   execute  `PlanExecutor.execute`: loads, CPU experts, the next layer's transfers, GPU experts, the sum;
+With several accelerators (`engine.shards`) each shard plans its share of the layer from its view of the routing
+and dispatches it; then the CPU parts are joined and the shares' sums added over the mesh (`MeshSum`).
   record   the layer's `LayerTiming` waits for the end of the step (`settle`), so no layer waits for its own
            compute and the next layer's programs queue behind it.
-The loop reads the runner's session (`planner`, `runtime`, `phase_stats`, `activation_counts`, `timeline`) and
-owns only the step's unsettled timings, the scores planned with for layers not yet routed, and the step shapes run
-(for warm-up).
+The loop reads the runner's session (`shards` and their planners, `runtime`, `phase_stats`, `activation_counts`,
+`timeline`) and owns only the step's unsettled timings, the scores planned with for layers not yet routed, and
+the step shapes run (for warm-up).
 """
 
 from __future__ import annotations
@@ -24,20 +26,17 @@ import jax
 import numpy as np
 
 from pdscope_jax.engine.calibration import CpuCalibration
-from pdscope_jax.engine.execute import PlanExecutor
 from pdscope_jax.engine.route import Routed, Router
 from pdscope_jax.engine.stats import LayerTiming, prediction_hits
-from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.runtime import bucket
 from pdscope_jax.sched import LayerDemand, Plan, check_plan
 from pdscope_jax.sched.precision import relative_peaks
 
 
 class HostLoop:
-    def __init__(self, engine, router: Router, executor: PlanExecutor, transfers: Transfers,
-                 calibration: CpuCalibration):
+    def __init__(self, engine, router: Router, calibration: CpuCalibration):
         self.engine = engine
-        self.router, self.executor, self.transfers, self.calibration = router, executor, transfers, calibration
+        self.router, self.calibration = router, calibration
         moe = engine._moe_layers
         self._next_moe = dict(zip(moe[:-1], moe[1:]))
         self._prev_moe = dict(zip(moe[1:], moe[:-1]))
@@ -59,11 +58,13 @@ class HostLoop:
         # the next-layer gate's row mask, on the accelerator once per step rather than once per layer
         valid_device = (jax.device_put(valid_pad.astype(np.float32), e.devices.accel) if self.router.wants_scores
                         else None)
-        if phase == "decode":
-            self.transfers.streamed.clear()  # what prefill streamed is now part of the decode cache
-        elif self.transfers.streams_prefill and e.pool.can_double_buffer:
-            first = e._moe_layers[0]  # streams behind the embedding and the layers before it
-            self.transfers.stream(first, (), e.phase_stats[phase], e.runtime.async_io, self.transfers.stream_low)
+        for shard in e.shards:
+            transfers = shard.transfers
+            if phase == "decode":
+                transfers.streamed.clear()  # what prefill streamed is now part of the decode cache
+            elif transfers.streams_prefill and shard.pool.can_double_buffer:
+                first = e._moe_layers[0]  # streams behind the embedding and the layers before it
+                transfers.stream(first, (), e.phase_stats[phase], e.runtime.async_io, transfers.stream_low)
         programs = e._programs
         x = programs["embed"](e._graph, e._state, ids)
         for i, layer in enumerate(e._layers):
@@ -86,10 +87,30 @@ class HostLoop:
         self._mark(phase, "layer_start", i)
         r = self.router.route(i, x, positions, layer_cache, phase, valid, valid_device)  # route
         self._count(i, phase, r)
-        plan = self._plan(i, phase, r)  # plan
-        x, timing = self.executor.execute(i, self._next_moe.get(i), phase, plan, r,  # execute
-                                          self.engine.phase_stats[phase], self.engine.runtime)
-        self.unsettled.append(timing)  # record, at the end of the step
+        e, nxt = self.engine, self._next_moe.get(i)
+        stats, rc = e.phase_stats[phase], e.runtime
+        if r.next_scores is not None and nxt is not None:  # scored once the next layer has routed (`_count`)
+            self.predicted[nxt] = r.next_scores
+        if len(e.shards) == 1:
+            shard = e.shards[0]
+            plan = self._plan(shard, i, phase, r)  # plan
+            x, timing = shard.executor.execute(i, nxt, phase, plan, r, stats, rc)  # execute
+            self.unsettled.append(timing)  # record, at the end of the step
+            return x, r.layer_cache
+        # several accelerators: each plans and dispatches its share, then the CPU parts are joined and the
+        # shares' sums added over the mesh
+        dispatched = []
+        for shard in e.shards:
+            view = shard.view(r)
+            dispatched.append(shard.executor.dispatch(i, nxt, phase, self._plan(shard, i, phase, view), view,
+                                                      stats, rc))
+        parts = []
+        for shard, d in zip(e.shards, dispatched):
+            (y_gpu, y_cpu, cpu_rows), timing = shard.executor.join(d)
+            self.unsettled.append(timing)
+            parts.append(shard.part(e._programs, r.shared.shape, y_gpu, y_cpu, cpu_rows))
+        x = e._programs["moe_combine"](r.x, r.shared, e.mesh_sum(parts), None)
+        self._mark(phase, "combined", i)
         return x, r.layer_cache
 
     def _count(self, i: int, phase: str, r: Routed) -> None:
@@ -99,37 +120,39 @@ class HostLoop:
         stats = e.phase_stats[phase]
         e.activation_counts[phase][i] += r.tokens
         activated = np.flatnonzero(r.tokens)
-        if self.observing and i in self._prev_moe:
-            e.planner.observe(self._prev_moe[i], phase, activated)
-        prefetched = self.transfers.take_prefetched(i)
-        if prefetched is not None:
-            stats.prefetch_used += int(np.isin(prefetched, activated).sum())
+        for shard in e.shards:
+            mine = shard.local_ids(activated)
+            if self.observing and i in self._prev_moe:
+                shard.planner.observe(self._prev_moe[i], phase, mine)
+            prefetched = shard.transfers.take_prefetched(i)
+            if prefetched is not None:
+                stats.prefetch_used += int(np.isin(prefetched, mine).sum())
         scores = self.predicted.pop(i, None)
         if scores is not None:
             hits, total = prediction_hits(scores, activated)
             stats.predicted_hits += hits
             stats.predicted_total += total
 
-    def _plan(self, i: int, phase: str, r: Routed) -> Plan:
+    def _plan(self, shard, i: int, phase: str, r: Routed) -> Plan:
+        """The shard's plan for layer i, from its view of the routing (`Shard.view`)."""
         e = self.engine
-        nxt, pool = self._next_moe.get(i), e.pool
+        nxt, pool = self._next_moe.get(i), shard.pool
         resident = pool.resident(i)
         rule = e.precision
+        peaks = None if rule is None else shard.local(relative_peaks(r.w_host, r.ids_host, e.config.num_experts))
         demand = LayerDemand(
             layer=i, phase=phase, tokens_per_expert=r.tokens, resident=resident, next_layer=nxt,
             next_scores=None if nxt is None else r.next_scores,
             next_resident=None if nxt is None else pool.resident(nxt),
             free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size,
-            precision=rule, peak_weight=None if rule is None else relative_peaks(r.w_host, r.ids_host, r.tokens.size))
+            precision=rule, peak_weight=peaks)
         start = time.perf_counter()
-        plan = e.planner.plan(demand, self.calibration.costs_for(phase, r.padded_rows))
+        plan = shard.planner.plan(demand, self.calibration.costs_for(phase, r.padded_rows))
         planner_seconds = time.perf_counter() - start
         check_plan(demand, plan)
         self._mark(phase, "planned", i)
-        if demand.next_scores is not None:  # scored once the next layer has routed (`_count`)
-            self.predicted[nxt] = demand.next_scores
         if phase == "prefill" and nxt is not None:  # the next prefill streams its first layer too
-            self.transfers.streams_prefill, self.transfers.stream_low = plan.stream_next_layer, plan.stream_low
+            shard.transfers.streams_prefill, shard.transfers.stream_low = plan.stream_next_layer, plan.stream_low
         stats = e.phase_stats[phase]
         stats.planner_seconds += planner_seconds
         stats.planner_calls += 1

@@ -5,7 +5,8 @@ arguments static, so each traces once per shape: `embed`, `dense_layer` (a decod
 `moe_route` (attention, MoE input, router and shared experts, with the routing packed for one host fetch),
 `moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program), `gpu_experts`
 (`models.layers.combine_experts` over the slot pool, float32 sum), `take_rows` (the rows of the MoE input the CPU
-experts read), `moe_combine` (residual + routed parts + shared experts), `logits` (a window of positions) and
+experts read), `routed_part` (an executor's routed parts summed), `moe_combine` (residual + routed parts +
+shared experts), `logits` (a window of positions) and
 `next_token` (sampling at one position, settings traced). KV caches are donated. `cache_size(jitted)` counts a
 jitted function's compiled programs (None where jax hides it). `program_pieces(model)` -> (static graph, state) of
 the model without its layers (embedding, logits) and of each layer: the arguments these pieces take. The engine
@@ -83,16 +84,25 @@ def gpu_experts(h, weights, ids, gate_up, down, slot_of):
     return combine_experts(h, weights, ids, gate_up, down, slot_of, out_dtype=jnp.float32)
 
 
-def moe_combine(x, shared, y_gpu, y_cpu, cpu_rows=None):
-    """x [B,T,D] + routed + shared [N,D]. Routed: GPU part [Nb,D] f32 plus CPU part f32, either may be None; the
-    CPU part is [Nb,D], or [R,D] added at rows `cpu_rows` [R] (`cpu_experts.compact_rows`: a repeated row adds
-    zeros). The parts are added in float32 and rounded once to the model's dtype, as the plain model rounds its
-    float32 sum over the experts (`models.experts.combine_experts`)."""
-    n = shared.shape[0]
-    routed = jnp.zeros(shared.shape, jnp.float32) if y_gpu is None else y_gpu[:n].astype(jnp.float32)
+def routed_part(n, y_gpu, y_cpu, cpu_rows=None):
+    """The routed experts' float32 sum over the first n rows [n, D] from a GPU part [Nb, D] and a CPU part, either
+    may be None (not both); the CPU part is [Nb, D], or [R, D] added at rows `cpu_rows` [R]
+    (`cpu_experts.compact_rows`: a repeated row adds zeros)."""
+    some = y_gpu if y_gpu is not None else y_cpu
+    routed = jnp.zeros((n, some.shape[-1]), jnp.float32) if y_gpu is None else y_gpu[:n].astype(jnp.float32)
     if y_cpu is not None:
         part = y_cpu.astype(jnp.float32)
         routed = routed + part[:n] if cpu_rows is None else routed.at[cpu_rows].add(part)
+    return routed
+
+
+def moe_combine(x, shared, y_gpu, y_cpu, cpu_rows=None):
+    """x [B,T,D] + routed + shared [N,D], routed as `routed_part` adds it (zeros when both parts are None). The
+    parts are added in float32 and rounded once to the model's dtype, as the plain model rounds its float32 sum
+    over the experts (`models.experts.combine_experts`)."""
+    n = shared.shape[0]
+    routed = (jnp.zeros(shared.shape, jnp.float32) if y_gpu is None and y_cpu is None
+              else routed_part(n, y_gpu, y_cpu, cpu_rows))
     return x + (routed.astype(shared.dtype) + shared).reshape(x.shape)
 
 
@@ -118,6 +128,7 @@ def build_programs() -> dict[str, Any]:
         "gpu_experts": jax.jit(gpu_experts),
         "take_rows": jax.jit(take_rows),
         "moe_combine": jax.jit(moe_combine),
+        "routed_part": jax.jit(routed_part, static_argnums=0),
         "logits": jax.jit(logit_rows, static_argnums=(0, 4)),
         "next_token": jax.jit(next_token, static_argnums=0, donate_argnums=4),
     }

@@ -6,7 +6,9 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
 `host_alloc` and `expert_stacks` choose how the expert store keeps its one host copy (`store.expert_store`).
 - The budget (`store.budget`) is checked before anything is placed; the accelerator then holds the non-expert weights,
   the KV cache and ONE slot pool (`store.slot_pool`) that is never reallocated; every routed expert lives once in pinned
-  host memory, also the CPU experts' zero-copy source (`engine.cpu_experts`).
+  host memory, also the CPU experts' zero-copy source (`engine.cpu_experts`). `accelerators=N` (N divides E) splits
+  the experts over N accelerators (`runtime.select_accelerators`), each with its share's store, a pool of the budget's
+  slots and a planner (`shards`: `engine.shards.Shard`; `store`, `pool`, `planner` are the first's, the lead).
 - `logits(input_ids [B,T]) -> np.float32 [B,T,V]` and `generate(input_ids, max_new_tokens, temperature=0, top_k=None,
   seed=0, **sampling) -> GenerationResult` give the plain model's numbers (same sampler: `generation.sampling`);
   `steps(...)` yields each step's `Sampled` (host copies) per `next`. Prefill (a whole prompt at batch 1, else chunks of
@@ -39,26 +41,24 @@ from pdscope_jax.engine import decode, device_decode
 from pdscope_jax.engine.build import (analytic_costs, new_store, param_dtype, place_non_experts, plan_budget,
                                       round_up, split_abstract, take_weights)
 from pdscope_jax.engine.calibration import CpuCalibration
-from pdscope_jax.engine.cpu_experts import CpuExperts
-from pdscope_jax.engine.execute import PlanExecutor
 from pdscope_jax.engine.host_split import HostSplit
 from pdscope_jax.engine.loop import HostLoop
 from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, cache_size
 from pdscope_jax.engine.route import Router
+from pdscope_jax.engine.shards import MeshSum, build_shards
 from pdscope_jax.engine.stats import PhaseStats
 from pdscope_jax.engine.timeline import StageClock, Timeline
-from pdscope_jax.engine.transfers import Transfers
 from pdscope_jax.engine.warmup import precompile_bank_writes, precompile_combine, precompile_slot_writes
 from pdscope_jax.errors import raise_problems
 from pdscope_jax.generation.generator import (CACHE_BUCKET, CHUNK_COMPILER_OPTIONS, GenerationResult, Steps,
                                                check_request, sampling_params)
 from pdscope_jax.generation.sampling import SamplingState
-from pdscope_jax.runtime import Devices, RuntimeConfig, RuntimeConfigError, bucket, select_devices
+from pdscope_jax.parallel.mesh import split_size
+from pdscope_jax.runtime import Devices, RuntimeConfig, RuntimeConfigError, bucket, select_accelerators, select_devices
 from pdscope_jax.sched import (CostTable, ObservingPlanner, activation_counts, load_cost_table, make_planner,
                                planner_class)
 from pdscope_jax.sched.precision import LOW, loads_low, quality_problems, rule_for
 from pdscope_jax.store.budget import BudgetError
-from pdscope_jax.store.slot_pool import SlotPool
 
 __all__ = ["OffloadRunner", "analytic_costs"]
 WARMUP_TOKENS = 2  # a warm-up's generation: the prefill's token and one decode step (every step's programs)
@@ -68,7 +68,7 @@ WARMUP_TOKENS = 2  # a warm-up's generation: the prefill's token and one decode 
 class OffloadRunner:
     def __init__(self, model, runtime_config: RuntimeConfig, weights=None, *, cost_table: CostTable | None = None,
                  predictor=None, devices: Devices | None = None, cpu_view: str = "alias", host_alloc: str = "auto",
-                 expert_stacks: bool = False):
+                 expert_stacks: bool = False, accelerators: int = 1):
         rc = runtime_config
         if rc.policy is None:
             raise ValueError("OffloadRunner needs RuntimeConfig.policy (a planner name); without one the model "
@@ -83,10 +83,17 @@ class OffloadRunner:
         abstract = models.abstract_model(cfg, param_dtype(model))  # shapes only: nothing placed yet
         graphdef, flat_state, shapes = split_abstract(abstract)
         raise_problems(quality_problems(rc.quality, cfg.expert_quant), "OffloadRunner")
-        store = new_store(shapes, self._moe_layers, self.devices, cpu_view=cpu_view, host_alloc=host_alloc,
-                          expert_stacks=expert_stacks)  # page-locks host memory for the experts while budgeting
+        self.accelerators = accelerators
+        share = split_size(cfg.num_experts, accelerators)  # each accelerator's experts per layer
+        accels = select_accelerators(accelerators) if accelerators > 1 else (self.devices.accel,)
+        # page-lock host memory for the experts while budgeting
+        stores = [new_store(shapes, self._moe_layers, Devices(accel, self.devices.cpu), cpu_view=cpu_view,
+                            host_alloc=host_alloc, expert_stacks=expert_stacks, shares=accelerators)
+                  for accel in accels]
         try:
             self.budget, expert_dtype, self.cache_dtype = plan_budget(cfg, rc, abstract, shapes)
+            # an accelerator's pool: the budget's slots (every accelerator's pool alike), at most its whole share
+            self._slots = min(self.budget.slots, len(self._moe_layers) * share)
             clock.lap("budget")
             self._check_policy(rc.policy)
             self.costs = cost_table or (load_cost_table(rc.cost_table) if rc.cost_table
@@ -95,32 +102,34 @@ class OffloadRunner:
             if keep_low:  # a table without the int4 transfer: the base one scaled by the bytes
                 self.costs = self.costs.with_precision(LOW, bytes_ratio=cfg.replace(expert_quant=LOW).expert_bytes()
                                                        / cfg.expert_bytes(expert_dtype.itemsize))
-            self.store, non_expert = take_weights(model, weights, shapes, self._moe_layers, store,
-                                                  quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
+            stores, non_expert = take_weights(model, weights, shapes, self._moe_layers, stores,
+                                              quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
         finally:
-            store.loaded()  # every layer taken, or an error: no page-locking left running behind
+            for store in stores:
+                store.loaded()  # every layer taken, or an error: no page-locking left running behind
         clock.lap("weights and expert store")
         placed = place_non_experts(graphdef, flat_state, non_expert, self.devices.accel)
         clock.lap("non-expert weights")
         # the model without its layers (embedding, logits), each layer's (graph, state), the KV cache's program
         self._graph, self._state, self._layers, self._init_cache = (placed.graph, placed.state, placed.layers,
                                                                     placed.init_cache)
-        self.pool = SlotPool(self.budget.slots, self._moe_layers, cfg.num_experts, cfg.hidden_size,
-                             cfg.moe_intermediate_size, expert_dtype, self.devices.accel, cfg.expert_quant)
-        self.cpu_experts = CpuExperts(self.store, rc.cpu_min_rows, kernel=rc.cpu_kernel)
         self._programs = build_programs()
+        self.shards = build_shards(stores, self._slots, self._moe_layers, cfg, expert_dtype, self._programs,
+                                   self.devices.cpu, self.costs, self._mark, rc.cpu_min_rows, rc.cpu_kernel)
+        # the lead accelerator's share: all of it on one accelerator (device decode and the bridge use it alone)
+        lead = self.shards[0]
+        self.store, self.pool, self.cpu_experts = lead.store, lead.pool, lead.cpu_experts
+        self._transfers, self._executor = lead.transfers, lead.executor
+        self.mesh_sum = MeshSum(accels) if accelerators > 1 else None
         self._decode_step = device_decode.build_decode_step()
         # several steps a program run as command buffers on a GPU, as the whole model's chunks do
         self._decode_chunk = device_decode.build_decode_chunk(
             CHUNK_COMPILER_OPTIONS if self.devices.accel.platform == "gpu" else None)
         self.host_split = HostSplit(self.store, cfg, self.devices.accel, expert_dtype)
         self._calibration = CpuCalibration(self.costs)
-        self._transfers = Transfers(self.pool, self.store)
         next_moe = dict(zip(self._moe_layers[:-1], self._moe_layers[1:]))
         self._router = Router(self._programs, self._layers, next_moe, cfg.num_experts, self._mark)
-        self._executor = PlanExecutor(self._programs, self.pool, self.cpu_experts, self._transfers, self.devices,
-                                      self.costs, self._mark)
-        self._loop = HostLoop(self, self._router, self._executor, self._transfers, self._calibration)
+        self._loop = HostLoop(self, self._router, self._calibration)
         self.warmed_shapes: set[tuple[int, int, int, int]] = set()  # `program_shape`s warmed up
         self.track_memory = False
         self.timeline: Timeline | None = None
@@ -153,24 +162,36 @@ class OffloadRunner:
         if policy != self.runtime.policy:  # the calibration learned under one policy's load is not another's
             self._calibration.clear()
         self.runtime = runtime
-        options = self.runtime.policy_kwargs
-        hot_table = self.runtime.hot_table
-        hot_slots = planner_class(policy).hot_slots(self.pool.num_slots, self.config.num_experts,
-                                                    self.pool.can_double_buffer, bool(hot_table))
-        if hot_slots is not None:
-            if hot_table:
-                options.setdefault("activation_counts", activation_counts(hot_table))
-            options.setdefault("hot_per_layer", min(self.config.num_experts, hot_slots // len(self._moe_layers)))
-        self.planner = make_planner(policy, **options)
-        self._hot_counts = options.get("activation_counts")  # {layer: [E]} or None
+        for shard in self.shards:
+            options = self._planner_options(policy, shard)
+            shard.planner = make_planner(policy, **options)
+        self.planner = self.shards[0].planner
+        self._hot_counts = options.get("activation_counts") if len(self.shards) == 1 else None  # {layer: [E]}
         self._loop.observing = isinstance(self.planner, ObservingPlanner)  # a Protocol check: slow, so once here
         self._router.configure(self.planner.reads_next_scores,
                                self.predictor if self.planner.predictor_scores else None)
-        for layer in self._moe_layers:
-            self.pool.release(layer, np.arange(self.config.num_experts))
-        self._transfers.clear()
-        self._preload()
+        for shard in self.shards:
+            for layer in self._moe_layers:
+                shard.pool.release(layer, np.arange(shard.count))
+            shard.transfers.clear()
+            self._preload(shard)
         self.reset_stats()
+
+    def _planner_options(self, policy: str, shard) -> dict:
+        """The planner's options for `shard`: the policy's, a hot table's counts and hot experts per layer (of
+        its share of the experts when there are several)."""
+        options = self.runtime.policy_kwargs
+        hot_table = self.runtime.hot_table
+        hot_slots = planner_class(policy).hot_slots(shard.pool.num_slots, shard.count, shard.pool.can_double_buffer,
+                                                    bool(hot_table))
+        if hot_slots is not None:
+            if hot_table:
+                options.setdefault("activation_counts", activation_counts(hot_table))
+            options.setdefault("hot_per_layer", min(shard.count, hot_slots // len(self._moe_layers)))
+        if "activation_counts" in options and len(self.shards) > 1:
+            options["activation_counts"] = {layer: shard.local(np.asarray(counts))
+                                            for layer, counts in options["activation_counts"].items()}
+        return options
 
     def _precision_rule(self, rc: RuntimeConfig):
         """The precision rule the planners see under `rc` (`sched.precision.rule_for`), checked against the store."""
@@ -191,22 +212,26 @@ class OffloadRunner:
         self._executor.trace = trace
 
     def _check_policy(self, policy: str | None) -> None:
-        total = len(self._moe_layers) * self.config.num_experts
-        if planner_class(policy).keeps_all_resident and self.budget.slots < total:
-            raise BudgetError(f"policy {policy!r} keeps every expert resident: {total} slots needed, the budget "
-                              f"gives {self.budget.slots} ({self.budget.describe()})")
+        accelerators = self.accelerators
+        total = len(self._moe_layers) * self.config.num_experts // accelerators
+        if planner_class(policy).keeps_all_resident and self._slots < total:
+            each = f" on each of {accelerators} accelerators" if accelerators > 1 else ""
+            raise BudgetError(f"policy {policy!r} keeps every expert resident: {total} slots needed{each}, the "
+                              f"budget gives {self._slots} ({self.budget.describe()})")
 
-    def _preload(self) -> None:
-        """Resident sets the planner asks for: every expert (`keeps_all_resident`), or its hot experts."""
+    def _preload(self, shard) -> None:
+        """Resident sets the shard's planner asks for: every expert of its share (`keeps_all_resident`), or its
+        hot experts."""
+        planner, pool = shard.planner, shard.pool
         for layer in self._moe_layers:
-            if self.planner.keeps_all_resident:
-                experts = np.arange(self.config.num_experts)
-            elif hasattr(self.planner, "hot_experts"):
-                experts = np.asarray(self.planner.hot_experts(layer))[: self.pool.free_slots(self._moe_layers)]
+            if planner.keeps_all_resident:
+                experts = np.arange(shard.count)
+            elif hasattr(planner, "hot_experts"):
+                experts = np.asarray(planner.hot_experts(layer))[: pool.free_slots(self._moe_layers)]
             else:
                 return
             if experts.size:
-                self.store.write(self.pool, layer, experts, self.pool.allocate(layer, experts, self._moe_layers))
+                shard.store.write(pool, layer, experts, pool.allocate(layer, experts, self._moe_layers))
 
     def reset_stats(self) -> None:
         self.phase_stats = {"prefill": PhaseStats(), "decode": PhaseStats()}
@@ -215,7 +240,8 @@ class OffloadRunner:
         self.activation_counts = {phase: {layer: np.zeros(self.config.num_experts, np.int64)
                                           for layer in self._moe_layers} for phase in ("prefill", "decode")}
         self.device_peak_bytes: int | None = None  # the allocator's peak, on devices that report one
-        self.pool.evictions = 0
+        for shard in self.shards:
+            shard.pool.evictions = 0
 
     def decode_host(self, batch: int):
         """How device decode splits a batch of `batch` rows' misses between copies and the host
@@ -244,6 +270,8 @@ class OffloadRunner:
         counts["init_cache"] = cache_size(self._init_cache)
         counts["slot_commit"] = self.store.compiled_programs
         counts["cpu_expert"] = self.cpu_experts.compiled_programs
+        if self.mesh_sum is not None:
+            counts["mesh_sum"] = cache_size(self.mesh_sum._sum)
         counts["total"] = sum(v for v in counts.values() if v is not None)
         return counts
 
@@ -258,18 +286,19 @@ class OffloadRunner:
             "prefill": self.phase_stats["prefill"].to_dict(),
             "decode": self.phase_stats["decode"].to_dict(),
             "compiled_programs": self.compiled_programs,
-            "slots": self.pool.num_slots,
+            "accelerators": self.accelerators,
+            "slots": sum(shard.pool.num_slots for shard in self.shards),
             "decode_bank": self.runtime.decode_bank,
             "decode_slots": self.decode_slots,
             "decode_cpu_experts": self.runtime.decode_cpu_experts,
             "decode_host": self._host_stats(),
             "double_buffering": self.pool.can_double_buffer,
-            "evictions": self.pool.evictions,
+            "evictions": sum(shard.pool.evictions for shard in self.shards),
             # the in-situ CPU calibration the planners see now, per "phase rows" (absent: 1)
             "cpu_cost_scale": self._calibration.as_stats(),
             "budget": {name: value for name, value in self.budget.lines()},
-            "host_expert_bytes": self.store.host_bytes,
-            "host_low_copy_bytes": self.store.low_bytes,
+            "host_expert_bytes": sum(shard.store.host_bytes for shard in self.shards),
+            "host_low_copy_bytes": sum(shard.store.low_bytes for shard in self.shards),
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
             "quality": self.runtime.quality,
             "mixed_threshold": self.runtime.mixed_threshold,
@@ -378,11 +407,12 @@ class OffloadRunner:
         statistics afresh."""
         first = self._moe_layers[0]
         shapes = self._loop.step_shapes
-        for n in sorted({n_pad for _, _, n_pad in shapes}):
-            self.cpu_experts.precompile(first, n, self.cache_dtype)
+        for shard in self.shards:
+            for n in sorted({n_pad for _, _, n_pad in shapes}):
+                shard.cpu_experts.precompile(first, n, self.cache_dtype)
+            precompile_slot_writes(shard.pool, shard.store, first, shard.count)
         precompile_combine(self._programs, shapes, self.devices, self.cache_dtype, self.config.hidden_size,
                            self.cpu_experts.min_rows)
-        precompile_slot_writes(self.pool, self.store, first, self.config.num_experts)
         precompile_bank_writes(self.pool, self.store, first, self.config.num_experts, self.decode_slots)
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
 

@@ -9,9 +9,9 @@ of the model is replicated (`placement`). `expert_parallel_generator(model, mesh
 N must divide E (`ExpertParallelError` otherwise). docs/SCALING.md describes the layout and its costs.
 """
 
-from pdscope_jax.parallel.mesh import AXIS, ExpertParallelError, check_split, expert_mesh
+from pdscope_jax.parallel.mesh import AXIS, ExpertParallelError, check_split, expert_mesh, split_size
 from pdscope_jax.parallel.placement import ShardedMoE, expert_parallel, expert_parallel_generator
 from pdscope_jax.parallel.routed import routed_output
 
 __all__ = ["AXIS", "ExpertParallelError", "ShardedMoE", "check_split", "expert_mesh", "expert_parallel",
-           "expert_parallel_generator", "routed_output"]
+           "expert_parallel_generator", "routed_output", "split_size"]

@@ -1,6 +1,7 @@
 """`load(..., accelerators=N)` and `pdscope-jax generate --accelerators N`: the whole model over N of the suite's
 two CPU devices, routed experts split E/N per device, gives the one-device model's logits and tokens (float32,
-1e-4); settings that cannot work are refused before any weight is read, each problem named."""
+1e-4); settings that cannot work are refused before any weight is read, each problem named (the offload engine over
+several accelerators: test_offload_accelerators.py)."""
 
 import jax
 import numpy as np
@@ -38,7 +39,7 @@ def test_one_accelerator_is_the_plain_model(one_device):
 @pytest.mark.parametrize("kwargs, message", [
     (dict(accelerators=3), r"accelerators=3, but this process sees 2 device\(s\)"),
     (dict(accelerators=0), "accelerators must be a positive integer"),
-    (dict(accelerators=2, policy="pdscope"), r"offload engine \(policy='pdscope'\) runs on one accelerator"),
+    (dict(accelerators=3, policy="pdscope"), r"accelerators=3, but this process sees 2 device\(s\)"),
 ])
 def test_impossible_accelerator_settings_are_named(kwargs, message):
     with pytest.raises(InputError, match=message):

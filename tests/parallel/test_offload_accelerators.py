@@ -1,0 +1,99 @@
+"""The offload engine over several accelerators (`engine.shards`): every policy, with pools that evict, that
+double-buffer and that hold every expert, gives the plain model's logits and greedy tokens (float32, 1e-4) with
+each accelerator holding an equal share of every layer's experts: two accelerators on the suite's two CPU devices
+(the second stands in on the CPU backend's own), four in a child process with five CPU devices; the families,
+quantized experts, chunked batched prefill, `load` and the bench CLI's checks."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pdscope_jax
+from offload_reference import POLICIES, check, compare
+from pdscope_jax.cli import bench as bench_cli
+from pdscope_jax.errors import InputError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEADLINE_S = 300
+MODEL = "tiny-deepseek-v2-lite"
+CASES = [("gpu", "all")] + [(policy, pool) for policy in POLICIES[1:] for pool in ("small", "double")]
+
+FOUR_ACCELERATORS = r"""
+import json, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 5)
+sys.path.insert(0, sys.argv[1])
+from offload_reference import compare
+cases = json.loads(sys.argv[2])
+print("RESULT " + json.dumps({name: compare(name, 4, [tuple(c) for c in cases[name]]) for name in cases}),
+      flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def two():
+    return {(r["policy"], r["pool"]): r for r in compare(MODEL, 2, CASES)}
+
+
+@pytest.mark.parametrize("policy, pool", CASES)
+def test_every_policy_over_two_accelerators_matches_plain_model(two, policy, pool):
+    check(two[(policy, pool)], 2, 8)
+
+
+def test_every_accelerator_copies_over_its_own_link(two):
+    """With a pool that evicts, each accelerator loads experts of its own share from its own host copies."""
+    assert all(moved > 0 for moved in two[("ondemand", "small")]["bytes_moved"])
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b", "tiny-moonlight-16b-a3b"])
+def test_every_family_over_two_accelerators(name):
+    from pdscope_jax.presets import preset
+
+    for result in compare(name, 2, [("pdscope", "small"), ("static", "double")]):
+        check(result, 2, preset(name).num_experts)
+
+
+def test_quantized_experts_over_two_accelerators():
+    for result in compare(MODEL, 2, [("pdscope", "small"), ("ondemand", "double")], quant="int8"):
+        check(result, 2, 8)
+
+
+def test_chunked_batched_prefill_over_two_accelerators():
+    for result in compare(MODEL, 2, [("pdscope", "double"), ("greedy", "small")], batch=2, prompt=12, new=4,
+                          prefill_chunk=8):
+        check(result, 2, 8)
+
+
+def test_four_accelerators_every_policy_and_family():
+    cases = {MODEL: CASES, "tiny-qwen3-30b-a3b": [("pdscope", "small"), ("ondemand", "double")],
+             "tiny-mixtral-8x7b": [("pdscope", "small"), ("fate", "double")]}
+    proc = subprocess.run([sys.executable, "-c", FOUR_ACCELERATORS, HERE, json.dumps(cases)], capture_output=True,
+                          text=True, timeout=DEADLINE_S, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert sorted(results) == sorted(cases)
+    from pdscope_jax.presets import preset
+
+    for name, found in results.items():
+        assert [(r["policy"], r["pool"]) for r in found] == [tuple(c) for c in cases[name]]
+        for result in found:
+            check(result, 4, preset(name).num_experts)
+
+
+def test_load_runs_a_policy_over_two_accelerators():
+    runner = pdscope_jax.load(MODEL, dtype="float32", compile_cache=False, policy="pdscope", accelerators=2,
+                              gpu_memory="1GB", max_seq_len=64)
+    plain = pdscope_jax.load(MODEL, dtype="float32", compile_cache=False)
+    ids = np.array([[5, 6, 7, 8]], np.int32)
+    np.testing.assert_array_equal(runner.generate(ids, 4).tokens, plain.generate(ids, 4).tokens)
+    assert runner.engine.stats["accelerators"] == 2
+
+
+def test_bench_names_accelerators_that_do_not_split_the_experts(tmp_path):
+    args = bench_cli.parse_args(["--model", MODEL, "--accelerators", "3", "--out", str(tmp_path)])
+    with pytest.raises(InputError, match=r"--accelerators: E=8 routed experts .* N=3 .*use N in \[1, 2, 4, 8\]"):
+        bench_cli.check_args(args)
