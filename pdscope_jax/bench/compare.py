@@ -59,7 +59,9 @@ def compare(args, command: str) -> dict:
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy="ondemand",
                        cpu_threads=args.cpu_threads, prefill_chunk=args.prefill_chunk, max_batch=max(args.batch),
                        max_seq_len=max(args.prompt_lens) + max_new, cost_table=args.cost_table,
-                       cpu_kernel=not args.no_cpu_kernel, quality=bench_runs.build_quality(args, offload_runs))
+                       cpu_kernel=not args.no_cpu_kernel, quality=bench_runs.build_quality(args, offload_runs),
+                       # a hot table given as a file also places the accelerators' shares (engine.shards.owners)
+                       hot_table=args.hot_table if args.accelerators > 1 and args.hot_table != "auto" else None)
     shapes = models.abstract_state(cfg, dtype)
     predictability = getattr(args, "predictability", "reference")
     workload = (workloads.design(cfg, args.workload, seed=args.seed, predictability=predictability)

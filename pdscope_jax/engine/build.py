@@ -8,9 +8,9 @@ Contract (each function returns what it builds; nothing here is kept between cal
 - `new_store(shapes, moe_layers, devices, **store options)` -> an empty ExpertStore already page-locking the expert
   stacks' memory ahead (`ExpertStore.expect_stacks`; the driver's allocation), so that runs beside the budget; its
   caller ends that with `store.loaded()`, also on failure.
-- `take_weights(model, weights, shapes, moe_layers, stores, quant, dtype, low)` -> (the stores, filled, non-expert
-  weights {path: array}); with several stores (one per accelerator, `engine.shards`; `new_store(..., shares=n)`),
-  store k takes the k-th of n equal blocks of each layer's experts. Quantized experts (`quant`) reach the store as
+- `take_weights(model, weights, shapes, moe_layers, stores, owned, quant, dtype, low)` -> (the stores, filled,
+  non-expert weights {path: array}); with several stores (one per accelerator, `engine.shards`; `new_store(...,
+  shares=n)`), store k takes the experts `owned[layer][k]` of each layer (`engine.shards.owners`). Quantized experts (`quant`) reach the store as
   QuantizedWeights of compute dtype `dtype`, assembled from their integer and scale parameters; with `low` each
   layer's int4 copies
   (`store.low_copies.low_copy`) are made where the layer lies and kept beside it. `weights`: None (the model's
@@ -119,8 +119,9 @@ def new_store(shapes: dict[str, Any], moe_layers, devices: Devices, *, cpu_view:
     return store
 
 
-def take_weights(model, weights, shapes: dict[str, Any], moe_layers, stores: list[ExpertStore], *,
-                 quant: str | None = None, dtype=None, low: bool = False) -> tuple[list[ExpertStore], dict]:
+def take_weights(model, weights, shapes: dict[str, Any], moe_layers, stores: list[ExpertStore],
+                 owned: dict | None = None, *, quant: str | None = None, dtype=None, low: bool = False
+                 ) -> tuple[list[ExpertStore], dict]:
     accel = jax.sharding.SingleDeviceSharding(stores[0].devices.accel)
 
     def placement(path):  # the loader generates or reads every parameter on the accelerator
@@ -150,7 +151,7 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, stores: lis
             stacks = layer_stacks(paths + tuple(p + "_scale" for p in paths) if quant else paths)
             parts = [stacks[p] if quant is None else QuantizedWeight(stacks[p], stacks[p + "_scale"], scheme(quant),
                                                                      dtype) for p in paths]
-            for store, share in zip(stores, _shares(parts, len(stores))):
+            for store, share in zip(stores, _shares(parts, None if owned is None else owned[layer])):
                 if low:
                     store.add_low_layer(layer, *(low_copy(part) for part in share))
                 store.add_layer(layer, *share)
@@ -159,15 +160,15 @@ def take_weights(model, weights, shapes: dict[str, Any], moe_layers, stores: lis
     return stores, flat
 
 
-def _shares(parts: list, n: int):
-    """The stacks `parts` ([E, ...] each) in n equal blocks of experts, block k for the k-th store; one block at a
-    time, so at most one block is copied beside the layer."""
-    if n == 1:
+def _shares(parts: list, owned: np.ndarray | None):
+    """The stacks `parts` ([E, ...] each) as the stores' shares: row k of `owned` [n, E/n] (the experts of the
+    k-th store) for each store, or all of them for one (None); one share at a time, so at most one share is copied
+    beside the layer."""
+    if owned is None or len(owned) == 1:
         yield parts
         return
-    size = parts[0].shape[0] // n
-    for k in range(n):
-        yield [part[k * size:(k + 1) * size] for part in parts]
+    for experts in owned:
+        yield [part[experts] for part in parts]
 
 
 def place_non_experts(graphdef, flat_state, weights: dict, accel_device) -> Placed:

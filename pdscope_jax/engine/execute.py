@@ -10,7 +10,7 @@ slot_of map, or one per expert with `batched_gpu` off); hand the GPU result and 
 stamp when each is done (`LayerTiming.ready`); wait for the CPU part only; add the parts and the shared experts.
 `dispatch` (up to the CPU part's end, nothing waited for) and `join` (the CPU part, the slots freed) are the two
 halves, for an engine that runs several executors' shares of a layer at once (`engine.shards`). An executor may
-own a share of the model's experts (`first_expert`, `first_expert + pool.num_experts`): its pool, store and plans
+own a share of the model's experts (`owned`: per MoE layer, their ids in the model): its pool, store and plans
 number them from 0, the routing (`Routed`) keeps the model's ids.
 With `async_io` off each copy is waited for where it is issued and the CPU experts start after the copies.
 Copies the plan marks low (`load_low`, `prefetch_low`, `stream_low`) move the host's int4 copies, turned into the
@@ -61,12 +61,12 @@ class Dispatched:
 
 class PlanExecutor:
     def __init__(self, programs: dict, pool: SlotPool, cpu_experts: CpuExperts, transfers: Transfers,
-                 devices: Devices, costs: CostTable, mark, first_expert: int = 0, num_experts: int | None = None):
+                 devices: Devices, costs: CostTable, mark, owned: dict | None = None, num_experts: int | None = None):
         self._programs, self.pool, self.cpu_experts, self.transfers = programs, pool, cpu_experts, transfers
         self.store = transfers.store
         self.devices, self.costs, self._mark = devices, costs, mark
         # the routing's expert ids are the model's; this executor's pool, store and plans number its share from 0
-        self.first_expert = first_expert
+        self.owned = owned  # MoE layer -> the model's ids of the share's experts (None: every expert, in order)
         self.num_experts = pool.num_experts if num_experts is None else num_experts
         # stamps when a part running elsewhere is done (its thread waits, the host does not)
         self.waiter = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="offload-wait")
@@ -155,10 +155,11 @@ class PlanExecutor:
         pool = self.pool
         mine = pool.slot_of(i)  # [E of this share]
         mine[~on_gpu] = -1
-        slot_of = np.full(self.num_experts, -1, np.int32)  # [E]: the routing's ids are the model's
-        slot_of[self.first_expert:self.first_expert + mine.size] = mine
+        slot_of = mine if self.owned is None else np.full(self.num_experts, -1, np.int32)  # [E]: the model's ids
+        if self.owned is not None:
+            slot_of[self.owned[i]] = mine
         # batched: one program for every GPU expert; else one program per expert (the ablation's baseline)
-        parts = [slot_of] if batched else [_only(slot_of, e + self.first_expert) for e in experts]
+        parts = [slot_of] if batched else [_only(slot_of, e) for e in self._model_ids(i, experts)]
         y_gpu = None
         for part in parts:
             y = self._programs["gpu_experts"](r.h, r.w, r.ids, pool.gate_up, pool.down, part)  # part: host [E]
@@ -169,14 +170,18 @@ class PlanExecutor:
         """Dispatch layer i's CPU `experts` on the CPU backend (returns at once). -> (y f32 there, rows): y [Nb, D]
         and rows None when h came to the host with the routing (few rows), else only the rows the experts read
         (`cpu_experts.compact_rows`, gathered on the accelerator): y [R, D] for rows [R] on the accelerator."""
-        first = self.first_expert
-        groups = [(e - first, rows, w) for e, rows, w in _groups(experts + first, r.rows, r.w_host, r.ids_host)]
+        groups = [(int(e), rows, w) for e, (_, rows, w) in
+                  zip(experts, _groups(self._model_ids(i, experts), r.rows, r.w_host, r.ids_host))]
         if r.h_host is not None:
             return self.cpu_experts.dispatch(i, jax.device_put(r.h_host, self.devices.cpu), groups), None
         take, groups = compact_rows(groups, r.h.shape[0], self.cpu_experts.min_rows)
         take = jax.device_put(take, self.devices.accel)
         h_cpu = jax.device_put(self._programs["take_rows"](r.h, take), self.devices.cpu)
         return self.cpu_experts.dispatch(i, h_cpu, groups), take
+
+    def _model_ids(self, i: int, experts: np.ndarray) -> np.ndarray:
+        """The model's ids of layer i's `experts` of this executor's share."""
+        return experts if self.owned is None else self.owned[i][experts]
 
     def _join_cpu(self, part: tuple[jax.Array, jax.Array | None] | None
                   ) -> tuple[tuple[jax.Array | None, jax.Array | None], float | None]:

@@ -101,7 +101,7 @@ class HostLoop:
         # shares' sums added over the mesh
         dispatched = []
         for shard in e.shards:
-            view = shard.view(r)
+            view = shard.view(r, i, nxt)
             dispatched.append(shard.executor.dispatch(i, nxt, phase, self._plan(shard, i, phase, view), view,
                                                       stats, rc))
         parts = []
@@ -121,7 +121,7 @@ class HostLoop:
         e.activation_counts[phase][i] += r.tokens
         activated = np.flatnonzero(r.tokens)
         for shard in e.shards:
-            mine = shard.local_ids(activated)
+            mine = shard.local_ids(activated, i)
             if self.observing and i in self._prev_moe:
                 shard.planner.observe(self._prev_moe[i], phase, mine)
             prefetched = shard.transfers.take_prefetched(i)
@@ -139,7 +139,7 @@ class HostLoop:
         nxt, pool = self._next_moe.get(i), shard.pool
         resident = pool.resident(i)
         rule = e.precision
-        peaks = None if rule is None else shard.local(relative_peaks(r.w_host, r.ids_host, e.config.num_experts))
+        peaks = None if rule is None else shard.local(relative_peaks(r.w_host, r.ids_host, e.config.num_experts), i)
         demand = LayerDemand(
             layer=i, phase=phase, tokens_per_expert=r.tokens, resident=resident, next_layer=nxt,
             next_scores=None if nxt is None else r.next_scores,

@@ -45,7 +45,7 @@ from pdscope_jax.engine.host_split import HostSplit
 from pdscope_jax.engine.loop import HostLoop
 from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, cache_size
 from pdscope_jax.engine.route import Router
-from pdscope_jax.engine.shards import MeshSum, build_shards
+from pdscope_jax.engine.shards import MeshSum, build_shards, owners
 from pdscope_jax.engine.stats import PhaseStats
 from pdscope_jax.engine.timeline import StageClock, Timeline
 from pdscope_jax.engine.warmup import precompile_bank_writes, precompile_combine, precompile_slot_writes
@@ -90,6 +90,9 @@ class OffloadRunner:
         stores = [new_store(shapes, self._moe_layers, Devices(accel, self.devices.cpu), cpu_view=cpu_view,
                             host_alloc=host_alloc, expert_stacks=expert_stacks, shares=accelerators)
                   for accel in accels]
+        # which experts each accelerator owns: blocks by id, or shares evened out by the hot table's counts
+        owned = owners(cfg.num_experts, accelerators, self._moe_layers,
+                       activation_counts(rc.hot_table) if rc.hot_table and accelerators > 1 else None)
         try:
             self.budget, expert_dtype, self.cache_dtype = plan_budget(cfg, rc, abstract, shapes)
             # an accelerator's pool: the budget's slots (every accelerator's pool alike), at most its whole share
@@ -102,7 +105,7 @@ class OffloadRunner:
             if keep_low:  # a table without the int4 transfer: the base one scaled by the bytes
                 self.costs = self.costs.with_precision(LOW, bytes_ratio=cfg.replace(expert_quant=LOW).expert_bytes()
                                                        / cfg.expert_bytes(expert_dtype.itemsize))
-            stores, non_expert = take_weights(model, weights, shapes, self._moe_layers, stores,
+            stores, non_expert = take_weights(model, weights, shapes, self._moe_layers, stores, owned,
                                               quant=cfg.expert_quant, dtype=expert_dtype, low=keep_low)
         finally:
             for store in stores:
@@ -114,7 +117,7 @@ class OffloadRunner:
         self._graph, self._state, self._layers, self._init_cache = (placed.graph, placed.state, placed.layers,
                                                                     placed.init_cache)
         self._programs = build_programs()
-        self.shards = build_shards(stores, self._slots, self._moe_layers, cfg, expert_dtype, self._programs,
+        self.shards = build_shards(stores, owned, self._slots, self._moe_layers, cfg, expert_dtype, self._programs,
                                    self.devices.cpu, self.costs, self._mark, rc.cpu_min_rows, rc.cpu_kernel)
         # the lead accelerator's share: all of it on one accelerator (device decode and the bridge use it alone)
         lead = self.shards[0]
@@ -189,7 +192,7 @@ class OffloadRunner:
                 options.setdefault("activation_counts", activation_counts(hot_table))
             options.setdefault("hot_per_layer", min(shard.count, hot_slots // len(self._moe_layers)))
         if "activation_counts" in options and len(self.shards) > 1:
-            options["activation_counts"] = {layer: shard.local(np.asarray(counts))
+            options["activation_counts"] = {layer: shard.local(np.asarray(counts), layer)
                                             for layer, counts in options["activation_counts"].items()}
         return options
 

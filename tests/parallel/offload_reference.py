@@ -27,7 +27,7 @@ def compare(name: str, accelerators: int, cases, batch: int = 1, prompt: int = 2
             quant: str | None = None, seed: int = 0, **rc) -> list[dict]:
     """Per (policy, pool name) in `cases`: {"policy", "pool", "logits_diff": max |engine - plain| over the prompt,
     "tokens_equal", "accelerators": the engine's count, "devices": its shards' device ids, "shard_experts": experts
-    per layer of each shard's pool, "host_bytes": each shard's host copies, "bytes_moved": each shard's copies,
+    per layer of each shard's pool, "owned": {layer: each shard's experts (the model's ids)}, "host_bytes": each shard's host copies, "bytes_moved": each shard's copies,
     "decode_steps" / "device_steps": host-planned and one-program decode steps}."""
     cfg = preset(name)
     if quant is not None:
@@ -50,6 +50,8 @@ def compare(name: str, accelerators: int, cases, batch: int = 1, prompt: int = 2
         result.update(accelerators=stats["accelerators"],
                       devices=[jax.tree.leaves(shard.pool.gate_up)[0].devices().pop().id for shard in runner.shards],
                       shard_experts=[shard.pool.num_experts for shard in runner.shards],
+                      owned={layer: [shard.experts[layer].tolist() for shard in runner.shards]
+                             for layer in cfg.moe_layers},
                       host_bytes=[shard.store.host_bytes for shard in runner.shards],
                       bytes_moved=[shard.store.bytes_moved for shard in runner.shards],
                       decode_steps=stats["decode"]["steps"], device_steps=stats["decode"]["device_steps"])

@@ -2,7 +2,7 @@
 double-buffer and that hold every expert, gives the plain model's logits and greedy tokens (float32, 1e-4) with
 each accelerator holding an equal share of every layer's experts: two accelerators on the suite's two CPU devices
 (the second stands in on the CPU backend's own), four in a child process with five CPU devices; the families,
-quantized experts, chunked batched prefill, `load` and the bench CLI's checks."""
+quantized experts, chunked batched prefill, shares placed by a hot table, `load` and the bench CLI's checks."""
 
 import json
 import os
@@ -15,7 +15,9 @@ import pytest
 import pdscope_jax
 from offload_reference import POLICIES, check, compare
 from pdscope_jax.cli import bench as bench_cli
+from pdscope_jax.engine.shards import owners
 from pdscope_jax.errors import InputError
+from pdscope_jax.sched.hot import write_layer_stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEADLINE_S = 300
@@ -82,6 +84,32 @@ def test_four_accelerators_every_policy_and_family():
         assert [(r["policy"], r["pool"]) for r in found] == [tuple(c) for c in cases[name]]
         for result in found:
             check(result, 4, preset(name).num_experts)
+
+
+def test_without_counts_each_accelerator_owns_a_block_of_ids():
+    owned = owners(8, 4, (1, 2))
+    for layer in (1, 2):
+        np.testing.assert_array_equal(owned[layer], np.arange(8).reshape(4, 2))
+
+
+def test_a_hot_table_evens_out_each_layers_traffic_over_the_accelerators():
+    counts = {1: np.array([90, 80, 70, 60, 4, 3, 2, 1]), 2: np.array([1, 1, 1, 1, 1, 1, 1, 50])}
+    owned = owners(8, 2, (1, 2), counts)
+    np.testing.assert_array_equal(owned[1], [[0, 3, 4, 7], [1, 2, 5, 6]])  # 90+60+4+1 = 155 vs 80+70+3+2 = 155
+    assert sorted(np.concatenate(owned[2]).tolist()) == list(range(8))  # a partition of the layer
+    assert all(len(share) == 4 for share in owned[2])  # equal shares, whatever the counts
+    # by id, accelerator 0 would carry 300 of layer 1's 310 counted tokens
+    assert [counts[1][share].sum() for share in owned[1]] == [155, 155]
+
+
+def test_shares_placed_by_a_hot_table_match_plain_model(tmp_path):
+    layers = (1, 2, 3)  # tiny-deepseek-v2-lite's MoE layers: the first layer is dense
+    counts = {phase: {layer: np.array([9, 8, 7, 6, 1, 1, 1, 1]) for layer in layers} for phase in ("prefill",)}
+    path = write_layer_stats(tmp_path / "layer_stats.json", layers, counts)
+    for result in compare(MODEL, 2, [("pdscope", "small"), ("static", "double")], hot_table=str(path)):
+        check(result, 2, 8)
+        # 9+6+1+1 = 17 vs 8+7+1+1 = 17 counted tokens; by id it would be 30 vs 4
+        assert result["owned"] == {layer: [[0, 3, 4, 6], [1, 2, 5, 7]] for layer in layers}
 
 
 def test_load_runs_a_policy_over_two_accelerators():
