@@ -6,7 +6,8 @@ loaded, and serves /v1/chat/completions, /v1/completions, /v1/models, /health an
 --api-key (or PDSCOPE_API_KEY) makes /v1 need `Authorization: Bearer KEY`; --max-prompt-tokens, --max-tokens
 and --max-queue bound what one request may ask and how many wait; --max-batch N sequences are decoded together
 (continuous batching; with --policy the engine budgets a KV cache for N, by default 1: one request at a time);
---chat-template FILE overrides the checkpoint's template.
+--chat-template FILE overrides the checkpoint's template; --accelerators N (with --policy) splits the engine's
+experts over N accelerators.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV cache length, prompt + new tokens (with --policy: the engine's; serving the whole "
                              "model: the batch cache's, default the model's context up to 4096)")
     parser.add_argument("--predictors", help="PhasePer checkpoint directory (with --policy)")
+    parser.add_argument("--accelerators", type=int,
+                        help="with --policy: split each MoE layer's routed experts E/N over N accelerators, each with "
+                             "its own pool and host copies (default: one)")
     parser.add_argument("--chat-template", help="a jinja2 chat template file (default: the checkpoint's)")
 
 
@@ -38,16 +42,23 @@ def loader(args):
     """(a function that loads the runner, the load settings) after checking every setting at once."""
     import pdscope_jax
     from pdscope_jax.api import check_load
+    from pdscope_jax.errors import collect, raise_problems
 
     runtime = {} if args.policy is None else {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool,
                                               "max_batch": args.max_batch or 1}  # the engine budgets its cache
     if args.policy is not None and args.max_seq_len is not None:
         runtime["max_seq_len"] = args.max_seq_len
     runtime |= quality_settings(args)
-    check_load(args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize)
+    problems = []
+    if args.accelerators not in (None, 1) and args.policy is None:
+        problems.append("--accelerators splits the offload engine's experts: give a --policy too (the server runs "
+                        "the whole model on one device)")
+    collect(problems, check_load, args.dtype, args.seed, args.policy, args.predictors, runtime, args.quantize,
+            args.accelerators)
+    raise_problems(problems, "bad arguments")
     return lambda: pdscope_jax.load(args.model, weights=args.weights, seed=args.seed, dtype=args.dtype,
                                     policy=args.policy, predictors=args.predictors, quantize=args.quantize,
-                                    **runtime)
+                                    accelerators=args.accelerators, **runtime)
 
 
 def chat_template(args):

@@ -146,7 +146,7 @@ class PlanExecutor:
         low = experts[self.pool.low_of(i)[experts]]
         stats.gpu_experts_low += low.size
         if self.trace is not None:
-            self.trace.append((phase, i, low))
+            self.trace.append((phase, i, self._model_ids(i, low)))
 
     def _run_gpu(self, i: int, experts: np.ndarray, on_gpu: np.ndarray, r: Routed, batched: bool):
         """Dispatch layer i's GPU `experts` over the slot pool (on_gpu [E] marks them). -> y [Nb, D], or None."""

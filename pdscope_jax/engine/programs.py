@@ -5,8 +5,8 @@ arguments static, so each traces once per shape: `embed`, `dense_layer` (a decod
 `moe_route` (attention, MoE input, router and shared experts, with the routing packed for one host fetch),
 `moe_route_scored` (the same and the next layer's gate scores, Fate's predictor, in one program), `gpu_experts`
 (`models.layers.combine_experts` over the slot pool, float32 sum), `take_rows` (the rows of the MoE input the CPU
-experts read), `routed_part` (an executor's routed parts summed), `moe_combine` (residual + routed parts +
-shared experts), `logits` (a window of positions) and
+experts read), `routed_share` (an executor's routed parts summed, as one accelerator's share), `moe_combine`
+(residual + routed parts + shared experts), `logits` (a window of positions) and
 `next_token` (sampling at one position, settings traced). KV caches are donated. `cache_size(jitted)` counts a
 jitted function's compiled programs (None where jax hides it). `program_pieces(model)` -> (static graph, state) of
 the model without its layers (embedding, logits) and of each layer: the arguments these pieces take. The engine
@@ -96,6 +96,11 @@ def routed_part(n, y_gpu, y_cpu, cpu_rows=None):
     return routed
 
 
+def routed_share(n, y_gpu, y_cpu, cpu_rows=None):
+    """`routed_part` as one accelerator's share of the sum over several: [1, n, D] float32."""
+    return routed_part(n, y_gpu, y_cpu, cpu_rows)[None]
+
+
 def moe_combine(x, shared, y_gpu, y_cpu, cpu_rows=None):
     """x [B,T,D] + routed + shared [N,D], routed as `routed_part` adds it (zeros when both parts are None). The
     parts are added in float32 and rounded once to the model's dtype, as the plain model rounds its float32 sum
@@ -128,7 +133,7 @@ def build_programs() -> dict[str, Any]:
         "gpu_experts": jax.jit(gpu_experts),
         "take_rows": jax.jit(take_rows),
         "moe_combine": jax.jit(moe_combine),
-        "routed_part": jax.jit(routed_part, static_argnums=0),
+        "routed_share": jax.jit(routed_share, static_argnums=0),
         "logits": jax.jit(logit_rows, static_argnums=(0, 4)),
         "next_token": jax.jit(next_token, static_argnums=0, donate_argnums=4),
     }

@@ -207,12 +207,14 @@ class OffloadRunner:
 
     @property
     def precision_trace(self) -> list | None:
-        """(phase, layer, ids of GPU experts computed from int4 copies) per MoE layer run, while set to a list."""
+        """(phase, layer, ids of GPU experts computed from int4 copies) per MoE layer run (and accelerator), while
+        set to a list."""
         return self._executor.trace
 
     @precision_trace.setter
     def precision_trace(self, trace: list | None) -> None:
-        self._executor.trace = trace
+        for shard in self.shards:
+            shard.executor.trace = trace
 
     def _check_policy(self, policy: str | None) -> None:
         accelerators = self.accelerators

@@ -12,9 +12,9 @@ Contract:
   owns, in its numbering; `Shard.view(r, layer, nxt)` -> a layer's `Routed` as the shard's executor and planner
   take it: h, weights and ids on its accelerator, tokens per expert (layer) and next-layer scores (nxt) of its
   experts only (the host copies of the routing keep the model's ids, which the executor maps back).
-- `Shard.part(programs, (n, D), y_gpu, y_cpu, cpu_rows)` -> its routed output [n, D] float32 on its accelerator
+- `Shard.part(programs, (n, D), y_gpu, y_cpu, cpu_rows)` -> its routed output [1, n, D] float32 on its accelerator
   (zeros when it computed nothing).
-- `MeshSum(devices)(parts)` -> the sum of the shards' parts [n, D] float32 on the lead: a `psum` over the mesh
+- `MeshSum(devices)(parts)` -> the sum of the shards' parts, [n, D] float32 on the lead: a `psum` over the mesh
   axis `parallel.AXIS` under `jax.shard_map` (XLA's all-reduce over the accelerators' links).
 With one accelerator there is one shard of every expert, and nothing here runs between its executor and the sum.
 """
@@ -75,8 +75,8 @@ class Shard:
 
     def part(self, programs: dict, shape: tuple[int, int], y_gpu, y_cpu, cpu_rows) -> jax.Array:
         if y_gpu is None and y_cpu is None:
-            return jnp.zeros(shape, jnp.float32, device=self.device)
-        return programs["routed_part"](shape[0], y_gpu, y_cpu, cpu_rows)
+            return jnp.zeros((1, *shape), jnp.float32, device=self.device)
+        return programs["routed_share"](shape[0], y_gpu, y_cpu, cpu_rows)
 
 
 def owners(num_experts: int, n: int, moe_layers, counts: dict | None = None) -> dict[int, np.ndarray]:
@@ -131,8 +131,7 @@ class MeshSum:
         self._sum = jax.jit(jax.shard_map(add, mesh=self.mesh, in_specs=P(AXIS), out_specs=P()))
 
     def __call__(self, parts: list[jax.Array]) -> jax.Array:
-        n, d = parts[0].shape
-        stacked = jax.make_array_from_single_device_arrays((len(parts), n, d), self._stacked,
-                                                           [p.reshape(1, n, d) for p in parts])
+        _, n, d = parts[0].shape
+        stacked = jax.make_array_from_single_device_arrays((len(parts), n, d), self._stacked, parts)
         summed = self._sum(stacked)  # replicated: every accelerator holds the sum
         return next(s.data for s in summed.addressable_shards if s.device == self.lead)

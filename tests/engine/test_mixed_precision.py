@@ -5,6 +5,7 @@ copy's round trip where a GPU expert's slot was filled from it, the stored weigh
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from pdscope_jax import models
@@ -31,10 +32,10 @@ class Reference:
         self.stacks = {layer: self.model.layers[layer].mlp.experts.weights() for layer in self.cfg.moe_layers}
         self.low = {}  # layer -> the round trips of its stacks, made when first used
 
-    def runner(self, policy: str, slots: int, **rc) -> OffloadRunner:
+    def runner(self, policy: str, slots: int, accelerators: int = 1, **rc) -> OffloadRunner:
         config = RuntimeConfig(gpu_memory="1GB", expert_pool=slots * self.cfg.expert_bytes(4), policy=policy,
                                max_seq_len=64, **rc)
-        return OffloadRunner(self.model, config)
+        return OffloadRunner(self.model, config, accelerators=accelerators)
 
     def use(self, low: dict[int, np.ndarray]) -> None:
         """Every MoE layer's experts: the round trip for the ids in `low[layer]`, the stored weights elsewhere."""
@@ -50,16 +51,20 @@ class Reference:
                 if is_quantized(w):
                     getattr(experts, name + "_scale").set_value(w.scale)
 
-    def stepwise(self, trace: list) -> list[np.ndarray]:
+    def stepwise(self, trace: list, accelerators: int = 1) -> list[np.ndarray]:
         """Greedy generation of the plain model from IDS, each step with the experts the engine's
-        `precision_trace` says its GPU computed from int4 copies at that step -> each step's log-probabilities [V]."""
-        moe = len(self.cfg.moe_layers)
+        `precision_trace` says its GPUs computed from int4 copies at that step (an entry per MoE layer and
+        accelerator) -> each step's log-probabilities [V]."""
+        moe = len(self.cfg.moe_layers) * accelerators
         graphdef = nnx.graphdef(self.model)
         forward = jax.jit(lambda state, *args: nnx.merge(graphdef, state)(*args))  # two shapes: two programs
         cache = self.model.init_cache(1, 64, jnp.float32)
         ids, t, out = jnp.asarray(IDS), IDS.shape[1], []
         for step, at in enumerate(range(0, len(trace), moe)):
-            self.use({layer: low for _, layer, low in trace[at:at + moe]})
+            low = {}
+            for _, layer, experts in trace[at:at + moe]:
+                low[layer] = np.concatenate([low.get(layer, np.zeros(0, np.int64)), experts])
+            self.use(low)
             positions = jnp.arange(t)[None] if step == 0 else jnp.full((1, 1), t + step - 1)
             logits, cache = forward(nnx.state(self.model), ids, positions, cache)
             out.append(np.asarray(jax.nn.log_softmax(logits[0, -1])))
@@ -93,15 +98,16 @@ def test_quality_int4_computes_every_copied_expert_from_its_int4_copy():
     assert 1.0 < runner.store.host_bytes_per_model_byte < 2.0  # the int4 copy beside the int8 one
 
 
-def test_mixed_copies_reproduce_the_model_of_the_precisions_they_used():
+@pytest.mark.parametrize("accelerators", [1, 2])
+def test_mixed_copies_reproduce_the_model_of_the_precisions_they_used(accelerators):
     """pdscope over a pool of 5 slots (loads, prefetches, evictions, CPU experts at the stored precision, hits on
     slots filled from int4 copies), quality mixed: each step's token and 20 likeliest log-probabilities are those
-    of the plain model with the recorded precisions, step by step."""
+    of the plain model with the recorded precisions, step by step; on one accelerator and split over two."""
     ref = Reference(None)
-    runner = ref.runner("pdscope", 5, quality="mixed")
+    runner = ref.runner("pdscope", 5, accelerators, quality="mixed")
     runner.precision_trace = trace = []
     steps = list(runner.steps(IDS, NEW))
-    want = ref.stepwise(trace)
+    want = ref.stepwise(trace, accelerators)
     assert len(want) == len(steps) == NEW
     for picked, logprobs in zip(steps, want):
         assert picked.token[0] == np.argmax(logprobs)

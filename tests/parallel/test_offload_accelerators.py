@@ -2,7 +2,8 @@
 double-buffer and that hold every expert, gives the plain model's logits and greedy tokens (float32, 1e-4) with
 each accelerator holding an equal share of every layer's experts: two accelerators on the suite's two CPU devices
 (the second stands in on the CPU backend's own), four in a child process with five CPU devices; the families,
-quantized experts, chunked batched prefill, shares placed by a hot table, `load` and the bench CLI's checks."""
+quantized experts, chunked batched prefill, continuous batching, shares placed by a hot table, `load` and the
+bench CLI's checks."""
 
 import json
 import os
@@ -15,8 +16,10 @@ import pytest
 import pdscope_jax
 from offload_reference import POLICIES, check, compare
 from pdscope_jax.cli import bench as bench_cli
+from pdscope_jax.engine.batching import OffloadBatcher
 from pdscope_jax.engine.shards import owners
 from pdscope_jax.errors import InputError
+from pdscope_jax.generation.sampling import SamplingParams
 from pdscope_jax.sched.hot import write_layer_stats
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -119,6 +122,34 @@ def test_load_runs_a_policy_over_two_accelerators():
     ids = np.array([[5, 6, 7, 8]], np.int32)
     np.testing.assert_array_equal(runner.generate(ids, 4).tokens, plain.generate(ids, 4).tokens)
     assert runner.engine.stats["accelerators"] == 2
+
+
+def test_continuous_batching_over_two_accelerators_gives_each_request_its_tokens_alone():
+    runner = pdscope_jax.load(MODEL, dtype="float32", compile_cache=False, policy="pdscope", accelerators=2,
+                              gpu_memory="1GB", expert_pool="40KB", max_seq_len=64, max_batch=2)
+    plain = pdscope_jax.load(MODEL, dtype="float32", compile_cache=False)
+    rng = np.random.default_rng(1)
+    prompts, new = [rng.integers(0, runner.config.vocab_size, n) for n in (5, 13, 3)], [6, 3, 5]
+    alone = [plain.generate([p], max_new_tokens=n).tokens[0].tolist() for p, n in zip(prompts, new)]
+    batcher = OffloadBatcher(runner.engine, chunk=8)
+    got, of_slot, waiting = {}, {}, [0, 1, 2]
+    while waiting or batcher.active:
+        if waiting and batcher.free_slots:
+            i = waiting.pop(0)
+            of_slot[batcher.admit(prompts[i], SamplingParams(), new[i])] = i
+            got[i] = []
+        for emitted in batcher.step():
+            got[of_slot[emitted.slot]].append(emitted.token)
+    assert [got[i] for i in range(3)] == alone
+
+
+def test_serve_refuses_accelerators_without_a_policy():
+    from pdscope_jax.cli import serve as serve_cli
+
+    with pytest.raises(InputError, match="--accelerators splits the offload engine's experts: give a --policy"):
+        serve_cli.main([MODEL, "--accelerators", "2"])
+    with pytest.raises(InputError, match=r"accelerators=3, but this process sees 2 device\(s\)"):
+        serve_cli.main([MODEL, "--policy", "pdscope", "--accelerators", "3"])
 
 
 def test_bench_names_accelerators_that_do_not_split_the_experts(tmp_path):
