@@ -9,8 +9,10 @@ programs is bounded; padded rows route but count in no statistic. Per MoE layer 
   plan     a `LayerDemand` -> the planner's `Plan` (costs with the in-situ CPU calibration), checked; where the
            engine's `precision` rule loads int4 copies, the demand carries it and the routing's relative weights;
   execute  `PlanExecutor.execute`: loads, CPU experts, the next layer's transfers, GPU experts, the sum;
-With several accelerators (`engine.shards`) each shard plans its share of the layer from its view of the routing
-and dispatches it; then the CPU parts are joined and the shares' sums added over the mesh (`MeshSum`).
+With several accelerators (`engine.shards`) each shard plans its share of the layer from its view of the routing;
+where the planner `balances_accelerators`, `sched.across.balance` evens the plans out against the one CPU (moves
+counted in `accelerator_moves`); each shard dispatches its plan; then the CPU parts are joined and the shares'
+sums added over the mesh (`MeshSum`).
   record   the layer's `LayerTiming` waits for the end of the step (`settle`), so no layer waits for its own
            compute and the next layer's programs queue behind it.
 The loop reads the runner's session (`shards` and their planners, `runtime`, `phase_stats`, `activation_counts`,
@@ -30,6 +32,7 @@ from pdscope_jax.engine.route import Routed, Router
 from pdscope_jax.engine.stats import LayerTiming, prediction_hits
 from pdscope_jax.runtime import bucket
 from pdscope_jax.sched import LayerDemand, Plan, check_plan
+from pdscope_jax.sched.across import balance
 from pdscope_jax.sched.precision import relative_peaks
 
 
@@ -93,17 +96,22 @@ class HostLoop:
             self.predicted[nxt] = r.next_scores
         if len(e.shards) == 1:
             shard = e.shards[0]
-            plan = self._plan(shard, i, phase, r)  # plan
+            plan = self._plan(shard, self._demand(shard, i, phase, r), r)  # plan
             x, timing = shard.executor.execute(i, nxt, phase, plan, r, stats, rc)  # execute
             self.unsettled.append(timing)  # record, at the end of the step
             return x, r.layer_cache
-        # several accelerators: each plans and dispatches its share, then the CPU parts are joined and the
-        # shares' sums added over the mesh
-        dispatched = []
-        for shard in e.shards:
-            view = shard.view(r, i, nxt)
-            dispatched.append(shard.executor.dispatch(i, nxt, phase, self._plan(shard, i, phase, view), view,
-                                                      stats, rc))
+        # several accelerators: each plans its share; the plans are evened out against the shared CPU where the
+        # planner asks; each dispatches; then the CPU parts are joined and the shares' sums added over the mesh
+        views = [shard.view(r, i, nxt) for shard in e.shards]
+        demands = [self._demand(shard, i, phase, view) for shard, view in zip(e.shards, views)]
+        plans = [self._plan(shard, demand, view) for shard, demand, view in zip(e.shards, demands, views)]
+        if e.planner.balances_accelerators:
+            plans, moves = balance(demands, plans, self.calibration.costs_for(phase, r.padded_rows))
+            stats.accelerator_moves += moves
+            for demand, plan in zip(demands, plans):
+                check_plan(demand, plan)
+        dispatched = [shard.executor.dispatch(i, nxt, phase, plan, view, stats, rc)
+                      for shard, plan, view in zip(e.shards, plans, views)]
         parts = []
         for shard, d in zip(e.shards, dispatched):
             (y_gpu, y_cpu, cpu_rows), timing = shard.executor.join(d)
@@ -133,19 +141,24 @@ class HostLoop:
             stats.predicted_hits += hits
             stats.predicted_total += total
 
-    def _plan(self, shard, i: int, phase: str, r: Routed) -> Plan:
-        """The shard's plan for layer i, from its view of the routing (`Shard.view`)."""
+    def _demand(self, shard, i: int, phase: str, r: Routed) -> LayerDemand:
+        """What layer i asks of the shard, from its view of the routing (`Shard.view`)."""
         e = self.engine
         nxt, pool = self._next_moe.get(i), shard.pool
-        resident = pool.resident(i)
         rule = e.precision
         peaks = None if rule is None else shard.local(relative_peaks(r.w_host, r.ids_host, e.config.num_experts), i)
-        demand = LayerDemand(
-            layer=i, phase=phase, tokens_per_expert=r.tokens, resident=resident, next_layer=nxt,
+        return LayerDemand(
+            layer=i, phase=phase, tokens_per_expert=r.tokens, resident=pool.resident(i), next_layer=nxt,
             next_scores=None if nxt is None else r.next_scores,
             next_resident=None if nxt is None else pool.resident(nxt),
             free_slots=pool.free_slots(protect=(i,)), total_slots=pool.num_slots, num_tokens=r.rows.size,
             precision=rule, peak_weight=peaks)
+
+    def _plan(self, shard, demand: LayerDemand, r: Routed) -> Plan:
+        """The shard's planner's plan for `demand`, checked and counted."""
+        e = self.engine
+        i, phase, nxt = demand.layer, demand.phase, demand.next_layer
+        resident = demand.resident
         start = time.perf_counter()
         plan = shard.planner.plan(demand, self.calibration.costs_for(phase, r.padded_rows))
         planner_seconds = time.perf_counter() - start

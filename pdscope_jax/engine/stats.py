@@ -50,6 +50,7 @@ class PhaseStats:
     predicted_hits: int = 0  # next-layer experts both predicted and activated (`prediction_hits`), summed over the
     # (step, layer) pairs whose planner had next-layer scores; device decode steps add theirs where they copy ahead
     predicted_total: int = 0  # ... and the experts those next layers activated
+    accelerator_moves: int = 0  # several accelerators: experts `sched.across.balance` moved between CPU and GPU
 
     @property
     def planner_ms_per_layer(self) -> float | None:

@@ -93,6 +93,7 @@ class AdaptSched(Capabilities):
     decodes_on_device = True
     decode_popularity = True
     decode_host_experts = True
+    balances_accelerators = True
 
     def __init__(self, r_hit_prior: float = 0.5, r_hit_window: int = 16, hot_per_layer: int = 0,
                  activation_counts: Mapping[int, Sequence[float]] | None = None, layer_guard: bool = True,

@@ -62,6 +62,7 @@ class Capabilities:
     decode_popularity = False
     decode_host_experts = False
     decode_copies = True
+    balances_accelerators = False
 
     @classmethod
     def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:

@@ -54,6 +54,11 @@ def test_every_accelerator_copies_over_its_own_link(two):
     assert all(moved > 0 for moved in two[("ondemand", "small")]["bytes_moved"])
 
 
+def test_pdscope_evens_its_plans_out_across_accelerators_and_baselines_plan_alone(two):
+    assert two[("pdscope", "small")]["accelerator_moves"] > 0  # sched.across moved experts between CPU and GPU
+    assert all(r["accelerator_moves"] == 0 for (policy, _), r in two.items() if policy != "pdscope")
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b", "tiny-moonlight-16b-a3b"])
 def test_every_family_over_two_accelerators(name):
     from pdscope_jax.presets import preset
