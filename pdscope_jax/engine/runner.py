@@ -14,7 +14,7 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
   `steps(...)` yields each step's `Sampled` (host copies) per `next`. Prefill (a whole prompt at batch 1, else chunks of
   `prefill_chunk` tokens) steps through `engine.loop.HostLoop`; decode through `engine.decode.choose`'s executor.
 - `stats`: per phase (`engine.stats.PhaseStats`), compiled programs, the budget, host bytes, the allocator's peak where
-  reported, the CPU cost calibration. `activation_counts[phase][layer]`: tokens routed to each expert since the last
+  reported, the CPU cost calibration, each accelerator's copies since the last reset (`per_accelerator`). `activation_counts[phase][layer]`: tokens routed to each expert since the last
   reset. `timeline`: set to an `engine.timeline.Timeline` to record each layer's stages. `startup_seconds`: {stage: wall
   seconds} of building the engine (budget, weights and store, ..., policy).
 - `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing (`precompile_routed()`: its
@@ -247,6 +247,7 @@ class OffloadRunner:
         self.device_peak_bytes: int | None = None  # the allocator's peak, on devices that report one
         for shard in self.shards:
             shard.pool.evictions = 0
+        self._bytes_at_reset = [shard.store.bytes_moved for shard in self.shards]
 
     def decode_host(self, batch: int):
         """How device decode splits a batch of `batch` rows' misses between copies and the host
@@ -255,6 +256,13 @@ class OffloadRunner:
         if self.pool.num_slots >= self.config.num_experts * len(self._moe_layers):
             return device_decode.EVERY_RESIDENT
         return self.host_split.for_step(self.runtime, self.planner, self.costs, batch)
+
+    def _per_accelerator(self) -> list[dict[str, Any]]:
+        """Each accelerator's share since the last reset: its device, experts a layer, slots, bytes copied over its
+        link and evictions."""
+        return [{"device": str(shard.device), "experts_per_layer": shard.count, "slots": shard.pool.num_slots,
+                 "bytes_moved": shard.store.bytes_moved - base, "evictions": shard.pool.evictions}
+                for shard, base in zip(self.shards, self._bytes_at_reset)]
 
     def _host_stats(self) -> dict[str, Any]:
         """The host split's bridges: per batch, layers served, faults and seconds computing; or why none runs."""
@@ -299,6 +307,7 @@ class OffloadRunner:
             "decode_host": self._host_stats(),
             "double_buffering": self.pool.can_double_buffer,
             "evictions": sum(shard.pool.evictions for shard in self.shards),
+            "per_accelerator": self._per_accelerator(),
             # the in-situ CPU calibration the planners see now, per "phase rows" (absent: 1)
             "cpu_cost_scale": self._calibration.as_stats(),
             "budget": {name: value for name, value in self.budget.lines()},
