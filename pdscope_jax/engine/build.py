@@ -10,9 +10,9 @@ Contract (each function returns what it builds; nothing here is kept between cal
   caller ends that with `store.loaded()`, also on failure.
 - `take_weights(model, weights, shapes, moe_layers, stores, owned, quant, dtype, low)` -> (the stores, filled,
   non-expert weights {path: array}); with several stores (one per accelerator, `engine.shards`; `new_store(...,
-  shares=n)`), store k takes the experts `owned[layer][k]` of each layer (`engine.shards.owners`). Quantized experts (`quant`) reach the store as
-  QuantizedWeights of compute dtype `dtype`, assembled from their integer and scale parameters; with `low` each
-  layer's int4 copies
+  shares=n)`), store k takes the experts `owned[layer][k]` of each layer (`engine.shards.owners`). Quantized
+  experts (`quant`) reach the store as QuantizedWeights of compute dtype `dtype`, assembled from their integer and
+  scale parameters; with `low` each layer's int4 copies
   (`store.low_copies.low_copy`) are made where the layer lies and kept beside it. `weights`: None (the model's
   own parameters), a flat `{path: array}` dict (routed-expert entries are popped as the store takes them, so the
   caller's dict keeps no second host copy), or a loader `loader(paths, placement) -> {path: array}` called once for

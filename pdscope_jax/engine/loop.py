@@ -9,12 +9,12 @@ programs is bounded; padded rows route but count in no statistic. Per MoE layer 
   plan     a `LayerDemand` -> the planner's `Plan` (costs with the in-situ CPU calibration), checked; where the
            engine's `precision` rule loads int4 copies, the demand carries it and the routing's relative weights;
   execute  `PlanExecutor.execute`: loads, CPU experts, the next layer's transfers, GPU experts, the sum;
+  record   the layer's `LayerTiming` waits for the end of the step (`settle`), so no layer waits for its own
+           compute and the next layer's programs queue behind it.
 With several accelerators (`engine.shards`) each shard plans its share of the layer from its view of the routing;
 where the planner `balances_accelerators`, `sched.across.balance` evens the plans out against the one CPU (moves
 counted in `accelerator_moves`); each shard dispatches its plan; then the CPU parts are joined and the shares'
 sums added over the mesh (`MeshSum`).
-  record   the layer's `LayerTiming` waits for the end of the step (`settle`), so no layer waits for its own
-           compute and the next layer's programs queue behind it.
 The loop reads the runner's session (`shards` and their planners, `runtime`, `phase_stats`, `activation_counts`,
 `timeline`) and owns only the step's unsettled timings, the scores planned with for layers not yet routed, and
 the step shapes run (for warm-up).

@@ -14,9 +14,10 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
   `steps(...)` yields each step's `Sampled` (host copies) per `next`. Prefill (a whole prompt at batch 1, else chunks of
   `prefill_chunk` tokens) steps through `engine.loop.HostLoop`; decode through `engine.decode.choose`'s executor.
 - `stats`: per phase (`engine.stats.PhaseStats`), compiled programs, the budget, host bytes, the allocator's peak where
-  reported, the CPU cost calibration, each accelerator's copies since the last reset (`per_accelerator`). `activation_counts[phase][layer]`: tokens routed to each expert since the last
-  reset. `timeline`: set to an `engine.timeline.Timeline` to record each layer's stages. `startup_seconds`: {stage: wall
-  seconds} of building the engine (budget, weights and store, ..., policy).
+  reported, the CPU cost calibration, each accelerator's copies since the last reset (`per_accelerator`).
+  `activation_counts[phase][layer]`: tokens routed to each expert since the last reset. `timeline`: set to an
+  `engine.timeline.Timeline` to record each layer's stages. `startup_seconds`: {stage: wall seconds} of building the
+  engine (budget, weights and store, ..., policy).
 - `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing (`precompile_routed()`: its
   routing-dependent part) and adds its `program_shape` (what the programs depend on) to `warmed_shapes`;
   `set_policy(name, options, **engine)` switches planners without rebuilding.

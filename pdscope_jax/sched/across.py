@@ -56,7 +56,8 @@ def _to_cpu(demands, plans, costs, best):
     expert = plan.load_now[np.argmin(tokens[plan.load_now])]
     keep = plan.load_now != expert
     trial = dataclasses.replace(plan, gpu=plan.gpu[plan.gpu != expert], load_now=plan.load_now[keep],
-                                cpu=np.sort(np.append(plan.cpu, expert)), load_low=plan.load_low[plan.load_low != expert])
+                                cpu=np.sort(np.append(plan.cpu, expert)),
+                                load_low=plan.load_low[plan.load_low != expert])
     return _if_faster(demands, plans, costs, best, k, trial)
 
 

@@ -27,7 +27,8 @@ def compare(name: str, accelerators: int, cases, batch: int = 1, prompt: int = 2
             quant: str | None = None, seed: int = 0, **rc) -> list[dict]:
     """Per (policy, pool name) in `cases`: {"policy", "pool", "logits_diff": max |engine - plain| over the prompt,
     "tokens_equal", "accelerators": the engine's count, "devices": its shards' device ids, "shard_experts": experts
-    per layer of each shard's pool, "owned": {layer: each shard's experts (the model's ids)}, "host_bytes": each shard's host copies, "bytes_moved": each accelerator's copies in the generation,
+    per layer of each shard's pool, "owned": {layer: each shard's experts (the model's ids)}, "host_bytes": each
+    shard's host copies, "bytes_moved": each accelerator's copies in the generation,
     "decode_steps" / "device_steps": host-planned and one-program decode steps, "accelerator_moves": plans the
     cross-accelerator balance changed (`sched.across`)}."""
     cfg = preset(name)
