@@ -3,7 +3,8 @@
 Contract:
 - `driver_ready() -> bool`: libcuda loads and initialises (a CUDA GPU machine); nothing else here works without it.
 - `HostBuffer(nbytes, ordinal, huge_pages=True, populate_threads=8)`: nbytes of anonymous memory, 2 MiB aligned
-  (transparent huge pages asked for with madvise), faulted in by `populate_threads` threads, then page-locked for
+  (transparent huge pages asked for with madvise), placed on the GPU's NUMA node where the host has several
+  (`store.numa`; `numa_node`, None elsewhere), faulted in by `populate_threads` threads, then page-locked for
   every CUDA context (`cuMemHostRegister`, portable). `address`, `nbytes`, `view` (a uint8 numpy view);
   `release()` unlocks it (idempotent; also on collection, except at interpreter exit); the mapping lives as long
   as the object.
@@ -36,6 +37,7 @@ import jax
 import numpy as np
 
 from pdscope_jax import cuda_driver
+from pdscope_jax.store import numa
 
 HUGE_PAGE = 2 << 20
 _REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE: locked for every context, not only the current one
@@ -89,6 +91,10 @@ class HostBuffer:
         self.view = np.frombuffer(self._map, np.uint8, self.nbytes, start)
         if huge_pages and self.nbytes:
             _libc.madvise(self.address, _round_up(self.nbytes, HUGE_PAGE), _MADV_HUGEPAGE)  # a hint: may be refused
+        # on a host of several NUMA nodes, the pages come from the GPU's (asked before they are faulted in)
+        self.numa_node = numa.gpu_node(ordinal) if self.nbytes else None
+        if self.numa_node is not None and not numa.prefer(self.address, self.nbytes, self.numa_node):
+            self.numa_node = None
         _populate(self.address, self.view, populate_threads)
         self.registered = False
         if self.nbytes:
