@@ -20,6 +20,9 @@
 #   batches    BATCHES (1 8 16 32) x BATCH_POLICIES at 512 tokens, chunked prefill of 256 (skewed)
 #   predictors MODEL traces -> PhasePer -> Orbax -> evaluation (benchmarks/eval_predictors.py), timed end to end
 #   qwen       whole-model (QWEN_PLAIN=1, empty: skip) and offloaded QWEN at QWEN_LENGTHS, QWEN_POLICIES
+#   ep         EP_MODEL (default QWEN) offloaded on 1 and on EP_ACCELERATORS (2) GPUs side by side, each GPU with
+#              BUDGET's pool, EP_POLICIES (ondemand pdscope) at EP_LENGTHS (128 and the longest): needs a
+#              multi-GPU kind (docs/SCALING.md, "Plan for the GPU runs")
 # Building an offloaded model takes a while per benchmark process, so long stages (uniform, skewed, ablation)
 # want a device call each. BENCH_EXTRA: more bench options for `uniform` and `skewed` (e.g. --cprofile 8 for a
 # host profile and timeline). Each stage runs under its own time limit (STAGE:SECONDS, default 240 s) and the
@@ -125,6 +128,11 @@ for arg in "$@"; do
       ${bench[*]} --model $qwen --prompt-lens ${QWEN_LENGTHS:-512 $longest} \
         --policies ${QWEN_POLICIES:-static ondemand greedy fate pdscope} --hot-table auto \
         --cost-table $res/costs_$qwen.json --repeats 1" ;;
+    ep) run_stage ep "
+      for n in 1 ${EP_ACCELERATORS:-2}; do
+        ${bench[*]} --model ${EP_MODEL:-$qwen} --accelerators \$n --prompt-lens ${EP_LENGTHS:-128 $longest} \
+          --policies ${EP_POLICIES:-ondemand pdscope} --repeats 2 --new-tokens 32
+      done" ;;
     *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;  # the usage above
   esac
 done

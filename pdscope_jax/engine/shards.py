@@ -91,6 +91,9 @@ def owners(num_experts: int, n: int, moe_layers, counts: dict | None = None) -> 
         if layer_counts is None:
             out[layer] = np.arange(num_experts).reshape(n, size)
             continue
+        if len(layer_counts) != num_experts:
+            raise ValueError(f"the hot table gives layer {layer} {len(layer_counts)} expert counts, the model has "
+                             f"{num_experts} experts a layer: record it on this model (`bench --hot-table auto`)")
         load, shares = np.zeros(n), [[] for _ in range(n)]
         for expert in np.argsort(-np.asarray(layer_counts, np.float64), kind="stable"):
             k = min((k for k in range(n) if len(shares[k]) < size), key=lambda k: load[k])

@@ -110,6 +110,11 @@ def test_a_hot_table_evens_out_each_layers_traffic_over_the_accelerators():
     assert [counts[1][share].sum() for share in owned[1]] == [155, 155]
 
 
+def test_a_hot_table_of_another_model_is_named():
+    with pytest.raises(ValueError, match="layer 1 3 expert counts, the model has 8 experts"):
+        owners(8, 2, (1,), {1: np.ones(3)})
+
+
 def test_shares_placed_by_a_hot_table_match_plain_model(tmp_path):
     layers = (1, 2, 3)  # tiny-deepseek-v2-lite's MoE layers: the first layer is dense
     counts = {phase: {layer: np.array([9, 8, 7, 6, 1, 1, 1, 1]) for layer in layers} for phase in ("prefill",)}
