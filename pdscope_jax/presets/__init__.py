@@ -1,7 +1,8 @@
 """Named model configurations shipped inside the package.
 
 Contract: `preset(name)` returns the `ModelConfig` of a published architecture (the Hugging Face
-`config.json` files in `presets/`, so random-weight runs need no download) or of a tiny variant for tests.
+`config.json` files in `presets/`, so random-weight runs need no download) or of a tiny variant for tests (of the
+four families' first members, `TINY`).
 An unknown name raises `UnknownModelError` listing every known name.
 """
 
@@ -16,7 +17,13 @@ PUBLISHED = {
     "qwen3-30b-a3b": "qwen3-30b-a3b.json",
     "mixtral-8x7b": "mixtral-8x7b.json",
     "moonlight-16b-a3b": "moonlight-16b-a3b.json",
+    # the models that need several GPUs or int4 experts (docs/SCALING.md); no tiny variants: their families have one
+    "deepseek-v2": "deepseek-v2.json",
+    "deepseek-v3": "deepseek-v3.json",
+    "qwen3-235b-a22b": "qwen3-235b-a22b.json",
+    "mixtral-8x22b": "mixtral-8x22b.json",
 }
+TINY = ("deepseek-v2-lite", "qwen3-30b-a3b", "mixtral-8x7b", "moonlight-16b-a3b")
 
 
 class UnknownModelError(KeyError):
@@ -54,7 +61,7 @@ def _tiny(name: str) -> ModelConfig:
                         num_experts=4, num_experts_per_tok=2)
 
 
-TINY_OF = {f"tiny-{name}": name for name in PUBLISHED}
+TINY_OF = {f"tiny-{name}": name for name in TINY}
 
 
 def known_names() -> list[str]:

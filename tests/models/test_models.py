@@ -234,7 +234,8 @@ def test_expert_layout_and_router_dtype():
 
 # Total parameters of the published models (their model cards): checks every family's shapes at full size.
 PUBLISHED_PARAMS = {"deepseek-v2-lite": 15.7e9, "qwen3-30b-a3b": 30.5e9, "mixtral-8x7b": 46.7e9,
-                    "moonlight-16b-a3b": 16.0e9}
+                    "moonlight-16b-a3b": 16.0e9, "deepseek-v2": 236e9, "deepseek-v3": 671e9,
+                    "qwen3-235b-a22b": 235e9, "mixtral-8x22b": 141e9}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
