@@ -8,9 +8,11 @@ part, from `engine.build.plan_budget`, the engine's own accounting),
 and two GPU budgets: the smallest that runs (an empty slot pool: every expert on the CPU) and one whose pool
 holds a quarter of the routed experts; plus the whole model on one GPU (`plain`), and the decode bank: the
 experts device decode holds beyond the pool at any budget, in what prefill's activations and staging leave
-(`store.budget`). `main` prints a markdown table (or JSON with --json) for every preset at bfloat16 and float32.
+(`store.budget`). A precision is a dtype ("bfloat16", "float32") or a quantized scheme of the routed experts ("int8",
+"int4": the rest of the model in bfloat16, as `load(..., quantize=)` builds it). `main` prints a markdown table (or
+JSON with --json) for every preset at each of --precisions (default bfloat16, int8, int4).
 
-    python3 benchmarks/memory_table.py [--max-seq-len 4096] [--max-batch 1] [--json]
+    python3 benchmarks/memory_table.py [--max-seq-len 4096] [--max-batch 1] [--precisions ...] [--json]
 """
 
 from __future__ import annotations
@@ -26,15 +28,19 @@ POOL_SHARE = 0.25  # the README's example: a slot pool for a quarter of the rout
 
 
 def model_bytes(name: str, dtype: str = "bfloat16", max_seq_len: int = 4096, max_batch: int = 1) -> dict:
-    """Planned bytes of preset `name` at `dtype` with a KV cache for max_batch x max_seq_len (see module doc)."""
+    """Planned bytes of preset `name` at precision `dtype` (a dtype or an expert scheme) with a KV cache for
+    max_batch x max_seq_len (see module doc)."""
     from pdscope_jax import models
     from pdscope_jax.api import DTYPES
+    from pdscope_jax.quant.formats import SCHEMES
     from pdscope_jax.engine.build import plan_budget, split_abstract
     from pdscope_jax.presets import preset
     from pdscope_jax.runtime import RuntimeConfig
 
     cfg = preset(name)
-    abstract = models.abstract_model(cfg, DTYPES[dtype])
+    if dtype in SCHEMES:  # quantized routed experts, the rest in bfloat16
+        cfg = cfg.replace(expert_quant=dtype)
+    abstract = models.abstract_model(cfg, DTYPES.get(dtype, DTYPES["bfloat16"]))
     _graph, _state, shapes = split_abstract(abstract)
     rc = RuntimeConfig(gpu_memory=10**15, expert_pool=0, policy="pdscope", max_seq_len=max_seq_len,
                        max_batch=max_batch, activation_memory="estimated")
@@ -65,12 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-seq-len", type=int, default=4096)
     parser.add_argument("--max-batch", type=int, default=1)
+    parser.add_argument("--precisions", nargs="+", default=["bfloat16", "int8", "int4"],
+                        help="dtypes (bfloat16, float32) or expert schemes (int8, int4)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     from pdscope_jax.presets import PUBLISHED
 
     rows = [model_bytes(name, dtype, args.max_seq_len, args.max_batch)
-            for name in PUBLISHED for dtype in ("bfloat16", "float32")]
+            for name in PUBLISHED for dtype in args.precisions]
     print(json.dumps(rows, indent=1) if args.json else table(rows))
     return 0
 
