@@ -21,7 +21,7 @@
 #   predictors MODEL traces -> PhasePer -> Orbax -> evaluation (benchmarks/eval_predictors.py), timed end to end
 #   qwen       whole-model (QWEN_PLAIN=1, empty: skip) and offloaded QWEN at QWEN_LENGTHS, QWEN_POLICIES
 #   ep         EP_MODEL (default QWEN) offloaded on 1 and on EP_ACCELERATORS (2) GPUs side by side, each GPU with
-#              BUDGET's pool, EP_POLICIES (ondemand pdscope) at EP_LENGTHS (128 and the longest): needs a
+#              BUDGET's pool, EP_POLICIES (ondemand[:host] pdscope[:host]) at EP_LENGTHS (128 and the longest): needs a
 #              multi-GPU kind (docs/SCALING.md, "Plan for the GPU runs")
 # Building an offloaded model takes a while per benchmark process, so long stages (uniform, skewed, ablation)
 # want a device call each. BENCH_EXTRA: more bench options for `uniform` and `skewed` (e.g. --cprofile 8 for a
@@ -131,7 +131,7 @@ for arg in "$@"; do
     ep) run_stage ep "
       for n in 1 ${EP_ACCELERATORS:-2}; do
         ${bench[*]} --model ${EP_MODEL:-$qwen} --accelerators \$n --prompt-lens ${EP_LENGTHS:-128 $longest} \
-          --policies ${EP_POLICIES:-ondemand pdscope} --repeats 2 --new-tokens 32
+          --policies ${EP_POLICIES:-ondemand ondemand:host pdscope pdscope:host} --repeats 2 --new-tokens 32
       done" ;;
     *) sed -n '2,/^set /{/^#/p}' "$0"; exit 2 ;;  # the usage above
   esac
