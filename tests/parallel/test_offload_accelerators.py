@@ -26,6 +26,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEADLINE_S = 300
 MODEL = "tiny-deepseek-v2-lite"
 CASES = [("gpu", "all")] + [(policy, pool) for policy in POLICIES[1:] for pool in ("small", "double")]
+# the other families: every policy once, over a pool that evicts (`gpu`: one that holds every expert)
+FAMILY_CASES = [("gpu", "all")] + [(policy, "small") for policy in POLICIES[1:]]
+OTHER_FAMILIES = ("tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b", "tiny-moonlight-16b-a3b")
 
 FOUR_ACCELERATORS = r"""
 import json, sys
@@ -59,11 +62,13 @@ def test_pdscope_evens_its_plans_out_across_accelerators_and_baselines_plan_alon
     assert all(r["accelerator_moves"] == 0 for (policy, _), r in two.items() if policy != "pdscope")
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b", "tiny-moonlight-16b-a3b"])
-def test_every_family_over_two_accelerators(name):
+@pytest.mark.parametrize("name", OTHER_FAMILIES)
+def test_every_policy_of_every_family_over_two_accelerators(name):
     from pdscope_jax.presets import preset
 
-    for result in compare(name, 2, [("pdscope", "small"), ("static", "double")]):
+    found = compare(name, 2, FAMILY_CASES)
+    assert [(r["policy"], r["pool"]) for r in found] == FAMILY_CASES
+    for result in found:
         check(result, 2, preset(name).num_experts)
 
 
@@ -79,8 +84,7 @@ def test_chunked_batched_prefill_over_two_accelerators():
 
 
 def test_four_accelerators_every_policy_and_family():
-    cases = {MODEL: CASES, "tiny-qwen3-30b-a3b": [("pdscope", "small"), ("ondemand", "double")],
-             "tiny-mixtral-8x7b": [("pdscope", "small"), ("fate", "double")]}
+    cases = {MODEL: CASES, **{name: FAMILY_CASES for name in OTHER_FAMILIES}}
     proc = subprocess.run([sys.executable, "-c", FOUR_ACCELERATORS, HERE, json.dumps(cases)], capture_output=True,
                           text=True, timeout=DEADLINE_S, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:]
