@@ -256,6 +256,8 @@ class Scheme:
 
     def nbytes(self, k: int, n: int) -> int:
         """Stored bytes of one [K, N] matrix (integers and scales)."""
+        import ml_dtypes  # noqa: F401 (numpy knows "bfloat16" once it is imported; jax imports it, a config may not)
+
         return int(np.prod(self.q_shape(k, n))) + np.dtype(self.scale_dtype).itemsize * int(
             np.prod(self.scale_shape(k, n)))
 

@@ -1,5 +1,5 @@
 """The int8 and int4 formats: exact packing, the error each scheme promises, and QuantizedWeight acting as the
-dense array it stands for (shape, indexing, moving, inside jit)."""
+dense array it stands for (shape, indexing, moving, inside jit); a scheme's stored bytes without jax imported."""
 
 import jax
 import jax.numpy as jnp
@@ -56,3 +56,19 @@ def test_quantized_weight_acts_as_its_dense_array(name):
     assert dense(w) is w
     empty = zeros((3,), 64, 32, name, jnp.float32)
     assert empty.shape == (3, 64, 32) and not np.any(empty.dequantize())
+
+
+def test_a_quantized_configs_bytes_need_no_prior_jax_import():
+    """`ModelConfig.expert_bytes` of an int4 scheme (bfloat16 scales) in a process that imported nothing else."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pdscope_jax.presets import preset; "
+            "print(preset('deepseek-v2-lite').replace(expert_quant='int4').expert_bytes()); "
+            "print('jax' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    nbytes, jax_loaded = proc.stdout.split()
+    # gate_up [2048, 2816] and down [1408, 2048]: half a byte per weight, a bfloat16 scale per 64 rows
+    assert int(nbytes) == 2048 * 2816 // 2 + 2 * 2048 // 64 * 2816 + 1408 * 2048 // 2 + 2 * 1408 // 64 * 2048
+    assert jax_loaded == "False"
