@@ -162,10 +162,11 @@ def load(name_or_path: str, weights: str | None = None, seed: int = 0, dtype: st
         check_quantizable(cfg, quantize)  # the config alone tells: before any weight is opened
     mesh = None
     if accelerators not in (None, 1):  # the experts split evenly, or an error before any weight is read
-        from pdscope_jax.parallel import split_size
+        from pdscope_jax.parallel import expert_mesh, split_size
 
         split_size(cfg.num_experts, accelerators)
-        mesh = accelerator_mesh(cfg, accelerators) if rc is None else None
+        if rc is None:  # the whole model over this process's first N devices (the offload engine picks its own)
+            mesh = expert_mesh(jax.devices()[:accelerators])
     from pdscope_jax.runtime import enable_compile_cache
 
     enable_compile_cache(compile_cache)
@@ -229,16 +230,6 @@ def quantize_problems(cfg: ModelConfig, quantize: str) -> list[str]:
 def check_quantizable(cfg: ModelConfig, quantize: str) -> None:
     """Raise InputError naming `quantize_problems` when there are any."""
     raise_problems(quantize_problems(cfg, quantize), "load")
-
-
-def accelerator_mesh(cfg: ModelConfig, accelerators: int):
-    """The expert-parallel mesh over this process's first `accelerators` devices; `parallel.ExpertParallelError`
-    where they do not split the model's routed experts evenly."""
-    from pdscope_jax.parallel import check_split, expert_mesh
-
-    mesh = expert_mesh(jax.devices()[:accelerators])
-    check_split(cfg.num_experts, mesh)
-    return mesh
 
 
 def accelerator_problems(accelerators, policy) -> list[str]:

@@ -231,11 +231,7 @@ def start_backends(xla_cpu_cores: int | None = None) -> None:
 
 def select_devices() -> Devices:
     """The accelerator and the CPU backend (see the module docstring for the CPU-only stand-in)."""
-    cpus = jax.devices("cpu")
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
+    cpus, gpus = jax.devices("cpu"), _gpus()
     if gpus:
         return Devices(gpus[0], cpus[0])
     return Devices(cpus[1] if len(cpus) > 1 else cpus[0], cpus[0])
@@ -245,16 +241,20 @@ def select_accelerators(n: int) -> tuple[jax.Device, ...]:
     """The `n` accelerators the offload engine splits the routed experts over; the first is `select_devices()`'s.
     Without a GPU, CPU devices stand in: devices 1, 2, ... and then device 0 (the CPU backend's own) when the
     process has no more. Raises ValueError when the process has fewer than `n` devices of that kind."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:
-        gpus = []
-    cpus = jax.devices("cpu")
+    cpus, gpus = jax.devices("cpu"), _gpus()
     pool = list(gpus) if gpus else cpus[1:] + cpus[:1]
     if not 0 < n <= len(pool):
         raise ValueError(f"{n} accelerators asked for, this process sees {len(pool)} "
                          f"({'GPUs' if gpus else 'CPU devices standing in'}): use 1 to {len(pool)}")
     return tuple(pool[:n])
+
+
+def _gpus() -> list[jax.Device]:
+    """This process's GPUs (none where jax has no GPU backend)."""
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:

@@ -61,7 +61,7 @@ def compare(args, command: str) -> dict:
                        max_seq_len=max(args.prompt_lens) + max_new, cost_table=args.cost_table,
                        cpu_kernel=not args.no_cpu_kernel, quality=bench_runs.build_quality(args, offload_runs),
                        # a hot table given as a file also places the accelerators' shares (engine.shards.owners)
-                       hot_table=args.hot_table if args.accelerators > 1 and args.hot_table != "auto" else None)
+                       hot_table=None if args.hot_table == "auto" else args.hot_table)
     shapes = models.abstract_state(cfg, dtype)
     predictability = getattr(args, "predictability", "reference")
     workload = (workloads.design(cfg, args.workload, seed=args.seed, predictability=predictability)

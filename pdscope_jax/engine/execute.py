@@ -155,9 +155,8 @@ class PlanExecutor:
         pool = self.pool
         mine = pool.slot_of(i)  # [E of this share]
         mine[~on_gpu] = -1
-        slot_of = mine if self.owned is None else np.full(self.num_experts, -1, np.int32)  # [E]: the model's ids
-        if self.owned is not None:
-            slot_of[self.owned[i]] = mine
+        slot_of = np.full(self.num_experts, -1, np.int32)  # [E]: the routing's ids are the model's
+        slot_of[self._model_ids(i, np.arange(mine.size))] = mine
         # batched: one program for every GPU expert; else one program per expert (the ablation's baseline)
         parts = [slot_of] if batched else [_only(slot_of, e) for e in self._model_ids(i, experts)]
         y_gpu = None

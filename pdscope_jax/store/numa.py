@@ -5,7 +5,7 @@ Contract (Linux; elsewhere every function answers "no node" and nothing is place
 - `memory_nodes(sysfs)` -> the NUMA nodes that hold memory (`[0]` on a single-node host).
 - `pci_node(bus_id, sysfs)` -> the node of a PCI device ("0000:3B:00.0", any case), or None where unknown.
 - `gpu_node(ordinal)` -> the node of CUDA GPU `ordinal` (its PCI bus id from the driver) where the host has several
-  memory nodes, else None (one node: nothing to choose).
+  memory nodes, else None (one node: nothing to choose); asked once per GPU and process.
 - `prefer(address, nbytes, node)` -> whether the kernel accepted `mbind(MPOL_PREFERRED)` for the page-aligned range:
   pages faulted in afterwards come from that node while it has free memory, else from another (never a failure).
 - `policy_at(address)` -> (mode, node mask) the kernel applies to the page at `address` (`get_mempolicy`).
@@ -14,6 +14,7 @@ Contract (Linux; elsewhere every function answers "no node" and nothing is place
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def pci_node(bus_id: str, sysfs: Path = SYSFS) -> int | None:
     return node if node >= 0 else None
 
 
+@functools.cache  # asked for every buffer a model's load page-locks; the answer never changes
 def gpu_node(ordinal: int) -> int | None:
     if len(memory_nodes()) < 2:
         return None

@@ -43,4 +43,8 @@ def test_prefer_places_a_range_on_a_node_for_the_kernel():
 
 def test_a_single_node_host_chooses_no_node(monkeypatch):
     monkeypatch.setattr(numa, "memory_nodes", lambda sysfs=numa.SYSFS: [0])
-    assert numa.gpu_node(0) is None  # answered before the driver is asked anything
+    numa.gpu_node.cache_clear()  # kept per process: ask afresh under the patch, and leave nothing of it behind
+    try:
+        assert numa.gpu_node(0) is None  # answered before the driver is asked anything
+    finally:
+        numa.gpu_node.cache_clear()
