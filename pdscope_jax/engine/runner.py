@@ -168,17 +168,12 @@ class OffloadRunner:
         self.runtime = runtime
         for shard in self.shards:
             options = self._planner_options(policy, shard)
-            shard.planner = make_planner(policy, **options)
+            shard.take_planner(make_planner(policy, **options), self._moe_layers)
         self.planner = self.shards[0].planner
         self._hot_counts = options.get("activation_counts") if len(self.shards) == 1 else None  # {layer: [E]}
         self._loop.observing = isinstance(self.planner, ObservingPlanner)  # a Protocol check: slow, so once here
         self._router.configure(self.planner.reads_next_scores,
                                self.predictor if self.planner.predictor_scores else None)
-        for shard in self.shards:
-            for layer in self._moe_layers:
-                shard.pool.release(layer, np.arange(shard.count))
-            shard.transfers.clear()
-            self._preload(shard)
         self.reset_stats()
 
     def _planner_options(self, policy: str, shard) -> dict:
@@ -193,8 +188,7 @@ class OffloadRunner:
                 options.setdefault("activation_counts", activation_counts(hot_table))
             options.setdefault("hot_per_layer", min(shard.count, hot_slots // len(self._moe_layers)))
         if "activation_counts" in options and len(self.shards) > 1:
-            options["activation_counts"] = {layer: shard.local(np.asarray(counts), layer)
-                                            for layer, counts in options["activation_counts"].items()}
+            options["activation_counts"] = shard.local_counts(options["activation_counts"])
         return options
 
     def _precision_rule(self, rc: RuntimeConfig):
@@ -224,20 +218,6 @@ class OffloadRunner:
             each = f" on each of {accelerators} accelerators" if accelerators > 1 else ""
             raise BudgetError(f"policy {policy!r} keeps every expert resident: {total} slots needed{each}, the "
                               f"budget gives {self._slots} ({self.budget.describe()})")
-
-    def _preload(self, shard) -> None:
-        """Resident sets the shard's planner asks for: every expert of its share (`keeps_all_resident`), or its
-        hot experts."""
-        planner, pool = shard.planner, shard.pool
-        for layer in self._moe_layers:
-            if planner.keeps_all_resident:
-                experts = np.arange(shard.count)
-            elif hasattr(planner, "hot_experts"):
-                experts = np.asarray(planner.hot_experts(layer))[: pool.free_slots(self._moe_layers)]
-            else:
-                return
-            if experts.size:
-                shard.store.write(pool, layer, experts, pool.allocate(layer, experts, self._moe_layers))
 
     def reset_stats(self) -> None:
         self.phase_stats = {"prefill": PhaseStats(), "decode": PhaseStats()}

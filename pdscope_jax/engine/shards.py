@@ -8,8 +8,11 @@ Contract:
   executor and planner (set by the runner); they number the share's experts from 0. The first shard's accelerator
   is the lead: it runs the embedding, attention, routers, shared experts and dense layers and holds the KV cache;
   the others hold slot pools only. `build_shards(stores, owned, slots, ...)` -> a shard per store.
-- `Shard.local(values [E, ...], layer)` -> its experts' rows; `Shard.local_ids(ids, layer)` -> those of `ids` it
-  owns, in its numbering; `Shard.view(r, layer, nxt)` -> a layer's `Routed` as the shard's executor and planner
+- `Shard.local(values [E, ...], layer)` -> its experts' rows (`local_counts({layer: [E]})` of each layer);
+  `Shard.local_ids(ids, layer)` -> those of `ids` it owns, in its numbering;
+- `Shard.take_planner(planner, moe_layers)`: the shard's new planner; its pool emptied (host copies stay, so
+  nothing moves), its transfers cleared, then what the planner keeps resident loaded: every expert of the share
+  (`keeps_all_resident`) or its hot experts, as far as free slots go; `Shard.view(r, layer, nxt)` -> a layer's `Routed` as the shard's executor and planner
   take it: h, weights and ids on its accelerator, tokens per expert (layer) and next-layer scores (nxt) of its
   experts only (the host copies of the routing keep the model's ids, which the executor maps back).
 - `Shard.part(programs, (n, D), y_gpu, y_cpu, cpu_rows)` -> its routed output [1, n, D] float32 on its accelerator
@@ -65,6 +68,24 @@ class Shard:
         ids = np.asarray(ids, np.int64)
         mine = position[np.minimum(ids, position.size - 1)]
         return mine[(ids < position.size) & (mine >= 0)]
+
+    def local_counts(self, counts: dict) -> dict[int, np.ndarray]:
+        return {layer: self.local(np.asarray(c), layer) for layer, c in counts.items()}
+
+    def take_planner(self, planner, moe_layers) -> None:
+        self.planner = planner
+        for layer in moe_layers:
+            self.pool.release(layer, np.arange(self.count))
+        self.transfers.clear()
+        for layer in moe_layers:  # what the planner keeps resident: every expert of the share, or its hot ones
+            if planner.keeps_all_resident:
+                experts = np.arange(self.count)
+            elif hasattr(planner, "hot_experts"):
+                experts = np.asarray(planner.hot_experts(layer))[: self.pool.free_slots(moe_layers)]
+            else:
+                return
+            if experts.size:
+                self.store.write(self.pool, layer, experts, self.pool.allocate(layer, experts, moe_layers))
 
     def view(self, r: Routed, layer: int, nxt: int | None) -> Routed:
         moved = {}
