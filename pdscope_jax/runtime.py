@@ -137,6 +137,9 @@ class RuntimeConfig:
     # copied by the program, or none missed: `device_decode.EVERY_RESIDENT`): >1 scans that many steps in one
     # program run as XLA command buffers (the whole model's chunks); 1: a program a step. Not yet measured on a
     # GPU (docs/MEASUREMENTS.md)
+    decode_trial: int = 4  # where the planner chooses its decode mode (pdscope) and both executors can run a batch,
+    # warm-up times this many decode steps of each (the one-program step, the host-planned loop) and decode runs the
+    # faster (`engine.decode_trial`); 0: the one-program step wherever it can run
     quality: str | None = None  # the lowest precision a copy of an expert may load in (`sched.precision`): None
     # (the stored precision), "int8", "mixed" (int4 copies of light experts, the rest stored precision) or "int4"
     mixed_threshold: float = 1.0  # "mixed": a copy loads int4 when its expert's routing weight over the token's
@@ -169,6 +172,10 @@ class RuntimeConfig:
                                 f"got {value!r}")
             else:
                 set_(name, int(value))
+        if not _is_int(self.decode_trial) or self.decode_trial < 0:
+            problems.append(f"decode_trial must be a non-negative integer, got {self.decode_trial!r}")
+        else:
+            set_("decode_trial", int(self.decode_trial))
         if self.activation_memory not in ("measured", "estimated"):
             problems.append(f"activation_memory: expected 'measured' or 'estimated', got {self.activation_memory!r}")
         if self.decode_cpu_experts not in ("auto", "xla", "off"):

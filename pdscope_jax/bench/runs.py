@@ -5,10 +5,11 @@ Contract
 - `plan_runs(args)`: the runs in order, each a dict with `label` (what the tables show), `policy` (a registry
   name, or `PLAIN`) and, for offload runs, the engine switches `hot`, `async_io`, `batched_gpu`,
   `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`,
-  `decode_copies_ahead`, `decode_chunk`, `quality`, `mixed_threshold`. A label
+  `decode_copies_ahead`, `decode_chunk`, `decode_trial`, `quality`, `mixed_threshold`. A label
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
-  (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on), `:chunk=N` (`decode_chunk` N),
+  (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on), `:notrial` (`decode_trial` 0: no timing of
+  both decode executors at warm-up), `:chunk=N` (`decode_chunk` N),
   `:quality=Q` (`quality` Q, else `args.quality`). With `args.ablation` the runs are `ABLATION` then the plain
   run. `build_quality(args, runs)`: the quality the runner is built with (one that keeps the int4 copies where any
   run loads them).
@@ -37,10 +38,11 @@ WITH_CPU = ":cpu"  # a policy name's suffix: decode_cpu_experts "auto" (the host
 COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
 PROGRAM_COPIES = ":progcopy"  # a policy name's suffix: RuntimeConfig.decode_bridge_copies off (the program copies)
 AHEAD = ":ahead"  # a policy name's suffix: RuntimeConfig.decode_copies_ahead on (predicted experts copied ahead)
+NO_TRIAL = ":notrial"  # a policy name's suffix: RuntimeConfig.decode_trial 0 (the one-program step where it can run)
 QUALITY = ":quality="  # a policy name's suffix with a quality (int8, mixed, int4): RuntimeConfig.quality
 CHUNK = ":chunk="  # a policy name's suffix with a step count: RuntimeConfig.decode_chunk
 QUALITIES = ("int8", "mixed", "int4")  # sched.precision.QUALITIES (here: `--help` stays without numpy)
-SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, AHEAD)
+SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, AHEAD, NO_TRIAL)
 
 
 def split_label(label: str) -> tuple[str, dict]:
@@ -61,6 +63,8 @@ def split_label(label: str) -> tuple[str, dict]:
             switches["decode_bridge_copies"] = False
         elif f":{part}" == AHEAD:
             switches["decode_copies_ahead"] = True
+        elif f":{part}" == NO_TRIAL:
+            switches["decode_trial"] = 0
         elif f":{part}".startswith(COPY_SHARE):
             try:
                 share = float(part[len(COPY_SHARE) - 1:])
@@ -140,7 +144,8 @@ def engine_switches(run: dict, hot_table) -> dict:
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True),
             "decode_copies_ahead": run.get("decode_copies_ahead", False),
-            "decode_chunk": run.get("decode_chunk") or default_setting("decode_chunk"), "quality": run.get("quality"),
+            "decode_chunk": run.get("decode_chunk") or default_setting("decode_chunk"),
+            "decode_trial": run.get("decode_trial", default_setting("decode_trial")), "quality": run.get("quality"),
             "mixed_threshold": run.get("mixed_threshold") or default_setting("mixed_threshold")}
 
 
@@ -186,7 +191,9 @@ def summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after_
            "prefill_tok_s_cold": repeats[0]["prefill_tok_s"],
            "prefill_tok_s_warm": statistics.median(r["prefill_tok_s"] for r in repeats[1:]) if repeats[1:] else None,
            "compiled_programs_after_warmup": compiled_after_warmup,
-           "compiled_programs_after_runs": repeats[-1]["compiled_programs"]["total"]}
+           "compiled_programs_after_runs": repeats[-1]["compiled_programs"]["total"],
+           # the decode executor warm-up's trial chose for this batch, with both timings (None: no trial)
+           "decode_trial_result": (repeats[-1].get("decode_trials") or {}).get(str(batch))}
     for phase in ("prefill", "decode"):
         out[phase] = {key: _median(repeats, phase, key) for key in PHASE_KEYS}
     out["repeats"] = repeats

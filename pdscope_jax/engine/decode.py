@@ -5,7 +5,9 @@ Contract: `choose(engine, batch, steps)` -> the executor class for a generate's 
 RuntimeConfig's `device_decode`, `async_io` and `batched_gpu` are on, no copy may load from the int4 copies (the
 engine's `precision` is None, or the planner never copies in decode: the decode program copies the stored precision
 alone), the pool can serve a layer's distinct experts (`device_decode.fits`) and the planner copies misses or the
-host can compute them (`engine.host_split`); else `HostDecode`. The choice
+host can compute them (`engine.host_split`), and no warm-up's trial of both for this batch size found the host loop
+faster (`engine.decode_trials`, `engine.decode_trial`: planners that choose their decode mode); else `HostDecode`. The
+choice
 depends on nothing that changes between steps, so it holds for the whole decode (the device executor keeps the
 pool's table on the accelerator from its first step to its last).
 Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
@@ -50,6 +52,8 @@ def choose(engine, batch: int, steps: int):
                  and engine.planner.decodes_on_device
                  and device_decode.fits(engine.pool.num_slots + engine.decode_slots, picks)
                  and (engine.planner.decode_copies or engine.decode_host(batch) is not None))
+    if on_device and batch in engine.decode_trials:  # the planner chose by timing both (`engine.decode_trial`)
+        return engine.decode_trials[batch].executor
     return DeviceDecode if on_device else HostDecode
 
 

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from pdscope_jax import models
-from pdscope_jax.engine import decode, device_decode
+from pdscope_jax.engine import decode, decode_trial, device_decode
 from pdscope_jax.engine.build import (analytic_costs, new_store, param_dtype, place_non_experts, plan_budget,
                                       round_up, split_abstract, take_weights)
 from pdscope_jax.engine.calibration import CpuCalibration
@@ -135,6 +135,7 @@ class OffloadRunner:
         self._router = Router(self._programs, self._layers, next_moe, cfg.num_experts, self._mark)
         self._loop = HostLoop(self, self._router, self._calibration)
         self.warmed_shapes: set[tuple[int, int, int, int]] = set()  # `program_shape`s warmed up
+        self.decode_trials: dict[int, decode_trial.DecodeTrial] = {}  # batch -> the executor its trial chose
         self.track_memory = False
         self.timeline: Timeline | None = None
         self.memory_trace: list[dict[str, int | None]] = []
@@ -149,7 +150,7 @@ class OffloadRunner:
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
         `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu`, `device_decode`,
         `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`, `decode_copies_ahead`,
-        `decode_chunk`,
+        `decode_chunk`, `decode_trial`,
         `quality` and `mixed_threshold` at the same time (a quality that loads int4 copies only where the store
         keeps them: RuntimeConfigError otherwise); a different policy also forgets the CPU calibration (learned
         under another's load).
@@ -157,7 +158,7 @@ class OffloadRunner:
         given, `hot_per_layer` = their hot slots split evenly over the MoE layers."""
         unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank",
                                  "decode_cpu_experts", "decode_copy_share", "decode_bridge_copies",
-                                 "decode_copies_ahead", "decode_chunk", "quality", "mixed_threshold"}
+                                 "decode_copies_ahead", "decode_chunk", "decode_trial", "quality", "mixed_threshold"}
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -165,6 +166,8 @@ class OffloadRunner:
         self.precision = self._precision_rule(runtime)
         if policy != self.runtime.policy:  # the calibration learned under one policy's load is not another's
             self._calibration.clear()
+        if runtime != self.runtime:  # a trial timed another planner or other engine options
+            self.decode_trials.clear()
         self.runtime = runtime
         for shard in self.shards:
             options = self._planner_options(policy, shard)
@@ -286,6 +289,7 @@ class OffloadRunner:
             "decode_slots": self.decode_slots,
             "decode_cpu_experts": self.runtime.decode_cpu_experts,
             "decode_host": self._host_stats(),
+            "decode_trials": {str(b): trial.to_dict() for b, trial in sorted(self.decode_trials.items())},
             "double_buffering": self.pool.can_double_buffer,
             "evictions": sum(shard.pool.evictions for shard in self.shards),
             "per_accelerator": self._per_accelerator(),
@@ -351,7 +355,7 @@ class OffloadRunner:
         params, _ = sampling_params(temperature, top_k, seed, **sampling)
         return Steps(self._steps(ids, max_new_tokens, params), ids.shape[1])
 
-    def _steps(self, ids: np.ndarray, max_new_tokens: int, params, cache_tokens: int | None = None):
+    def _steps(self, ids: np.ndarray, max_new_tokens: int, params, cache_tokens: int | None = None, executor=None):
         b, t = ids.shape
         cache, chunks = self._start(ids, max_new_tokens, cache_tokens)
         state = SamplingState.create(params, ids, self.config.vocab_size, self.devices.accel)
@@ -361,7 +365,7 @@ class OffloadRunner:
                 first, state = self._programs["next_token"](self._graph, self._state, x, t - 1 - c0, state, 0)
         token, first = first.token, decode.host_copy(first)  # only the token stays on the accelerator
         yield first
-        executor = decode.choose(self, b, max_new_tokens - 1)  # host-planned layers, or one program per step
+        executor = executor or decode.choose(self, b, max_new_tokens - 1)  # host-planned, or a program a step
         decoder = executor(self, token, cache, t, state, count=max_new_tokens - 1)
         try:
             for step in range(1, max_new_tokens):
@@ -385,8 +389,14 @@ class OffloadRunner:
         params, _ = sampling_params(0.0, None, 0)
         # decode chunks are sized by the steps to come: warm the real run's count, so its chunks compile here
         tokens = new_tokens if self.runtime.decode_chunk > 1 else WARMUP_TOKENS
+        self.decode_trials.pop(batch, None)  # so that this compiles the executor `decode.choose` takes untried
         for _ in self._steps(ids, tokens, params, cache_tokens=new_tokens):
             pass
+        # a chunked device decode is timed on the run's own steps: the chunks this warm-up compiled
+        steps = min(self.runtime.decode_trial, new_tokens - 1) if self.runtime.decode_chunk == 1 else new_tokens - 1
+        if (self.runtime.decode_trial and steps > 0 and self.planner.chooses_decode_mode
+                and decode.choose(self, batch, steps) is decode.DeviceDecode):
+            self.decode_trials[batch] = decode_trial.trial(self, batch, prompt_len, new_tokens, steps)
         self.precompile_routed()
         self.warmed_shapes.add(self.program_shape(batch, prompt_len, new_tokens))
         return self.compiled_programs

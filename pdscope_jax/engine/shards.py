@@ -12,9 +12,10 @@ Contract:
   `Shard.local_ids(ids, layer)` -> those of `ids` it owns, in its numbering;
 - `Shard.take_planner(planner, moe_layers)`: the shard's new planner; its pool emptied (host copies stay, so
   nothing moves), its transfers cleared, then what the planner keeps resident loaded: every expert of the share
-  (`keeps_all_resident`) or its hot experts, as far as free slots go; `Shard.view(r, layer, nxt)` -> a layer's `Routed` as the shard's executor and planner
-  take it: h, weights and ids on its accelerator, tokens per expert (layer) and next-layer scores (nxt) of its
-  experts only (the host copies of the routing keep the model's ids, which the executor maps back).
+  (`keeps_all_resident`) or its hot experts, as far as free slots go;
+- `Shard.view(r, layer, nxt)` -> a layer's `Routed` as the shard's executor and planner take it: h, weights and
+  ids on its accelerator, tokens per expert (layer) and next-layer scores (nxt) of its experts only (the host
+  copies of the routing keep the model's ids, which the executor maps back).
 - `Shard.part(programs, (n, D), y_gpu, y_cpu, cpu_rows)` -> its routed output [1, n, D] float32 on its accelerator
   (zeros when it computed nothing).
 - `MeshSum(devices)(parts)` -> the sum of the shards' parts, [n, D] float32 on the lead: a `psum` over the mesh

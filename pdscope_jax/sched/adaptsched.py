@@ -94,6 +94,7 @@ class AdaptSched(Capabilities):
     decode_popularity = True
     decode_host_experts = True
     balances_accelerators = True
+    chooses_decode_mode = True
 
     def __init__(self, r_hit_prior: float = 0.5, r_hit_window: int = 16, hot_per_layer: int = 0,
                  activation_counts: Mapping[int, Sequence[float]] | None = None, layer_guard: bool = True,

@@ -63,6 +63,7 @@ class Capabilities:
     decode_host_experts = False
     decode_copies = True
     balances_accelerators = False
+    chooses_decode_mode = False
 
     @classmethod
     def hot_slots(cls, pool_slots: int, num_experts: int, layer_buffers_fit: bool, have_table: bool) -> int | None:

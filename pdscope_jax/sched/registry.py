@@ -16,7 +16,8 @@ Contract:
   `decode_host_experts` that program may have the host's CPU compute part of a layer's misses
   (`engine.host_split`); `decode_copies` False: it never copies a miss in decode (so it runs on the device only
   where the host computes them); `balances_accelerators` over several accelerators, each layer's plans are
-  evened out against the shared CPU (`sched.across`);
+  evened out against the shared CPU (`sched.across`); `chooses_decode_mode` where both decode executors can run a
+  batch, warm-up times them and decode runs the faster (`engine.decode_trial`; RuntimeConfig `decode_trial` steps);
   `hot_slots(pool_slots, num_experts, layer_buffers_fit, have_table)` how many pool slots its hot-expert table
   gets (None: it has none).
 """

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pdscope_jax.bench.runs import (ABLATION, AHEAD, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, WITH_CPU,
+from pdscope_jax.bench.runs import (ABLATION, AHEAD, HOST_DECODE, NO_BANK, NO_CPU, NO_TRIAL, PROGRAM_COPIES, WITH_CPU,
                                     build_quality, engine_switches, plan_runs, planner_options, split_label)
 from pdscope_jax.cli.bench import parse_args
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES, planner_class
@@ -33,7 +33,9 @@ def test_runs_for_policies_host_decode_and_plain():
                                                   "device_decode": True, "decode_bank": True,
                                                   "decode_cpu_experts": "auto", "decode_copy_share": None,
                                                   "decode_bridge_copies": True, "decode_copies_ahead": False,
-                                                  "decode_chunk": 1, "quality": None, "mixed_threshold": 1.0}
+                                                  "decode_chunk": 1, "decode_trial": 4, "quality": None,
+                                                  "mixed_threshold": 1.0}
+    assert engine_switches(plan_runs(parse_args(["--policies", f"pdscope{NO_TRIAL}"]))[0], None)["decode_trial"] == 0
     no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
     assert engine_switches(no_table, "t.json")["hot_table"] is None
 

@@ -1,0 +1,69 @@
+"""Which decode executor a planner that chooses its decode mode runs, decided by timing both at warm-up.
+
+Contract: `trial(engine, batch, prompt_len, cache_tokens, steps) -> DecodeTrial` times the decode of each executor
+`decode.choose` could take for `batch` rows (the one-program `DeviceDecode` and the host-planned `HostDecode`): for
+each, one generation of `steps` + 1 tokens on a prompt of seeded random tokens [batch, prompt_len] in a KV cache
+sized for `cache_tokens` new tokens, from the pool `set_policy` leaves (the same start for both); its decode seconds
+over `steps` steps is its figure. The host-planned programs are compiled first, by a generation of two tokens, then
+what routing decides a run needs (`precompile_routed`); the device program was compiled by the warm-up that calls
+this. `DecodeTrial.executor` is the faster executor;
+`to_dict()` -> {"chosen": "device" | "host", "ms_per_step": {name: ms}, "steps", "compiled_while_timed"}. The
+caller restarts the pool and statistics afterwards.
+Why a trial and not the cost table: the two differ in the host's dispatch per layer and the accelerator's cost per
+step, which the table does not hold, and on the benchmark node either may win (docs/MEASUREMENTS.md). Random tokens
+rather than warm-up's zeros: one token repeated routes to few experts, which would hide the misses that decide.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+
+from pdscope_jax.engine.decode import DeviceDecode, HostDecode
+from pdscope_jax.generation.generator import sampling_params
+
+EXECUTORS = {"device": DeviceDecode, "host": HostDecode}
+COMPILE_TOKENS = 2  # a generation that runs one decode step: compiles an executor's programs
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTrial:
+    seconds_per_step: dict[str, float]  # executor name -> decode seconds per step in the trial
+    steps: int
+    compiled_while_timed: int = 0  # programs compiled during the timed runs (their time is in the figures)
+
+    @property
+    def chosen(self) -> str:
+        return min(self.seconds_per_step, key=self.seconds_per_step.get)
+
+    @property
+    def executor(self) -> type:
+        return EXECUTORS[self.chosen]
+
+    def to_dict(self) -> dict:
+        return {"chosen": self.chosen, "steps": self.steps, "compiled_while_timed": self.compiled_while_timed,
+                "ms_per_step": {name: round(1e3 * s, 3) for name, s in self.seconds_per_step.items()}}
+
+
+def trial(engine, batch: int, prompt_len: int, cache_tokens: int, steps: int) -> DecodeTrial:
+    ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, (batch, prompt_len)).astype(np.int32)
+    decode_seconds(engine, ids, COMPILE_TOKENS, cache_tokens, HostDecode)
+    engine.precompile_routed()  # what routing decides a run needs, for the host loop's shapes too
+    seconds, compiled = {}, engine.compiled_programs["total"]
+    for name, executor in EXECUTORS.items():
+        engine.set_policy(engine.runtime.policy, engine.runtime.policy_options)  # the same pool for both
+        seconds[name] = decode_seconds(engine, ids, steps + 1, cache_tokens, executor) / steps
+    return DecodeTrial(seconds, steps, engine.compiled_programs["total"] - compiled)
+
+
+def decode_seconds(engine, ids: np.ndarray, tokens: int, cache_tokens: int, executor: type) -> float:
+    """Wall seconds of a greedy generation's decode (after its first token) of `tokens` tokens with `executor`."""
+    params, _ = sampling_params(0.0, None, 0)
+    run = engine._steps(ids, tokens, params, cache_tokens, executor=executor)
+    next(run)  # prefill's token
+    start = time.perf_counter()
+    for _ in run:
+        pass
+    return time.perf_counter() - start
