@@ -137,9 +137,9 @@ class RuntimeConfig:
     # copied by the program, or none missed: `device_decode.EVERY_RESIDENT`): >1 scans that many steps in one
     # program run as XLA command buffers (the whole model's chunks); 1: a program a step. Not yet measured on a
     # GPU (docs/MEASUREMENTS.md)
-    decode_trial: int = 4  # where the planner chooses its decode mode (pdscope) and both executors can run a batch,
+    decode_trial: int = 8  # where the planner chooses its decode mode (pdscope) and both executors can run a batch,
     # warm-up times this many decode steps of each (the one-program step, the host-planned loop) and decode runs the
-    # faster (`engine.decode_trial`); 0: the one-program step wherever it can run
+    # faster (`engine.decode_trial`; not with decode_chunk above 1); 0: the one-program step wherever it can run
     quality: str | None = None  # the lowest precision a copy of an expert may load in (`sched.precision`): None
     # (the stored precision), "int8", "mixed" (int4 copies of light experts, the rest stored precision) or "int4"
     mixed_threshold: float = 1.0  # "mixed": a copy loads int4 when its expert's routing weight over the token's

@@ -10,6 +10,9 @@
 #   plain      whole-model upper bound through the public API (benchmarks/bench_plain.py)
 #   profile    the cost table of MODEL on this machine (`python -m pdscope_jax profile`)
 #   smoke      ondemand, static and pdscope at the longest prompt, 16 tokens (does the offload path work here?)
+#   trial      pdscope's decode executor chosen by its warm-up trial, beside the one-program step alone (:notrial)
+#              and the host-planned loop alone (:host), on TRIAL_MODEL (default MODEL; mixtral-8x7b is where the
+#              host loop led): the trial should decode at least as fast as the better of the two
 #   uniform    every policy, uniform routing, BUDGET (`python -m pdscope_jax bench`, as are the stages below)
 #   compare    a few policies (COMPARE_POLICIES) at the shortest and longest prompt, with a memory trace and a
 #              host profile
@@ -81,6 +84,9 @@ for arg in "$@"; do
     smoke) run_stage smoke "
       ${bench[*]} --model $model --prompt-lens $longest --policies ondemand static pdscope --cost-table $costs \
         --repeats 1 --new-tokens 16" ;;
+    trial) run_stage trial "
+      ${bench[*]} --model ${TRIAL_MODEL:-$model} --prompt-lens 512 $longest --policies pdscope pdscope:notrial \
+        pdscope:host --cost-table $costs --repeats 3" ;;
     uniform) run_stage uniform "
       ${bench[*]} --model $model --prompt-lens ${lengths[*]} --policies ondemand static greedy pdscope fate plain \
         --hot-table auto --cost-table $costs --repeats 1 ${BENCH_EXTRA:-}" ;;

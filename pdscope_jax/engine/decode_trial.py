@@ -2,13 +2,14 @@
 
 Contract: `trial(engine, batch, prompt_len, cache_tokens, steps) -> DecodeTrial` times the decode of each executor
 `decode.choose` could take for `batch` rows (the one-program `DeviceDecode` and the host-planned `HostDecode`): for
-each, one generation of `steps` + 1 tokens on a prompt of seeded random tokens [batch, prompt_len] in a KV cache
-sized for `cache_tokens` new tokens, from the pool `set_policy` leaves (the same start for both); its decode seconds
-over `steps` steps is its figure. The host-planned programs are compiled first, by a generation of two tokens, then
+each, two greedy generations on a prompt of seeded random tokens [batch, prompt_len] in a KV cache sized for
+`cache_tokens` new tokens (`steps` + 2 at most), one of 2 tokens and one of `steps` + 2, each from the pool
+`set_policy` leaves; the difference of their decode seconds over `steps` is the executor's figure, so what an
+executor does once per decode (the device step's fill of the pool or of its decode bank, its table's upload and
+download) counts in neither. The host-planned programs are compiled first, by a generation of two tokens, then
 what routing decides a run needs (`precompile_routed`); the device program was compiled by the warm-up that calls
-this. `DecodeTrial.executor` is the faster executor;
-`to_dict()` -> {"chosen": "device" | "host", "ms_per_step": {name: ms}, "steps", "compiled_while_timed"}. The
-caller restarts the pool and statistics afterwards.
+this. `DecodeTrial.executor` is the faster executor; `to_dict()` -> {"chosen": "device" | "host", "ms_per_step":
+{name: ms}, "steps", "compiled_while_timed"}. The caller restarts the pool and statistics afterwards.
 Why a trial and not the cost table: the two differ in the host's dispatch per layer and the accelerator's cost per
 step, which the table does not hold, and on the benchmark node either may win (docs/MEASUREMENTS.md). Random tokens
 rather than warm-up's zeros: one token repeated routes to few experts, which would hide the misses that decide.
@@ -53,8 +54,11 @@ def trial(engine, batch: int, prompt_len: int, cache_tokens: int, steps: int) ->
     engine.precompile_routed()  # what routing decides a run needs, for the host loop's shapes too
     seconds, compiled = {}, engine.compiled_programs["total"]
     for name, executor in EXECUTORS.items():
-        engine.set_policy(engine.runtime.policy, engine.runtime.policy_options)  # the same pool for both
-        seconds[name] = decode_seconds(engine, ids, steps + 1, cache_tokens, executor) / steps
+        runs = []
+        for tokens in (COMPILE_TOKENS, COMPILE_TOKENS + steps):
+            engine.set_policy(engine.runtime.policy, engine.runtime.policy_options)  # the same pool for every run
+            runs.append(decode_seconds(engine, ids, tokens, cache_tokens, executor))
+        seconds[name] = max(runs[1] - runs[0], 0.0) / steps
     return DecodeTrial(seconds, steps, engine.compiled_programs["total"] - compiled)
 
 

@@ -392,9 +392,9 @@ class OffloadRunner:
         self.decode_trials.pop(batch, None)  # so that this compiles the executor `decode.choose` takes untried
         for _ in self._steps(ids, tokens, params, cache_tokens=new_tokens):
             pass
-        # a chunked device decode is timed on the run's own steps: the chunks this warm-up compiled
-        steps = min(self.runtime.decode_trial, new_tokens - 1) if self.runtime.decode_chunk == 1 else new_tokens - 1
-        if (self.runtime.decode_trial and steps > 0 and self.planner.chooses_decode_mode
+        # the trial's longer run fits the cache; chunked steps are the device executor's alone: no trial
+        steps = min(self.runtime.decode_trial, new_tokens - decode_trial.COMPILE_TOKENS)
+        if (steps > 0 and self.runtime.decode_chunk == 1 and self.planner.chooses_decode_mode
                 and decode.choose(self, batch, steps) is decode.DeviceDecode):
             self.decode_trials[batch] = decode_trial.trial(self, batch, prompt_len, new_tokens, steps)
         self.precompile_routed()

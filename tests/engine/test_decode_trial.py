@@ -15,25 +15,24 @@ def ds():
 
 
 def _timings(monkeypatch, device: float, host: float) -> list:
-    """Trial timings fixed per executor (the runs themselves still happen); -> the executors timed, in order."""
-    timed, run = [], decode_trial.decode_seconds
+    """Trial timings fixed per executor, `device` / `host` seconds a step after a one-off second (the runs
+    themselves still happen); -> (executor, tokens) of every run after the host's compiling one, in order."""
+    runs, run = [], decode_trial.decode_seconds
 
     def fixed(engine, ids, tokens, cache_tokens, executor):
         run(engine, ids, tokens, cache_tokens, executor)
-        if tokens == decode_trial.COMPILE_TOKENS:
-            return 0.0
-        timed.append(executor)
-        return (device if executor is decode.DeviceDecode else host) * (tokens - 1)
+        runs.append((executor, tokens))
+        return 1.0 + (device if executor is decode.DeviceDecode else host) * (tokens - 1)
 
     monkeypatch.setattr(decode_trial, "decode_seconds", fixed)
-    return timed
+    return runs
 
 
 def test_pdscope_times_both_executors_and_records_them(ds):
     runner = ds.runner("pdscope", _slots(ds, "double"))
     runner.warmup(1, ds.ids.shape[1], ds.new)
     trial = runner.stats["decode_trials"]["1"]
-    assert set(trial["ms_per_step"]) == {"device", "host"} and trial["steps"] == 4
+    assert set(trial["ms_per_step"]) == {"device", "host"} and trial["steps"] == ds.new - 2
     assert trial["compiled_while_timed"] == 0  # both executors' programs compiled before timing
     assert all(ms > 0 for ms in trial["ms_per_step"].values())
     assert trial["chosen"] == min(trial["ms_per_step"], key=trial["ms_per_step"].get)
@@ -47,11 +46,15 @@ def test_pdscope_times_both_executors_and_records_them(ds):
 
 @pytest.mark.parametrize("faster", ["device", "host"])
 def test_decode_runs_the_executor_the_trial_found_faster(ds, monkeypatch, faster):
-    timed = _timings(monkeypatch, device=1.0 if faster == "device" else 2.0, host=1.0 if faster == "host" else 2.0)
+    runs = _timings(monkeypatch, device=1.0 if faster == "device" else 2.0, host=1.0 if faster == "host" else 2.0)
     runner = ds.runner("pdscope", _slots(ds, "double"))
     runner.warmup(1, ds.ids.shape[1], ds.new)
-    assert timed == [decode.DeviceDecode, decode.HostDecode]
-    assert runner.stats["decode_trials"]["1"]["chosen"] == faster
+    two, longest = decode_trial.COMPILE_TOKENS, ds.new  # the steps the cache holds, the one-off cost cancelled
+    assert runs == [(decode.HostDecode, two), (decode.DeviceDecode, two), (decode.DeviceDecode, longest),
+                    (decode.HostDecode, two), (decode.HostDecode, longest)]
+    trial = runner.stats["decode_trials"]["1"]
+    assert trial["chosen"] == faster and trial["ms_per_step"] == {"device": 1e3 * (1.0 if faster == "device" else 2.0),
+                                                                   "host": 1e3 * (1.0 if faster == "host" else 2.0)}
     assert decode.choose(runner, 1, ds.new - 1) is decode_trial.EXECUTORS[faster]
     out = runner.generate(ds.ids, ds.new)
     np.testing.assert_array_equal(out.tokens, ds.tokens)
@@ -72,12 +75,12 @@ def test_a_new_policy_or_engine_option_forgets_the_trial(ds, monkeypatch):
 
 
 @pytest.mark.parametrize("policy, rc", [("ondemand", {}), ("fate", {}), ("pdscope", {"decode_trial": 0}),
-                                        ("pdscope", {"device_decode": False})])
-def test_no_trial_for_baselines_when_off_or_when_one_executor_can_run(ds, monkeypatch, policy, rc):
-    timed = _timings(monkeypatch, device=2.0, host=1.0)
+                                        ("pdscope", {"device_decode": False}), ("pdscope", {"decode_chunk": 2})])
+def test_no_trial_for_baselines_when_off_chunked_or_when_one_executor_can_run(ds, monkeypatch, policy, rc):
+    runs = _timings(monkeypatch, device=2.0, host=1.0)
     runner = ds.runner(policy, _slots(ds, "double"), **rc)
     runner.warmup(1, ds.ids.shape[1], ds.new)
-    assert timed == [] and runner.stats["decode_trials"] == {}
+    assert runs == [] and runner.stats["decode_trials"] == {}
 
 
 def test_trial_steps_are_bounded_by_the_run_and_checked():
@@ -86,7 +89,9 @@ def test_trial_steps_are_bounded_by_the_run_and_checked():
     assert RuntimeConfig(decode_trial=0).decode_trial == 0
 
 
-def test_a_two_token_run_times_its_one_decode_step(ds):
+def test_the_trial_fits_the_runs_cache(ds):
     runner = ds.runner("pdscope", _slots(ds, "double"))
-    runner.warmup(1, ds.ids.shape[1], 2)
+    runner.warmup(1, ds.ids.shape[1], 2)  # one decode step: nothing to take a difference of
+    assert runner.stats["decode_trials"] == {}
+    runner.warmup(1, ds.ids.shape[1], 3)
     assert runner.stats["decode_trials"]["1"]["steps"] == 1
