@@ -9,9 +9,8 @@ Contract
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
   (`decode_bridge_copies` off), `:ahead` (`decode_copies_ahead` on), `:notrial` (`decode_trial` 0: no timing of
-  both decode executors at warm-up), `:chunk=N` (`decode_chunk` N),
-  `:quality=Q` (`quality` Q, else `args.quality`). With `args.ablation` the runs are `ABLATION` then the plain
-  run. `build_quality(args, runs)`: the quality the runner is built with (one that keeps the int4 copies where any
+  both decode executors at warm-up), `:chunk=N` (`decode_chunk` N), `:quality=Q` (`quality` Q, else
+  `args.quality`). With `args.ablation` the runs are `ABLATION` (no decode trial) then the plain run. `build_quality(args, runs)`: the quality the runner is built with (one that keeps the int4 copies where any
   run loads them).
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
 - `planner_options(runner, policy, hot_per_layer)`: `--hot-per-layer` goes to the planners whose hot set
@@ -106,8 +105,9 @@ def plan_runs(args) -> list[dict]:
     """The runs in order: label, policy and engine switches (the hot table is filled in once it is known)."""
     precision = {"quality": getattr(args, "quality", None), "mixed_threshold": getattr(args, "mixed_threshold", None)}
     if args.ablation:
+        # each step fixes how decode runs (+g+c: one program a step), so no warm-up trial chooses it
         return [{"label": label, "policy": policy, "hot": hot, "async_io": aio, "batched_gpu": batched,
-                 "device_decode": True, "decode_bank": True, **precision}
+                 "device_decode": True, "decode_bank": True, "decode_trial": 0, **precision}
                 for label, policy, hot, aio, batched in ABLATION] + [{"label": PLAIN, "policy": PLAIN}]
     runs = []
     for label in args.policies:
