@@ -133,13 +133,14 @@ class RuntimeConfig:
     decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
     # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
     # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)
-    decode_chunk: int = 1  # device decode steps a program where a step has no bridge or host part (every miss
-    # copied by the program, or none missed: `device_decode.EVERY_RESIDENT`): >1 scans that many steps in one
-    # program run as XLA command buffers (the whole model's chunks); 1: a program a step. Not yet measured on a
-    # GPU (docs/MEASUREMENTS.md)
+    decode_chunk: int | None = None  # device decode steps a program where a step has no bridge or host part (every
+    # miss copied by the program, or none missed: `device_decode.EVERY_RESIDENT`): >1 scans that many steps in one
+    # program run as XLA command buffers (the whole model's chunks); 1: a program a step; None: 32 on a GPU (1.6-2.5x
+    # the decode of one step a program on the H200: docs/MEASUREMENTS.md), 1 elsewhere (`engine.decode.chunk_steps`)
     decode_trial: int = 8  # where the planner chooses its decode mode (pdscope) and both executors can run a batch,
     # warm-up times this many decode steps of each (the one-program step, the host-planned loop) and decode runs the
-    # faster (`engine.decode_trial`; not with decode_chunk above 1); 0: the one-program step wherever it can run
+    # faster (`engine.decode_trial`; not where the device steps run in chunks); 0: the one-program step wherever it
+    # can run
     quality: str | None = None  # the lowest precision a copy of an expert may load in (`sched.precision`): None
     # (the stored precision), "int8", "mixed" (int4 copies of light experts, the rest stored precision) or "int4"
     mixed_threshold: float = 1.0  # "mixed": a copy loads int4 when its expert's routing weight over the token's
@@ -165,10 +166,11 @@ class RuntimeConfig:
             set_("policy_options", tuple(sorted(self.policy_options.items())))
         for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows", "cpu_threads", "decode_chunk"):
             value = getattr(self, name)
-            if name == "cpu_threads" and value is None:
+            if name in ("cpu_threads", "decode_chunk") and value is None:
                 continue
             if not _is_int(value) or value <= 0:
-                problems.append(f"{name} must be a positive integer{' or None' if name == 'cpu_threads' else ''}, "
+                problems.append(f"{name} must be a positive integer"
+                                f"{' or None' if name in ('cpu_threads', 'decode_chunk') else ''}, "
                                 f"got {value!r}")
             else:
                 set_(name, int(value))

@@ -23,7 +23,8 @@ executor's lag two steps behind); the caller pops what it has taken, so a long d
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
   dispatched; where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`) it first loads those
   not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
-  count in `seconds`, bytes and `experts_placed`. With RuntimeConfig.decode_chunk above 1, steps without a
+  count in `seconds`, bytes and `experts_placed`. With `chunk_steps` above 1 (RuntimeConfig.decode_chunk; None:
+  `AUTO_CHUNK` on a GPU), steps without a
   bridge or host part (every miss copied by the program, or EVERY_RESIDENT) and the run's `count` of steps
   given, the first step of each chunk runs that many steps in one program (`device_decode.decode_chunk`) and the
   others run nothing; tokens then arrive a chunk late. Its steps count in
@@ -55,6 +56,22 @@ def choose(engine, batch: int, steps: int):
     if on_device and batch in engine.decode_trials:  # the planner chose by timing both (`engine.decode_trial`)
         return engine.decode_trials[batch].executor
     return DeviceDecode if on_device else HostDecode
+
+
+AUTO_CHUNK = 32  # steps a program on a GPU where RuntimeConfig.decode_chunk is None (docs/MEASUREMENTS.md)
+
+
+def chunk_steps(engine, host, count) -> int:
+    """Steps per device decode program for a run of `count` steps (None: not known) under the split `host`
+    (`engine.decode_host`): RuntimeConfig.decode_chunk, or `AUTO_CHUNK` on a GPU and 1 elsewhere where it is None;
+    1 where a step has a bridge (whose calls must run as issued, not as a recorded command buffer) or a host part,
+    or the count is not known."""
+    if not count or (host is not None and (host.bridge is not None or host.computes)):
+        return 1
+    chunk = engine.runtime.decode_chunk
+    if chunk is None:
+        return AUTO_CHUNK if engine.devices.accel.platform == "gpu" else 1
+    return chunk
 
 
 class HostDecode:
@@ -105,10 +122,7 @@ class DeviceDecode:
         self.sampling = sampling
         self.in_flight, self.tokens = [], []
         self.steps_run = 0
-        # steps a program: RuntimeConfig.decode_chunk where no step has a bridge (whose calls must run as issued,
-        # not as a recorded command buffer) and the steps to come are known
-        chunks = self.host is None or (self.host.bridge is None and not self.host.computes)
-        self.chunk, self.count = (e.runtime.decode_chunk if chunks and count else 1), count
+        self.chunk, self.count = chunk_steps(e, self.host, count), count
         self.chunk_left = 0  # steps of the chunk in flight still to be called: they run nothing
 
     def _fill_pool(self) -> None:

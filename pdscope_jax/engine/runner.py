@@ -388,13 +388,14 @@ class OffloadRunner:
         ids = np.zeros((batch, prompt_len), np.int32)
         params, _ = sampling_params(0.0, None, 0)
         # decode chunks are sized by the steps to come: warm the real run's count, so its chunks compile here
-        tokens = new_tokens if self.runtime.decode_chunk > 1 else WARMUP_TOKENS
+        chunked = decode.chunk_steps(self, self.decode_host(batch), new_tokens - 1) > 1
+        tokens = new_tokens if chunked else WARMUP_TOKENS
         self.decode_trials.pop(batch, None)  # so that this compiles the executor `decode.choose` takes untried
         for _ in self._steps(ids, tokens, params, cache_tokens=new_tokens):
             pass
         # the trial's longer run fits the cache; chunked steps are the device executor's alone: no trial
         steps = min(self.runtime.decode_trial, new_tokens - decode_trial.COMPILE_TOKENS)
-        if (steps > 0 and self.runtime.decode_chunk == 1 and self.planner.chooses_decode_mode
+        if (steps > 0 and not chunked and self.planner.chooses_decode_mode
                 and decode.choose(self, batch, steps) is decode.DeviceDecode):
             self.decode_trials[batch] = decode_trial.trial(self, batch, prompt_len, new_tokens, steps)
         self.precompile_routed()

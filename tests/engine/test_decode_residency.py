@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pdscope_jax.engine import device_decode, pool_table
-from pdscope_jax.runtime import select_devices
+from pdscope_jax.runtime import RuntimeConfig, select_devices
 from test_device_decode import D, F, _pool
 from test_offload_engine import Reference, _slots
 
@@ -104,3 +104,20 @@ def test_steps_that_copy_their_misses_decode_in_chunks_too(ds):
     stats, one = runner.stats["decode"], single.stats["decode"]
     for key in ("device_steps", "activated", "hits", "experts_loaded_now", "bytes_moved"):
         assert stats[key] == one[key], key
+
+
+def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere():
+    from types import SimpleNamespace
+
+    from pdscope_jax.engine.decode import AUTO_CHUNK, chunk_steps
+
+    def engine(platform, chunk=None):
+        return SimpleNamespace(runtime=RuntimeConfig(decode_chunk=chunk),
+                               devices=SimpleNamespace(accel=SimpleNamespace(platform=platform)))
+
+    assert chunk_steps(engine("gpu"), None, 63) == AUTO_CHUNK == 32
+    assert chunk_steps(engine("gpu"), device_decode.EVERY_RESIDENT, 63) == 32
+    assert chunk_steps(engine("cpu"), None, 63) == 1
+    assert chunk_steps(engine("cpu", 4), None, 63) == chunk_steps(engine("gpu", 4), None, 63) == 4
+    assert chunk_steps(engine("gpu"), None, None) == 1  # the steps to come unknown (a batch's session)
+    assert chunk_steps(engine("gpu"), device_decode.HostExperts(0.5), 63) == 1  # the host computes a part
