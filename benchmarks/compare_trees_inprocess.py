@@ -152,8 +152,9 @@ def run(args, report: dict) -> dict:
         for name, module in order:  # loaded, and warmed up, in this order
             check_host_memory(name, per_tree)
             start = time.perf_counter()
+            quantized = {} if args.quantize is None else {"quantize": args.quantize}
             trees[name] = module.load(args.model, weights="random", seed=0, dtype=args.dtype,
-                                      policy=args.policies[0], **runtime)
+                                      policy=args.policies[0], **quantized, **runtime)
             report["load_seconds"][name] = round(time.perf_counter() - start, 1)
             per_tree = per_tree or psutil.Process().memory_info().rss - rss_start
             print(f"loaded {name} ({module.__name__}) in {report['load_seconds'][name]} s", file=sys.stderr,
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--new-commit", default=None, help="the --new-tree's commit, recorded as `commit`")
     ap.add_argument("--model", default="deepseek-v2-lite")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantize", default=None, choices=["int8", "int4"], help="routed experts quantized (both trees)")
     ap.add_argument("--policies", nargs="+", default=["pdscope", "ondemand"])
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[128, 4096])
     ap.add_argument("--new-tokens", type=int, default=32)

@@ -1,0 +1,59 @@
+"""Where an offloaded decode step's GPU time goes: one policy's `generate` traced by jax's profiler.
+
+Loads `--model` with seeded random weights under `--policy` at `--gpu-memory` / `--expert-pool` (`--quantize` for
+int8 / int4 experts; a bare `--policy plain` loads the whole model, no budget), runs one warm-up `generate` of
+`--tokens` new tokens after a `--prompt`-token prompt (it compiles and warms every program), `--repeats` timed
+ones, then one more under jax's profiler. Its Perfetto trace goes to `--trace DIR` (`POLICY[_QUANT].trace.json.gz`)
+and its summary (`trace_summary.summarize`: kernels a step, busy and idle ms a step, the kernel kinds taking most
+time) into the record, beside the decode tok/s of the timed runs. The profiler slows the launching thread: compare
+traces with each other, not with untraced tok/s.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py --trace DIR [--out F]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import pdscope_jax
+from _common import emit, perfetto_trace, probe_result, timed_generations, whole_model_parser
+from trace_summary import summarize
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = whole_model_parser(__doc__.splitlines()[0])
+    parser.add_argument("--policy", default="pdscope", help="a planner name, or 'plain' for the whole model")
+    parser.add_argument("--quantize", default=None, choices=[None, "int8", "int4"])
+    parser.add_argument("--gpu-memory", default="24GB")
+    parser.add_argument("--expert-pool", default="8GB")
+    parser.add_argument("--trace", type=Path, required=True)
+    parser.add_argument("--top", type=int, default=30, help="kernel kinds kept in the summary")
+    args = parser.parse_args(argv)
+
+    if args.policy == "plain":
+        runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize)
+    else:
+        runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize, policy=args.policy,
+                                  gpu_memory=args.gpu_memory, expert_pool=args.expert_pool)
+    ids = np.random.default_rng(0).integers(0, min(1000, runner.config.vocab_size), (1, args.prompt), dtype=np.int32)
+    record, _ = timed_generations(runner.generate, ids, args.tokens, args.repeats, None)
+    name = args.policy + (f"_{args.quantize}" if args.quantize else "")
+    path = args.trace / f"{name}.trace.json.gz"
+    perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
+    summary = summarize(path, args.top) if path.exists() else {"trace": None}
+    record.pop("tokens")
+    emit(records := [], {"policy": args.policy, "quantize": args.quantize, **record,
+                         "trace_summary": summary})
+    devices = argparse.Namespace(accel=jax.devices()[0])
+    return probe_result("an offloaded decode step traced (random weights)", devices, records, args.out,
+                        model=args.model, weights="random (seeded, seed 0)", prompt=args.prompt, tokens=args.tokens,
+                        gpu_memory=args.gpu_memory, expert_pool=args.expert_pool,
+                        xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+if __name__ == "__main__":
+    main()
