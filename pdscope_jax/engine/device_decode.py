@@ -42,7 +42,7 @@ from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
 from pdscope_jax.kernels import host_experts
-from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, stacked_experts_ffn, weighted_sum
+from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, slots_experts_ffn, stacked_experts_ffn, weighted_sum
 from pdscope_jax.engine.programs import dense_layer, moe_route, next_layer_picks
 from pdscope_jax.engine.pool_table import PoolTable, slot_count
 from pdscope_jax.store.expert_store import pull_traced
@@ -276,14 +276,18 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
             copied = copied | early
         elif host.computes:
             h, picks, pending = _host_begin(host, m, h, host_ids, host_coef, picks)
-        if not host.copies:  # nothing to copy: every row from the pool, with no conditional
-            pulled = _take(banks, resident)
         n_miss = jnp.sum(copied, dtype=jnp.int32)
-    if pulled is None:  # the program copies the misses itself
-        pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
-    gate_ups, downs = pulled
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
-    outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
+    if host is not None and not host.copies and len(banks) == 1:  # every row from the pool's slots where they
+        # lie: no conditional, no gathered copy
+        outputs = slots_experts_ffn(rows, *banks[0], resident)
+    else:
+        if pulled is None and host is not None and not host.copies:  # nothing to copy, two banks: gathered
+            pulled = _take(banks, resident)
+        if pulled is None:  # the program copies the misses itself
+            pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
+        gate_ups, downs = pulled
+        outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
         pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
         on_gpu = jnp.any(chose & ~on_cpu[:, None, None], axis=0)

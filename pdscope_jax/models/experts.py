@@ -12,7 +12,9 @@ Contract:
   `out_dtype` (default x's dtype; the offload engine asks for float32 and rounds once after adding the CPU part).
 - `picked_experts_ffn(x [A,D], gate_up, down, picks [A])`: row a through expert picks[a] of the stacks (the gather
   path); `stacked_experts_ffn(rows [U,N,D], gate_ups [U,..], downs [U,..])`: rows[u] through expert u (device
-  decode's gathered picks). On a CUDA GPU both run the `kernels.gather_matvec` kernel, reading weights in place.
+  decode's gathered picks); `slots_experts_ffn(rows, gate_up [S,..], down [S,..], slots [U])`: rows[u] through slot
+  slots[u] (device decode's picks in the pool). On a CUDA GPU all three run the `kernels.gather_matvec` kernel,
+  reading weights in place.
 - `weighted_sum(y [N,K,D], weights [N,K], valid [N,K]) -> [N,D] float32`: the sum over k of the few-assignment
   path, in k order; the device decode program sums with it too, so both reduce in the same order and dtypes.
 - Weights may be `quant.formats.QuantizedWeight`s (routed experts stored int8 / int4): every path dequantizes
@@ -82,18 +84,30 @@ def stacked_experts_ffn(rows: jax.Array, gate_ups: jax.Array, downs: jax.Array) 
     """expert_ffn(rows[u], gate_ups[u], downs[u]) for every u: rows [U, N, D], gate_ups [U, D, 2F], downs [U, F, D]
     -> [U, N, D] in rows' dtype (device decode's picks, their weights already gathered); the kernel as in
     `picked_experts_ffn`."""
+    return _rows_through(rows, gate_ups, downs, jnp.arange(rows.shape[0], dtype=jnp.int32), gathered=False)
+
+
+def slots_experts_ffn(rows: jax.Array, gate_up: jax.Array, down: jax.Array, slots: jax.Array) -> jax.Array:
+    """expert_ffn(rows[u], gate_up[slots[u]], down[slots[u]]) for every u: rows [U, N, D], stacks [S, D, 2F] /
+    [S, F, D], slots [U] int32 in [0, S) -> [U, N, D] in rows' dtype. On a CUDA GPU the kernel reads each slot's
+    weights where they lie (no gathered copy); elsewhere XLA multiplies a gathered copy of each slot's."""
+    return _rows_through(rows, gate_up, down, slots, gathered=True)
+
+
+def _rows_through(rows, gate_up, down, slots, gathered: bool):
     u, n, d = rows.shape
 
-    def batched(rows, gate_ups, downs):
-        return jax.vmap(expert_ffn)(rows, gate_ups, downs)
+    def batched(rows, gate_up, down, slots):
+        if gathered:
+            gate_up, down = (jax.tree.map(lambda a: a[slots], w) for w in (gate_up, down))
+        return jax.vmap(expert_ffn)(rows, gate_up, down)
 
-    def in_place(rows, gate_ups, downs):
-        picks = jnp.repeat(jnp.arange(u, dtype=jnp.int32), n)
-        return _ffn_in_place(rows.reshape(u * n, d), gate_ups, downs, picks).reshape(u, n, d)
+    def in_place(rows, gate_up, down, slots):
+        return _ffn_in_place(rows.reshape(u * n, d), gate_up, down, jnp.repeat(slots, n)).reshape(u, n, d)
 
-    if not _kernel_takes(u * n, gate_ups, downs):
-        return batched(rows, gate_ups, downs)
-    return gather_matvec.on_gpu(in_place, batched, rows, gate_ups, downs)
+    if not _kernel_takes(u * n, gate_up, down):
+        return batched(rows, gate_up, down, slots)
+    return gather_matvec.on_gpu(in_place, batched, rows, gate_up, down, slots)
 
 
 def weighted_sum(y: jax.Array, weights: jax.Array, valid: jax.Array) -> jax.Array:

@@ -174,6 +174,27 @@ def test_quantized_expert_paths_agree_with_xla(scheme, kernel_everywhere):
     assert ex._kernel_takes(4, gate_up, down)
     xla = jax.vmap(lambda xa, gu, dn: ex.expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks], down[picks])
     assert rel(ex.picked_experts_ffn(x, gate_up, down, picks), xla) < 1e-2
+    rows = jnp.asarray(rng.standard_normal((2, 3, d)), jnp.bfloat16)
+    slots = jnp.asarray([3, 1], jnp.int32)
+    taken = [jax.tree.map(lambda a: a[slots], w) for w in (gate_up, down)]
+    assert rel(ex.slots_experts_ffn(rows, gate_up, down, slots), jax.vmap(ex.expert_ffn)(rows, *taken)) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_slots_path_reads_the_named_slots(dtype, kernel_everywhere, monkeypatch):
+    rng = np.random.default_rng(4)
+    d, f, s = 128, 64, 6
+    gate_up = jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, dtype)
+    down = jnp.asarray(rng.standard_normal((s, f, d)) * 0.1, dtype)
+    rows = jnp.broadcast_to(jnp.asarray(rng.standard_normal((2, d)), dtype), (3, 2, d))  # every pick, same rows
+    slots = jnp.asarray([5, 0, 5], jnp.int32)
+    calls, interpreted = [], gm.gather_matvec
+    monkeypatch.setattr(gm, "gather_matvec", lambda *a, **k: calls.append(1) or interpreted(*a, **k))
+    got = ex.slots_experts_ffn(rows, gate_up, down, slots)
+    tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
+    assert calls and got.dtype == dtype
+    assert rel(got, jax.vmap(ex.expert_ffn)(rows, gate_up[slots], down[slots])) < tol
+    assert rel(got[0], got[2]) == 0 and rel(got[0], got[1]) > 0.1  # the slot decides the output
 
 
 @pytest.mark.parametrize("rows,kernel", [(1, True), (4, True), (5, False)])
