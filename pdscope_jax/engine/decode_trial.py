@@ -6,9 +6,9 @@ each, two greedy generations on a prompt of seeded random tokens [batch, prompt_
 `cache_tokens` new tokens (`steps` + 2 at most), one of 2 tokens and one of `steps` + 2, each from the pool
 `set_policy` leaves; the difference of their decode seconds over `steps` is the executor's figure, so what an
 executor does once per decode (the device step's fill of the pool or of its decode bank, its table's upload and
-download) counts in neither. The host-planned programs are compiled first, by a generation of two tokens, then
-what routing decides a run needs (`precompile_routed`); the device program was compiled by the warm-up that calls
-this. `DecodeTrial.executor` is the faster executor; `to_dict()` -> {"chosen": "device" | "host", "ms_per_step":
+download) counts in neither. Every program must be compiled before: the device step's by the warm-up that calls
+this, the host loop's by `compile_host_loop`, and what routing decides either needs by `precompile_routed` (the
+warm-up calls the three in that order, then this). `DecodeTrial.executor` is the faster executor; `to_dict()` -> {"chosen": "device" | "host", "ms_per_step":
 {name: ms}, "steps", "compiled_while_timed"}. The caller restarts the pool and statistics afterwards.
 Why a trial and not the cost table: the two differ in the host's dispatch per layer and the accelerator's cost per
 step, which the table does not hold, and on the benchmark node either may win (docs/MEASUREMENTS.md). Random tokens
@@ -48,10 +48,19 @@ class DecodeTrial:
                 "ms_per_step": {name: round(1e3 * s, 3) for name, s in self.seconds_per_step.items()}}
 
 
+def trial_prompt(engine, batch: int, prompt_len: int) -> np.ndarray:
+    """The trial's prompt: seeded random tokens [batch, prompt_len] (int32)."""
+    return np.random.default_rng(0).integers(0, engine.config.vocab_size, (batch, prompt_len)).astype(np.int32)
+
+
+def compile_host_loop(engine, batch: int, prompt_len: int, cache_tokens: int) -> None:
+    """Compile the host-planned loop's programs for this shape by a generation of two tokens (the caller then
+    compiles what routing decides a run needs, `precompile_routed`, for every shape run so far)."""
+    decode_seconds(engine, trial_prompt(engine, batch, prompt_len), COMPILE_TOKENS, cache_tokens, HostDecode)
+
+
 def trial(engine, batch: int, prompt_len: int, cache_tokens: int, steps: int) -> DecodeTrial:
-    ids = np.random.default_rng(0).integers(0, engine.config.vocab_size, (batch, prompt_len)).astype(np.int32)
-    decode_seconds(engine, ids, COMPILE_TOKENS, cache_tokens, HostDecode)
-    engine.precompile_routed()  # what routing decides a run needs, for the host loop's shapes too
+    ids = trial_prompt(engine, batch, prompt_len)
     seconds, compiled = {}, engine.compiled_programs["total"]
     for name, executor in EXECUTORS.items():
         runs = []

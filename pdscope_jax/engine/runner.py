@@ -395,10 +395,14 @@ class OffloadRunner:
             pass
         # the trial's longer run fits the cache; chunked steps are the device executor's alone: no trial
         steps = min(self.runtime.decode_trial, new_tokens - decode_trial.COMPILE_TOKENS)
-        if (steps > 0 and not chunked and self.planner.chooses_decode_mode
-                and decode.choose(self, batch, steps) is decode.DeviceDecode):
+        trying = (steps > 0 and not chunked and self.planner.chooses_decode_mode
+                  and decode.choose(self, batch, steps) is decode.DeviceDecode)
+        if trying:
+            decode_trial.compile_host_loop(self, batch, prompt_len, new_tokens)
+        self.precompile_routed()  # for both executors' shapes: the trial's timed runs compile nothing
+        if trying:
             self.decode_trials[batch] = decode_trial.trial(self, batch, prompt_len, new_tokens, steps)
-        self.precompile_routed()
+            self.set_policy(self.runtime.policy, self.runtime.policy_options)  # the pool afresh after the trial
         self.warmed_shapes.add(self.program_shape(batch, prompt_len, new_tokens))
         return self.compiled_programs
 

@@ -44,6 +44,15 @@ def test_pdscope_times_both_executors_and_records_them(ds):
     assert device_steps == (ds.new - 1 if trial["chosen"] == "device" else 0)
 
 
+def test_a_warm_up_with_a_trial_precompiles_routed_programs_once(ds, monkeypatch):
+    runner = ds.runner("pdscope", _slots(ds, "double"))
+    calls, precompile = [], runner.precompile_routed
+    monkeypatch.setattr(runner, "precompile_routed", lambda: calls.append(1) or precompile())
+    runner.warmup(1, ds.ids.shape[1], ds.new)
+    assert "1" in runner.stats["decode_trials"] and len(calls) == 1
+    assert runner.stats["decode_trials"]["1"]["compiled_while_timed"] == 0
+
+
 @pytest.mark.parametrize("faster", ["device", "host"])
 def test_decode_runs_the_executor_the_trial_found_faster(ds, monkeypatch, faster):
     runs = _timings(monkeypatch, device=1.0 if faster == "device" else 2.0, host=1.0 if faster == "host" else 2.0)
