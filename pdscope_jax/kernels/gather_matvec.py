@@ -12,7 +12,8 @@ Contract:
   `formats.dequantize` does it (integer times float32 scale, rounded to the compute dtype): its bytes are read
   once, in their stored width.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
-  `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `tiles` (`Tiles`,
+  `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
+  whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
   static) sets how a call cuts its work; by default `tiles_for(N)`, which every supported shape takes.
 - `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU, `ENABLED`
   and `compiles_here()`, `xla_fn(*args)` otherwise (`jax.lax.platform_dependent`: the CPU backend never lowers
@@ -84,6 +85,14 @@ def supported(a: int, k: int, n: int, dtype, scheme=None) -> bool:
     if scheme is not None and scheme.bits == 4:
         return k % 32 == 0 and scheme.group_for(k) in (32, 64)
     return k % _block_k(dtype, scheme, k) == 0
+
+
+def addressable(w) -> bool:
+    """Whether the kernel can address every slot of `w` (an array or a QuantizedWeight): Pallas' Triton lowering
+    offsets an operand with 32-bit integers unless the operand exceeds 4 GiB, so an operand of 2^31 elements or
+    more within 4 GiB (1-byte integers between 2 and 4 GiB: an int4 pool's packed values) would overflow them."""
+    return all(leaf.size < 2**31 or leaf.size * jnp.dtype(leaf.dtype).itemsize > 2**32
+               for leaf in jax.tree.leaves(w))
 
 
 def _splits(a: int, k_blocks: int, n_blocks: int, programs: int = TILES.programs) -> int:
@@ -169,7 +178,7 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tile
     scheme = w.scheme if is_quantized(w) else None
     block_k, block_n = _block_k(w.dtype, scheme, k, tiles), tiles.block_n
     if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n
-            or k % block_k):
+            or k % block_k or not addressable(w)):
         raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {w.shape} {w.dtype}, idx {idx.shape} "
                          f"for {tiles}")
     n_blocks, k_blocks = n // block_n, k // block_k

@@ -60,11 +60,12 @@ def _kernel_takes(rows: int, gate_up, down) -> bool:
             and gather_matvec.supported(rows, f, d, down.dtype, scheme))
 
 
-def _ffn_in_place(x, gate_up, down, picks):
-    """expert_ffn of row a through expert picks[a] of the stacks, by the kernel (rounding where expert_ffn does)."""
+def _ffn_in_place(x, gate_up, down, picks, down_picks=None):
+    """expert_ffn of row a through expert picks[a] of the stacks (down_picks[a] of `down` where given), by the
+    kernel (rounding where expert_ffn does)."""
     h = gather_matvec.gather_matvec(x, gate_up, picks)  # [A, 2F] float32
     act = swiglu(h).astype(down.dtype)
-    return gather_matvec.gather_matvec(act, down, picks).astype(x.dtype)
+    return gather_matvec.gather_matvec(act, down, picks if down_picks is None else down_picks).astype(x.dtype)
 
 
 def picked_experts_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, picks: jax.Array) -> jax.Array:
@@ -90,7 +91,8 @@ def stacked_experts_ffn(rows: jax.Array, gate_ups: jax.Array, downs: jax.Array) 
 def slots_experts_ffn(rows: jax.Array, gate_up: jax.Array, down: jax.Array, slots: jax.Array) -> jax.Array:
     """expert_ffn(rows[u], gate_up[slots[u]], down[slots[u]]) for every u: rows [U, N, D], stacks [S, D, 2F] /
     [S, F, D], slots [U] int32 in [0, S) -> [U, N, D] in rows' dtype. On a CUDA GPU the kernel reads each slot's
-    weights where they lie (no gathered copy); elsewhere XLA multiplies a gathered copy of each slot's."""
+    weights where they lie (no gathered copy), or a gathered copy where its offsets cannot reach every slot
+    (`gather_matvec.addressable`); elsewhere XLA multiplies a gathered copy of each slot's."""
     return _rows_through(rows, gate_up, down, slots, gathered=True)
 
 
@@ -102,8 +104,14 @@ def _rows_through(rows, gate_up, down, slots, gathered: bool):
             gate_up, down = (jax.tree.map(lambda a: a[slots], w) for w in (gate_up, down))
         return jax.vmap(expert_ffn)(rows, gate_up, down)
 
+    def reach(w, slots):  # (weights, each row's slot in them): a gathered copy where the kernel cannot reach a slot
+        if gathered and not gather_matvec.addressable(w):
+            return jax.tree.map(lambda a: a[slots], w), jnp.repeat(jnp.arange(u, dtype=jnp.int32), n)
+        return w, jnp.repeat(slots, n)
+
     def in_place(rows, gate_up, down, slots):
-        return _ffn_in_place(rows.reshape(u * n, d), gate_up, down, jnp.repeat(slots, n)).reshape(u, n, d)
+        (gate_up, picks), (down, down_picks) = reach(gate_up, slots), reach(down, slots)
+        return _ffn_in_place(rows.reshape(u * n, d), gate_up, down, picks, down_picks).reshape(u, n, d)
 
     if not _kernel_takes(u * n, gate_up, down):
         return batched(rows, gate_up, down, slots)

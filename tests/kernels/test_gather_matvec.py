@@ -209,3 +209,32 @@ def test_linear_uses_the_kernel_for_few_rows_only(rows, kernel, kernel_everywher
     assert y.shape == (rows, 1, 128) and bool(calls) == kernel
     assert rel(y, expected) < 1e-6
 
+
+
+def test_addressable_follows_the_lowerings_offset_width():
+    big = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    assert gm.addressable(big((64, 2048, 2816), jnp.bfloat16))  # a layer's stack: 32-bit offsets suffice
+    assert gm.addressable(big((1664, 1408, 2048), jnp.bfloat16))  # over 4 GiB: the lowering offsets in 64 bits
+    assert not gm.addressable(big((1664, 704, 2048), jnp.uint8))  # 2.4e9 elements in 2.4 GB: 32-bit offsets
+    assert not gm.addressable(big((2**30, 2), jnp.bfloat16))  # exactly 4 GiB: still 32-bit
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        jax.eval_shape(gm.gather_matvec, big((1, 128), jnp.bfloat16), big((2**17, 128, 128), jnp.bfloat16),  # 4 GiB
+                       big((1,), jnp.int32))
+    jax.eval_shape(gm.gather_matvec, big((1, 128), jnp.bfloat16), big((2**17 - 1, 128, 128), jnp.bfloat16),
+                   big((1,), jnp.int32))  # one slot less: within the 32-bit offsets
+
+
+def test_slots_path_copies_the_weights_the_kernel_cannot_reach(kernel_everywhere, monkeypatch):
+    rng = np.random.default_rng(5)
+    d, f, s = 128, 64, 6
+    gate_up = jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((s, f, d)) * 0.1, jnp.float32)
+    rows = jnp.asarray(rng.standard_normal((3, 2, d)), jnp.float32)
+    slots = jnp.asarray([4, 0, 2], jnp.int32)
+    shapes = []
+    monkeypatch.setattr(gm, "addressable", lambda w: w.shape[:2] != (s, f))  # the whole `down` out of reach
+    interpreted = gm.gather_matvec
+    monkeypatch.setattr(gm, "gather_matvec", lambda x, w, idx, **k: shapes.append(w.shape) or interpreted(x, w, idx))
+    got = ex.slots_experts_ffn(rows, gate_up, down, slots)
+    assert shapes == [gate_up.shape, (3, f, d)]  # gate_up read in place, down from a copy of the three slots
+    assert rel(got, jax.vmap(ex.expert_ffn)(rows, gate_up[slots], down[slots])) < 1e-6
