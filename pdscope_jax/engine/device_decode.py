@@ -17,7 +17,8 @@ run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt 
   tuple of arrays; `experts[m]`: the m-th MoE layer's experts in pinned host memory, whole-layer stacks (gate_up
   [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks` (the pool, and the decode bank
   while open; the table numbers their slots one after the other). `host`: None (every miss copied) or the
-  `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. Sampling is
+  `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. A step that copies nothing from
+  one bank (a pool of every expert) multiplies the picks' slots where they lie (`slots_experts_ffn`). Sampling is
   `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs,
   model graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated). Its layers
   are nested jitted programs with the MoE position a traced value: layers of one kind trace once.
