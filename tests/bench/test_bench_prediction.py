@@ -11,7 +11,7 @@ from pdscope_jax.presets import preset
 
 def test_bench_records_and_prints_the_prediction_recall_per_phase(tmp_path, capsys):
     slot = preset("tiny-deepseek-v2-lite").expert_bytes(4)
-    argv = ["--model", "tiny-deepseek-v2-lite", "--policies", "fate:host", "pdscope", "greedy:host",
+    argv = ["--model", "tiny-deepseek-v2-lite", "--policies", "fate:host", "pdscope:notrial", "greedy:host",
             "--workload", "uniform", "--predictability", "oracle", "--prompt-lens", "16", "--new-tokens", "3",
             "--repeats", "1", "--warmup", "1", "--gpu-memory", "1GB", "--expert-pool", str(6 * slot),
             "--dtype", "float32", "--out", str(tmp_path)]
@@ -19,7 +19,7 @@ def test_bench_records_and_prints_the_prediction_recall_per_phase(tmp_path, caps
     saved = json.loads(next(tmp_path.glob("*.json")).read_text())
     rows = {r["variant"]: r for r in saved["results"]}
     assert saved["workload_design"]["predictability"] == "oracle"
-    fate, pdscope, greedy = rows["fate:host"], rows["pdscope"], rows["greedy:host"]
+    fate, pdscope, greedy = rows["fate:host"], rows["pdscope:notrial"], rows["greedy:host"]  # the device step: no trial
     assert fate["decode"]["device_steps"] == 0
     assert fate["prefill"]["prediction_recall"] == 1.0 and fate["decode"]["prediction_recall"] == 1.0
     assert pdscope["decode"]["device_steps"] > 0 and pdscope["decode"]["prediction_recall"] is None
@@ -36,5 +36,5 @@ def test_bench_records_and_prints_the_prediction_recall_per_phase(tmp_path, caps
     console.print(report.table(saved["results"]))
     lines = {line.split("│")[1].strip(): line for line in console.export_text().splitlines() if line.count("│") > 3}
     assert "1.000/1.000" in lines["fate:host"]
-    assert "1.000/n/a (device)" in lines["pdscope"]
+    assert "1.000/n/a (device)" in lines["pdscope:notrial"]
     assert "-/-" in lines["greedy:host"]
