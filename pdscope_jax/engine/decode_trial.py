@@ -8,8 +8,9 @@ each, two greedy generations on a prompt of seeded random tokens [batch, prompt_
 executor does once per decode (the device step's fill of the pool or of its decode bank, its table's upload and
 download) counts in neither. Every program must be compiled before: the device step's by the warm-up that calls
 this, the host loop's by `compile_host_loop`, and what routing decides either needs by `precompile_routed` (the
-warm-up calls the three in that order, then this). `DecodeTrial.executor` is the faster executor; `to_dict()` -> {"chosen": "device" | "host", "ms_per_step":
-{name: ms}, "steps", "compiled_while_timed"}. The caller restarts the pool and statistics afterwards.
+warm-up calls the three in that order, then this). `DecodeTrial.executor` is the faster executor; `to_dict()` ->
+{"chosen": "device" | "host", "ms_per_step": {name: ms}, "steps", "compiled_while_timed"}. The caller restarts the
+pool and statistics afterwards.
 Why a trial and not the cost table: the two differ in the host's dispatch per layer and the accelerator's cost per
 step, which the table does not hold, and on the benchmark node either may win (docs/MEASUREMENTS.md). Random tokens
 rather than warm-up's zeros: one token repeated routes to few experts, which would hide the misses that decide.

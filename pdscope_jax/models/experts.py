@@ -70,13 +70,14 @@ def _ffn_in_place(x, gate_up, down, picks, down_picks=None):
 
 def picked_experts_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, picks: jax.Array) -> jax.Array:
     """expert_ffn(x[a], gate_up[picks[a]], down[picks[a]]) for every row a: x [A, D], stacks [S, D, 2F] / [S, F, D],
-    picks [A] int32 in [0, S) -> [A, D] in x's dtype. On a CUDA GPU, for weights of shapes it takes, the
-    gather_matvec kernel reads each pick's weights in place (quantized ones dequantized tile by tile); elsewhere
-    XLA multiplies a gathered copy."""
+    picks [A] int32 in [0, S) -> [A, D] in x's dtype. On a CUDA GPU, for weights of shapes it takes and can address
+    (`gather_matvec.addressable`), the gather_matvec kernel reads each pick's weights in place (quantized ones
+    dequantized tile by tile); elsewhere XLA multiplies a gathered copy."""
     def gathered(x, gate_up, down, picks):
         return jax.vmap(lambda xa, gu, dn: expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks], down[picks])
 
-    if not _kernel_takes(x.shape[0], gate_up, down):
+    if not (_kernel_takes(x.shape[0], gate_up, down) and gather_matvec.addressable(gate_up)
+            and gather_matvec.addressable(down)):
         return gathered(x, gate_up, down, picks)
     return gather_matvec.on_gpu(_ffn_in_place, gathered, x, gate_up, down, picks)
 

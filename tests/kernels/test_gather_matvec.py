@@ -238,3 +238,18 @@ def test_slots_path_copies_the_weights_the_kernel_cannot_reach(kernel_everywhere
     got = ex.slots_experts_ffn(rows, gate_up, down, slots)
     assert shapes == [gate_up.shape, (3, f, d)]  # gate_up read in place, down from a copy of the three slots
     assert rel(got, jax.vmap(ex.expert_ffn)(rows, gate_up[slots], down[slots])) < 1e-6
+
+
+def test_picked_path_keeps_xla_for_weights_out_of_the_kernels_reach(kernel_everywhere, monkeypatch):
+    rng = np.random.default_rng(6)
+    d, f, s = 128, 64, 4
+    gate_up = jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, jnp.float32)
+    down = jnp.asarray(rng.standard_normal((s, f, d)) * 0.1, jnp.float32)
+    x, picks = jnp.asarray(rng.standard_normal((3, d)), jnp.float32), jnp.asarray([3, 0, 3], jnp.int32)
+    calls, interpreted = [], gm.gather_matvec
+    monkeypatch.setattr(gm, "gather_matvec", lambda *a, **k: calls.append(1) or interpreted(*a, **k))
+    monkeypatch.setattr(gm, "addressable", lambda w: w.shape[1] != f)  # `down` out of reach
+    got = ex.picked_experts_ffn(x, gate_up, down, picks)
+    assert not calls  # XLA's path, not a kernel call that would raise
+    assert rel(got, jax.vmap(lambda xa, gu, dn: ex.expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks],
+                                                                                   down[picks])) < 1e-6
