@@ -148,11 +148,11 @@ def run(args, report: dict) -> dict:
         if control is not None:  # right after the old tree: the place in the load order matters (see above)
             order.insert([name for name, _ in order].index("old") + 1, ("control", control))
         trees, report["load_seconds"] = {}, {}
+        quantized = {} if args.quantize is None else {"quantize": args.quantize}  # old trees may lack the argument
         rss_start, per_tree = psutil.Process().memory_info().rss, None
         for name, module in order:  # loaded, and warmed up, in this order
             check_host_memory(name, per_tree)
             start = time.perf_counter()
-            quantized = {} if args.quantize is None else {"quantize": args.quantize}
             trees[name] = module.load(args.model, weights="random", seed=0, dtype=args.dtype,
                                       policy=args.policies[0], **quantized, **runtime)
             report["load_seconds"][name] = round(time.perf_counter() - start, 1)

@@ -164,13 +164,13 @@ class RuntimeConfig:
             problems.append(f"policy: expected a planner name or None, got {self.policy!r}")
         if isinstance(self.policy_options, dict):
             set_("policy_options", tuple(sorted(self.policy_options.items())))
-        for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows", "cpu_threads", "decode_chunk"):
+        optional = ("cpu_threads", "decode_chunk")  # None stands for the default
+        for name in ("prefill_chunk", "max_batch", "max_seq_len", "cpu_min_rows", *optional):
             value = getattr(self, name)
-            if name in ("cpu_threads", "decode_chunk") and value is None:
+            if name in optional and value is None:
                 continue
             if not _is_int(value) or value <= 0:
-                problems.append(f"{name} must be a positive integer"
-                                f"{' or None' if name in ('cpu_threads', 'decode_chunk') else ''}, "
+                problems.append(f"{name} must be a positive integer{' or None' if name in optional else ''}, "
                                 f"got {value!r}")
             else:
                 set_(name, int(value))

@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
     perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
     summary = summarize(path, args.top) if path.exists() else {"trace": None}
     record.pop("tokens")
-    emit(records := [], {"policy": args.policy, "quantize": args.quantize, **record,
-                         "trace_summary": summary})
+    records = []
+    emit(records, {"policy": args.policy, "quantize": args.quantize, **record, "trace_summary": summary})
     devices = argparse.Namespace(accel=jax.devices()[0])
     return probe_result("an offloaded decode step traced (random weights)", devices, records, args.out,
                         model=args.model, weights="random (seeded, seed 0)", prompt=args.prompt, tokens=args.tokens,

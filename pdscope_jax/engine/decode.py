@@ -24,15 +24,14 @@ executor's lag two steps behind); the caller pops what it has taken, so a long d
   dispatched; where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`) it first loads those
   not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
   count in `seconds`, bytes and `experts_placed`. With `chunk_steps` above 1 (RuntimeConfig.decode_chunk; None:
-  `AUTO_CHUNK` on a GPU), steps without a
-  bridge or host part (every miss copied by the program, or EVERY_RESIDENT) and the run's `count` of steps
-  given, the first step of each chunk runs that many steps in one program (`device_decode.decode_chunk`) and the
-  others run nothing; tokens then arrive a chunk late. Its steps count in
-  `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch use, prediction recall (where it
-  copies ahead), gpu_experts and cpu_experts (misses the host computed), not in the time splits. For a batch's
-  ragged rows (`engine.batching`): t may be int32 [B] (each row's
-  input position), `steps` int32 [B] (each row's sampling step at the first step), `active` [B] bool (the rest
-  route to no expert and count as no token).
+  `AUTO_CHUNK` on a GPU), steps without a bridge or host part (every miss copied by the program, or
+  EVERY_RESIDENT) and the run's `count` of steps given, the first step of each chunk runs that many steps in one
+  program (`device_decode.decode_chunk`) and the others run nothing; tokens then arrive a chunk late. Its steps
+  count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch use, prediction recall
+  (where it copies ahead), gpu_experts and cpu_experts (misses the host computed), not in the time splits. For a
+  batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's input position), `steps` int32 [B]
+  (each row's sampling step at the first step), `active` [B] bool (the rest route to no expert and count as no
+  token).
 """
 
 from __future__ import annotations

@@ -278,14 +278,14 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
         elif host.computes:
             h, picks, pending = _host_begin(host, m, h, host_ids, host_coef, picks)
         n_miss = jnp.sum(copied, dtype=jnp.int32)
+    copies_nothing = host is not None and not host.copies  # every row from the pool, with no conditional
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
-    if host is not None and not host.copies and len(banks) == 1:  # every row from the pool's slots where they
-        # lie: no conditional, no gathered copy
+    if copies_nothing and len(banks) == 1:  # the slots read where they lie: no gathered copy
         outputs = slots_experts_ffn(rows, *banks[0], resident)
     else:
-        if pulled is None and host is not None and not host.copies:  # nothing to copy, two banks: gathered
+        if copies_nothing:  # two banks: the picks gathered from both
             pulled = _take(banks, resident)
-        if pulled is None:  # the program copies the misses itself
+        elif pulled is None:  # the program copies the misses itself
             pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
         gate_ups, downs = pulled
         outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
@@ -301,7 +301,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
     hit = valid & ~miss
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
-    if host is not None and not host.copies:  # nothing enters the pool: no victims, no writes (each would read
+    if copies_nothing:  # nothing enters the pool: no victims, no writes (each would read
         # every pick's weights), only the hits' worth changes
         slot_of, owner, evictions = table.slot_of, table.owner, 0
         keep = table.keep.at[parked].set(worth, mode="drop")

@@ -178,9 +178,12 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tile
     scheme = w.scheme if is_quantized(w) else None
     block_k, block_n = _block_k(w.dtype, scheme, k, tiles), tiles.block_n
     if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n
-            or k % block_k or not addressable(w)):
+            or k % block_k):
         raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {w.shape} {w.dtype}, idx {idx.shape} "
                          f"for {tiles}")
+    if not addressable(w):
+        raise ValueError(f"gather_matvec: unsupported shapes w {w.shape} {w.dtype}: 2^31 elements or more within "
+                         f"4 GiB lie past the kernel's 32-bit offsets; pass a gathered copy of the rows' slots")
     n_blocks, k_blocks = n // block_n, k // block_k
     splits = _splits(a, k_blocks, n_blocks, tiles.programs)
     steps = k_blocks // splits

@@ -86,7 +86,7 @@ def stacked_experts_ffn(rows: jax.Array, gate_ups: jax.Array, downs: jax.Array) 
     """expert_ffn(rows[u], gate_ups[u], downs[u]) for every u: rows [U, N, D], gate_ups [U, D, 2F], downs [U, F, D]
     -> [U, N, D] in rows' dtype (device decode's picks, their weights already gathered); the kernel as in
     `picked_experts_ffn`."""
-    return _rows_through(rows, gate_ups, downs, jnp.arange(rows.shape[0], dtype=jnp.int32), gathered=False)
+    return _rows_through(rows, gate_ups, downs, jnp.arange(rows.shape[0], dtype=jnp.int32), by_slot=False)
 
 
 def slots_experts_ffn(rows: jax.Array, gate_up: jax.Array, down: jax.Array, slots: jax.Array) -> jax.Array:
@@ -94,19 +94,21 @@ def slots_experts_ffn(rows: jax.Array, gate_up: jax.Array, down: jax.Array, slot
     [S, F, D], slots [U] int32 in [0, S) -> [U, N, D] in rows' dtype. On a CUDA GPU the kernel reads each slot's
     weights where they lie (no gathered copy), or a gathered copy where its offsets cannot reach every slot
     (`gather_matvec.addressable`); elsewhere XLA multiplies a gathered copy of each slot's."""
-    return _rows_through(rows, gate_up, down, slots, gathered=True)
+    return _rows_through(rows, gate_up, down, slots, by_slot=True)
 
 
-def _rows_through(rows, gate_up, down, slots, gathered: bool):
+def _rows_through(rows, gate_up, down, slots, by_slot: bool):
+    """rows[u] through expert slots[u] of the stacks; `by_slot` False: the stacks hold exactly the U picks, in
+    order (slots = arange(U)), so XLA's path multiplies them as they are, with no gather."""
     u, n, d = rows.shape
 
     def batched(rows, gate_up, down, slots):
-        if gathered:
+        if by_slot:
             gate_up, down = (jax.tree.map(lambda a: a[slots], w) for w in (gate_up, down))
         return jax.vmap(expert_ffn)(rows, gate_up, down)
 
     def reach(w, slots):  # (weights, each row's slot in them): a gathered copy where the kernel cannot reach a slot
-        if gathered and not gather_matvec.addressable(w):
+        if by_slot and not gather_matvec.addressable(w):
             return jax.tree.map(lambda a: a[slots], w), jnp.repeat(jnp.arange(u, dtype=jnp.int32), n)
         return w, jnp.repeat(slots, n)
 
