@@ -8,9 +8,10 @@ Contract:
 - `gather_matvec(x [A, K], w [S, K, N], idx [A] int32) -> float32 [A, N]`: row a is x[a] @ w[idx[a]], products
   of x's values rounded to w's (compute) dtype, summed in float32 (as `jnp.dot(x.astype(dtype), dense(w[idx[a]]),
   preferred_element_type=float32)` computes them, up to the order of the sum). idx must lie in [0, S). w is a
-  bf16/f16/f32 array or an int8 / int4 `quant.formats.QuantizedWeight`, dequantized tile by tile as
-  `formats.dequantize` does it (integer times float32 scale, rounded to the compute dtype): its bytes are read
-  once, in their stored width.
+  bf16/f16/f32 array or an int8 / int4 `quant.formats.QuantizedWeight`, read once in its stored width: x times
+  the integers summed in float32 per scale (a column's, an int4 group's), then times that scale. So quantized
+  weights count at their exact values `w.dequantize(float32)`, where XLA's paths round them to the compute dtype
+  first (bf16: the two differ by that rounding; float32: by the order of the sums only).
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
   whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
@@ -96,16 +97,17 @@ def addressable(w) -> bool:
 
 
 def _splits(a: int, k_blocks: int, n_blocks: int, programs: int = TILES.programs) -> int:
-    """Parts K is cut into: the largest power of two dividing the K blocks that keeps the grid near `programs`
-    programs (more programs, more weight bytes in flight)."""
-    splits = 1
-    while (k_blocks % (2 * splits) == 0 and a * n_blocks * splits * 2 <= programs):
-        splits *= 2
-    return splits
+    """Parts K is cut into: the largest divisor of the K blocks that keeps the grid within `programs` programs (more
+    programs, more weight bytes in flight). Any divisor, not only powers of two: K blocks of few factors of two
+    (an int4 down projection's 22 groups) would otherwise leave the grid a tenth of its target."""
+    cap = max(programs // (a * n_blocks), 1)
+    return max(d for d in range(1, min(k_blocks, cap) + 1) if k_blocks % d == 0)
 
 
-def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, steps: int, dtype):
-    """Dense weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K."""
+def _kernel(idx_ref, x_ref, w_ref, *rest, block_k: int, block_n: int, steps: int, dtype):
+    """Dense or int8 weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K; int8
+    (`rest` = scale_ref, o_ref) multiplies the sums by each column's float32 scale once, at the end."""
+    *scale_ref, o_ref = rest
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
@@ -116,40 +118,16 @@ def _kernel(idx_ref, x_ref, w_ref, o_ref, *, block_k: int, block_n: int, steps: 
         wb = w_ref[slot, pl.ds(start, block_k), cols].astype(F32)  # [BK, BN]: rows of BN contiguous values
         return acc + jnp.sum(xb[:, None] * wb, axis=0)
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
-
-
-def _rounded(v: jax.Array, dtype) -> jax.Array:
-    """float32 v rounded to `dtype` (to nearest, ties to even) and held in float32. For bf16 by integer
-    arithmetic on the bits, which no compiler folds away (XLA drops a float32 -> bf16 -> float32 round trip as
-    excess precision); v must be finite."""
-    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
-        return v.astype(dtype).astype(F32)
-    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
-    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
-    return jax.lax.bitcast_convert_type(bits, F32)
-
-
-def _kernel_int8(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, block_k: int, block_n: int, steps: int, dtype):
-    """int8 weights with one float32 scale per column: each tile dequantized (q * scale, rounded to dtype)."""
-    a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    slot = idx_ref[a]
-    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
-    scale = scale_ref[slot, 0, cols].astype(F32)  # [BN]
-
-    def body(i, acc):
-        start = pl.multiple_of((s * steps + i) * block_k, block_k)
-        xb = x_ref[a, pl.ds(start, block_k)].astype(dtype).astype(F32)
-        wb = _rounded(q_ref[slot, pl.ds(start, block_k), cols].astype(F32) * scale[None, :], dtype)
-        return acc + jnp.sum(xb[:, None] * wb, axis=0)
-
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
+    o_ref[...] = acc * scale_ref[0][slot, 0, cols].astype(F32) if scale_ref else acc
 
 
 def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, group: int, block_n: int, steps: int,
                  dtype):
     """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows:
-    a tile is one group; x comes split into its even and odd elements, so each nibble meets its own x."""
+    a tile is one group; x comes split into its even and odd elements, so each nibble meets its own x. A group's
+    sums of x times the integers are multiplied by its scales once (few operations a byte: the kernel reads
+    a quarter of bf16's bytes, and would otherwise be bound by its arithmetic)."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
@@ -159,13 +137,11 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, gro
         g = s * steps + i
         start = pl.multiple_of(g * half, half)
         packed = q_ref[slot, pl.ds(start, half), cols].astype(jnp.int32)  # [G/2, BN], 0..255
-        low = jnp.where(packed & 8, (packed & 15) - 16, packed & 15).astype(F32)  # sign-extended nibbles
-        high = jnp.where(packed & 128, (packed >> 4) - 16, packed >> 4).astype(F32)
-        scale = scale_ref[slot, g, cols].astype(F32)[None, :]  # [1, BN]
-        w_even, w_odd = _rounded(low * scale, dtype), _rounded(high * scale, dtype)
+        low = ((packed << 28) >> 28).astype(F32)  # arithmetic shifts sign-extend each nibble
+        high = ((packed << 24) >> 28).astype(F32)
         xe = x_even_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
         xo = x_odd_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
-        return acc + jnp.sum(xe * w_even + xo * w_odd, axis=0)
+        return acc + jnp.sum(xe * low + xo * high, axis=0) * scale_ref[slot, g, cols].astype(F32)
 
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
@@ -192,7 +168,7 @@ def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tile
     if scheme is None:
         kernel, operands = functools.partial(_kernel, block_k=block_k, **cut), (x, w)
     elif scheme.bits == 8:
-        kernel, operands = functools.partial(_kernel_int8, block_k=block_k, **cut), (x, w.q, w.scale)
+        kernel, operands = functools.partial(_kernel, block_k=block_k, **cut), (x, w.q, w.scale)
     else:
         kernel = functools.partial(_kernel_int4, group=block_k, **cut)
         operands = (x[:, 0::2], x[:, 1::2], w.q, w.scale)

@@ -18,7 +18,9 @@ Contract:
 - `weighted_sum(y [N,K,D], weights [N,K], valid [N,K]) -> [N,D] float32`: the sum over k of the few-assignment
   path, in k order; the device decode program sums with it too, so both reduce in the same order and dtypes.
 - Weights may be `quant.formats.QuantizedWeight`s (routed experts stored int8 / int4): every path dequantizes
-  the experts it reads inside the program (quantized pools always take the tiled path, never ragged_dot).
+  the experts it reads inside the program (quantized pools always take the tiled path, never ragged_dot); XLA's
+  paths round the dequantized weights to the compute dtype, the kernel uses their exact values (bf16: the two
+  differ by that rounding).
 - `grouped_tiles` sizes the tiled path; the offload budget (`store.budget`) counts its activations with it.
 Pure jax functions of their arguments: no parameters, no state.
 """
@@ -72,7 +74,7 @@ def picked_experts_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, picks:
     """expert_ffn(x[a], gate_up[picks[a]], down[picks[a]]) for every row a: x [A, D], stacks [S, D, 2F] / [S, F, D],
     picks [A] int32 in [0, S) -> [A, D] in x's dtype. On a CUDA GPU, for weights of shapes it takes and can address
     (`gather_matvec.addressable`), the gather_matvec kernel reads each pick's weights in place (quantized ones
-    dequantized tile by tile); elsewhere XLA multiplies a gathered copy."""
+    at their exact values); elsewhere XLA multiplies a gathered copy."""
     def gathered(x, gate_up, down, picks):
         return jax.vmap(lambda xa, gu, dn: expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks], down[picks])
 

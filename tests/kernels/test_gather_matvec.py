@@ -18,9 +18,9 @@ from tests.kernels.ffn_reference import rel
 
 
 def reference(x, w, idx):
-    """float64 x[a] (rounded to w's dtype) @ w[idx[a]] (quantized: its dequantized values in the compute dtype)."""
+    """float64 x[a] (rounded to w's dtype) @ w[idx[a]] (quantized: its exact values, dequantized in float32)."""
     xw = np.asarray(jnp.asarray(x).astype(w.dtype).astype(jnp.float32), np.float64)
-    dense = w.dequantize() if isinstance(w, QuantizedWeight) else jnp.asarray(w)
+    dense = w.dequantize(jnp.float32) if isinstance(w, QuantizedWeight) else jnp.asarray(w)
     wf = np.asarray(dense.astype(jnp.float32), np.float64)
     return np.einsum("ak,akn->an", xw, wf[np.asarray(idx)])
 
@@ -49,6 +49,13 @@ def test_quantized_weights_match_their_dequantized_product(scheme, k):
         return
     got = gm.gather_matvec(x, w, idx, interpret=True)
     assert rel(got, reference(x, w, idx)) < 1e-6
+
+
+def test_k_is_cut_by_any_divisor_up_to_the_grids_target():
+    assert gm._splits(6, 22, 16) == 22  # an int4 down projection's 22 groups: 2,112 programs, not 192
+    assert gm._splits(6, 32, 22) == 16  # a gate_up: the power of two it always took
+    assert gm._splits(6, 22, 16, programs=1000) == 2  # 11 parts would pass the target
+    assert gm._splits(64, 7, 64) == 1  # a grid already over the target is not cut
 
 
 def test_splitting_k_keeps_the_sum():
