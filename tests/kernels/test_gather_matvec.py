@@ -260,3 +260,17 @@ def test_picked_path_keeps_xla_for_weights_out_of_the_kernels_reach(kernel_every
     assert not calls  # XLA's path, not a kernel call that would raise
     assert rel(got, jax.vmap(lambda xa, gu, dn: ex.expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks],
                                                                                    down[picks])) < 1e-6
+
+
+@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+def test_the_kernel_lowers_to_triton_for_cuda_here(scheme):
+    """Cross-lowered for CUDA on this machine (jax.export): every operation the kernel uses has a Triton lowering
+    rule, so a rule Pallas lacks fails in CI, not first on a GPU."""
+    from jax import export
+
+    w = jax.ShapeDtypeStruct((4, 1408, 2048), jnp.bfloat16)
+    w = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
+    x, idx = jax.ShapeDtypeStruct((6, 1408), jnp.bfloat16), jax.ShapeDtypeStruct((6,), jnp.int32)
+    unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    exported = export.export(jax.jit(gm.gather_matvec), platforms=["cuda"], disabled_checks=unchecked)(x, w, idx)
+    assert "xla.gpu.triton" in exported.mlir_module()
