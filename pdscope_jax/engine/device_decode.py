@@ -228,17 +228,22 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
     written, every distinct expert runs in one batched call, and the misses, most worth first, are paired with
     the slots least worth keeping (a hit slot never among them)."""
     num_slots = table.keep.shape[0]
+    copies_nothing = host is not None and not host.copies  # every row from the pool, with no conditional
     if active is not None:
         ids = jnp.where(active[:, None], ids, -1)
-    picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
+    if copies_nothing and ids.shape[0] == 1 and active is None:
+        picks = ids.reshape(-1)  # one row's top-k are distinct; with nothing to copy their order serves
+    else:
+        picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
     valid = picks >= 0
     picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
     slots = table.slot_of[m, picks]
     miss = valid & (slots < 0)
     clock = table.clock + 1
     worth = clock + table.bonus[m, picks]
-    order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
-    picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
+    if not copies_nothing:  # misses first, most worth first: the order they are copied and kept in
+        order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)
+        picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
     resident = jnp.maximum(slots, 0)  # after the misses: hits (and pads) from their slots
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
@@ -278,7 +283,6 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
         elif host.computes:
             h, picks, pending = _host_begin(host, m, h, host_ids, host_coef, picks)
         n_miss = jnp.sum(copied, dtype=jnp.int32)
-    copies_nothing = host is not None and not host.copies  # every row from the pool, with no conditional
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
     if copies_nothing and len(banks) == 1:  # the slots read where they lie: no gathered copy
         outputs = slots_experts_ffn(rows, *banks[0], resident)
