@@ -12,6 +12,12 @@ Contract:
   the integers summed in float32 per scale (a column's, an int4 group's), then times that scale. So quantized
   weights count at their exact values `w.dequantize(float32)`, where XLA's paths round them to the compute dtype
   first (bf16: the two differ by that rounding; float32: by the order of the sums only).
+- `matvec_parts(x, w, idx) -> float32 [P, A, N]`: the same products left in the P parts K is cut into (their sum
+  over P is gather_matvec's); w may be a pair (w1, w2) of dense weights of one shape: [P, A, 2N], w1's columns
+  first (a gate and an up projection read by one call). `swiglu_matvec(h_parts [P', A, 2K], w [S, K, N], idx)
+  -> float32 [A, N]`: row a is swiglu(sum over P' of h_parts[:, a]) rounded to w's dtype, times w[idx[a]] (the
+  activation computed where the down projection reads it: no kernel between the two calls; int4 weights get it
+  from XLA). An expert's FFN is these two calls.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
   whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
@@ -36,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pdscope_jax.kernels.expert_math import swiglu
 from pdscope_jax.quant.formats import is_quantized, quantize
 
 F32 = jnp.float32
@@ -104,22 +111,55 @@ def _splits(a: int, k_blocks: int, n_blocks: int, programs: int = TILES.programs
     return max(d for d in range(1, min(k_blocks, cap) + 1) if k_blocks % d == 0)
 
 
-def _kernel(idx_ref, x_ref, w_ref, *rest, block_k: int, block_n: int, steps: int, dtype):
-    """Dense or int8 weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K; int8
-    (`rest` = scale_ref, o_ref) multiplies the sums by each column's float32 scale once, at the end."""
-    *scale_ref, o_ref = rest
+def _rounded(v: jax.Array, dtype) -> jax.Array:
+    """float32 v rounded to `dtype` (to nearest, ties to even) and held in float32. For bf16 by integer
+    arithmetic on the bits, which no compiler folds away (XLA, running the interpreted kernel, would drop a float32
+    -> bf16 -> float32 round trip as excess precision); v must be finite."""
+    if jnp.dtype(dtype) != jnp.dtype(jnp.bfloat16):
+        return v.astype(dtype).astype(F32)
+    bits = jax.lax.bitcast_convert_type(v, jnp.uint32)
+    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    return jax.lax.bitcast_convert_type(bits, F32)
+
+
+def _x_rows(x_ref, a, start, size: int, dtype, act: int) -> jax.Array:
+    """Row a of x, elements [start, start + size), in float32 rounded to dtype. `act` > 0: x_ref holds the K parts
+    of a gate/up product [P, A, 2 * act] (gate columns first) and the elements are swiglu of their sums."""
+    if not act:
+        return x_ref[a, pl.ds(start, size)].astype(dtype).astype(F32)
+    gate = up = 0.0
+    for p in range(x_ref.shape[0]):
+        gate = gate + x_ref[p, a, pl.ds(start, size)]
+        up = up + x_ref[p, a, pl.ds(act + start, size)]
+    return _rounded(jax.nn.silu(gate) * up, dtype)
+
+
+def _kernel(idx_ref, x_ref, *refs, block_k: int, block_n: int, steps: int, dtype, act: int, pair_blocks: int,
+            scaled: bool):
+    """Dense or int8 weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K (x's rows
+    as `_x_rows` gives them). `refs`: the weights (two with `pair_blocks`: column blocks from pair_blocks on read
+    the second), int8's scales when `scaled` (each column's sum times its float32 scale once, at the end), o_ref."""
+    w_refs, scale_ref, o_ref = refs[:-2 if scaled else -1], refs[-2] if scaled else None, refs[-1]
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
-    cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
 
-    def body(i, acc):
-        start = pl.multiple_of((s * steps + i) * block_k, block_k)
-        xb = x_ref[a, pl.ds(start, block_k)].astype(dtype).astype(F32)  # [BK]
-        wb = w_ref[slot, pl.ds(start, block_k), cols].astype(F32)  # [BK, BN]: rows of BN contiguous values
-        return acc + jnp.sum(xb[:, None] * wb, axis=0)
+    def product(w_ref, col_block):
+        cols = pl.ds(pl.multiple_of(col_block * block_n, block_n), block_n)
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
-    o_ref[...] = acc * scale_ref[0][slot, 0, cols].astype(F32) if scale_ref else acc
+        def body(i, acc):
+            start = pl.multiple_of((s * steps + i) * block_k, block_k)
+            xb = _x_rows(x_ref, a, start, block_k, dtype, act)  # [BK]
+            wb = w_ref[slot, pl.ds(start, block_k), cols].astype(F32)  # [BK, BN]: rows of BN contiguous values
+            return acc + jnp.sum(xb[:, None] * wb, axis=0)
+
+        acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
+        o_ref[...] = acc * scale_ref[slot, 0, cols].astype(F32) if scaled else acc
+
+    if len(w_refs) == 1:
+        product(w_refs[0], j)
+    else:  # one program reads one matrix: the branch is the same for all its threads
+        pl.when(j < pair_blocks)(lambda: product(w_refs[0], j))
+        pl.when(j >= pair_blocks)(lambda: product(w_refs[1], j - pair_blocks))
 
 
 def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, group: int, block_n: int, steps: int,
@@ -146,46 +186,69 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, gro
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
-    a, k = x.shape
+def _parts(x, ws: tuple, idx, interpret: bool, tiles: Tiles | None, act: int = 0) -> jax.Array:
+    """K's parts of the rows' products [P, A, N * len(ws)] float32 (their sum over P is the product). ws: one
+    weight, or two dense ones of one shape side by side. x: [A, K], or with `act` = K a gate/up product's parts
+    [P', A, 2K] whose swiglu the rows are (dense and int8 weights)."""
+    w = ws[0]
+    a, k = x.shape[-2], x.shape[-1] // 2 if act else x.shape[-1]
     _, k_w, n = w.shape
     tiles = tiles_for(n) if tiles is None else tiles
     scheme = w.scheme if is_quantized(w) else None
     block_k, block_n = _block_k(w.dtype, scheme, k, tiles), tiles.block_n
-    if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n
-            or k % block_k):
-        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {w.shape} {w.dtype}, idx {idx.shape} "
-                         f"for {tiles}")
-    if not addressable(w):
+    if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n or k % block_k
+            or (len(ws) > 1 and (scheme is not None or any(v.shape != w.shape or v.dtype != w.dtype for v in ws)))
+            or (act and (act != k or x.ndim != 3 or (scheme is not None and scheme.bits == 4)))):
+        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {[v.shape for v in ws]} {w.dtype}, idx "
+                         f"{idx.shape} for {tiles}")
+    if not all(addressable(v) for v in ws):
         raise ValueError(f"gather_matvec: unsupported shapes w {w.shape} {w.dtype}: 2^31 elements or more within "
                          f"4 GiB lie past the kernel's 32-bit offsets; pass a gathered copy of the rows' slots")
     n_blocks, k_blocks = n // block_n, k // block_k
-    splits = _splits(a, k_blocks, n_blocks, tiles.programs)
-    steps = k_blocks // splits
-    dtype = jnp.dtype(w.dtype)
-    cut = dict(block_n=block_n, steps=steps, dtype=dtype)
-    if scheme is None:
-        kernel, operands = functools.partial(_kernel, block_k=block_k, **cut), (x, w)
-    elif scheme.bits == 8:
-        kernel, operands = functools.partial(_kernel, block_k=block_k, **cut), (x, w.q, w.scale)
-    else:
+    splits = _splits(a, k_blocks, n_blocks * len(ws), tiles.programs)
+    cut = dict(block_n=block_n, steps=k_blocks // splits, dtype=jnp.dtype(w.dtype))
+    if scheme is not None and scheme.bits == 4:
         kernel = functools.partial(_kernel_int4, group=block_k, **cut)
         operands = (x[:, 0::2], x[:, 1::2], w.q, w.scale)
+    else:
+        kernel = functools.partial(_kernel, block_k=block_k, act=act, pair_blocks=n_blocks, scaled=scheme is not None,
+                                   **cut)
+        operands = (x, *ws) if scheme is None else (x, w.q, w.scale)
     whole = pl.BlockSpec(memory_space=pl.ANY) if interpret else pl.no_block_spec
     from jax.experimental.pallas import triton as pl_triton
 
-    parts = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((splits, a, n), F32),
-        grid=(a, n_blocks, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, a, n * len(ws)), F32),
+        grid=(a, n_blocks * len(ws), splits),
         in_specs=[whole] * (1 + len(operands)),
         out_specs=pl.BlockSpec((None, None, block_n), lambda i, j, s: (s, i, j)),
         compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        name=kernel_name(tiles),
+        name=kernel_name(tiles) + ("_pair" if len(ws) > 1 else "") + ("_swiglu" if act else ""),
         interpret=interpret,
     )(idx.astype(jnp.int32), *operands)
-    return parts.sum(axis=0) if splits > 1 else parts[0]
+
+
+def _summed(parts: jax.Array) -> jax.Array:
+    return parts.sum(axis=0) if parts.shape[0] > 1 else parts[0]
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
+def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
+    return _summed(_parts(x, (w,), idx, interpret, tiles))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
+def matvec_parts(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
+    return _parts(x, tuple(w) if isinstance(w, (tuple, list)) else (w,), idx, interpret, tiles)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
+def swiglu_matvec(h_parts: jax.Array, w, idx: jax.Array, interpret: bool = False,
+                  tiles: Tiles | None = None) -> jax.Array:
+    if is_quantized(w) and w.scheme.bits == 4:  # the int4 tile takes x split in its even and odd elements
+        return gather_matvec(swiglu(_summed(h_parts)).astype(w.dtype), w, idx, interpret=interpret, tiles=tiles)
+    return _summed(_parts(h_parts, (w,), idx, interpret, tiles, act=h_parts.shape[-1] // 2))
 
 
 @functools.cache
@@ -199,6 +262,8 @@ def compiles_here() -> bool:
         for scheme in (None, "int8", "int4"):
             weights = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
             gather_matvec.lower(x, weights, idx).compile()
+            swiglu_matvec.lower(jax.ShapeDtypeStruct((2, 1, 128), F32), weights, idx).compile()
+        matvec_parts.lower(x, (w, w), idx).compile()
     except Exception as err:  # noqa: BLE001 (any failure of Pallas/Triton here means: use XLA's paths)
         warnings.warn(f"the GPU matvec kernel (pdscope_jax.kernels.gather_matvec) does not compile on this GPU "
                       f"({type(err).__name__}: {str(err)[:300]}); decode runs XLA's paths instead. Set "

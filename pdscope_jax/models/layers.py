@@ -198,15 +198,36 @@ class GQAAttention(nnx.Module):
 
 # ---- MLPs and the MoE block -------------------------------------------------------------------------------
 class DenseMLP(nnx.Module):
-    """SwiGLU MLP with separate gate/up/down projections (dense layers and shared experts)."""
+    """SwiGLU MLP with separate gate/up/down projections (dense layers and shared experts). Products of at most
+    DENSE_KERNEL_MAX_ROWS rows run on a CUDA GPU as two `kernels.gather_matvec` calls where it takes the shapes:
+    gate and up in one call, the activation computed by the down call (gate and up summed in float32 until the
+    activation is rounded, where the three projections' own path rounds each to the model's dtype first)."""
 
     def __init__(self, d: int, f: int, rngs: nnx.Rngs, dtype):
         self.gate_proj = linear(d, f, rngs, dtype)
         self.up_proj = linear(d, f, rngs, dtype)
         self.down_proj = linear(f, d, rngs, dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _projections(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        projections = (self.gate_proj, self.up_proj, self.down_proj)
+        gate, up, down = (p.kernel[...] for p in projections)
+        rows, (d, f) = math.prod(x.shape[:-1]), gate.shape
+        if (rows > DENSE_KERNEL_MAX_ROWS or any(p.bias is not None or p.kernel.dtype != jnp.dtype(p.dtype)
+                                                for p in projections)
+                or not (gather_matvec.supported(rows, d, f, gate.dtype)
+                        and gather_matvec.supported(rows, f, d, down.dtype))):
+            return self._projections(x)
+
+        def in_place(x, gate, up, down):
+            picks = jnp.zeros(rows, jnp.int32)
+            h_parts = gather_matvec.matvec_parts(x.reshape(rows, d), (gate[None], up[None]), picks)
+            y = gather_matvec.swiglu_matvec(h_parts, down[None], picks)
+            return y.astype(self.down_proj.dtype).reshape(*x.shape[:-1], d)
+
+        return gather_matvec.on_gpu(in_place, lambda x, *_: self._projections(x), x, gate, up, down)
 
 
 class Experts(nnx.Module):

@@ -12,7 +12,7 @@ from flax import nnx
 
 from pdscope_jax.kernels import gather_matvec as gm
 from pdscope_jax.models import experts as ex
-from pdscope_jax.models.layers import Linear
+from pdscope_jax.models.layers import DenseMLP, Linear
 from pdscope_jax.quant.formats import QuantizedWeight, quantize
 from tests.kernels.ffn_reference import rel
 
@@ -131,25 +131,38 @@ def test_the_compile_check_works_inside_a_traced_program(monkeypatch):
     @jax.jit
     def stand_in(x, w, idx):  # compiles on the CPU, like the kernel on a GPU
         lowered.append(jax.tree.map(lambda leaf: type(leaf).__name__, (x, w, idx)))
-        return jnp.zeros((x.shape[0], w.shape[-1]), jnp.float32)
+        return jnp.zeros((x.shape[-2], jax.tree.leaves(w)[0].shape[-1]), jnp.float32)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(gm, "gather_matvec", stand_in)
+    for name in KERNEL_CALLS:
+        monkeypatch.setattr(gm, name, stand_in)
     gm.compiles_here.cache_clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert float(jax.jit(lambda v: gm.on_gpu(lambda v: v + 100, lambda v: v + 2, v))(1.0)) == 3.0
-        assert gm.compiles_here() and len(lowered) == 3  # bf16, int8, int4 weights
+        assert gm.compiles_here() and len(lowered) == 7  # bf16, int8, int4 weights; each with the activation; a pair
     finally:
         gm.compiles_here.cache_clear()
 
 
+KERNEL_CALLS = ("gather_matvec", "matvec_parts", "swiglu_matvec")
+
+
 @pytest.fixture
 def kernel_everywhere(monkeypatch):
-    """The kernel paths chosen on any backend, the kernel run by the interpreter: what a GPU would run."""
-    monkeypatch.setattr(gm, "gather_matvec", functools.partial(gm.gather_matvec, interpret=True))
+    """The kernel paths chosen on any backend, the kernel run by the interpreter: what a GPU would run. Gives the
+    list of kernel calls made, as (function, its weights' shapes)."""
+    calls = []
+    for name in KERNEL_CALLS:
+        def interpreted(x, w, idx, _name=name, _kernel=getattr(gm, name), **kwargs):
+            calls.append((_name, tuple(v.shape for v in (w if isinstance(w, (tuple, list)) else (w,)))))
+            kwargs.pop("interpret", None)
+            return _kernel(x, w, idx, interpret=True, **kwargs)
+
+        monkeypatch.setattr(gm, name, interpreted)
     monkeypatch.setattr(gm, "on_gpu", lambda kernel_fn, xla_fn, *args: kernel_fn(*args))
+    return calls
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -188,32 +201,28 @@ def test_quantized_expert_paths_agree_with_xla(scheme, kernel_everywhere):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_slots_path_reads_the_named_slots(dtype, kernel_everywhere, monkeypatch):
+def test_slots_path_reads_the_named_slots(dtype, kernel_everywhere):
     rng = np.random.default_rng(4)
     d, f, s = 128, 64, 6
     gate_up = jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, dtype)
     down = jnp.asarray(rng.standard_normal((s, f, d)) * 0.1, dtype)
     rows = jnp.broadcast_to(jnp.asarray(rng.standard_normal((2, d)), dtype), (3, 2, d))  # every pick, same rows
     slots = jnp.asarray([5, 0, 5], jnp.int32)
-    calls, interpreted = [], gm.gather_matvec
-    monkeypatch.setattr(gm, "gather_matvec", lambda *a, **k: calls.append(1) or interpreted(*a, **k))
     got = ex.slots_experts_ffn(rows, gate_up, down, slots)
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6
-    assert calls and got.dtype == dtype
+    assert kernel_everywhere and got.dtype == dtype
     assert rel(got, jax.vmap(ex.expert_ffn)(rows, gate_up[slots], down[slots])) < tol
     assert rel(got[0], got[2]) == 0 and rel(got[0], got[1]) > 0.1  # the slot decides the output
 
 
 @pytest.mark.parametrize("rows,kernel", [(1, True), (4, True), (5, False)])
-def test_linear_uses_the_kernel_for_few_rows_only(rows, kernel, kernel_everywhere, monkeypatch):
+def test_linear_uses_the_kernel_for_few_rows_only(rows, kernel, kernel_everywhere):
     layer = Linear(256, 128, use_bias=True, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
     layer.bias[...] = jnp.linspace(-1, 1, 128)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((rows, 1, 256)), jnp.float32)
-    calls, interpreted = [], gm.gather_matvec  # the fixture's interpreted kernel
-    monkeypatch.setattr(gm, "gather_matvec", lambda *a, **k: calls.append(1) or interpreted(*a, **k))
     y = layer(x)
     expected = nnx.Linear.__call__(layer, x)
-    assert y.shape == (rows, 1, 128) and bool(calls) == kernel
+    assert y.shape == (rows, 1, 128) and bool(kernel_everywhere) == kernel
     assert rel(y, expected) < 1e-6
 
 
@@ -238,12 +247,10 @@ def test_slots_path_copies_the_weights_the_kernel_cannot_reach(kernel_everywhere
     down = jnp.asarray(rng.standard_normal((s, f, d)) * 0.1, jnp.float32)
     rows = jnp.asarray(rng.standard_normal((3, 2, d)), jnp.float32)
     slots = jnp.asarray([4, 0, 2], jnp.int32)
-    shapes = []
     monkeypatch.setattr(gm, "addressable", lambda w: w.shape[:2] != (s, f))  # the whole `down` out of reach
-    interpreted = gm.gather_matvec
-    monkeypatch.setattr(gm, "gather_matvec", lambda x, w, idx, **k: shapes.append(w.shape) or interpreted(x, w, idx))
     got = ex.slots_experts_ffn(rows, gate_up, down, slots)
-    assert shapes == [gate_up.shape, (3, f, d)]  # gate_up read in place, down from a copy of the three slots
+    # gate_up read in place, down from a copy of the three slots
+    assert kernel_everywhere == [("matvec_parts", (gate_up.shape,)), ("swiglu_matvec", ((3, f, d),))]
     assert rel(got, jax.vmap(ex.expert_ffn)(rows, gate_up[slots], down[slots])) < 1e-6
 
 
@@ -253,11 +260,9 @@ def test_picked_path_keeps_xla_for_weights_out_of_the_kernels_reach(kernel_every
     gate_up = jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, jnp.float32)
     down = jnp.asarray(rng.standard_normal((s, f, d)) * 0.1, jnp.float32)
     x, picks = jnp.asarray(rng.standard_normal((3, d)), jnp.float32), jnp.asarray([3, 0, 3], jnp.int32)
-    calls, interpreted = [], gm.gather_matvec
-    monkeypatch.setattr(gm, "gather_matvec", lambda *a, **k: calls.append(1) or interpreted(*a, **k))
     monkeypatch.setattr(gm, "addressable", lambda w: w.shape[1] != f)  # `down` out of reach
     got = ex.picked_experts_ffn(x, gate_up, down, picks)
-    assert not calls  # XLA's path, not a kernel call that would raise
+    assert not kernel_everywhere  # XLA's path, not a kernel call that would raise
     assert rel(got, jax.vmap(lambda xa, gu, dn: ex.expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks],
                                                                                    down[picks])) < 1e-6
 
@@ -273,4 +278,68 @@ def test_the_kernel_lowers_to_triton_for_cuda_here(scheme):
     x, idx = jax.ShapeDtypeStruct((6, 1408), jnp.bfloat16), jax.ShapeDtypeStruct((6,), jnp.int32)
     unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     exported = export.export(jax.jit(gm.gather_matvec), platforms=["cuda"], disabled_checks=unchecked)(x, w, idx)
+    assert "xla.gpu.triton" in exported.mlir_module()
+
+
+def exact(x, w):
+    """float64 x @ w, x's values rounded to w's dtype first."""
+    return np.asarray(jnp.asarray(x).astype(w.dtype).astype(jnp.float32), np.float64) @ np.asarray(
+        jnp.asarray(w).astype(jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_parts_of_a_pair_sum_to_both_products(dtype):
+    rng = np.random.default_rng(7)
+    gate, up = (jnp.asarray(rng.standard_normal((256, 384)), dtype) for _ in range(2))
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.float32)
+    parts = gm.matvec_parts(x, (gate[None], up[None]), jnp.zeros(2, jnp.int32), interpret=True)
+    assert parts.shape[1:] == (2, 768) and parts.shape[0] > 1  # K cut into parts, gate's columns first
+    summed = np.asarray(parts, np.float64).sum(axis=0)
+    assert rel(summed[:, :384], exact(x, gate)) < 1e-6 and rel(summed[:, 384:], exact(x, up)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,scheme", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.bfloat16, "int8"),
+                                          (jnp.bfloat16, "int4")])
+def test_the_down_call_computes_the_activation(dtype, scheme):
+    """swiglu_matvec: swiglu of the summed parts, rounded to the weights' dtype, times each row's weights."""
+    rng = np.random.default_rng(8)
+    f, n = 192, 256
+    w = jnp.asarray(rng.standard_normal((3, f, n)) * 0.1, dtype)
+    w = w if scheme is None else quantize(w, scheme)
+    h_parts = jnp.asarray(rng.standard_normal((5, 2, 2 * f)), jnp.float32)
+    idx = jnp.asarray([2, 0], jnp.int32)
+    got = gm.swiglu_matvec(h_parts, w, idx, interpret=True)
+    act = ex.swiglu(h_parts.sum(axis=0)).astype(w.dtype)
+    assert got.shape == (2, n) and rel(got, reference(act, w, idx)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_shared_mlp_runs_two_kernel_calls(dtype, kernel_everywhere):
+    """DenseMLP of a few rows: gate and up in one call, the activation in the down call; the projections' own
+    path agrees (bf16: it rounds gate and up to bf16 before the activation)."""
+    mlp = DenseMLP(128, 256, nnx.Rngs(0), dtype)
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 2, 128)), dtype)
+    got = mlp(x)
+    assert [name for name, _ in kernel_everywhere] == ["matvec_parts", "swiglu_matvec"]
+    assert got.shape == x.shape and got.dtype == dtype
+    assert rel(got, mlp._projections(x)) < (1e-2 if dtype == jnp.bfloat16 else 1e-6)
+    kernel_everywhere.clear()
+    mlp(jnp.ones((1, 5, 128), dtype))  # more rows than the kernel takes: XLA's products
+    assert not kernel_everywhere
+
+
+@pytest.mark.parametrize("call", ["pair", "swiglu"])
+def test_the_new_calls_lower_to_triton_for_cuda_here(call):
+    from jax import export
+
+    w = jax.ShapeDtypeStruct((1, 2048, 1408), jnp.bfloat16)
+    idx = jax.ShapeDtypeStruct((1,), jnp.int32)
+    unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    if call == "pair":
+        fn = lambda x, w, idx: gm.matvec_parts(x, (w, w), idx)  # noqa: E731
+        args = (jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16),)
+    else:
+        w = jax.ShapeDtypeStruct((1, 1408, 2048), jnp.bfloat16)
+        fn, args = gm.swiglu_matvec, (jax.ShapeDtypeStruct((32, 1, 2816), jnp.float32),)
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=unchecked)(*args, w, idx)
     assert "xla.gpu.triton" in exported.mlir_module()
