@@ -3,7 +3,8 @@
 Contract:
 - `expert_ffn(x [N,D], gate_up [D,2F], down [F,D]) -> [N,D]` in x's dtype: `(silu(x @ Wg) * (x @ Wu)) @ Wd` with
   gate and up fused (gate columns first); matmuls in the weights' (compute) dtype with float32 accumulation, the
-  activation rounded to down's dtype; quantized weights (`quant.formats.QuantizedWeight`) are dequantized first.
+  activation rounded to down's dtype; quantized weights (`quant.formats.QuantizedWeight`) are dequantized in the
+  program (`quant.formats.matmul`).
 - `swiglu(h [..., 2F]) -> [..., F]`: silu of the gate half times the up half.
 It lives beside the kernels (below `models`) so that a kernel's XLA fallback and the models share it without an
 import cycle; `models.experts` re-exports it. Pure jax functions.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdscope_jax.quant.formats import dense
+from pdscope_jax.quant.formats import matmul
 
 F32 = jnp.float32
 
@@ -25,7 +26,6 @@ def swiglu(h: jax.Array) -> jax.Array:
 
 
 def expert_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array) -> jax.Array:
-    gate_up, down = dense(gate_up), dense(down)
-    h = jnp.dot(x.astype(gate_up.dtype), gate_up, preferred_element_type=F32)  # [N, 2F]
+    h = matmul(x, gate_up)  # [N, 2F] float32
     act = swiglu(h).astype(down.dtype)
-    return jnp.dot(act, down, preferred_element_type=F32).astype(x.dtype)
+    return matmul(act, down).astype(x.dtype)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from pdscope_jax.kernels import gather_matvec
 from pdscope_jax.kernels.expert_math import expert_ffn, swiglu  # noqa: F401 (expert_ffn re-exported)
-from pdscope_jax.quant.formats import dense, is_quantized
+from pdscope_jax.quant.formats import is_quantized, matmul
 
 F32 = jnp.float32
 # combine_experts' paths. Up to GATHER_MAX_ASSIGNMENTS (token, expert) assignments: gather one weight copy per
@@ -212,9 +212,9 @@ def _combine_tiled(x, weights, slots, valid, gate_up, down, tile, max_used_slots
     tile_slot = jnp.minimum(jnp.searchsorted(padded_end, starts, side="right"), num_slots - 1)
     xt = x[rows].reshape(num_tiles, tile, x.shape[1])
     if batched:  # rows of unused tiles carry weight 0, so they need no mask
-        gu, dn = dense(gate_up[tile_slot]), dense(down[tile_slot])  # [T, D, 2F], [T, F, D]
-        h = jnp.einsum("tcd,tdf->tcf", xt.astype(gu.dtype), gu, preferred_element_type=F32)
-        y = jnp.einsum("tcf,tfd->tcd", swiglu(h).astype(dn.dtype), dn, preferred_element_type=F32).astype(x.dtype)
+        gu, dn = gate_up[tile_slot], down[tile_slot]  # [T, D, 2F], [T, F, D]
+        h = matmul(xt, gu)  # [T, tile, 2F] float32
+        y = matmul(swiglu(h).astype(dn.dtype), dn).astype(x.dtype)
     else:
         def one_tile(args):
             xg, slot, live = args

@@ -13,7 +13,8 @@ stored as integers `q` and a `scale`, w ~= dequantize(q, scale):
 dtype static) that indexes, moves (`jax.device_put`), slices and stacks like the dense array it stands for:
 `.shape` and `.dtype` are the dense ones, `w[i]` indexes the leading axes of both leaves, `.nbytes` counts
 the stored bytes. `dense(w)` gives the dense matrix in the compute dtype (w itself when not quantized):
-inside a jitted program the dequantization is part of the program. `quantize(w, scheme)` is pure jax (it runs
+inside a jitted program the dequantization is part of the program; `matmul(x, w)` is x times dense(w), int4 without
+an interleaved copy of the dense matrix. `quantize(w, scheme)` is pure jax (it runs
 where w lies). `SCHEMES` names the schemes; `scheme(name)` raises a ValueError naming them (both defined
 in `pdscope_jax.config`, beside the `expert_quant` that names one, and re-exported here).
 """
@@ -70,6 +71,29 @@ def dense(w):
 
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
+
+
+def matmul(x: jax.Array, w, preferred_element_type=jnp.float32) -> jax.Array:
+    """x [..., K] @ w [..., K, N] (jnp.matmul's broadcasting), x rounded to w's compute dtype: the product with
+    dense(w), accumulated in `preferred_element_type`. int4 multiplies w's even and odd rows as two products of K/2
+    (each half dequantized as `dequantize` does it, without interleaving them, which XLA writes as a copy of the
+    whole matrix) and adds them: equal to the product with dense(w) up to the order of the sum."""
+    if not (is_quantized(w) and w.scheme.bits == 4):
+        wd = dense(w)
+        return jnp.matmul(x.astype(wd.dtype), wd, preferred_element_type=preferred_element_type)
+    b = jax.lax.bitcast_convert_type(w.q, jnp.int8)
+    *lead, half, n = b.shape
+    scale = w.scale.astype(jnp.float32)
+    rows = scale.shape[-2]
+
+    def dequantized(values):  # [..., K/2, N] rows of one parity; a group of G rows holds G/2 of them
+        grouped = values.astype(jnp.float32).reshape(*lead, rows, half // rows, n) * scale[..., :, None, :]
+        return grouped.reshape(*lead, half, n).astype(w.dtype)
+
+    xc = x.astype(w.dtype)
+    low, high = jnp.right_shift(jnp.left_shift(b, 4), 4), jnp.right_shift(b, 4)  # rows 2i and 2i + 1
+    return (jnp.matmul(xc[..., 0::2], dequantized(low), preferred_element_type=preferred_element_type)
+            + jnp.matmul(xc[..., 1::2], dequantized(high), preferred_element_type=preferred_element_type))
 
 
 def unpack_int4(q: jax.Array) -> jax.Array:

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdscope_jax.quant.formats import (SCHEMES, QuantizedWeight, dense, pack_int4, quantize, scheme, unpack_int4,
-                                       zeros)
+from pdscope_jax.quant.formats import (SCHEMES, QuantizedWeight, dense, matmul, pack_int4, quantize, scheme,
+                                       unpack_int4, zeros)
 
 
 def test_int4_packing_round_trips_every_value():
@@ -72,3 +72,27 @@ def test_a_quantized_configs_bytes_need_no_prior_jax_import():
     # gate_up [2048, 2816] and down [1408, 2048]: half a byte per weight, a bfloat16 scale per 64 rows
     assert int(nbytes) == 2048 * 2816 // 2 + 2 * 2048 // 64 * 2816 + 1408 * 2048 // 2 + 2 * 1408 // 64 * 2048
     assert jax_loaded == "False"
+
+
+@pytest.mark.parametrize("name", [None, "int8", "int4"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_is_the_product_with_the_dense_matrix(name, dtype):
+    """quant.formats.matmul: x @ dense(w) in float32, batched as jnp.matmul; int4 through its two halves of rows."""
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((3, 192, 128)), dtype)  # int4: groups of 64, three a matrix
+    w = w if name is None else quantize(w, name)
+    x = jnp.asarray(rng.standard_normal((3, 5, 192)), jnp.float32)
+    got = matmul(x, w)
+    want = np.asarray(x.astype(dtype).astype(jnp.float32), np.float64) @ np.asarray(
+        dense(w).astype(jnp.float32), np.float64)
+    assert got.shape == (3, 5, 128) and got.dtype == jnp.float32
+    assert np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max() < 1e-6
+    assert matmul(x[0], w[0]).shape == (5, 128)  # one matrix
+
+
+def test_int4_matmul_writes_no_interleaved_copy():
+    """The int4 product's program dequantizes the two halves of rows apart: no concatenate of the whole matrix."""
+    w = quantize(jnp.ones((4, 256, 128), jnp.bfloat16), "int4")
+    text = jax.jit(matmul).lower(jnp.ones((4, 8, 256), jnp.bfloat16), w).as_text()
+    assert "concatenate" not in text
+    assert "concatenate" in jax.jit(lambda x, w: x @ dense(w)).lower(jnp.ones((4, 8, 256), jnp.bfloat16), w).as_text()
