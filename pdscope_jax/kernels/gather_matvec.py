@@ -262,8 +262,8 @@ def compiles_here() -> bool:
         for scheme in (None, "int8", "int4"):
             weights = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
             gather_matvec.lower(x, weights, idx).compile()
-            swiglu_matvec.lower(jax.ShapeDtypeStruct((2, 1, 128), F32), weights, idx).compile()
-        matvec_parts.lower(x, (w, w), idx).compile()
+        swiglu_matvec.lower(jax.ShapeDtypeStruct((2, 1, 128), F32), w, idx).compile()  # the activation's loads
+        matvec_parts.lower(x, (w, w), idx).compile()  # a pair's two branches
     except Exception as err:  # noqa: BLE001 (any failure of Pallas/Triton here means: use XLA's paths)
         warnings.warn(f"the GPU matvec kernel (pdscope_jax.kernels.gather_matvec) does not compile on this GPU "
                       f"({type(err).__name__}: {str(err)[:300]}); decode runs XLA's paths instead. Set "
