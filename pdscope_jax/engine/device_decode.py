@@ -227,6 +227,8 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
     pick's weights come out of that copy's program as one array (hits read from their slots) before any slot is
     written, every distinct expert runs in one batched call, and the misses, most worth first, are paired with
     the slots least worth keeping (a hit slot never among them)."""
+    if host is not None and host.every_resident and ids.shape[0] == 1 and active is None:
+        return (*_one_row_every_resident(m, h, weights, ids, banks, table), None)
     num_slots = table.keep.shape[0]
     copies_nothing = host is not None and not host.copies  # every row from the pool, with no conditional
     if active is not None:
@@ -315,6 +317,26 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, jnp.sum(on_cpu), *ahead_counts]
                                       ).astype(jnp.int32)
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed), next_ahead
+
+
+def _one_row_every_resident(m, h, weights, ids, banks, table):
+    """`_routed_experts` of one row where the pool holds every expert (`EVERY_RESIDENT`), in the fewest kernels:
+    the row's top-k are its picks, in k order, every one a hit, so no pick is matched to its k, nothing is counted
+    by a reduction and the sum runs in k order over the outputs as they come. Same outputs, table and counts as
+    the general path. -> (y [1, D] float32, banks, table)."""
+    picks = ids[0]  # [K], distinct
+    slots = table.slot_of[m, picks]
+    rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [K, 1, D]
+    if len(banks) == 1:
+        outputs = slots_experts_ffn(rows, *banks[0], slots)
+    else:
+        outputs = stacked_experts_ffn(rows, *_take(banks, slots))
+    y = weighted_sum(jnp.swapaxes(outputs, 0, 1), weights, jnp.ones_like(weights, dtype=bool))
+    clock = table.clock + 1
+    k = picks.shape[0]
+    counts = table.counts.at[:2].add(k)  # activated, hits
+    return y, banks, PoolTable(table.slot_of, table.owner, table.keep.at[slots].set(clock + table.bonus[m, picks]),
+                               table.bonus, clock, counts, table.routed.at[m, picks].add(1))
 
 
 def _keep_copies(m, table, picks, worth, copied, parked, parts, banks):

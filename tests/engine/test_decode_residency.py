@@ -122,3 +122,26 @@ def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere():
     assert chunk_steps(engine("cpu", 4), None, 63) == chunk_steps(engine("gpu", 4), None, 63) == 4
     assert chunk_steps(engine("gpu"), None, None) == 1  # the steps to come unknown (a batch's session)
     assert chunk_steps(engine("gpu"), device_decode.HostExperts(0.5), 63) == 1  # the host computes a part
+
+
+def test_one_rows_every_resident_layer_is_the_general_layer(experts):
+    """The one-row layer of a pool of every expert (fewest kernels) gives the general path's output, table and
+    counts, and its program holds fewer operations."""
+    resident = {0: 0, 1: 1, 3: 2}
+    devices = select_devices()
+    h = jnp.asarray(np.random.default_rng(3).standard_normal((1, D)).astype(np.float32))
+    weights, ids = jnp.asarray([[0.5, 0.3, 0.2]], jnp.float32), jnp.array([[3, 1, 0]], jnp.int32)
+    general = device_decode.HostExperts(0.0, fill_free=False)  # copies nothing too, through the general path
+    results, sizes = [], []
+    for host in (device_decode.EVERY_RESIDENT, general):
+        pool = _pool(devices, *experts, resident)
+        table = pool_table.upload(pool, (5,), np.arange(4, dtype=np.int32)[None], devices.accel)
+        args = (h, weights, ids, tuple(jnp.asarray(a) for a in experts), pool.banks, table)
+        program = functools.partial(device_decode._routed_experts, 0, host=host)
+        results.append(program(*args))
+        sizes.append(len(jax.make_jaxpr(program)(*args).eqns))
+    (y, _, table, ahead), (y_general, _, table_general, _) = results
+    np.testing.assert_array_equal(y, y_general)
+    for name in ("slot_of", "owner", "keep", "bonus", "clock", "counts", "routed"):
+        np.testing.assert_array_equal(getattr(table, name), getattr(table_general, name), err_msg=name)
+    assert ahead is None and int(table.counts[1]) == 3 and sizes[0] < sizes[1]
