@@ -16,8 +16,8 @@ Contract:
   over P is gather_matvec's); w may be a pair (w1, w2) of dense weights of one shape: [P, A, 2N], w1's columns
   first (a gate and an up projection read by one call). `swiglu_matvec(h_parts [P', A, 2K], w [S, K, N], idx)
   -> float32 [A, N]`: row a is swiglu(sum over P' of h_parts[:, a]) rounded to w's dtype, times w[idx[a]] (the
-  activation computed where the down projection reads it: no kernel between the two calls; int4 weights get it
-  from XLA). An expert's FFN is these two calls.
+  activation computed where the down projection reads it: no kernel between the two calls). An expert's FFN is
+  these two calls.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
   whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
@@ -42,7 +42,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pdscope_jax.kernels.expert_math import swiglu
 from pdscope_jax.quant.formats import is_quantized, quantize
 
 F32 = jnp.float32
@@ -162,12 +161,11 @@ def _kernel(idx_ref, x_ref, *refs, block_k: int, block_n: int, steps: int, dtype
         pl.when(j >= pair_blocks)(lambda: product(w_refs[1], j - pair_blocks))
 
 
-def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, group: int, block_n: int, steps: int,
-                 dtype):
+def _kernel_int4(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, group: int, block_n: int, steps: int, dtype, act: int):
     """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows:
-    a tile is one group; x comes split into its even and odd elements, so each nibble meets its own x. A group's
-    sums of x times the integers are multiplied by its scales once (few operations a byte: the kernel reads
-    a quarter of bf16's bytes, and would otherwise be bound by its arithmetic)."""
+    a tile is one group; its x (as `_x_rows` gives them) is split into even and odd elements in the kernel, so each
+    nibble meets its own. A group's sums of x times the integers are multiplied by its scales once (few operations
+    a byte: the kernel reads a quarter of bf16's bytes, and would otherwise be bound by its arithmetic)."""
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
@@ -175,12 +173,11 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, gro
 
     def body(i, acc):
         g = s * steps + i
-        start = pl.multiple_of(g * half, half)
-        packed = q_ref[slot, pl.ds(start, half), cols].astype(jnp.int32)  # [G/2, BN], 0..255
+        packed = q_ref[slot, pl.ds(pl.multiple_of(g * half, half), half), cols].astype(jnp.int32)  # [G/2, BN]
         low = ((packed << 28) >> 28).astype(F32)  # arithmetic shifts sign-extend each nibble
         high = ((packed << 24) >> 28).astype(F32)
-        xe = x_even_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
-        xo = x_odd_ref[a, pl.ds(start, half)].astype(dtype).astype(F32)[:, None]
+        xg = _x_rows(x_ref, a, pl.multiple_of(g * group, group), group, dtype, act)  # [G]
+        xe, xo = (v.reshape(half, 1) for v in jnp.split(xg.reshape(half, 2), 2, axis=-1))
         return acc + jnp.sum(xe * low + xo * high, axis=0) * scale_ref[slot, g, cols].astype(F32)
 
     o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
@@ -189,7 +186,7 @@ def _kernel_int4(idx_ref, x_even_ref, x_odd_ref, q_ref, scale_ref, o_ref, *, gro
 def _parts(x, ws: tuple, idx, interpret: bool, tiles: Tiles | None, act: int = 0) -> jax.Array:
     """K's parts of the rows' products [P, A, N * len(ws)] float32 (their sum over P is the product). ws: one
     weight, or two dense ones of one shape side by side. x: [A, K], or with `act` = K a gate/up product's parts
-    [P', A, 2K] whose swiglu the rows are (dense and int8 weights)."""
+    [P', A, 2K] whose swiglu the rows are."""
     w = ws[0]
     a, k = x.shape[-2], x.shape[-1] // 2 if act else x.shape[-1]
     _, k_w, n = w.shape
@@ -198,7 +195,7 @@ def _parts(x, ws: tuple, idx, interpret: bool, tiles: Tiles | None, act: int = 0
     block_k, block_n = _block_k(w.dtype, scheme, k, tiles), tiles.block_n
     if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n or k % block_k
             or (len(ws) > 1 and (scheme is not None or any(v.shape != w.shape or v.dtype != w.dtype for v in ws)))
-            or (act and (act != k or x.ndim != 3 or (scheme is not None and scheme.bits == 4)))):
+            or (act and (act != k or x.ndim != 3))):
         raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {[v.shape for v in ws]} {w.dtype}, idx "
                          f"{idx.shape} for {tiles}")
     if not all(addressable(v) for v in ws):
@@ -208,8 +205,7 @@ def _parts(x, ws: tuple, idx, interpret: bool, tiles: Tiles | None, act: int = 0
     splits = _splits(a, k_blocks, n_blocks * len(ws), tiles.programs)
     cut = dict(block_n=block_n, steps=k_blocks // splits, dtype=jnp.dtype(w.dtype))
     if scheme is not None and scheme.bits == 4:
-        kernel = functools.partial(_kernel_int4, group=block_k, **cut)
-        operands = (x[:, 0::2], x[:, 1::2], w.q, w.scale)
+        kernel, operands = functools.partial(_kernel_int4, group=block_k, act=act, **cut), (x, w.q, w.scale)
     else:
         kernel = functools.partial(_kernel, block_k=block_k, act=act, pair_blocks=n_blocks, scaled=scheme is not None,
                                    **cut)
@@ -246,8 +242,6 @@ def matvec_parts(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
 def swiglu_matvec(h_parts: jax.Array, w, idx: jax.Array, interpret: bool = False,
                   tiles: Tiles | None = None) -> jax.Array:
-    if is_quantized(w) and w.scheme.bits == 4:  # the int4 tile takes x split in its even and odd elements
-        return gather_matvec(swiglu(_summed(h_parts)).astype(w.dtype), w, idx, interpret=interpret, tiles=tiles)
     return _summed(_parts(h_parts, (w,), idx, interpret, tiles, act=h_parts.shape[-1] // 2))
 
 

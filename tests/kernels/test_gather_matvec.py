@@ -328,7 +328,7 @@ def test_the_shared_mlp_runs_two_kernel_calls(dtype, kernel_everywhere):
     assert not kernel_everywhere
 
 
-@pytest.mark.parametrize("call", ["pair", "swiglu"])
+@pytest.mark.parametrize("call", ["pair", "swiglu", "swiglu_int4"])
 def test_the_new_calls_lower_to_triton_for_cuda_here(call):
     from jax import export
 
@@ -340,6 +340,8 @@ def test_the_new_calls_lower_to_triton_for_cuda_here(call):
         args = (jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16),)
     else:
         w = jax.ShapeDtypeStruct((1, 1408, 2048), jnp.bfloat16)
+        if call == "swiglu_int4":  # the even and odd elements split in the kernel
+            w = jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), "int4"))
         fn, args = gm.swiglu_matvec, (jax.ShapeDtypeStruct((32, 1, 2816), jnp.float32),)
     exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=unchecked)(*args, w, idx)
     assert "xla.gpu.triton" in exported.mlir_module()
