@@ -253,11 +253,11 @@ def compiles_here() -> bool:
     w = jax.ShapeDtypeStruct((1, 64, BLOCK_N), jnp.bfloat16)
     x, idx = jax.ShapeDtypeStruct((1, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)
     try:
-        for scheme in (None, "int8", "int4"):
+        for scheme in (None, "int8", "int4"):  # every variant a program may hold, so none fails inside one
             weights = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
             gather_matvec.lower(x, weights, idx).compile()
-        swiglu_matvec.lower(jax.ShapeDtypeStruct((2, 1, 128), F32), w, idx).compile()  # the activation's loads
-        matvec_parts.lower(x, (w, w), idx).compile()  # a pair's two branches
+            swiglu_matvec.lower(jax.ShapeDtypeStruct((2, 1, 128), F32), weights, idx).compile()
+        matvec_parts.lower(x, (w, w), idx).compile()
     except Exception as err:  # noqa: BLE001 (any failure of Pallas/Triton here means: use XLA's paths)
         warnings.warn(f"the GPU matvec kernel (pdscope_jax.kernels.gather_matvec) does not compile on this GPU "
                       f"({type(err).__name__}: {str(err)[:300]}); decode runs XLA's paths instead. Set "
