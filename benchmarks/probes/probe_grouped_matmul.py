@@ -6,8 +6,8 @@ offload engine's pool of every expert, the layer's 64 at random slots, as `combi
   tiled        `models.experts.combine_experts` as the model runs it (bf16: the tiled path at these sizes; int4 /
                int8: the project's `QuantizedWeight`s, dequantized per tile);
   xla          sort by slot + `jax.lax.ragged_dot` (gate/up, swiglu, down) + the weighted sum, bf16;
-  tokamax      the same with `tokamax.ragged_dot(implementation="mosaic")` (Pallas Mosaic GPU kernels; on an H100 /
-               H200 the sm90 kernel); with `--quant int4 | int8` the right-hand sides are qwix `QArray`s quantized
+  tokamax      the same with `tokamax.ragged_dot(implementation="mosaic")` (Pallas Mosaic GPU kernels; on a Hopper
+               GPU the sm90 kernel); with `--quant int4 | int8` the right-hand sides are qwix `QArray`s quantized
                from the same bf16 weights (groups of 64 rows for int4, one scale a column for int8), which its
                quantized sm90 kernel multiplies without a dequantized copy.
 Each variant: compiled, `--warmup` runs, then `--reps` runs waited for one by one; the record has the median ms,
