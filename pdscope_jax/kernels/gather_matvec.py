@@ -1,33 +1,27 @@
 """Few-row products with gathered expert weights on the GPU, reading each weight once (Pallas, Triton lowering).
 
-Why: at decode a routed expert multiplies one row (a few at small batches) by its [K, N] weights. XLA turns such a
-product into a reduction and, over gathered experts, first copies each pick's weights (and transposes them),
-reaching a fraction of the memory's speed (docs/MEASUREMENTS.md, "Decode on the GPU"). This kernel reads the
-picks' weights in place, in [BK, BN] tiles along the stored rows, and accumulates in float32.
+Why: XLA turns a decode step's one-row product into a reduction and first copies each gathered pick's weights,
+reaching a fraction of the memory's speed (docs/MEASUREMENTS.md, "Decode on the GPU"). This kernel reads the picks'
+weights in place, in [BK, BN] tiles along the stored rows, and accumulates in float32.
 Contract:
-- `gather_matvec(x [A, K], w [S, K, N], idx [A] int32) -> float32 [A, N]`: row a is x[a] @ w[idx[a]], products
-  of x's values rounded to w's (compute) dtype, summed in float32 (as `jnp.dot(x.astype(dtype), dense(w[idx[a]]),
-  preferred_element_type=float32)` computes them, up to the order of the sum). idx must lie in [0, S). w is a
-  bf16/f16/f32 array or an int8 / int4 `quant.formats.QuantizedWeight`, read once in its stored width: x times
-  the integers summed in float32 per scale (a column's, an int4 group's), then times that scale. So quantized
-  weights count at their exact values `w.dequantize(float32)`, where XLA's paths round them to the compute dtype
-  first (bf16: the two differ by that rounding; float32: by the order of the sums only).
-- `matvec_parts(x, w, idx) -> float32 [P, A, N]`: the same products left in the P parts K is cut into (their sum
-  over P is gather_matvec's); w may be a pair (w1, w2) of dense weights of one shape: [P, A, 2N], w1's columns
-  first (a gate and an up projection read by one call). `swiglu_matvec(h_parts [P', A, 2K], w [S, K, N], idx)
-  -> float32 [A, N]`: row a is swiglu(sum over P' of h_parts[:, a]) rounded to w's dtype, times w[idx[a]] (the
-  activation computed where the down projection reads it: no kernel between the two calls). An expert's FFN is
-  these two calls.
+- `gather_matvec(x [A, K], w [S, K, N], idx [A] int32) -> float32 [A, N]`: row a is x[a] @ w[idx[a]], x's values
+  rounded to w's (compute) dtype, summed in float32 (as `jnp.dot(x.astype(dtype), dense(w[idx[a]]),
+  preferred_element_type=float32)`, up to the order of the sum); idx in [0, S). w: a bf16/f16/f32 array or an
+  int8 / int4 `quant.formats.QuantizedWeight`, read once in its stored width, x times the integers summed per
+  scale (a column's, an int4 group's) and then scaled: quantized weights count at their exact values
+  (`w.dequantize(float32)`), where XLA's paths round them to the compute dtype first.
+- `matvec_parts(x, w, idx) -> float32 [P, A, N]`: the same products left in the P parts K is cut into; w may be a
+  pair (w1, w2) of dense weights of one shape: [P, A, 2N], w1's columns first (gate and up in one call).
+  `swiglu_matvec(h_parts [P', A, 2K], w [S, K, N], idx) -> float32 [A, N]`: row a is swiglu(the sum of
+  h_parts[:, a]) rounded to w's dtype, times w[idx[a]]: an expert's FFN is these two calls, no kernel between.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
   whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
   static) sets how a call cuts its work; by default `tiles_for(N)`, which every supported shape takes.
 - `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU, `ENABLED`
-  and `compiles_here()`, `xla_fn(*args)` otherwise (`jax.lax.platform_dependent`: the CPU backend never lowers
-  the kernel). `ENABLED` is False when the environment sets PDSCOPE_GPU_KERNELS=0 (the XLA paths everywhere: a
-  comparison, or a way around a kernel that fails on some GPU). `compiles_here()` compiles the kernel once per
-  process on small bf16, int8 and int4 weights where a GPU is the default backend; if that fails it warns once
-  and the XLA paths run, so a GPU or JAX version the kernel does not suit still decodes.
+  and `compiles_here()`, else `xla_fn(*args)` (`jax.lax.platform_dependent`). `ENABLED` is False under
+  PDSCOPE_GPU_KERNELS=0. `compiles_here()` compiles every variant once per process on small weights where a GPU
+  is the default backend; if one fails it warns once and the XLA paths run, so an unsuited GPU still decodes.
 `interpret=True` runs the kernel through Pallas' interpreter (tests on the CPU backend).
 """
 
