@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.policy + (f"_{args.quantize}" if args.quantize else "")
     path = args.trace / f"{name}.trace.json.gz"
     perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
-    summary = summarize(path, args.top) if path.exists() else {"trace": None}
+    # the first token comes from prefill: tokens - 1 decode steps, the last of them cut off (whole steps only)
+    summary = summarize(path, args.top, decode_steps=args.tokens - 1) if path.exists() else {"trace": None}
     record.pop("tokens")
     records = []
     emit(records, {"policy": args.policy, "quantize": args.quantize, **record, "trace_summary": summary})

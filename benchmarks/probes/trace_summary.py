@@ -1,12 +1,13 @@
 """Where a traced decode's GPU time goes: a summary of the Perfetto traces `probe_host_experts_engine.py --trace`
 writes (jax's profiler: the GPU's kernels and copies, the host's threads).
 
-Per trace: decode steps (a step starts at its first rotary-embedding kernel, `loop_cosine_fusion`), the GPU's
-kernels a step, the span and busy ms a step of its compute stream, idle ms a step split by gap length (short gaps,
-5-40 us, are the GPU waiting for the next launch: the launching thread is behind; long ones, over 0.2 ms, are
-waits on the host: the bridge's copies and host experts, or the step boundary), the longest gaps with the kernels
-around them, and the kernels (and kinds of kernel: numbered fusions as one) taking most time. The profiler slows
-the launching thread: compare traces with each other, not with untraced tok/s.
+Per trace: decode steps (a step starts at its first rotary-embedding kernel, `loop_cosine_fusion`; given the
+count of decode steps, only the last that many starts count: an offloaded prefill's layers start some too), the
+GPU's kernels a step, the span and busy ms a step of its compute stream, idle ms a step split by gap length
+(short gaps, 5-40 us, are the GPU waiting for the next launch: the launching thread is behind; long ones, over
+0.2 ms, are waits on the host: the bridge's copies and host experts, or the step boundary), the longest gaps with
+the kernels around them, and the kernels (and kinds of kernel: numbered fusions as one) taking most time. The
+profiler slows the launching thread: compare traces with each other, not with untraced tok/s.
 Usage: `python benchmarks/probes/trace_summary.py A.trace.json.gz [B.trace.json.gz ...] [--out F.json] [--top N]`.
 """
 
@@ -26,7 +27,7 @@ SHORT = (5.0, 40.0)  # us: a launch gap
 LONG = 200.0  # us: a wait
 
 
-def summarize(path: Path, top: int = 8) -> dict:
+def summarize(path: Path, top: int = 8, decode_steps: int | None = None) -> dict:
     data = json.load(gzip.open(path))
     events = data["traceEvents"] if isinstance(data, dict) else data
     processes = {e["pid"]: e["args"]["name"] for e in events
@@ -36,6 +37,8 @@ def summarize(path: Path, top: int = 8) -> dict:
     compute = sorted((e for e in events if e.get("ph") == "X" and processes.get(e["pid"], "").startswith("/device:GPU")
                       and "Compute" in threads.get((e["pid"], e["tid"]), "")), key=lambda e: e["ts"])
     starts = [e["ts"] for e in compute if e["name"].startswith(STEP_START)]
+    if decode_steps is not None:
+        starts = starts[-decode_steps:]
     if len(starts) < 2:
         return {"trace": path.name, "steps": 0}
     first = next(i for i, e in enumerate(compute) if e["ts"] >= starts[0])
