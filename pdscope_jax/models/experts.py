@@ -5,7 +5,7 @@ Contract:
   `kernels.expert_math` (beside the kernels that implement it) and is re-exported here.
 - `combine_experts(x, weights, ids, gate_up [S,D,2F], down [S,F,D], slot_of [E])` sums `weights * expert_ffn`
   over the top-k experts that `slot_of` maps to a slot (>= 0) and ignores the rest. The plain model passes
-  `slot_of = arange(E)`, the offload engine its slot maps. Three exact paths, chosen statically by shape (few
+  None (expert e in slot e), the offload engine its slot maps. Three exact paths, chosen statically by shape (few
   assignments: gather; many: sort + `jax.lax.ragged_dot`; very many per slot, or a pool of more slots than
   experts: tiles of one slot's rows); all agree within float32 tolerance. Each expert's output is rounded to
   x's dtype before it is weighted (as `expert_ffn` returns it); the weighted sum is float32 and rounded once, to
@@ -129,21 +129,26 @@ def weighted_sum(y: jax.Array, weights: jax.Array, valid: jax.Array) -> jax.Arra
 
 
 def combine_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: jax.Array, down: jax.Array,
-                    slot_of: jax.Array, out_dtype=None) -> jax.Array:
+                    slot_of: jax.Array | None, out_dtype=None) -> jax.Array:
     """sum_k weights[n,k] * expert_ffn(x[n]) over experts with slot_of[id] >= 0.
 
     x [N, D], weights [N, K] float32, ids [N, K] int32, gate_up [S, D, 2F], down [S, F, D], slot_of [E] int32
-    -> [N, D] in `out_dtype` (None: x's dtype), the float32 sum rounded once.
+    (None: expert e in slot e, every one; no lookup in the program) -> [N, D] in `out_dtype` (None: x's dtype),
+    the float32 sum rounded once.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     n, k = ids.shape
-    slots = slot_of[ids]  # [N, K]
-    valid = slots >= 0
-    slots = jnp.where(valid, slots, 0)
+    if slot_of is None:
+        slots, valid = ids, jnp.ones(ids.shape, bool)
+    else:
+        slots = slot_of[ids]  # [N, K]
+        valid = slots >= 0
+        slots = jnp.where(valid, slots, 0)
     if n * k <= GATHER_MAX_ASSIGNMENTS:
         y = picked_experts_ffn(jnp.repeat(x, k, axis=0), gate_up, down, slots.reshape(-1))  # [N*K, D]
         return weighted_sum(y.reshape(n, k, -1), weights, valid).astype(out_dtype)
-    num_slots, num_experts = gate_up.shape[0], slot_of.shape[0]
+    num_slots = gate_up.shape[0]
+    num_experts = num_slots if slot_of is None else slot_of.shape[0]
     big_experts = gate_up.shape[1] * gate_up.shape[2] >= TILED_MIN_EXPERT_ELEMENTS
     # quantized weights never take ragged_dot, which would dequantize the whole pool at once; tiles dequantize
     # only the slots they use

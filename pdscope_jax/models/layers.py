@@ -2,7 +2,8 @@
 
 Contract:
 - Routed-expert math lives in `models.experts`; `expert_ffn` and `combine_experts` are re-exported here, and
-  `MoE.routed_output` runs `combine_experts` with `slot_of = arange(E)` (the offload engine passes its slot maps).
+  `MoE.routed_output` runs `combine_experts` with `slot_of = None`: expert e in slot e (the offload engine passes
+  its slot maps).
 - `DecoderLayer` exposes `attend`, `mlp_input`, `is_moe` and `mlp`; `MoE` exposes `route`, `shared_output`,
   `routed_output` and `experts.weights()` (docs/ARCHITECTURE.md). Families plug in their attention and router.
 - Weights are stored as [in, out] (`x @ W`); parameter names follow the Hugging Face module names so the
@@ -311,8 +312,7 @@ class MoE(nnx.Module):
         return self.shared_experts(h) if self.has_shared else jnp.zeros_like(h)
 
     def routed_output(self, h: jax.Array, weights: jax.Array, expert_ids: jax.Array) -> jax.Array:
-        slot_of = jnp.arange(self.num_experts, dtype=jnp.int32)
-        return combine_experts(h, weights, expert_ids, *self.experts.weights(), slot_of)
+        return combine_experts(h, weights, expert_ids, *self.experts.weights(), None)  # expert e in slot e
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = x.reshape(-1, x.shape[-1])  # [N, D]

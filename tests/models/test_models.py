@@ -149,6 +149,8 @@ def test_combine_experts_matches_per_expert_sum(n, tiles_for_small_experts):
     want = np.einsum("nk,nkd->nd", np.asarray(weights), np.take_along_axis(each, np.asarray(ids)[..., None], 1))
     got = jax.jit(combine_experts)(x, weights, ids, gate_up, down, jnp.arange(e, dtype=jnp.int32))
     np.testing.assert_allclose(got, want, atol=1e-5)
+    same = jax.jit(combine_experts, static_argnums=5)(x, weights, ids, gate_up, down, None)  # expert e in slot e
+    np.testing.assert_array_equal(same, got)
 
 
 def test_combine_experts_tiles_hold_skewed_routing(tiles_for_small_experts):
