@@ -13,13 +13,13 @@ policy both switch to it (`set_policy`) and warm up every prompt length, then ea
 tree on the same random prompt, the tree going first alternating. The tree loaded second pays a little on every
 staged array (JAX's sharding-keyed caches; docs/MEASUREMENTS.md): `--new-first` swaps the load order.
 `--pin-cpu-scale S` holds the in-situ CPU calibration of both trees at S (a multiple of 0.1, >= 1) for every
-(phase, step rows): the planners see the cost table's CPU times times S, and nothing measured changes that. Why:
-planners that weigh CPU costs (`greedy`, `pdscope`) plan from a calibration learned live, so two trees (as two
-copies of one) make different plans from timing noise; comparing the code needs it held equal. Either layout
-(`offload.engine.OffloadRunner._cpu_scale` or `engine.calibration.CpuCalibration`) is patched after `load`; a tree
-with neither stops the run. Each row records the scales each runner reports; pinned, they must all be S.
-`--control` loads the old tree again (`pdscope_jax_control`, after the old one) and runs it in every repeat:
-control / old, the same code against itself, is the noise floor new / old is read against. Each tree holds its own
+(phase, step rows): the planners see the cost table's CPU times times S (a calibration learned live would make two
+copies of one tree plan differently from timing noise). Either layout (`offload.engine.OffloadRunner._cpu_scale`
+or `engine.calibration.CpuCalibration`) is patched after `load`; a tree with neither stops the run; each row
+records the scales each runner reports. `--policies plain` alone compares the whole model (no policy, no budget;
+a generation of each prompt length warms it up). `--control` loads the old tree again (`pdscope_jax_control`,
+after the old one) and runs it in every repeat: control / old, the same code against itself, is the noise floor
+new / old is read against. Each tree holds its own
 weights in host memory: the script stops before a load when less is available than the first tree took.
 Output: JSON with `command`, `commit` (the new tree's: --new-commit, else this checkout's), `script_commit`,
 `old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every timed repeat's prefill / decode tok/s
@@ -48,6 +48,7 @@ import psutil
 from _shared import commit
 
 OLD_NAME, NEW_NAME, CONTROL_NAME = "pdscope_jax_old", "pdscope_jax_new", "pdscope_jax_control"
+PLAIN = "plain"
 
 
 def import_tree(tree: Path, into: Path, name: str):
@@ -149,12 +150,15 @@ def run(args, report: dict) -> dict:
             order.insert([name for name, _ in order].index("old") + 1, ("control", control))
         trees, report["load_seconds"] = {}, {}
         quantized = {} if args.quantize is None else {"quantize": args.quantize}  # old trees may lack the argument
+        plain = args.policies == [PLAIN]  # the whole model on the accelerator: no policy, no budget
+        if plain:
+            runtime = {}  # the whole model takes no runtime settings
         rss_start, per_tree = psutil.Process().memory_info().rss, None
         for name, module in order:  # loaded, and warmed up, in this order
             check_host_memory(name, per_tree)
             start = time.perf_counter()
             trees[name] = module.load(args.model, weights="random", seed=0, dtype=args.dtype,
-                                      policy=args.policies[0], **quantized, **runtime)
+                                      policy=None if plain else args.policies[0], **quantized, **runtime)
             report["load_seconds"][name] = round(time.perf_counter() - start, 1)
             per_tree = per_tree or psutil.Process().memory_info().rss - rss_start
             print(f"loaded {name} ({module.__name__}) in {report['load_seconds'][name]} s", file=sys.stderr,
@@ -168,9 +172,13 @@ def run(args, report: dict) -> dict:
         for policy in args.policies:
             for name, runner in trees.items():
                 start = time.perf_counter()
-                runner.engine.set_policy(policy)
+                if not plain:
+                    runner.engine.set_policy(policy)
                 for t in args.prompt_lens:
-                    runner.engine.warmup(1, t, args.new_tokens)
+                    if plain:  # a generation of each shape compiles its programs
+                        runner.generate(np.zeros((1, t), np.int32), max_new_tokens=args.new_tokens)
+                    else:
+                        runner.engine.warmup(1, t, args.new_tokens)
                 print(f"{policy} {name}: set and warmed up in {time.perf_counter() - start:.1f} s", file=sys.stderr,
                       flush=True)
             names = list(trees)
@@ -204,9 +212,10 @@ def run(args, report: dict) -> dict:
                         row[f"{phase}_control_paired_ratio"] = paired_ratio(row["control"][f"{phase}_tok_s"],
                                                                             row["old"][f"{phase}_tok_s"])
                 # the calibration each runner reports after the row (learned, or pinned), and its decisions
-                row["cpu_cost_scale"] = {name: reported_scales(r.engine) for name, r in trees.items()}
-                row["plans"] = {name: plan_counts(r.engine) for name, r in trees.items()}
-                row["same_plans"] = all(row["plans"]["old"] == plans for plans in row["plans"].values())
+                if not plain:
+                    row["cpu_cost_scale"] = {name: reported_scales(r.engine) for name, r in trees.items()}
+                    row["plans"] = {name: plan_counts(r.engine) for name, r in trees.items()}
+                row["same_plans"] = plain or all(row["plans"]["old"] == plans for plans in row["plans"].values())
                 rows.append(row)
                 if args.out:
                     args.out.write_text(json.dumps(report, indent=1) + "\n")
@@ -269,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
     if pin is not None and not (pin >= 1 and round(pin, 1) == pin):
         ap.error(f"--pin-cpu-scale {pin}: must be >= 1 and a multiple of 0.1 (the trees round their scale to a "
                  "tenth before scaling the table)")
+    if PLAIN in args.policies and (len(args.policies) > 1 or pin is not None):
+        ap.error(f"--policies {PLAIN} (the whole model, no offloading) runs alone and without --pin-cpu-scale: "
+                 "it loads the trees without a policy, and has no planner to pin")
     if args.new_commit is not None and args.new_tree is None:
         ap.error("--new-commit names the --new-tree's commit; without --new-tree the new tree is this checkout")
     script_commit = commit()

@@ -47,3 +47,21 @@ def test_same_tree_thrice_pinned_gives_identical_tokens_plans_and_every_ratio(tm
     assert f"{row['policy']:9s}" in done.stdout  # a line per row as it is measured
     assert "greedy 12 repeat 2/2 new: prefill" in done.stderr  # a line per timed generation
     assert "repeat 0/2" not in done.stderr  # the settling repeat is not reported as timed
+
+
+def test_the_whole_model_compares_in_one_process(tmp_path):
+    """--policies plain: both trees load the whole model (no policy, no budget) and give a row of ratios; plain
+    with another policy, or with --pin-cpu-scale, is refused."""
+    out = tmp_path / "plain.json"
+    argv = ["--old-tree", str(REPO), "--model", "tiny-deepseek-v2-lite", "--dtype", "float32", "--policies", "plain",
+            "--prompt-lens", "12", "--new-tokens", "3", "--repeats", "2", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PDSCOPE_JAX_COMPILE_CACHE": str(tmp_path / "xla")}
+    script = [sys.executable, str(REPO / "benchmarks" / "compare_trees_inprocess.py")]
+    done = subprocess.run([*script, *argv], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [row] = json.loads(out.read_text())["rows"]
+    assert (row["policy"], row["prompt_len"], row["same_tokens"]) == ("plain", 12, True)
+    assert "plans" not in row and len(row["new"]["decode_tok_s"]) == 2 and row["decode_ratio"] > 0
+    for extra in (["--policies", "plain", "greedy"], ["--pin-cpu-scale", "2.0"]):
+        refused = subprocess.run([*script, *argv, *extra], env=env, capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "runs alone" in refused.stderr
