@@ -41,11 +41,16 @@ class Linear(nnx.Linear):
     fraction of the memory's speed; other shapes and backends run nnx.Linear itself. Same parameters, same
     rounding (float32 sums, one rounding to `dtype`)."""
 
+    def takes_kernel(self, rows: int) -> bool:
+        """Whether a product of `rows` rows runs through the kernel (on a CUDA GPU)."""
+        kernel = self.kernel[...]
+        return (rows <= DENSE_KERNEL_MAX_ROWS and kernel.dtype == jnp.dtype(self.dtype)
+                and gather_matvec.supported(rows, *kernel.shape, kernel.dtype))
+
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.kernel[...]
         rows = math.prod(x.shape[:-1])
-        if (rows > DENSE_KERNEL_MAX_ROWS or kernel.dtype != jnp.dtype(self.dtype)
-                or not gather_matvec.supported(rows, *kernel.shape, kernel.dtype)):
+        if not self.takes_kernel(rows):
             return super().__call__(x)
 
         def in_place(x, kernel):
@@ -215,11 +220,8 @@ class DenseMLP(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         projections = (self.gate_proj, self.up_proj, self.down_proj)
         gate, up, down = (p.kernel[...] for p in projections)
-        rows, (d, f) = math.prod(x.shape[:-1]), gate.shape
-        if (rows > DENSE_KERNEL_MAX_ROWS or any(p.bias is not None or p.kernel.dtype != jnp.dtype(p.dtype)
-                                                for p in projections)
-                or not (gather_matvec.supported(rows, d, f, gate.dtype)
-                        and gather_matvec.supported(rows, f, d, down.dtype))):
+        rows, d = math.prod(x.shape[:-1]), gate.shape[0]
+        if not all(p.bias is None and p.takes_kernel(rows) for p in projections):
             return self._projections(x)
 
         def in_place(x, gate, up, down):

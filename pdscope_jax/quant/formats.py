@@ -81,28 +81,31 @@ def matmul(x: jax.Array, w, preferred_element_type=jnp.float32) -> jax.Array:
     if not (is_quantized(w) and w.scheme.bits == 4):
         wd = dense(w)
         return jnp.matmul(x.astype(wd.dtype), wd, preferred_element_type=preferred_element_type)
-    b = jax.lax.bitcast_convert_type(w.q, jnp.int8)
-    *lead, half, n = b.shape
-    scale = w.scale.astype(jnp.float32)
-    rows = scale.shape[-2]
-
-    def dequantized(values):  # [..., K/2, N] rows of one parity; a group of G rows holds G/2 of them
-        grouped = values.astype(jnp.float32).reshape(*lead, rows, half // rows, n) * scale[..., :, None, :]
-        return grouped.reshape(*lead, half, n).astype(w.dtype)
-
     xc = x.astype(w.dtype)
-    low, high = jnp.right_shift(jnp.left_shift(b, 4), 4), jnp.right_shift(b, 4)  # rows 2i and 2i + 1
-    return (jnp.matmul(xc[..., 0::2], dequantized(low), preferred_element_type=preferred_element_type)
-            + jnp.matmul(xc[..., 1::2], dequantized(high), preferred_element_type=preferred_element_type))
+    even, odd = (_group_scaled(rows, w.scale, w.dtype) for rows in _nibbles(w.q))  # a group of G rows: G/2 each
+    return (jnp.matmul(xc[..., 0::2], even, preferred_element_type=preferred_element_type)
+            + jnp.matmul(xc[..., 1::2], odd, preferred_element_type=preferred_element_type))
+
+
+def _nibbles(q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """uint8 [..., K/2, N] -> (rows 2i, rows 2i+1) as int8 [..., K/2, N] each (the low and the high nibbles)."""
+    b = jax.lax.bitcast_convert_type(q, jnp.int8)
+    return jnp.right_shift(jnp.left_shift(b, 4), 4), jnp.right_shift(b, 4)  # arithmetic shifts sign-extend
+
+
+def _group_scaled(values: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """values [..., R, N] times scale [..., S, N] (row r takes scale row r // (R / S)), in float32, as dtype."""
+    *lead, r, n = values.shape
+    groups = scale.shape[-2]
+    grouped = values.astype(jnp.float32).reshape(*lead, groups, r // groups, n)
+    grouped = grouped * scale.astype(jnp.float32)[..., None, :]
+    return grouped.reshape(*lead, r, n).astype(dtype)
 
 
 def unpack_int4(q: jax.Array) -> jax.Array:
     """uint8 [..., K/2, N] -> int8 [..., K, N] (row 2i from the low nibble, 2i+1 from the high one)."""
-    b = jax.lax.bitcast_convert_type(q, jnp.int8)
-    low = jnp.right_shift(jnp.left_shift(b, 4), 4)  # arithmetic shifts sign-extend the nibble
-    high = jnp.right_shift(b, 4)
     *lead, half, n = q.shape
-    return jnp.stack([low, high], axis=-2).reshape(*lead, 2 * half, n)
+    return jnp.stack(_nibbles(q), axis=-2).reshape(*lead, 2 * half, n)
 
 
 def pack_int4(values: jax.Array) -> jax.Array:
@@ -113,14 +116,9 @@ def pack_int4(values: jax.Array) -> jax.Array:
 
 
 def dequantize(q, scale, s: Scheme, dtype) -> jax.Array:
-    scale = scale.astype(jnp.float32)
     if s.bits == 8:
-        return (q.astype(jnp.float32) * scale).astype(dtype)
-    values = unpack_int4(q).astype(jnp.float32)
-    *lead, k, n = values.shape
-    rows = scale.shape[-2]
-    grouped = values.reshape(*lead, rows, k // rows, n) * scale[..., :, None, :]
-    return grouped.reshape(*lead, k, n).astype(dtype)
+        return (q.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+    return _group_scaled(unpack_int4(q), scale, dtype)
 
 
 def quantize(w, name: str | Scheme, dtype=None) -> QuantizedWeight:
