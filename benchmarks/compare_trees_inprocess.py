@@ -19,8 +19,8 @@ or `engine.calibration.CpuCalibration`) is patched after `load`; a tree with nei
 records the scales each runner reports. `--policies plain` alone compares the whole model (no policy, no budget;
 a generation of each prompt length warms it up). `--control` loads the old tree again (`pdscope_jax_control`,
 after the old one) and runs it in every repeat: control / old, the same code against itself, is the noise floor
-new / old is read against. Each tree holds its own
-weights in host memory: the script stops before a load when less is available than the first tree took.
+new / old is read against. Each tree holds its own weights in host memory: the script stops before a load when
+less is available than the first tree took.
 Output: JSON with `command`, `commit` (the new tree's: --new-commit, else this checkout's), `script_commit`,
 `old_commit`, `pin_cpu_scale`, `xla_flags`, per (policy, prompt, tree) every timed repeat's prefill / decode tok/s
 (after `--settle` untimed ones) and their medians, new / old (and control / old) of the medians and the median of

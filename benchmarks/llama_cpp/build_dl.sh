@@ -24,6 +24,7 @@ if [ ! -x "$bin/llama-bench" ]; then
   timeout 300 cmake --build .peers-build/build -j "$(nproc)" \
     --target llama-bench llama-quantize llama-completion $cpus \
     2>&1 | tail -1
+  [ -x "$bin/llama-bench" ] || { echo "llama.cpp's CPU side did not build" >&2; exit 1; }
 fi
 cat "$parts"/ggml-cuda-sm90.so.xz.part-* | xz -dc > "$bin/libggml-cuda.so" 2>/dev/null \
   || { echo "CUDA backend incomplete; parts here: $(ls "$parts" | tr '\n' ' ')" >&2
@@ -31,8 +32,10 @@ cat "$parts"/ggml-cuda-sm90.so.xz.part-* | xz -dc > "$bin/libggml-cuda.so" 2>/de
 grep libggml-cuda.so "$sums" | (cd "$bin" && sha256sum -c --quiet) \
   || { echo "libggml-cuda.so: sha256 differs from $sums" >&2; exit 1; }
 for lib in libcudart.so.13 libcublas.so.13 libcublasLt.so.13; do  # found beside the library ($ORIGIN)
+  [ -e "$bin/$lib" ] && continue
   found=$(find /usr/local/cuda*/ /usr/lib /usr/local/lib -name "$lib" 2>/dev/null | head -1)
-  [ -e "$bin/$lib" ] || [ -z "$found" ] || ln -s "$found" "$bin/$lib"
+  [ -z "$found" ] || ln -s "$found" "$bin/$lib"
 done
 ldd "$bin/libggml-cuda.so" | grep "not found" && exit 1
-"$bin/llama-bench" --list-devices 2>&1 | tail -3
+devices=$("$bin/llama-bench" --list-devices 2>&1); echo "$devices" | tail -3
+grep -qE "^  CUDA[0-9]+: " <<< "$devices" || { echo "llama-bench lists no CUDA device" >&2; exit 1; }

@@ -9,7 +9,7 @@
 # toolkit's files in a merged folder, and a stub libcuda.so.1 that only names the driver's functions (the node's
 # driver provides them). About 17 minutes on 2 cores. Usage: bash benchmarks/llama_cpp/prebuild_cuda.sh [WORKDIR]
 set -euo pipefail
-work=${1:-/tmp/llama-prebuild}; cuda=${CUDA_HOME:-/usr/local/cuda}; root=$PWD
+work=${1:-/tmp/llama-prebuild}; cuda=${CUDA_HOME:-/usr/local/cuda}
 [ -f .peers/llama.cpp.tgz ] \
   || { echo "no .peers/llama.cpp.tgz: run ../shared/tools/llama-cpp/prepare.sh first" >&2; exit 1; }
 rm -rf "$work" && mkdir -p "$work"/{wheel,tk/lib/stubs,tk/include,src}
@@ -26,7 +26,7 @@ gcc -E -P "$cuda/include/cuda.h" | grep -oE '\bcu[A-Z][A-Za-z0-9_]*\s*\(' | sed 
   | awk '{print "int " $1 "(void) { return 999; }"}' > "$work/cuda_stub.c"
 gcc -shared -fPIC -o "$tk/lib/stubs/libcuda.so" -Wl,-soname,libcuda.so.1 "$work/cuda_stub.c"
 tar xzf .peers/llama.cpp.tgz -C "$work/src"
-CUDAToolkit_ROOT=$tk PATH=$tk/bin:$PATH cmake -S "$work/src/llama.cpp" -B "$work/build" -DGGML_CUDA=ON \
+PATH=$tk/bin:$PATH cmake -S "$work/src/llama.cpp" -B "$work/build" -DGGML_CUDA=ON \
   -DCMAKE_CUDA_ARCHITECTURES=90-real \
   -DCMAKE_BUILD_TYPE=Release -DGGML_BACKEND_DL=ON -DBUILD_SHARED_LIBS=ON -DGGML_CPU=OFF -DGGML_NATIVE=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
@@ -38,4 +38,4 @@ rm -f .peers/ggml-cuda-sm90.so.xz.part-*
 xz -T0 -9 -c "$work/libggml-cuda.so" | split -b 10M -d -a 1 - .peers/ggml-cuda-sm90.so.xz.part-
 (cd "$work" && sha256sum libggml-cuda.so) > .peers/ggml-cuda-sm90.sha256
 sha256sum .peers/llama.cpp.tgz >> .peers/ggml-cuda-sm90.sha256
-cd "$root" && ls -la .peers/ggml-cuda-sm90.*
+ls -la .peers/ggml-cuda-sm90.*
