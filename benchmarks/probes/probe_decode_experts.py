@@ -13,6 +13,8 @@ step), bf16 weights. Variants (`--variants`):
   dense      calibration: the shared expert's dense matmuls [D, 2F'] / [F', D] (no routing), both layouts.
 With --quant int8 / int4, `gather` runs again over the stacks quantized (quant.formats): the kernel's fused
 dequantization, or XLA's dequantize-then-multiply with PDSCOPE_GPU_KERNELS=0; bytes count the quantized weights.
+`--activation fused between` runs each `gather` with the kernel's SwiGLU inside the down call for every precision,
+then between the calls for every one (`kernels.gather_matvec.FUSED_ACTIVATION`); by default as shipped.
 Each variant: --warmup program runs, then --reps runs with fresh routing each, timed one by one (waited for); the
 record has the median ms per layer, the bytes a layer must read (its picks' weights once) and the implied GB/s,
 and the max abs difference of the output to `gather`'s (the same weights, so formulations must agree).
@@ -32,11 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from _common import emit, probe_result
+from pdscope_jax.kernels import gather_matvec
 from pdscope_jax.models.experts import combine_experts, expert_ffn
 from pdscope_jax.quant.formats import quantize
 
 F32 = jnp.float32
 VARIANTS = ("gather", "slices", "gather_t", "slices_t", "ragged", "dense")
+ACTIVATION = {"shipped": gather_matvec.FUSED_ACTIVATION, "fused": frozenset({"dense", "int8", "int4"}),
+              "between": frozenset()}
 
 
 def ffn_t(x, gate_up_t, down_t):
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=26)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--quant", nargs="*", default=[], choices=["int8", "int4"])
+    parser.add_argument("--activation", nargs="+", default=["shipped"], choices=list(ACTIVATION))
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
@@ -116,8 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
             routings.append((jax.device_put(ids.astype(np.int32), accel),
                              jax.device_put(w / w.sum(-1, keepdims=True), accel)))
         x0 = jax.device_put(rng.standard_normal((rows, d), np.float32).astype(jnp.bfloat16), accel)
-        runs = [(v, None) for v in args.variants if v != "dense"] + [("gather", q) for q in args.quant]
-        for variant, quant in runs:
+        dense = [None] if "gather" in args.variants else []
+        runs = [("gather", q, a) for a in args.activation for q in dense + args.quant]  # bf16 gather: the reference
+        runs += [(v, None, "shipped") for v in args.variants if v not in ("dense", "gather")]
+        for variant, quant, activation in runs:
+            gather_matvec.FUSED_ACTIVATION = ACTIVATION[activation]  # read as `chain` below is traced
             transposed = variant.endswith("_t")
             if transposed:
                 gts = [jnp.swapaxes(g, 1, 2) for g in gus]
@@ -148,13 +157,14 @@ def main(argv: list[str] | None = None) -> dict:
                 if rep >= args.warmup:
                     times.append(time.perf_counter() - start)
             first = np.asarray(first)
-            if variant == "gather" and quant is None:
+            if variant == "gather" and quant is None and rows not in reference:
                 reference[rows] = first
             diff = float(np.max(np.abs(first - reference[rows]))) if rows in reference else None
             ms = statistics.median(times) * 1e3 / layers
             read = rows * k * (expert_bytes if quant is None else  # upper bound: picks may repeat at rows > 1
                                 (stacks[0][0].nbytes + stacks[1][0].nbytes) // e)
             emit(records, {"variant": variant, "quant": quant, "rows": rows, "top_k": k, "ms_per_layer": ms,
+                           "activation": activation if variant == "gather" else None,
                            "min_ms_per_layer": min(times) * 1e3 / layers, "compile_s": compile_s,
                            "bytes_per_layer": read, "gbps": read / (ms / 1e3) / 1e9, "max_abs_diff_vs_gather": diff})
             if transposed:

@@ -1,9 +1,7 @@
 """Few-row products with gathered expert weights on the GPU, reading each weight once (Pallas, Triton lowering).
 
-Why: XLA turns a decode step's one-row product into a reduction and first copies each gathered pick's weights,
-reaching a fraction of the memory's speed (docs/MEASUREMENTS.md, "Decode on the GPU"). This kernel reads the picks'
-weights in place, in [BK, BN] tiles along the stored rows, and accumulates in float32.
-Contract:
+Why: XLA copies each gathered pick's weights and turns a one-row product into a reduction, at a fraction of the
+memory's speed; this kernel reads the picks' weights in place, in [BK, BN] tiles, accumulating in float32.
 - `gather_matvec(x [A, K], w [S, K, N], idx [A] int32) -> float32 [A, N]`: row a is x[a] @ w[idx[a]], x's values
   rounded to w's (compute) dtype, summed in float32 (as `jnp.dot(x.astype(dtype), dense(w[idx[a]]),
   preferred_element_type=float32)`, up to the order of the sum); idx in [0, S). w: a bf16/f16/f32 array or an
@@ -13,7 +11,9 @@ Contract:
 - `matvec_parts(x, w, idx) -> float32 [P, A, N]`: the same products left in the P parts K is cut into; w may be a
   pair (w1, w2) of dense weights of one shape: [P, A, 2N], w1's columns first (gate and up in one call).
   `swiglu_matvec(h_parts [P', A, 2K], w [S, K, N], idx) -> float32 [A, N]`: row a is swiglu(the sum of
-  h_parts[:, a]) rounded to w's dtype, times w[idx[a]]: an expert's FFN is these two calls, no kernel between.
+  h_parts[:, a]) rounded to w's dtype, times w[idx[a]]. `swiglu_ffn(x, gate_up (one or a pair), down, picks,
+  down_picks=None) -> float32 [A, N]`: an FFN, its activation in the down call where `fuses_activation(down)`
+  (`FUSED_ACTIVATION` names the precisions), else in an XLA kernel between the calls.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
   whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
@@ -22,7 +22,7 @@ Contract:
   and `compiles_here()`, else `xla_fn(*args)` (`jax.lax.platform_dependent`). `ENABLED` is False under
   PDSCOPE_GPU_KERNELS=0. `compiles_here()` compiles every variant once per process on small weights where a GPU
   is the default backend; if one fails it warns once and the XLA paths run, so an unsuited GPU still decodes.
-`interpret=True` runs the kernel through Pallas' interpreter (tests on the CPU backend).
+  `interpret=True` runs the kernel through Pallas' interpreter (tests on the CPU backend).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pdscope_jax.kernels.expert_math import swiglu
 from pdscope_jax.quant.formats import is_quantized, quantize
 
 F32 = jnp.float32
@@ -57,6 +58,9 @@ class Tiles(NamedTuple):
 
 TILES = Tiles()
 NARROW = TILES._replace(block_k=32)  # N <= 2048: half-height tiles, twice the programs along K
+# Down weights whose call computes the activation itself: it sums gate/up's K parts in every column block, which costs
+# a dense down call more than the XLA kernel it saves (docs/MEASUREMENTS.md); "dense" names unquantized weights.
+FUSED_ACTIVATION = frozenset({"int8", "int4"})
 
 
 def tiles_for(n: int) -> Tiles:
@@ -237,6 +241,18 @@ def matvec_parts(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles
 def swiglu_matvec(h_parts: jax.Array, w, idx: jax.Array, interpret: bool = False,
                   tiles: Tiles | None = None) -> jax.Array:
     return _summed(_parts(h_parts, (w,), idx, interpret, tiles, act=h_parts.shape[-1] // 2))
+
+
+def fuses_activation(down) -> bool:
+    return (down.scheme.name if is_quantized(down) else "dense") in FUSED_ACTIVATION
+
+
+def swiglu_ffn(x: jax.Array, gate_up, down, picks: jax.Array, down_picks: jax.Array | None = None) -> jax.Array:
+    h_parts = matvec_parts(x, gate_up, picks)  # [P, A, 2F] float32, gate's columns first
+    down_picks = picks if down_picks is None else down_picks
+    if fuses_activation(down):
+        return swiglu_matvec(h_parts, down, down_picks)
+    return gather_matvec(swiglu(_summed(h_parts)).astype(down.dtype), down, down_picks)
 
 
 @functools.cache

@@ -64,9 +64,8 @@ def _kernel_takes(rows: int, gate_up, down) -> bool:
 
 def _ffn_in_place(x, gate_up, down, picks, down_picks=None):
     """expert_ffn of row a through expert picks[a] of the stacks (down_picks[a] of `down` where given), by the
-    kernel (rounding where expert_ffn does): gate/up's parts go to the down call, which computes the activation."""
-    h_parts = gather_matvec.matvec_parts(x, gate_up, picks)  # [P, A, 2F] float32
-    return gather_matvec.swiglu_matvec(h_parts, down, picks if down_picks is None else down_picks).astype(x.dtype)
+    kernel (rounding where expert_ffn does; the activation where `gather_matvec.fuses_activation` says)."""
+    return gather_matvec.swiglu_ffn(x, gate_up, down, picks, down_picks).astype(x.dtype)
 
 
 def picked_experts_ffn(x: jax.Array, gate_up: jax.Array, down: jax.Array, picks: jax.Array) -> jax.Array:

@@ -226,8 +226,7 @@ class DenseMLP(nnx.Module):
 
         def in_place(x, gate, up, down):
             picks = jnp.zeros(rows, jnp.int32)
-            h_parts = gather_matvec.matvec_parts(x.reshape(rows, d), (gate[None], up[None]), picks)
-            y = gather_matvec.swiglu_matvec(h_parts, down[None], picks)
+            y = gather_matvec.swiglu_ffn(x.reshape(rows, d), (gate[None], up[None]), down[None], picks)
             return y.astype(self.down_proj.dtype).reshape(*x.shape[:-1], d)
 
         return gather_matvec.on_gpu(in_place, lambda x, *_: self._projections(x), x, gate, up, down)

@@ -166,7 +166,7 @@ def kernel_everywhere(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_expert_paths_agree_with_xla(dtype, kernel_everywhere):
+def test_expert_paths_agree_with_xla(dtype, kernel_everywhere, dense_fused):
     rng = np.random.default_rng(1)
     d, f, s = 128, 64, 7
     gate_up = jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, dtype)
@@ -178,13 +178,16 @@ def test_expert_paths_agree_with_xla(dtype, kernel_everywhere):
     got = ex.picked_experts_ffn(x, gate_up, down, picks)
     tol = 1e-2 if dtype == jnp.bfloat16 else 1e-6  # bf16: the output is rounded to bf16 after sums in two orders
     assert got.dtype == dtype and rel(got, xla) < tol
+    assert kernel_everywhere[1][0] == ("swiglu_matvec" if dense_fused else "gather_matvec")
     rows = jnp.asarray(rng.standard_normal((3, 2, d)), dtype)
     stacked = ex.stacked_experts_ffn(rows, gate_up[:3], down[:3])
     assert rel(stacked, jax.vmap(ex.expert_ffn)(rows, gate_up[:3], down[:3])) < tol
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_quantized_expert_paths_agree_with_xla(scheme, kernel_everywhere):
+def test_quantized_expert_paths_agree_with_xla(scheme, fused, kernel_everywhere, monkeypatch):
+    monkeypatch.setattr(gm, "FUSED_ACTIVATION", frozenset({scheme} if fused else ()))
     rng = np.random.default_rng(3)
     d, f, s = 128, 64, 5
     gate_up = quantize(jnp.asarray(rng.standard_normal((s, d, 2 * f)) * 0.1, jnp.bfloat16), scheme)
@@ -194,6 +197,7 @@ def test_quantized_expert_paths_agree_with_xla(scheme, kernel_everywhere):
     assert ex._kernel_takes(4, gate_up, down)
     xla = jax.vmap(lambda xa, gu, dn: ex.expert_ffn(xa[None], gu, dn)[0])(x, gate_up[picks], down[picks])
     assert rel(ex.picked_experts_ffn(x, gate_up, down, picks), xla) < 1e-2
+    assert kernel_everywhere[1][0] == ("swiglu_matvec" if fused else "gather_matvec")
     rows = jnp.asarray(rng.standard_normal((2, 3, d)), jnp.bfloat16)
     slots = jnp.asarray([3, 1], jnp.int32)
     taken = [jax.tree.map(lambda a: a[slots], w) for w in (gate_up, down)]
@@ -249,8 +253,8 @@ def test_slots_path_copies_the_weights_the_kernel_cannot_reach(kernel_everywhere
     slots = jnp.asarray([4, 0, 2], jnp.int32)
     monkeypatch.setattr(gm, "addressable", lambda w: w.shape[:2] != (s, f))  # the whole `down` out of reach
     got = ex.slots_experts_ffn(rows, gate_up, down, slots)
-    # gate_up read in place, down from a copy of the three slots
-    assert kernel_everywhere == [("matvec_parts", (gate_up.shape,)), ("swiglu_matvec", ((3, f, d),))]
+    # gate_up read in place, down from a copy of the three slots (dense: the activation between the calls)
+    assert kernel_everywhere == [("matvec_parts", (gate_up.shape,)), ("gather_matvec", ((3, f, d),))]
     assert rel(got, jax.vmap(ex.expert_ffn)(rows, gate_up[slots], down[slots])) < 1e-6
 
 
@@ -309,14 +313,24 @@ def test_the_down_call_computes_the_activation(dtype, scheme):
     assert got.shape == (2, n) and rel(got, reference(act, w, idx)) < 1e-6
 
 
+@pytest.fixture(params=[False, True], ids=["activation_between", "activation_fused"])
+def dense_fused(request, monkeypatch):
+    """Both forms of a dense FFN: the activation in an XLA kernel between the calls (the default) or in the down
+    call."""
+    monkeypatch.setattr(gm, "FUSED_ACTIVATION", gm.FUSED_ACTIVATION | {"dense"} if request.param
+                        else gm.FUSED_ACTIVATION - {"dense"})
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_shared_mlp_runs_two_kernel_calls(dtype, kernel_everywhere):
-    """DenseMLP of a few rows: gate and up in one call, the activation in the down call; the projections' own
-    path agrees (bf16: it rounds gate and up to bf16 before the activation)."""
+def test_the_shared_mlp_runs_two_kernel_calls(dtype, kernel_everywhere, dense_fused):
+    """DenseMLP of a few rows: gate and up in one call, then the down call (which computes the activation where
+    fused); the projections' own path agrees (bf16: it rounds gate and up to bf16 before the activation)."""
     mlp = DenseMLP(128, 256, nnx.Rngs(0), dtype)
     x = jnp.asarray(np.random.default_rng(9).standard_normal((1, 2, 128)), dtype)
     got = mlp(x)
-    assert [name for name, _ in kernel_everywhere] == ["matvec_parts", "swiglu_matvec"]
+    down_call = "swiglu_matvec" if dense_fused else "gather_matvec"
+    assert [name for name, _ in kernel_everywhere] == ["matvec_parts", down_call]
     assert got.shape == x.shape and got.dtype == dtype
     assert rel(got, mlp._projections(x)) < (1e-2 if dtype == jnp.bfloat16 else 1e-6)
     kernel_everywhere.clear()
