@@ -13,7 +13,7 @@ layer plus the random generator's temporaries; the bf16 DeepSeek-V2-Lite file is
 
 Usage (repository root; without the gguf package, PYTHONPATH=<llama.cpp>/gguf-py):
     python benchmarks/export_gguf.py --model deepseek-v2-lite --out ds2.gguf [--type bf16] [--seed 0]
-        [--workload uniform|skewed] [--dtype bfloat16]
+        [--workload uniform|skewed] [--dtype bfloat16] [--threads N (q8_0 / q4_0 quantized on N threads)]
 Checked by benchmarks/check_gguf_export.py with llama_logits.cc, built on the CPU from the tarball (a -march=native
 build faulted here in Q8_0 / Q4_0 products, likely through the AMX the CPU advertises: name the extensions instead):
     mkdir -p /tmp/llama && tar xzf .peers/llama.cpp.tgz -C /tmp/llama && L=/tmp/llama/llama.cpp && cmake -S $L \\
@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -251,7 +253,9 @@ def _storage(gtype: str, entry: Entry, shape: tuple[int, ...]):
     return Q.BF16, 2 * int(np.prod(shape))
 
 
-def _encode(x: np.ndarray, qtype) -> np.ndarray:
+def _encode(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None = None, pieces: int = 1) -> np.ndarray:
+    """x in GGML type `qtype`. Quantized types encode blocks of 32 along the last axis, so up to `pieces` slices
+    along the first are encoded apart on `pool`'s threads where given (numpy leaves the GIL): the same bytes."""
     import gguf
     import ml_dtypes
 
@@ -260,7 +264,10 @@ def _encode(x: np.ndarray, qtype) -> np.ndarray:
         return np.ascontiguousarray(x, np.float32)
     if qtype == Q.BF16:
         return np.ascontiguousarray(x.astype(ml_dtypes.bfloat16, copy=False)).view(np.uint16)
-    return gguf.quants.quantize(np.ascontiguousarray(x, np.float32), qtype)
+    quantized = lambda part: gguf.quants.quantize(np.ascontiguousarray(part, np.float32), qtype)  # noqa: E731
+    if pool is None or x.ndim < 2 or x.shape[0] < 2:
+        return quantized(x)
+    return np.concatenate(list(pool.map(quantized, np.array_split(x, min(x.shape[0], pieces)))))
 
 
 def weights_loader(cfg, checkpoint: Path | None, seed: int, workload: str, dtype):
@@ -278,11 +285,11 @@ def weights_loader(cfg, checkpoint: Path | None, seed: int, workload: str, dtype
 
 
 def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: str = "uniform",
-           checkpoint: Path | None = None, dtype="bfloat16", log=print, transform=None) -> dict:
+           checkpoint: Path | None = None, dtype="bfloat16", log=print, transform=None, threads: int = 1) -> dict:
     """Write `cfg`'s bench weights to the GGUF file `out`; -> {"tensors", "bytes", "bf16_fallback", "seconds"}.
     Invariant: every tensor is exactly `Entry.make` of the loaded parameters, encoded once (lossless for bf16
     weights under bf16/f32). `transform(path, array) -> array`, if given, rewrites each loaded parameter first
-    (the check's stress variant; the command line never sets it)."""
+    (the check's stress variant; the command line never sets it). `threads` > 1 quantizes on that many threads."""
     import gguf
     import jax
     import jax.numpy as jnp
@@ -316,6 +323,7 @@ def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: s
     # where the bench's plain run generates its weights (jax's default device)
     placement = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     total = 0
+    pool = ThreadPoolExecutor(threads) if threads > 1 and gtype in ("q8_0", "q4_0") else None
     for label, entries in units:  # pass 2: one unit's parameters at a time
         paths = sorted({p for e in entries for p in e.inputs})
         loaded = {p: np.asarray(jax.device_get(v)) for p, v in loader(paths, lambda _: placement).items()}
@@ -323,13 +331,15 @@ def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: s
             loaded = {p: np.asarray(transform(p, v)) for p, v in loaded.items()}
         for e in entries:
             shape, qtype = storage[e.name]
-            data = _encode(e.make(*(loaded[p] for p in e.inputs)), qtype)
+            data = _encode(e.make(*(loaded[p] for p in e.inputs)), qtype, pool, 4 * threads)
             w.write_tensor_data(data)
             total += data.nbytes
         del loaded
         if label.startswith("layer") and log is not None:
             log(f"  {label}: {total / 2**30:.2f} GiB written")
     w.close()
+    if pool is not None:
+        pool.shutdown()
     if fallback and log is not None:
         log(f"  {len(fallback)} tensors kept bf16 (rows not a multiple of 32), e.g. {fallback[0]}")
     return {"tensors": len(storage), "bytes": Path(out).stat().st_size, "bf16_fallback": fallback,
@@ -346,7 +356,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the bench's --workload (rewrite of random weights)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the bench's --dtype: random weights are drawn in it")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                        help="threads quantizing q8_0 / q4_0 matrices (default: every core)")
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        raise SystemExit(f"--threads {args.threads}: give 1 or more")
     from pdscope_jax.api import resolve
     from pdscope_jax.config import ConfigError
     from pdscope_jax.presets import UnknownModelError
@@ -359,7 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--out: folder {args.out.parent} does not exist; create it first")
     print(f"exporting {cfg.name or args.model} ({ARCH.get(cfg.model_type, '?')}, {args.type}) to {args.out}")
     try:
-        info = export(cfg, args.out, args.type, args.seed, args.workload, checkpoint, args.dtype)
+        info = export(cfg, args.out, args.type, args.seed, args.workload, checkpoint, args.dtype, threads=args.threads)
     except ExportError as err:
         raise SystemExit(str(err)) from None
     print(f"wrote {args.out}: {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in {info['seconds']:.0f} s")

@@ -182,6 +182,16 @@ def test_q8_0_export_quantizes_matrices_and_keeps_short_rows_bf16(exporter, tmp_
     assert (err <= blocks / 127 * (0.5 + 127 * 2.0**-11) * 1.01).all()
 
 
+def test_threaded_quantization_writes_the_same_file(exporter, tmp_path):
+    from pdscope_jax.api import resolve
+
+    cfg, _ = resolve("tiny-qwen3-30b-a3b")
+    one, three = tmp_path / "one.gguf", tmp_path / "three.gguf"
+    exporter.export(cfg, one, "q4_0", log=None)
+    exporter.export(cfg, three, "q4_0", log=None, threads=3)
+    assert one.read_bytes() == three.read_bytes()
+
+
 def test_skewed_workload_is_exported(exporter, tmp_path):
     cfg, w, tensors, _ = _export(exporter, tmp_path, "tiny-qwen3-30b-a3b", workload="skewed")
     router = tensors["blk.0.ffn_gate_inp.weight"][2]  # [E, D]: only the routing channel (last columns) is set
