@@ -1,7 +1,7 @@
 """Whole-model decode throughput with the branch-free sampler against the one with conditionals, in one process.
 
 Loads `--model` with seeded random weights and no offloading, then per sampler (`sampler_variants.use`: "select",
-the package's, or "conditional") runs one warm-up `generate` and `--repeats` timed ones of `--tokens` new tokens
+the package's; "select_chunks", its chunk programs without their conditional; or "conditional") runs one warm-up `generate` and `--repeats` timed ones of `--tokens` new tokens
 after a `--prompt`-token prompt (greedy; generate does not wait for each step, so the host may run ahead of the
 GPU). Records per sampler: decode tok/s (median and repeats), prefill tok/s, and whether the greedy tokens equal
 the first sampler's (`same_tokens_as_first`). Run from the repository root:
@@ -22,7 +22,7 @@ from _common import emit, probe_result, timed_generations, whole_model_parser
 
 def main(argv: list[str] | None = None) -> dict:
     parser = whole_model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--samplers", nargs="+", default=["select", "conditional"],
+    parser.add_argument("--samplers", nargs="+", default=["select", "select_chunks"],
                         choices=list(sampler_variants.KINDS))
     args = parser.parse_args(argv)
 

@@ -2,8 +2,10 @@
 greedy"), beside the package's branch-free one, so a probe can compare them in one process.
 
 Contract: `use(kind)` makes every decode program traced from now on sample with `kind`: "select" (the package's
-`generation.sampling.sample`) or "conditional" (`sample_with_conditionals`, the same tokens and logprobs); it
-patches the modules that call the sampler and clears jax's caches so that the programs are traced again.
+`generation.sampling.sample`, chunk programs as shipped: their one conditional skips the drawing when every row is
+greedy), "select_chunks" (the same, chunk programs without that conditional too) or "conditional"
+(`sample_with_conditionals`, the same tokens and logprobs); it patches the modules that call the sampler and clears
+jax's caches so that the programs are traced again.
 Why it matters: XLA's GPU runtime reads a conditional's predicate back to the host, so the thread launching the
 program waits there for the GPU at every step.
 """
@@ -26,7 +28,7 @@ def _truncated_with_conditional(logits, s):
     return sampling._min_p(jax.lax.cond(needed, lambda x: sampling._nucleus(x, s), lambda x: x, logits), s)
 
 
-def sample_with_conditionals(logits, state, step):
+def sample_with_conditionals(logits, state, step, branch=True):  # branch: the chunk programs' argument (ignored)
     logits = logits.astype(F32)
     penalized = _penalized(logits, state)
     greedy = jnp.argmax(penalized, axis=-1).astype(jnp.int32)
@@ -36,7 +38,8 @@ def sample_with_conditionals(logits, state, step):
     return sampling._picked(jax.nn.log_softmax(logits, axis=-1), token, state)
 
 
-KINDS = {"select": PACKAGE_SAMPLE, "conditional": sample_with_conditionals}
+KINDS = {"select": PACKAGE_SAMPLE, "select_chunks": PACKAGE_SAMPLE, "conditional": sample_with_conditionals}
+CHUNK_BRANCHES = generator.CHUNK_SAMPLER_BRANCHES
 
 
 def use(kind: str) -> None:
@@ -44,5 +47,6 @@ def use(kind: str) -> None:
     for module in (device_decode, programs, generator):
         if hasattr(module, "sample"):
             module.sample = fn
+    generator.CHUNK_SAMPLER_BRANCHES = CHUNK_BRANCHES and kind != "select_chunks"  # read as a chunk is traced
     generator._compiled.clear()
     jax.clear_caches()
