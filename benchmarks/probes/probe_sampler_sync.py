@@ -1,10 +1,11 @@
 """Whole-model decode throughput with the branch-free sampler against the one with conditionals, in one process.
 
 Loads `--model` with seeded random weights and no offloading, then per sampler (`sampler_variants.use`: "select",
-the package's; "select_chunks", its chunk programs without their conditional; or "conditional") runs one warm-up `generate` and `--repeats` timed ones of `--tokens` new tokens
-after a `--prompt`-token prompt (greedy; generate does not wait for each step, so the host may run ahead of the
-GPU). Records per sampler: decode tok/s (median and repeats), prefill tok/s, and whether the greedy tokens equal
-the first sampler's (`same_tokens_as_first`). Run from the repository root:
+the package's; "select_chunks", its chunk programs without their conditional; or "conditional") runs one warm-up
+`generate` and `--repeats` timed ones of `--tokens` new tokens after a `--prompt`-token prompt (greedy; generate
+does not wait for each step, so the host may run ahead of the GPU). Records per sampler: decode tok/s (median and
+repeats), prefill tok/s, and whether the greedy tokens equal the first sampler's (`same_tokens_as_first`). Run from
+the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_sampler_sync.py [--out FILE]`. Random weights.
 """
 
