@@ -6,14 +6,15 @@ gating, exp_probs_b, weights norm and scale), `qwen3moe` or `llama` with experts
 llama.cpp's pairwise RoPE); `plan()` documents every tensor's layout. Not exact: llama.cpp normalises MLA latents
 with rms_norm_eps where the project (as transformers) uses 1e-6: Moonlight's 1e-5 differs (below bf16 rounding).
 No tokenizer: model "none" with `vocab_size` dummy tokens, enough for token ids (llama-bench, logits).
-`--type`: bf16 (exact for bfloat16 weights), f32, q8_0 / q4_0 by `gguf.quants` (matrices whose rows are not a
-multiple of 32 stay bf16); norms, routers and router biases are F32. Streaming: the header comes from the abstract
-shapes, then one decoder layer at a time is generated or read, encoded and written (peak host memory about one
-layer plus the random generator's temporaries; the bf16 DeepSeek-V2-Lite file is 31 GB).
+`--type`: bf16 (exact for bfloat16 weights), f32, q8_0 / q4_0 (`encode`: `gguf.quants`' arithmetic as one jitted
+program where the weights live, the same bytes; matrices whose rows are not a multiple of 32 stay bf16); norms,
+routers and router biases are F32. Streaming: the header comes from the abstract shapes, then one decoder layer at a
+time is generated or read, laid out and encoded on jax's default device and written (peak host memory about one
+layer's encoded bytes; the bf16 DeepSeek-V2-Lite file is 31 GB).
 
 Usage (repository root; without the gguf package, PYTHONPATH=<llama.cpp>/gguf-py):
     python benchmarks/export_gguf.py --model deepseek-v2-lite --out ds2.gguf [--type bf16] [--seed 0]
-        [--workload uniform|skewed] [--dtype bfloat16] [--threads N (q8_0 / q4_0 quantized on N threads)]
+        [--workload uniform|skewed] [--dtype bfloat16]
 Checked by benchmarks/check_gguf_export.py with llama_logits.cc, built on the CPU from the tarball (a -march=native
 build faulted here in Q8_0 / Q4_0 products, likely through the AMX the CPU advertises: name the extensions instead):
     mkdir -p /tmp/llama && tar xzf .peers/llama.cpp.tgz -C /tmp/llama && L=/tmp/llama/llama.cpp && cmake -S $L \\
@@ -29,10 +30,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import functools
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -49,17 +49,17 @@ class ExportError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class Entry:
     """One GGUF tensor: `name`, made by `make(*arrays of inputs)` from the project parameters `inputs` (paths of
-    `models.abstract_state`) as a numpy array in GGUF order (numpy shape = llama.cpp's ne reversed); `f32`: always
+    `models.abstract_state`) as an array (numpy or jax) in GGUF order (shape = llama.cpp's ne reversed); `f32`: always
     stored F32 (1-D tensors, routers), else stored as the export type."""
 
     name: str
     inputs: tuple[str, ...]
-    make: Callable[..., np.ndarray]
+    make: Callable
     f32: bool = False
 
 
 def _t(x):  # project kernels are [in, out]; GGUF rows are outputs, like HF nn.Linear's [out, in]
-    return np.swapaxes(x, -1, -2)
+    return x.swapaxes(-1, -2)  # a method: numpy and jax arrays alike
 
 
 def _permute_pairs(w, heads: int):
@@ -253,21 +253,77 @@ def _storage(gtype: str, entry: Entry, shape: tuple[int, ...]):
     return Q.BF16, 2 * int(np.prod(shape))
 
 
-def _encode(x: np.ndarray, qtype, pool: ThreadPoolExecutor | None = None, pieces: int = 1) -> np.ndarray:
-    """x in GGML type `qtype`. Quantized types encode blocks of 32 along the last axis, so up to `pieces` slices
-    along the first are encoded apart on `pool`'s threads where given (numpy leaves the GIL): the same bytes."""
+def encode(x, qtype) -> np.ndarray:
+    """x (numpy or jax, any float dtype) in GGML type `qtype` (F32, BF16, Q8_0 or Q4_0) as the numpy array GGUFWriter
+    takes; quantized types encode blocks of 32 along the last axis, as `gguf.quants.quantize` does, with its
+    arithmetic in float32 step for step (the product with the block's inverse scale rounded on its own: no fused
+    multiply-add), so the bytes are its bytes. Runs where x lies (a weight generated on the GPU is encoded there)."""
     import gguf
-    import ml_dtypes
+    import jax.numpy as jnp
 
-    Q = gguf.GGMLQuantizationType
-    if qtype == Q.F32:
-        return np.ascontiguousarray(x, np.float32)
-    if qtype == Q.BF16:
-        return np.ascontiguousarray(x.astype(ml_dtypes.bfloat16, copy=False)).view(np.uint16)
-    quantized = lambda part: gguf.quants.quantize(np.ascontiguousarray(part, np.float32), qtype)  # noqa: E731
-    if pool is None or x.ndim < 2 or x.shape[0] < 2:
-        return quantized(x)
-    return np.concatenate(list(pool.map(quantized, np.array_split(x, min(x.shape[0], pieces)))))
+    return np.asarray(_encoder(gguf.GGMLQuantizationType(qtype).name)(jnp.asarray(x)))
+
+
+@functools.cache
+def _encoder(name: str):
+    """The jitted encoder of GGML type `name`."""
+    import jax
+
+    encoders = {"F32": _f32, "BF16": _bf16, "Q8_0": _q8_0, "Q4_0": _q4_0}
+    if name not in encoders:
+        raise ExportError(f"no encoder for GGML type {name}")
+    return jax.jit(encoders[name])
+
+
+def _f32(x):
+    import jax.numpy as jnp
+
+    return x.astype(jnp.float32)
+
+
+def _bf16(x):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+
+
+def _q8_0(x):
+    """gguf.quants.Q8_0: d = max|x| / 127, q = round half away from zero (x / d), per block [f16 d, 32 x int8]."""
+    import jax
+    import jax.numpy as jnp
+
+    blocks = x.astype(jnp.float32).reshape(-1, 32)
+    d = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True) / jnp.float32(127)
+    inv = jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / d)
+    q = jax.lax.round(jax.lax.optimization_barrier(blocks * inv), jax.lax.RoundingMethod.AWAY_FROM_ZERO)
+    return _blocks(x.shape, d, jax.lax.bitcast_convert_type(q.astype(jnp.int8), jnp.uint8))
+
+
+def _q4_0(x):
+    """gguf.quants.Q4_0: d = the block's value of largest magnitude (the first of ties) / -8, q = trunc(x / d + 8.5)
+    clipped to 15, 16 bytes of low nibbles q[:16] and high nibbles q[16:] after the f16 d."""
+    import jax
+    import jax.numpy as jnp
+
+    blocks = x.astype(jnp.float32).reshape(-1, 32)
+    top = jnp.take_along_axis(blocks, jnp.argmax(jnp.abs(blocks), axis=-1, keepdims=True), axis=-1)
+    d = top / jnp.float32(-8)
+    inv = jnp.where(d == 0, jnp.float32(0), jnp.float32(1) / d)
+    q = jnp.trunc(jax.lax.optimization_barrier(blocks * inv) + jnp.float32(8.5)).astype(jnp.uint8)
+    q = jnp.minimum(q, jnp.uint8(15))
+    return _blocks(x.shape, d, q[:, :16] | (q[:, 16:] << jnp.uint8(4)))
+
+
+def _blocks(shape, d, values):
+    """Blocks [n, 2 + len] of d as float16 bytes (little-endian, as numpy's view) and the values, shaped as
+    `shape` with its last axis in bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    scale = jax.lax.bitcast_convert_type(d.astype(jnp.float16), jnp.uint8).reshape(-1, 2)
+    out = jnp.concatenate([scale, values], axis=-1)
+    return out.reshape(*shape[:-1], shape[-1] // 32 * out.shape[-1])
 
 
 def weights_loader(cfg, checkpoint: Path | None, seed: int, workload: str, dtype):
@@ -285,11 +341,11 @@ def weights_loader(cfg, checkpoint: Path | None, seed: int, workload: str, dtype
 
 
 def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: str = "uniform",
-           checkpoint: Path | None = None, dtype="bfloat16", log=print, transform=None, threads: int = 1) -> dict:
+           checkpoint: Path | None = None, dtype="bfloat16", log=print, transform=None) -> dict:
     """Write `cfg`'s bench weights to the GGUF file `out`; -> {"tensors", "bytes", "bf16_fallback", "seconds"}.
     Invariant: every tensor is exactly `Entry.make` of the loaded parameters, encoded once (lossless for bf16
     weights under bf16/f32). `transform(path, array) -> array`, if given, rewrites each loaded parameter first
-    (the check's stress variant; the command line never sets it). `threads` > 1 quantizes on that many threads."""
+    (the check's stress variant; the command line never sets it)."""
     import gguf
     import jax
     import jax.numpy as jnp
@@ -323,23 +379,20 @@ def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: s
     # where the bench's plain run generates its weights (jax's default device)
     placement = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     total = 0
-    pool = ThreadPoolExecutor(threads) if threads > 1 and gtype in ("q8_0", "q4_0") else None
     for label, entries in units:  # pass 2: one unit's parameters at a time
         paths = sorted({p for e in entries for p in e.inputs})
-        loaded = {p: np.asarray(jax.device_get(v)) for p, v in loader(paths, lambda _: placement).items()}
+        loaded = loader(paths, lambda _: placement)  # on the device: laid out and encoded there
         if transform is not None:
-            loaded = {p: np.asarray(transform(p, v)) for p, v in loaded.items()}
+            loaded = {p: jnp.asarray(transform(p, np.asarray(v))) for p, v in loaded.items()}
         for e in entries:
             shape, qtype = storage[e.name]
-            data = _encode(e.make(*(loaded[p] for p in e.inputs)), qtype, pool, 4 * threads)
+            data = encode(e.make(*(loaded[p] for p in e.inputs)), qtype)
             w.write_tensor_data(data)
             total += data.nbytes
         del loaded
         if label.startswith("layer") and log is not None:
             log(f"  {label}: {total / 2**30:.2f} GiB written")
     w.close()
-    if pool is not None:
-        pool.shutdown()
     if fallback and log is not None:
         log(f"  {len(fallback)} tensors kept bf16 (rows not a multiple of 32), e.g. {fallback[0]}")
     return {"tensors": len(storage), "bytes": Path(out).stat().st_size, "bf16_fallback": fallback,
@@ -356,11 +409,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the bench's --workload (rewrite of random weights)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                         help="the bench's --dtype: random weights are drawn in it")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="threads quantizing q8_0 / q4_0 matrices (default: every core)")
     args = parser.parse_args(argv)
-    if args.threads < 1:
-        raise SystemExit(f"--threads {args.threads}: give 1 or more")
     from pdscope_jax.api import resolve
     from pdscope_jax.config import ConfigError
     from pdscope_jax.presets import UnknownModelError
@@ -373,7 +422,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--out: folder {args.out.parent} does not exist; create it first")
     print(f"exporting {cfg.name or args.model} ({ARCH.get(cfg.model_type, '?')}, {args.type}) to {args.out}")
     try:
-        info = export(cfg, args.out, args.type, args.seed, args.workload, checkpoint, args.dtype, threads=args.threads)
+        info = export(cfg, args.out, args.type, args.seed, args.workload, checkpoint, args.dtype)
     except ExportError as err:
         raise SystemExit(str(err)) from None
     print(f"wrote {args.out}: {info['tensors']} tensors, {info['bytes'] / 2**30:.2f} GiB in {info['seconds']:.0f} s")

@@ -8,6 +8,7 @@ ne shapes, storage types, the family's hyperparameter keys, and tensor values.
 import sys
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -182,14 +183,34 @@ def test_q8_0_export_quantizes_matrices_and_keeps_short_rows_bf16(exporter, tmp_
     assert (err <= blocks / 127 * (0.5 + 127 * 2.0**-11) * 1.01).all()
 
 
-def test_threaded_quantization_writes_the_same_file(exporter, tmp_path):
-    from pdscope_jax.api import resolve
+def _hard_blocks(rng):
+    """Float32 rows [8, 64] of blocks that reach the encoders' corners: all zeros, ties of magnitude with opposite
+    signs (the first wins), products on the rounding boundaries (x / d + 8.5 an integer, x / d at a half), a
+    negative and a positive extreme, float16 underflow of the scale, and plain random values."""
+    rows = rng.standard_normal((8, 64)).astype(np.float32)
+    rows[0] = 0
+    rows[1, :32] = 0.25
+    rows[1, 3], rows[1, 7] = -2.0, 2.0
+    rows[2, :32] = np.arange(-16, 16, dtype=np.float32) / 2  # -8 .. 7.5 in halves: d = 1 (Q4_0), products exact
+    rows[3, 32:] = np.linspace(-127, 127, 32, dtype=np.float32) + 0.5  # Q8_0 products near halves
+    rows[4] *= 1e-8  # a scale below float16's smallest normal
+    rows[5, 0], rows[5, 40] = -1e4, 3e4
+    return rows
 
-    cfg, _ = resolve("tiny-qwen3-30b-a3b")
-    one, three = tmp_path / "one.gguf", tmp_path / "three.gguf"
-    exporter.export(cfg, one, "q4_0", log=None)
-    exporter.export(cfg, three, "q4_0", log=None, threads=3)
-    assert one.read_bytes() == three.read_bytes()
+
+@pytest.mark.parametrize("qtype", ["F32", "BF16", "Q8_0", "Q4_0"])
+def test_encoder_writes_gguf_quants_bytes(exporter, qtype):
+    rng = np.random.default_rng(0)
+    arrays = [_hard_blocks(rng), rng.standard_normal((3, 5, 96)).astype(np.float32) * 0.02,
+              (rng.standard_normal((4, 128)) * 3).astype(ml_dtypes.bfloat16)]
+    for x in arrays:
+        got = exporter.encode(x, Q[qtype])
+        if qtype == "BF16":  # the writer takes bfloat16 as its uint16 bits
+            want = np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+        else:
+            want = gguf.quants.quantize(np.asarray(x, np.float32), Q[qtype])
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, got.shape, want.shape)
+        np.testing.assert_array_equal(got, want)
 
 
 def test_skewed_workload_is_exported(exporter, tmp_path):
