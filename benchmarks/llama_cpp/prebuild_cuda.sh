@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Here, on the development machine (no GPU; nvcc 13.0 and gcc), from the project root after
-# ../shared/tools/llama-cpp/prepare.sh: llama.cpp's CUDA backend for Hopper (sm_90, machine code only) built as a
+# fetch_source.sh (beside this file): llama.cpp's CUDA backend for Hopper (sm_90, machine code only) built as a
 # loadable library (GGML_BACKEND_DL, as llama.cpp's release builds ship it), so the GPU node builds only the CPU
 # backend and the tools (build_dl.sh) instead of spending about 5.5 minutes of device time on CUDA. Output: .peers/
 # ggml-cuda-sm90.so.xz.part-N (10 MB parts: the device tool's working tree, 49 MB, plus a call's carried paths must
@@ -11,7 +11,7 @@
 set -euo pipefail
 work=${1:-/tmp/llama-prebuild}; cuda=${CUDA_HOME:-/usr/local/cuda}
 [ -f .peers/llama.cpp.tgz ] \
-  || { echo "no .peers/llama.cpp.tgz: run ../shared/tools/llama-cpp/prepare.sh first" >&2; exit 1; }
+  || { echo "no .peers/llama.cpp.tgz: run benchmarks/llama_cpp/fetch_source.sh first" >&2; exit 1; }
 rm -rf "$work" && mkdir -p "$work"/{wheel,tk/lib/stubs,tk/include,src}
 python3 -m pip download -q --no-deps "nvidia-cublas==13.*" -d "$work/wheel"
 (cd "$work/wheel" && python3 -m zipfile -e nvidia_cublas-*.whl x)
