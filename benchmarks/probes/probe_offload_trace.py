@@ -1,12 +1,12 @@
 """Where an offloaded decode step's GPU time goes: one policy's `generate` traced by jax's profiler.
 
-Loads `--model` with seeded random weights under `--policy` at `--gpu-memory` / `--expert-pool` (`--quantize` for
-int8 / int4 experts; a bare `--policy plain` loads the whole model, no budget), runs one warm-up `generate` of
-`--tokens` new tokens after a `--prompt`-token prompt (it compiles and warms every program), `--repeats` timed
-ones, then one more under jax's profiler. Its Perfetto trace goes to `--trace DIR` (`POLICY[_QUANT].trace.json.gz`)
-and its summary (`trace_summary.summarize`: kernels a step, busy and idle ms a step, the kernel kinds taking most
-time) into the record, beside the decode tok/s of the timed runs. The profiler slows the launching thread: compare
-traces with each other, not with untraced tok/s.
+Loads `--model` with seeded random weights under `--policy` at `--gpu-memory` / `--expert-pool` (`none`: no cap, as
+`bench` runs; `--quantize` for int8 / int4 experts; a bare `--policy plain` loads the whole model, no budget), runs
+one warm-up `generate` of `--tokens` new tokens after a `--prompt`-token prompt (it compiles and warms every
+program), `--repeats` timed ones, then one more under jax's profiler. Its Perfetto trace goes to `--trace DIR`
+(`POLICY[_QUANT].trace.json.gz`) and its summary (`trace_summary.summarize`: kernels a step, busy and idle ms a
+step, the kernel kinds taking most time) into the record, beside the decode tok/s of the timed runs. The profiler
+slows the launching thread: compare traces with each other, not with untraced tok/s.
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py --trace DIR [--out F]`.
 """
 
@@ -29,10 +29,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--policy", default="pdscope", help="a planner name, or 'plain' for the whole model")
     parser.add_argument("--quantize", default=None, choices=[None, "int8", "int4"])
     parser.add_argument("--gpu-memory", default="24GB")
-    parser.add_argument("--expert-pool", default="8GB")
+    parser.add_argument("--expert-pool", default="8GB",
+                        help="a cap on the slot pool, or 'none': what the budget leaves (bench's default)")
     parser.add_argument("--trace", type=Path, required=True)
     parser.add_argument("--top", type=int, default=30, help="kernel kinds kept in the summary")
     args = parser.parse_args(argv)
+    if args.expert_pool.lower() == "none":
+        args.expert_pool = None
 
     if args.policy == "plain":
         runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize)
