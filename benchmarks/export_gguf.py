@@ -6,11 +6,10 @@ gating, exp_probs_b, weights norm and scale), `qwen3moe` or `llama` with experts
 llama.cpp's pairwise RoPE); `plan()` documents every tensor's layout. Not exact: llama.cpp normalises MLA latents
 with rms_norm_eps where the project (as transformers) uses 1e-6: Moonlight's 1e-5 differs (below bf16 rounding).
 No tokenizer: model "none" with `vocab_size` dummy tokens, enough for token ids (llama-bench, logits).
-`--type`: bf16 (exact for bfloat16 weights), f32, q8_0 / q4_0 (`encode`: `gguf.quants`' arithmetic as one jitted
-program where the weights live, the same bytes; matrices whose rows are not a multiple of 32 stay bf16); norms,
-routers and router biases are F32. Streaming: the header comes from the abstract shapes, then one decoder layer at a
-time is generated or read, laid out and encoded on jax's default device and written (peak host memory about one
-layer's encoded bytes; the bf16 DeepSeek-V2-Lite file is 31 GB).
+`--type`: bf16 (exact for bfloat16 weights), f32, q8_0 / q4_0 (`encode`: gguf.quants' bytes from one jitted program;
+rows not a multiple of 32 stay bf16); norms, routers, router biases F32. Streaming: the header from abstract shapes,
+then one decoder layer at a time generated or read, laid out and encoded on jax's default device, and written (host
+memory: about one layer's encoded bytes; the bf16 DeepSeek-V2-Lite file is 31 GB).
 
 Usage (repository root; without the gguf package, PYTHONPATH=<llama.cpp>/gguf-py):
     python benchmarks/export_gguf.py --model deepseek-v2-lite --out ds2.gguf [--type bf16] [--seed 0]
