@@ -13,7 +13,7 @@ src=$work/llama_cpp_python-$version/vendor/llama.cpp
 rm -rf "$src"/{models,docs,media,benches,tests,.github,scripts,conversion} "$src"/tools/{ui,server}
 for backend in "$src"/ggml/src/ggml-*/; do
   case $(basename "$backend") in
-    ggml-cpu|ggml-cuda|ggml-blas|ggml-hip|ggml-rpc|ggml-zendnn) ;;  # CMake reads these whatever is enabled
+    ggml-cpu|ggml-cuda|ggml-blas|ggml-hip|ggml-rpc|ggml-zendnn) ;;  # small: kept as in the builds measured so far
     *) rm -rf "$backend" ;;
   esac
 done
