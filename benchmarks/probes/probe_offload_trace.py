@@ -1,12 +1,13 @@
 """Where an offloaded decode step's GPU time goes: one policy's `generate` traced by jax's profiler.
 
-Loads `--model` with seeded random weights under `--policy` at `--gpu-memory` / `--expert-pool` (`none`: no cap, as
-`bench` runs; `--quantize` for int8 / int4 experts; a bare `--policy plain` loads the whole model, no budget), runs
-one warm-up `generate` of `--tokens` new tokens after a `--prompt`-token prompt (it compiles and warms every
-program), `--repeats` timed ones, then one more under jax's profiler. Its Perfetto trace goes to `--trace DIR`
-(`POLICY[_QUANT].trace.json.gz`) and its summary (`trace_summary.summarize`: kernels a step, busy and idle ms a
-step, the kernel kinds taking most time) into the record, beside the decode tok/s of the timed runs. The profiler
-slows the launching thread: compare traces with each other, not with untraced tok/s.
+Loads `--model` with seeded random weights once, at `--gpu-memory` / `--expert-pool` (`none`: no cap, as `bench`
+runs; `--quantize` for int8 / int4 experts), and for each `--policy` label (bench's: a planner name with its
+engine suffixes, `pdscope:progcopy:nocpu`; several switch the loaded engine in turn; a bare `plain` loads the whole
+model, no budget) runs one warm-up `generate` of `--tokens` new tokens after a `--prompt`-token prompt (it compiles
+and warms every program), `--repeats` timed ones, then one more under jax's profiler. Its Perfetto trace goes to
+`--trace DIR` (`LABEL[_QUANT].trace.json.gz`, `:` and `=` as `_`) and its summary (`trace_summary.summarize`)
+into the record, beside the decode tok/s of the timed runs and the decode statistics (hit rate, bytes, host
+experts). The profiler slows the launching thread: compare traces with each other, not with untraced tok/s.
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py --trace DIR [--out F]`.
 """
 
@@ -14,19 +15,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 import jax
 import numpy as np
 
 import pdscope_jax
+from pdscope_jax.bench.runs import engine_switches, plan_runs
 from _common import emit, perfetto_trace, probe_result, timed_generations, whole_model_parser
 from trace_summary import summarize
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = whole_model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--policy", default="pdscope", help="a planner name, or 'plain' for the whole model")
+    parser.add_argument("--policy", nargs="+", default=["pdscope"],
+                        help="run labels (bench's policy names with suffixes), or 'plain' alone for the whole model")
     parser.add_argument("--quantize", default=None, choices=[None, "int8", "int4"])
     parser.add_argument("--gpu-memory", default="24GB")
     parser.add_argument("--expert-pool", default="8GB",
@@ -37,21 +41,32 @@ def main(argv: list[str] | None = None) -> dict:
     if args.expert_pool.lower() == "none":
         args.expert_pool = None
 
-    if args.policy == "plain":
+    runs = plan_runs(argparse.Namespace(ablation=False, policies=args.policy, hot_table=None, quality=None,
+                                        mixed_threshold=None))
+    if runs[0]["policy"] == "plain":
+        if len(runs) > 1:
+            parser.error("'plain' loads the whole model: give it alone")
         runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize)
     else:
-        runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize, policy=args.policy,
+        runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize, policy=runs[0]["policy"],
                                   gpu_memory=args.gpu_memory, expert_pool=args.expert_pool)
     ids = np.random.default_rng(0).integers(0, min(1000, runner.config.vocab_size), (1, args.prompt), dtype=np.int32)
-    record, _ = timed_generations(runner.generate, ids, args.tokens, args.repeats, None)
-    name = args.policy + (f"_{args.quantize}" if args.quantize else "")
-    path = args.trace / f"{name}.trace.json.gz"
-    perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
-    # the first token comes from prefill: tokens - 1 decode steps, the last of them cut off (whole steps only)
-    summary = summarize(path, args.top, decode_steps=args.tokens - 1) if path.exists() else {"trace": None}
-    record.pop("tokens")
     records = []
-    emit(records, {"policy": args.policy, "quantize": args.quantize, **record, "trace_summary": summary})
+    for run in runs:
+        label = run["label"]
+        if run["policy"] != "plain":  # every switch set, so a run inherits none from the one before
+            runner.engine.set_policy(run["policy"], **engine_switches(run, None))
+        record, _ = timed_generations(runner.generate, ids, args.tokens, args.repeats, None)
+        name = re.sub(r"[:=]", "_", label) + (f"_{args.quantize}" if args.quantize else "")
+        path = args.trace / f"{name}.trace.json.gz"
+        stats = runner.engine.stats if hasattr(runner, "engine") else {}  # over the warm-up and timed runs
+        engine = {key: stats.get(key) for key in ("decode", "decode_host", "decode_trials", "slots", "decode_slots")}
+        perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
+        # the first token comes from prefill: tokens - 1 decode steps, the last of them cut off (whole steps only)
+        summary = summarize(path, args.top, decode_steps=args.tokens - 1) if path.exists() else {"trace": None}
+        record.pop("tokens")
+        emit(records, {"label": label, "quantize": args.quantize, **record, "engine": engine,
+                       "trace_summary": summary})
     devices = argparse.Namespace(accel=jax.devices()[0])
     return probe_result("an offloaded decode step traced (random weights)", devices, records, args.out,
                         model=args.model, weights="random (seeded, seed 0)", prompt=args.prompt, tokens=args.tokens,
