@@ -27,6 +27,8 @@ def driver() -> ctypes.CDLL:
             lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
             lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
             lib.cuMemcpyDtoH_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t]
+            lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                                         ctypes.c_uint]
             check(lib, lib.cuInit(0), "cuInit")
             _lib = lib
         return _lib

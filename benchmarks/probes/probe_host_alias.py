@@ -2,10 +2,10 @@
 round trip? Prints one JSON object per finding.
 
 A layer of `--experts` experts of `--expert-mib` MiB each (Qwen3-30B-A3B's int4 expert is 2.5 MiB) is page-locked
-through the CUDA driver (`store.page_locked.HostBuffer`, with CU_MEMHOSTREGISTER_DEVICEMAP added) and imported
-twice through dlpack: as `pinned_host` memory (the store's way; a program copies from it with `device_put`) and as
-device memory at the address the driver maps it to (the alias; a program reads it like any array, over PCIe).
-1. mapping: the device pointer the driver gives, whether it equals the host address, the alias's memory kind;
+through the CUDA driver (`store.page_locked.HostBuffer`) and imported twice through dlpack: as `pinned_host` memory
+(the store's way; a program copies from it with `device_put`) and as device memory at the address the driver maps it
+to (`page_locked.device_alias`; a program reads it like any array, over PCIe).
+1. mapping: whether the alias was made, and the memory kinds;
 2. values: rows gathered from the alias equal the host's bytes;
 3. bandwidth: k rows (1, 2, 8) gathered from the alias, against the same rows copied with `device_put`;
 4. round trips: a scan of `--layers` steps, each a `lax.switch` on a count held on the GPU (0 rows, or 1/2/4/8
@@ -19,7 +19,6 @@ Run on the GPU node from the repository root: `PYTHONPATH=. python3 benchmarks/p
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -28,13 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdscope_jax import cuda_driver
 from pdscope_jax.generation.generator import CHUNK_COMPILER_OPTIONS
 from pdscope_jax.store import page_locked
 from _common import emit, probe_result
-
-DEVICEMAP = 0x02  # CU_MEMHOSTREGISTER_DEVICEMAP
-DL_CUDA = 2
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -45,19 +40,6 @@ def _median_seconds(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t)
     return statistics.median(times)
-
-
-def _mapped(buffer) -> int:
-    """Re-register `buffer` with DEVICEMAP as well; -> the device pointer the driver maps it to."""
-    lib = page_locked._Driver.enter(buffer.ordinal)
-    lib.cuMemHostUnregister(ctypes.c_void_p(buffer.address))
-    cuda_driver.check(lib, lib.cuMemHostRegister_v2(buffer.address, buffer.nbytes, 0x01 | DEVICEMAP),
-                      "cuMemHostRegister(DEVICEMAP)")
-    pointer = ctypes.c_uint64()
-    lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
-    cuda_driver.check(lib, lib.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), buffer.address, 0),
-                      "cuMemHostGetDevicePointer")
-    return pointer.value
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -76,12 +58,12 @@ def main(argv: list[str] | None = None) -> dict:
     buffer = page_locked.HostBuffer(args.experts * words * 4, accel.local_hardware_id)
     host = np.frombuffer(buffer.view, np.uint32).reshape(shape)
     host[:] = np.random.default_rng(0).integers(0, 2**32, shape, dtype=np.uint32)
-    pointer = _mapped(buffer)
     pinned = page_locked.import_array(buffer, 0, shape, np.uint32, accel)
-    alias = jax.dlpack.from_dlpack(page_locked.DlpackView(pointer, shape, np.uint32, (DL_CUDA, accel.local_hardware_id),
-                                                          buffer))
-    emit(records, {"what": "mapping", "device_pointer_is_host_address": pointer == buffer.address,
-                   "alias_memory_kind": alias.sharding.memory_kind, "pinned_memory_kind": pinned.sharding.memory_kind})
+    alias = page_locked.device_alias(buffer, 0, shape, np.uint32, accel)
+    emit(records, {"what": "mapping", "alias": alias is not None, "pinned_memory_kind": pinned.sharding.memory_kind})
+    if alias is None:
+        return probe_result("page-locked host memory read in place by GPU programs", argparse.Namespace(accel=accel),
+                            records, args.out)
 
     ids = jnp.asarray(np.random.default_rng(1).permutation(args.experts)[:8], jnp.int32)
     gathered = np.asarray(jax.jit(lambda a, i: a[i])(alias, ids))

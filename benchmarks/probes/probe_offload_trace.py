@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> dict:
         path = args.trace / f"{name}.trace.json.gz"
         stats = runner.engine.stats if hasattr(runner, "engine") else {}  # over the warm-up and timed runs
         engine = {key: stats.get(key) for key in ("decode", "decode_host", "decode_trials", "slots", "decode_slots")}
+        if hasattr(runner, "engine"):  # whether the store has device views for decode_zero_copy (`:zerocopy`)
+            engine["device_views"] = runner.engine.store.layer_device_views(runner.config.moe_layers[0]) is not None
         perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
         # the first token comes from prefill: tokens - 1 decode steps, the last of them cut off (whole steps only)
         summary = summarize(path, args.top, decode_steps=args.tokens - 1) if path.exists() else {"trace": None}

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from pdscope_jax.bench.runs import (COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, QUALITY, SUFFIXES,
-                                    WITH_CPU, split_label)
+                                    WITH_CPU, ZERO_COPY, split_label)
 from pdscope_jax.cli.options import add_quality, add_quantize
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
@@ -51,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"host's CPU compute part of the misses through the CUDA bridge, the default), NAME{NO_CPU} "
                         f"(it copies every miss), NAME{COPY_SHARE}F (the share of misses copied), "
                         f"NAME{PROGRAM_COPIES} (the decode program copies its misses itself, not the bridge's "
-                        f"worker), NAME{QUALITY}Q (its --quality), and '{PLAIN}' "
+                        f"worker), NAME{ZERO_COPY} (it reads the misses in place from pinned host memory), "
+                        f"NAME{QUALITY}Q (its --quality), and '{PLAIN}' "
                         "for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],

@@ -15,7 +15,8 @@ Both take (engine, token [B] (the first new token, on the accelerator), cache, t
 None)); `step(n)` runs decode step n (sampling at step n); `tokens` holds the host copies (`Sampled`, numpy
 arrays that own their memory: `host_copy`) of the steps fetched and not yet taken, in order (the device
 executor's lag two steps behind); the caller pops what it has taken, so a long decode keeps nothing per step;
-`finish()` -> the rest, and adds what it counted to the decode statistics.
+`finish()` -> the rest, and adds what it counted to the decode statistics. `decode_experts(engine, host)`: what
+the step copies from (pinned stacks, or their in-place device views with RuntimeConfig.decode_zero_copy).
 - `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
 - `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
@@ -55,6 +56,19 @@ def choose(engine, batch: int, steps: int):
     if on_device and batch in engine.decode_trials:  # the planner chose by timing both (`engine.decode_trial`)
         return engine.decode_trials[batch].executor
     return DeviceDecode if on_device else HostDecode
+
+
+def decode_experts(engine, host) -> tuple:
+    """Per MoE layer, the experts the device step copies its misses from: the store's device-memory views (read in
+    place) with RuntimeConfig.decode_zero_copy where every layer has them and no XLA host part computes from them;
+    else its pinned stacks, or per-expert arrays where it keeps no stacks."""
+    store, moe = engine.store, engine._moe_layers
+    xla_host = host is not None and host.bridge is None and host.computes
+    if engine.runtime.decode_zero_copy and not xla_host:
+        views = tuple(store.layer_device_views(layer) for layer in moe)
+        if all(v is not None for v in views):
+            return views
+    return tuple(store.layer_stacks(layer) or store.layer_experts(layer) for layer in moe)
 
 
 AUTO_CHUNK = 32  # steps a program on a GPU where RuntimeConfig.decode_chunk is None (docs/MEASUREMENTS.md)
@@ -109,7 +123,7 @@ class DeviceDecode:
             self._fill_pool()
         bank = self._fill_bank() if self.host is not None and not self.host.copies else []
         self.table = pool_table.upload(e.pool, moe, decode_bonus(e, b), accel, bank)
-        self.experts = tuple(e.store.layer_stacks(layer) or e.store.layer_experts(layer) for layer in moe)
+        self.experts = decode_experts(e, self.host)
         self.graphs = tuple(layer.graph for layer in e._layers)
         self.state_tree, self.state_leaves = device_decode.flat_states((layer.state for layer in e._layers), e._state)
         self.token, self.caches = token, tuple(cache)

@@ -13,7 +13,9 @@ Contract:
   lets the driver page-lock the stacks to come on threads while earlier layers are added; `loaded()` ends that.
 - Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts by a
   computed index (`engine.device_decode`, `pull_traced`): free with a buffer per stack; with jax only when
-  `stacks=True`, as a second pinned copy (in host_bytes_per_model_byte).
+  `stacks=True`, as a second pinned copy (in host_bytes_per_model_byte). `layer_device_views(layer)` -> the same
+  driver-page-locked stacks as device-memory aliases a program reads in place over PCIe (`page_locked.device_alias`),
+  or None (jax's pinned memory, or the driver or JAX refused).
 - Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched `device_put`
   and returns at once (issue it before the compute it should hide behind); `commit(pool, staged, slots)` writes the
   staged arrays into their slots with ONE jitted program that donates the pool (in place), compiled per power-of-two
@@ -121,6 +123,7 @@ class ExpertStore:
         self.host_alloc = host_alloc
         self.stacks = stacks or host_alloc == "driver"
         self._stacks: dict[int, tuple[jax.Array, jax.Array]] = {}  # layer -> (gate_up, down) stacks, pinned
+        self._stack_parts: dict[int, tuple] = {}  # layer -> per stack (its tree structure, its PinnedStacks)
         self.stack_copy_bytes = 0  # bytes of stacks that are a second copy (host_alloc='jax')
         self._alias_checked = False  # one CPU alias's values compared in full with its pinned array
         self._page_locked: list = []  # host_alloc='driver': the PinnedStacks every view points into
@@ -145,12 +148,13 @@ class ExpertStore:
     def add_layer(self, layer: int, gate_up, down) -> None:
         """Take layer `layer`'s stacked experts gate_up [E,D,2F], down [E,F,D] into pinned memory, per expert (and
         as whole-layer stacks: see `layer_stacks`)."""
-        host, cpu, stacks = ([], []), ([], []), []
+        host, cpu, stacks, pinned_parts = ([], []), ([], []), [], []
         for part, stack in enumerate((gate_up, down)):
             views = None
             if self.host_alloc == "driver":  # one buffer per layer stack: its experts alias it
-                whole, experts, views = self._page_locked_parts(stack)
+                whole, experts, views, parts = self._page_locked_parts(stack)
                 stacks.append(whole)
+                pinned_parts.append(parts)
             else:  # a device array goes straight to pinned memory (device-to-host), numpy by a host copy
                 experts = [jax.device_put(stack[e], self._pinned) for e in range(stack.shape[0])]
                 jax.block_until_ready(experts)
@@ -165,6 +169,8 @@ class ExpertStore:
         self._host[layer], self._cpu[layer] = host, cpu
         if stacks:
             self._stacks[layer] = (stacks[0], stacks[1])
+        if pinned_parts:
+            self._stack_parts[layer] = tuple(pinned_parts)
 
     def add_low_layer(self, layer: int, gate_up, down) -> None:
         """Keep layer `layer`'s int4 copies (QuantizedWeight stacks, `low_copies.low_copy`) in pinned memory, per
@@ -197,7 +203,7 @@ class ExpertStore:
     def _page_locked_parts(self, stack):
         """Each array of `stack` (an array, or a QuantizedWeight's integers and scales) in one page-locked buffer
         (`page_locked.pin_stack`, made ahead where expected). -> (the stack, its E experts, their E numpy views), each
-        in `stack`'s structure."""
+        in `stack`'s structure, and (the structure, its PinnedStacks) for `layer_device_views`."""
         leaves, structure = jax.tree.flatten(stack)
         parts = [page_locked.pin_stack(leaf, self.devices.accel,
                                        None if self._maker is None else self._maker.take(leaf.nbytes))
@@ -206,7 +212,7 @@ class ExpertStore:
         experts = range(parts[0].view.shape[0])
         return (structure.unflatten([p.whole for p in parts]),
                 [structure.unflatten([p.experts[e] for p in parts]) for e in experts],
-                [structure.unflatten([p.view[e] for p in parts]) for e in experts])
+                [structure.unflatten([p.view[e] for p in parts]) for e in experts], (structure, parts))
 
     def _cpu_array(self, pinned, view):
         """The CPU-backend array (or QuantizedWeight) for one expert weight: each part a zero-copy alias of its
@@ -284,6 +290,19 @@ class ExpertStore:
         """(gate_up [E,D,2F], down [E,F,D]) of a layer in pinned_host memory, or None when not kept: a program can
         index them with an index it computed (`engine.device_decode`)."""
         return self._stacks.get(layer)
+
+    def layer_device_views(self, layer: int) -> tuple | None:
+        """(gate_up [E,D,2F], down [E,F,D]) of a layer as device-memory aliases of its page-locked stacks (a program
+        reads an expert in place, over PCIe), or None where there are none."""
+        if layer not in self._stack_parts:
+            return None
+        views = []
+        for structure, parts in self._stack_parts[layer]:
+            leaves = [p.device_view() for p in parts]
+            if any(leaf is None for leaf in leaves):
+                return None
+            views.append(structure.unflatten(leaves))
+        return views[0], views[1]
 
     def layer_experts(self, layer: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         """(gate_ups, downs): a layer's E per-expert arrays in pinned_host memory."""

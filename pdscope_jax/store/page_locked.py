@@ -5,15 +5,20 @@ Contract:
 - `HostBuffer(nbytes, ordinal, huge_pages=True, populate_threads=8)`: nbytes of anonymous memory, 2 MiB aligned
   (transparent huge pages asked for with madvise), placed on the GPU's NUMA node where the host has several
   (`store.numa`; `numa_node`, None elsewhere), faulted in by `populate_threads` threads, then page-locked for
-  every CUDA context (`cuMemHostRegister`, portable). `address`, `nbytes`, `view` (a uint8 numpy view);
+  every CUDA context and mapped into the GPU's address space (`cuMemHostRegister`, portable and device-mapped).
+  `address`, `nbytes`, `view` (a uint8 numpy view);
   `release()` unlocks it (idempotent; also on collection, except at interpreter exit); the mapping lives as long
   as the object.
 - `import_array(buffer, offset, shape, dtype, accel) -> jax.Array`: a `pinned_host` array of GPU `accel` over the
   buffer's bytes from `offset`, through dlpack (`DlpackView`, kDLCUDAHost), no copy; it keeps the buffer alive.
+- `device_alias(buffer, offset, shape, dtype, accel) -> jax.Array | None`: the same bytes as a *device* array of
+  `accel` (dlpack, kDLCUDA, at the address the driver maps them to): a program reads it in place over PCIe, a read
+  like any other, so no copy program and no conditional host wait. None where the driver or JAX refuses.
 - `fill_from_device(buffer, src)`: one device-to-host DMA of the GPU array's bytes into the buffer; returns when done.
 - `pin_stack(src, accel, buffer=None) -> PinnedStack`: src ([E, ...], a GPU jax array or numpy) copied into a
   buffer of exactly its bytes (given, or made now) -> `whole` (the stack) and `experts` (its E slices), pinned_host
-  arrays of `accel` aliasing the buffer, and `view`, numpy over the same bytes.
+  arrays of `accel` aliasing the buffer, and `view`, numpy over the same bytes; `device_view()`: `whole` as
+  `device_alias` gives it (made once).
 - `BufferMaker(ordinal, threads=None)`: `expect([nbytes, ...])` starts making buffers of those sizes on its threads
   (default `page_lock_threads()`: PDSCOPE_PAGE_LOCK_THREADS, else `PAGE_LOCK_THREADS`), in order; `take(nbytes)`
   returns the oldest expected one of that size (waiting for it) or makes one now. The store uses it to page-lock
@@ -41,8 +46,9 @@ from pdscope_jax.store import numa
 
 HUGE_PAGE = 2 << 20
 _REGISTER_PORTABLE = 0x01  # CU_MEMHOSTREGISTER_PORTABLE: locked for every context, not only the current one
+_REGISTER_DEVICEMAP = 0x02  # CU_MEMHOSTREGISTER_DEVICEMAP: mapped into the GPU's address space (`device_alias`)
 _MADV_HUGEPAGE, _MADV_POPULATE_WRITE = 14, 23
-DL_CPU, DL_CUDA_HOST = 1, 3  # DLPack device types
+DL_CPU, DL_CUDA, DL_CUDA_HOST = 1, 2, 3  # DLPack device types
 _DL_CODES = {"i": 0, "u": 1, "f": 2}  # DLPack type codes by numpy kind
 _DL_BFLOAT = 4
 
@@ -99,7 +105,8 @@ class HostBuffer:
         self.registered = False
         if self.nbytes:
             lib = _Driver.enter(ordinal)
-            cuda_driver.check(lib, lib.cuMemHostRegister_v2(self.address, self.nbytes, _REGISTER_PORTABLE),
+            cuda_driver.check(lib, lib.cuMemHostRegister_v2(self.address, self.nbytes,
+                                                                   _REGISTER_PORTABLE | _REGISTER_DEVICEMAP),
                               "cuMemHostRegister")
             self.registered = True
 
@@ -224,6 +231,24 @@ def import_array(buffer: HostBuffer, offset: int, shape, dtype, accel: jax.Devic
     return array
 
 
+def device_alias(buffer: HostBuffer, offset: int, shape, dtype, accel: jax.Device) -> jax.Array | None:
+    dtype = np.dtype(dtype)
+    if offset < 0 or offset + int(np.prod(shape)) * dtype.itemsize > buffer.nbytes:
+        raise ValueError(f"bytes [{offset}, +{shape} {dtype}) lie outside the {buffer.nbytes}-byte buffer")
+    lib = _Driver.enter(buffer.ordinal)
+    pointer = ctypes.c_uint64()
+    if lib.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), ctypes.c_void_p(buffer.address + offset), 0) != 0:
+        return None
+    view = DlpackView(pointer.value, tuple(int(s) for s in shape), dtype, (DL_CUDA, accel.local_hardware_id), buffer)
+    try:
+        array = jax.dlpack.from_dlpack(view)
+    except Exception:  # noqa: BLE001 (JAX versions refuse foreign device memory differently: the caller copies)
+        return None
+    if array.sharding.memory_kind != "device" or array.devices() != {accel}:
+        return None
+    return array
+
+
 def fill_from_device(buffer: HostBuffer, src: jax.Array) -> None:
     if src.nbytes > buffer.nbytes:
         raise ValueError(f"{src.nbytes} bytes do not fit the {buffer.nbytes}-byte buffer")
@@ -238,6 +263,13 @@ class PinnedStack:
     experts: list[jax.Array]
     view: np.ndarray
     buffer: HostBuffer
+    _alias: list = dataclasses.field(default_factory=list)
+
+    def device_view(self) -> jax.Array | None:
+        if not self._alias:
+            self._alias.append(device_alias(self.buffer, 0, self.whole.shape, self.view.dtype,
+                                            next(iter(self.whole.devices()))))
+        return self._alias[0]
 
     def release(self) -> None:
         self.buffer.release()
