@@ -1,21 +1,26 @@
 #!/usr/bin/env bash
 # ON THE GPU NODE, from the project root, after build_dl.sh: llama.cpp and the project on the same random weights at
-# the same GPU memory, in one call. MODEL: a preset; NCMOE: llama-bench -ncmoe values (0: the whole model on the
-# GPU); OURS: "N:policy,policy ..." runs `pdscope-jax bench --quantize int4` with --gpu-memory set to llama.cpp's peak
-# at -ncmoe N; DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
-# 1. The project's weights as a Q4_0 GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
+# the same GPU memory, in one call. MODEL: a preset; TYPE: q4_0 (default), q8_0 or bf16, the GGUF's and so the
+# project's precision (--quantize int4, int8, none); NCMOE: llama-bench -ncmoe values (0: the whole model on the GPU);
+# OURS: "N:policy,policy ..." runs `pdscope-jax bench` with --gpu-memory set to llama.cpp's peak at -ncmoe N;
+# DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
+# 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
 # 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depth 0 and 512, -ub/-b 4096, every core, 2
 #    repetitions; its peak GPU memory sampled by nvidia-smi every 250 ms.
 # 3. The project's bench at each chosen peak: prompts 512 and 4,096, 64 new tokens, 2 repeats.
-# Writes under ${RES:-$OUT}: llama-MODEL-nN.json (+ .err, mem-*.log), bench-MODEL-nN/ and side_by_side-MODEL.json
-# (llama.cpp's peaks and rates per -ncmoe). Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150, OURS_LIMIT 240.
+# Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN/ and
+# side_by_side-MODEL-TYPE.json (llama.cpp's peaks and rates per -ncmoe).
+# Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150, OURS_LIMIT 240.
 set -u
 export PYTHONPATH=$PWD:$PWD/.peers-build/src/llama.cpp/gguf-py PYTHONUNBUFFERED=1
 noise='^W0000\|^I0000\|^WARNING: All log\|cuda_executor\|^E0000'
-out=${RES:-${OUT:-.}}; mkdir -p "$out"; bin=.peers-build/build/bin; G=.peers-build/$MODEL-q4_0.gguf; t0=$(date +%s)
+type=${TYPE:-q4_0}; declare -A quantize=([q4_0]="--quantize int4" [q8_0]="--quantize int8" [bf16]="")
+[ -n "${quantize[$type]+set}" ] || { echo "TYPE must be q4_0, q8_0 or bf16, got $type" >&2; exit 2; }
+out=${RES:-${OUT:-.}}; mkdir -p "$out"; bin=.peers-build/build/bin; G=.peers-build/$MODEL-$type.gguf; t0=$(date +%s)
+name=$MODEL-$type
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ ! -f "$G" ]; then
-  timeout "${EXPORT_LIMIT:-300}" python3 benchmarks/export_gguf.py --model "$MODEL" --type q4_0 --out "$G.part" 2>&1 \
+  timeout "${EXPORT_LIMIT:-300}" python3 benchmarks/export_gguf.py --model "$MODEL" --type "$type" --out "$G.part" 2>&1 \
     | grep -v "$noise" | grep -v "GiB written" | tail -4
   if [ "${PIPESTATUS[0]}" != 0 ]; then rm -f "$G.part"; say "the export failed or ran out of time"; exit 1; fi
   mv "$G.part" "$G"
@@ -23,30 +28,30 @@ fi
 say "GGUF: $(du -h "$G" | cut -f1)"
 declare -A peak
 for n in ${NCMOE:-}; do
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$MODEL-n$n.log" 2>/dev/null &
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$name-n$n.log" 2>/dev/null &
   sampler=$!
   timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n 64 -d 0,512 -ub 4096 \
-    -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$MODEL-n$n.json" 2> "$out/llama-$MODEL-n$n.err"
+    -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" 2> "$out/llama-$name-n$n.err"
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
-  peak[$n]=$(sort -n "$out/mem-$MODEL-n$n.log" | tail -1)
+  peak[$n]=$(sort -n "$out/mem-$name-n$n.log" | tail -1)
   say "llama.cpp -ncmoe $n done"
 done
-python3 - "$out" "$MODEL" ${NCMOE:-} <<'PY'
+python3 - "$out" "$name" ${NCMOE:-} <<'PY'
 import json, sys
-out, model, runs = sys.argv[1], sys.argv[2], {}
+out, name, runs = sys.argv[1], sys.argv[2], {}
 for n in sys.argv[3:]:
     try:
-        rows = json.load(open(f"{out}/llama-{model}-n{n}.json"))
+        rows = json.load(open(f"{out}/llama-{name}-n{n}.json"))
     except (OSError, ValueError) as err:
         runs[n] = {"error": str(err)}
         continue
-    mem = [int(v) for v in open(f"{out}/mem-{model}-n{n}.log").read().split() if v.isdigit()]
+    mem = [int(v) for v in open(f"{out}/mem-{name}-n{n}.log").read().split() if v.isdigit()]
     runs[n] = {"peak_gpu_mib": max(mem, default=None), "tests": [
         {"test": f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}", "depth": r.get("n_depth", 0),
          "tok_s": r["avg_ts"], "samples_tok_s": r.get("samples_ts")} for r in rows]}
     print(f"llama.cpp -ncmoe {n}: peak {runs[n]['peak_gpu_mib']} MiB;",
           " ".join(f"{t['test']}@d{t['depth']} {t['tok_s']:.1f}" for t in runs[n]["tests"]))
-json.dump({"model": model, "ncmoe": runs}, open(f"{out}/side_by_side-{model}.json", "w"), indent=1)
+json.dump({"model": name, "ncmoe": runs}, open(f"{out}/side_by_side-{name}.json", "w"), indent=1)
 PY
 for spec in ${OURS:-}; do
   n=${spec%%:*}; policies=${spec#*:}; mib=${peak[$n]:-}
@@ -54,8 +59,8 @@ for spec in ${OURS:-}; do
   limit=${OURS_LIMIT:-240}
   [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
   [ "$limit" -ge 60 ] || { say "no time left for the project at -ncmoe $n"; continue; }
-  timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" --quantize int4 --gpu-memory "${mib}MiB" \
-    --prompt-lens 512 4096 --new-tokens 64 --repeats 2 --policies ${policies//,/ } --out "$out/bench-$MODEL-n$n" 2>&1 \
+  timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --gpu-memory "${mib}MiB" \
+    --prompt-lens 512 4096 --new-tokens 64 --repeats 2 --policies ${policies//,/ } --out "$out/bench-$name-n$n" 2>&1 \
     | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -14 | cut -c1-220
   say "the project at -ncmoe $n's ${mib} MiB done"
 done
