@@ -1,7 +1,7 @@
 """Where an offloaded decode step's GPU time goes: one policy's `generate` traced by jax's profiler.
 
-Loads `--model` with seeded random weights once, at `--gpu-memory` / `--expert-pool` (`none`: no cap, as `bench`
-runs; `--quantize` for int8 / int4 experts), and for each `--policy` label (bench's: a planner name with its
+Loads `--model` with seeded random weights once (as drawn, or rewritten by bench's `--workload`), at `--gpu-memory`
+/ `--expert-pool` (`none`: no cap, as `bench` runs; `--quantize` for int8 / int4 experts), and for each `--policy` label (bench's: a planner name with its
 engine suffixes, `pdscope:progcopy:nocpu`; several switch the loaded engine in turn; a bare `plain` loads the whole
 model, no budget) runs one warm-up `generate` of `--tokens` new tokens after a `--prompt`-token prompt (it compiles
 and warms every program), `--repeats` timed ones, then one more under jax's profiler. Its Perfetto trace goes to
@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--gpu-memory", default="24GB")
     parser.add_argument("--expert-pool", default="8GB",
                         help="a cap on the slot pool, or 'none': what the budget leaves (bench's default)")
+    parser.add_argument("--workload", default=None, choices=[None, "uniform", "skewed"],
+                        help="bench's routing rewrite of the random weights (default: the weights as drawn, as "
+                             "`pdscope_jax.load` gives them)")
+    parser.add_argument("--max-seq-len", type=int, default=4096,
+                        help="the engine's (with --workload; bench sizes it to its longest prompt plus new tokens)")
     parser.add_argument("--trace", type=Path, required=True)
     parser.add_argument("--top", type=int, default=30, help="kernel kinds kept in the summary")
     args = parser.parse_args(argv)
@@ -47,6 +52,9 @@ def main(argv: list[str] | None = None) -> dict:
         if len(runs) > 1:
             parser.error("'plain' loads the whole model: give it alone")
         runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize)
+    elif args.workload is not None:
+        runner = argparse.Namespace(engine=_bench_engine(args, runs[0]["policy"]))
+        runner.generate, runner.config = runner.engine.generate, runner.engine.config
     else:
         runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize, policy=runs[0]["policy"],
                                   gpu_memory=args.gpu_memory, expert_pool=args.expert_pool)
@@ -72,8 +80,31 @@ def main(argv: list[str] | None = None) -> dict:
     devices = argparse.Namespace(accel=jax.devices()[0])
     return probe_result("an offloaded decode step traced (random weights)", devices, records, args.out,
                         model=args.model, weights="random (seeded, seed 0)", prompt=args.prompt, tokens=args.tokens,
-                        gpu_memory=args.gpu_memory, expert_pool=args.expert_pool,
+                        gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, workload=args.workload,
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
+
+
+def _bench_engine(args, policy: str):
+    """The offload engine `pdscope-jax bench` builds: seeded random weights (seed 0) rewritten by the workload, the
+    experts quantized as they load."""
+    import jax.numpy as jnp
+
+    from pdscope_jax import models
+    from pdscope_jax.api import resolve
+    from pdscope_jax.bench.runs import weights_loader
+    from pdscope_jax.engine.runner import OffloadRunner
+    from pdscope_jax.quant.loader import quantizing_loader
+    from pdscope_jax.runtime import RuntimeConfig
+    from pdscope_jax.workloads import routing
+
+    cfg = resolve(args.model)[0]
+    loader = weights_loader(cfg, None, models.abstract_state(cfg, jnp.bfloat16), 0,
+                            routing.design(cfg, args.workload, seed=0))
+    if args.quantize:
+        cfg, loader = cfg.replace(expert_quant=args.quantize), quantizing_loader(loader, args.quantize)
+    rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy=policy,
+                       max_seq_len=args.max_seq_len)
+    return OffloadRunner(models.abstract_model(cfg, jnp.bfloat16), rc, loader)
 
 
 if __name__ == "__main__":
