@@ -6,7 +6,8 @@ each, two greedy generations on a prompt of seeded random tokens [batch, prompt_
 `cache_tokens` new tokens (`steps` + 2 at most), one of 2 tokens and one of `steps` + 2, each from the pool
 `set_policy` leaves; the difference of their decode seconds over `steps` is the executor's figure, so what an
 executor does once per decode (the device step's fill of the pool or of its decode bank, its table's upload and
-download) counts in neither. Every program must be compiled before: the device step's by the warm-up that calls
+download) counts in neither (where noise on a loaded host makes the long run no slower, the long run's mean per decoded
+token stands in). Every program must be compiled before: the device step's by the warm-up that calls
 this, the host loop's by `compile_host_loop`, and what routing decides either needs by `precompile_routed` (the
 warm-up calls the three in that order, then this). `DecodeTrial.executor` is the faster executor; `to_dict()` ->
 {"chosen": "device" | "host", "ms_per_step": {name: ms}, "steps", "compiled_while_timed"}. The caller restarts the
@@ -68,7 +69,9 @@ def trial(engine, batch: int, prompt_len: int, cache_tokens: int, steps: int) ->
         for tokens in (COMPILE_TOKENS, COMPILE_TOKENS + steps):
             engine.set_policy(engine.runtime.policy, engine.runtime.policy_options)  # the same pool for every run
             runs.append(decode_seconds(engine, ids, tokens, cache_tokens, executor))
-        seconds[name] = max(runs[1] - runs[0], 0.0) / steps
+        # the steps' own time: the long run less the short one's fixed costs; where noise hides that difference
+        # (a loaded host), the long run's mean per decoded token, which includes them
+        seconds[name] = (runs[1] - runs[0]) / steps if runs[1] > runs[0] else runs[1] / (COMPILE_TOKENS + steps - 1)
     return DecodeTrial(seconds, steps, engine.compiled_programs["total"] - compiled)
 
 
