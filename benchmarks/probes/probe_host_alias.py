@@ -12,7 +12,9 @@ to (`page_locked.device_alias`; a program reads it like any array, over PCIe).
    rows copied) and a small sum, compiled with the chunk programs' command buffers (CONDITIONAL among them): ms a
    step where every count is 0 (the conditional's own cost) and where every count is 1, the copies from the
    alias against the copies with `device_put`. A conditional XLA cannot record evaluates its predicate on the host,
-   which waits for the GPU at every step.
+   which waits for the GPU at every step;
+5. conditional forms: a layer's `lax.cond` with trivial branches, against a select and nothing, in a scan and
+   unrolled, with and without those command buffers.
 Run on the GPU node from the repository root: `PYTHONPATH=. python3 benchmarks/probes/probe_host_alias.py [--out F]`.
 """
 
@@ -106,8 +108,40 @@ def main(argv: list[str] | None = None) -> dict:
             seconds = _median_seconds(lambda: program(source, counts, layer_ids), args.repeats)
             emit(records, {"what": "round trips", "source": name, "count": count, "layers": args.layers,
                            "ms_per_layer": seconds * 1e3 / args.layers})
+    _conditional_forms(records, args, accel)
     return probe_result("page-locked host memory read in place by GPU programs", argparse.Namespace(accel=accel),
                         records, args.out, experts=args.experts, expert_mib=args.expert_mib)
+
+
+def _conditional_forms(records: list, args, accel) -> None:
+    """A conditional's own cost a layer: `--layers` layers of a scalar chain, each a `lax.cond` with trivial
+    branches, a select of both, or nothing, in a scan or unrolled, with and without the chunk programs'
+    command buffers."""
+    def cond(total, count):
+        return total + jax.lax.cond(count > 0, lambda: jnp.float32(1), lambda: jnp.float32(0))
+
+    def select(total, count):
+        return total + jnp.where(count > 0, jnp.float32(1), jnp.float32(0))
+
+    def plain(total, count):
+        return total + count.astype(jnp.float32)
+
+    counts = jnp.zeros((args.layers,), jnp.int32)
+    for buffers in (True, False):
+        options = CHUNK_COMPILER_OPTIONS if buffers and accel.platform == "gpu" else None
+        for name, layer in (("cond", cond), ("select", select), ("none", plain)):
+            for form in ("scan", "unrolled"):
+                def chain(c, layer=layer, form=form):
+                    if form == "scan":
+                        return jax.lax.scan(lambda t, x: (layer(t, x), None), jnp.float32(0), c)[0]
+                    total = jnp.float32(0)
+                    for j in range(args.layers):
+                        total = layer(total, c[j])
+                    return total
+                program = jax.jit(chain, compiler_options=options)
+                seconds = _median_seconds(lambda: program(counts), args.repeats)
+                emit(records, {"what": "conditional forms", "form": name, "loop": form, "command_buffers": buffers,
+                               "ms_per_layer": seconds * 1e3 / args.layers})
 
 
 if __name__ == "__main__":
