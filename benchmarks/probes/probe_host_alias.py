@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     for name, source, copy in (("alias", alias, alias_rows), ("device_put", pinned, copied_rows)):
         program = jax.jit(lambda s, c, i, copy=copy: jax.lax.scan(layers(s, copy), jnp.float32(0), (c, i))[0],
                           compiler_options=CHUNK_COMPILER_OPTIONS if accel.platform == "gpu" else None)
-        layer_ids = jnp.tile(ids[None], (args.layers, 1))
+        # other experts at every layer, so that no read is served from the GPU's L2 by an earlier layer's
+        layer_ids = jnp.asarray(np.stack([np.random.default_rng(2 + j).permutation(args.experts)[:8]
+                                          for j in range(args.layers)]), jnp.int32)
         for count in (0, 1):
             counts = jnp.full((args.layers,), count, jnp.int32)
             seconds = _median_seconds(lambda: program(source, counts, layer_ids), args.repeats)
