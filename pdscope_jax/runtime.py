@@ -132,8 +132,8 @@ class RuntimeConfig:
     # the bridge runs, so the step has no conditional per layer and the host runs ahead; False: by the program
     decode_zero_copy: bool = False  # device decode's program reads the misses it copies from the store's page-locked
     # stacks in place (device-memory aliases, over PCIe: `ExpertStore.layer_device_views`) where the store has them
-    # (a CUDA GPU, host_alloc "driver"), so a copy is a read like any other and the step's conditionals can run on the
-    # GPU inside command buffers; off: a copy program from pinned_host memory (the host reads each count)
+    # (a CUDA GPU, host_alloc "driver"): a copy is a read inside a kernel, no copy program (the per-layer conditional
+    # stays, and costs as much either way: docs/MEASUREMENTS.md); off: copies from pinned_host memory
     decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
     # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
     # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)

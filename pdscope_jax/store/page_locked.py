@@ -13,7 +13,7 @@ Contract:
   buffer's bytes from `offset`, through dlpack (`DlpackView`, kDLCUDAHost), no copy; it keeps the buffer alive.
 - `device_alias(buffer, offset, shape, dtype, accel) -> jax.Array | None`: the same bytes as a *device* array of
   `accel` (dlpack, kDLCUDA, at the address the driver maps them to): a program reads it in place over PCIe, a read
-  like any other, so no copy program and no conditional host wait. None where the driver or JAX refuses.
+  inside a kernel like any other, with no copy program. None where the driver or JAX refuses.
 - `fill_from_device(buffer, src)`: one device-to-host DMA of the GPU array's bytes into the buffer; returns when done.
 - `pin_stack(src, accel, buffer=None) -> PinnedStack`: src ([E, ...], a GPU jax array or numpy) copied into a
   buffer of exactly its bytes (given, or made now) -> `whole` (the stack) and `experts` (its E slices), pinned_host
