@@ -20,8 +20,8 @@ out=${RES:-${OUT:-.}}; mkdir -p "$out"; bin=.peers-build/build/bin; G=.peers-bui
 name=$MODEL-$type
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ ! -f "$G" ]; then
-  timeout "${EXPORT_LIMIT:-300}" python3 benchmarks/export_gguf.py --model "$MODEL" --type "$type" --out "$G.part" 2>&1 \
-    | grep -v "$noise" | grep -v "GiB written" | tail -4
+  timeout "${EXPORT_LIMIT:-300}" python3 benchmarks/export_gguf.py --model "$MODEL" --type "$type" --out "$G.part" \
+    2>&1 | grep -v "$noise" | grep -v "GiB written" | tail -4
   if [ "${PIPESTATUS[0]}" != 0 ]; then rm -f "$G.part"; say "the export failed or ran out of time"; exit 1; fi
   mv "$G.part" "$G"
 fi

@@ -1,10 +1,11 @@
 """Where an offloaded decode step's GPU time goes: one policy's `generate` traced by jax's profiler.
 
 Loads `--model` with seeded random weights once (as drawn, or rewritten by bench's `--workload`), at `--gpu-memory`
-/ `--expert-pool` (`none`: no cap, as `bench` runs; `--quantize` for int8 / int4 experts), and for each `--policy` label (bench's: a planner name with its
-engine suffixes, `pdscope:progcopy:nocpu`; several switch the loaded engine in turn; a bare `plain` loads the whole
-model, no budget) runs one warm-up `generate` of `--tokens` new tokens after a `--prompt`-token prompt (it compiles
-and warms every program), `--repeats` timed ones, then one more under jax's profiler. Its Perfetto trace goes to
+/ `--expert-pool` (`none`: no cap, as `bench` runs; `--quantize` for int8 / int4 experts), and for each `--policy`
+label (bench's: a planner name with its engine suffixes, `pdscope:progcopy:nocpu`; several switch the loaded engine
+in turn; a bare `plain` loads the whole model, no budget) runs one warm-up `generate` of `--tokens` new tokens after
+a `--prompt`-token prompt (it compiles and warms every program), `--repeats` timed ones, then one more under jax's
+profiler. Its Perfetto trace goes to
 `--trace DIR` (`LABEL[_QUANT].trace.json.gz`, `:` and `=` as `_`) and its summary (`trace_summary.summarize`)
 into the record, beside the decode tok/s of the timed runs and the decode statistics (hit rate, bytes, host
 experts). The profiler slows the launching thread: compare traces with each other, not with untraced tok/s.

@@ -9,8 +9,9 @@ Contract
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
   (`decode_bridge_copies` off), `:zerocopy` (`decode_zero_copy` on), `:ahead` (`decode_copies_ahead` on),
-  `:notrial` (`decode_trial` 0: no timing of both decode executors at warm-up), `:chunk=N` (`decode_chunk` N), `:quality=Q` (`quality` Q, else
-  `args.quality`). With `args.ablation` the runs are `ABLATION` (no decode trial) then the plain run.
+  `:notrial` (`decode_trial` 0: no timing of both decode executors at warm-up), `:chunk=N` (`decode_chunk` N),
+  `:quality=Q` (`quality` Q, else `args.quality`). With `args.ablation` the runs are `ABLATION` (no decode trial)
+  then the plain run.
   `build_quality(args, runs)`: the quality the runner is built with (one that keeps the int4 copies where any run
   loads them).
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.

@@ -6,9 +6,9 @@ each, two greedy generations on a prompt of seeded random tokens [batch, prompt_
 `cache_tokens` new tokens (`steps` + 2 at most), one of 2 tokens and one of `steps` + 2, each from the pool
 `set_policy` leaves; the difference of their decode seconds over `steps` is the executor's figure, so what an
 executor does once per decode (the device step's fill of the pool or of its decode bank, its table's upload and
-download) counts in neither (where noise on a loaded host makes the long run no slower, the long run's mean per decoded
-token stands in). Every program must be compiled before: the device step's by the warm-up that calls
-this, the host loop's by `compile_host_loop`, and what routing decides either needs by `precompile_routed` (the
+download) counts in neither (where noise on a loaded host makes the long run no slower, the long run's mean per
+decoded token stands in). Every program must be compiled before: the device step's by the warm-up that calls this,
+the host loop's by `compile_host_loop`, and what routing decides either needs by `precompile_routed` (the
 warm-up calls the three in that order, then this). `DecodeTrial.executor` is the faster executor; `to_dict()` ->
 {"chosen": "device" | "host", "ms_per_step": {name: ms}, "steps", "compiled_while_timed"}. The caller restarts the
 pool and statistics afterwards.

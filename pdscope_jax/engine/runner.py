@@ -150,11 +150,9 @@ class OffloadRunner:
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
         `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu`, `device_decode`,
         `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`, `decode_zero_copy`,
-        `decode_copies_ahead`,
-        `decode_chunk`, `decode_trial`,
-        `quality` and `mixed_threshold` at the same time (a quality that loads int4 copies only where the store
-        keeps them: RuntimeConfigError otherwise); a different policy also forgets the CPU calibration (learned
-        under another's load).
+        `decode_copies_ahead`, `decode_chunk`, `decode_trial`, `quality` and `mixed_threshold` at the same time (a
+        quality that loads int4 copies only where the store keeps them: RuntimeConfigError otherwise); a different
+        policy also forgets the CPU calibration (learned under another's load).
         Planners with hot slots (`Capabilities.hot_slots`) get the hot table's `activation_counts` and, unless
         given, `hot_per_layer` = their hot slots split evenly over the MoE layers."""
         unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank",

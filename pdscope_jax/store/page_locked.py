@@ -105,9 +105,8 @@ class HostBuffer:
         self.registered = False
         if self.nbytes:
             lib = _Driver.enter(ordinal)
-            cuda_driver.check(lib, lib.cuMemHostRegister_v2(self.address, self.nbytes,
-                                                                   _REGISTER_PORTABLE | _REGISTER_DEVICEMAP),
-                              "cuMemHostRegister")
+            flags = _REGISTER_PORTABLE | _REGISTER_DEVICEMAP
+            cuda_driver.check(lib, lib.cuMemHostRegister_v2(self.address, self.nbytes, flags), "cuMemHostRegister")
             self.registered = True
 
     def release(self) -> None:

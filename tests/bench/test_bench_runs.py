@@ -34,8 +34,8 @@ def test_runs_for_policies_host_decode_and_plain():
                                                   "device_decode": True, "decode_bank": True,
                                                   "decode_cpu_experts": "auto", "decode_copy_share": None,
                                                   "decode_bridge_copies": True, "decode_zero_copy": False,
-                                                  "decode_copies_ahead": False, "decode_chunk": None, "decode_trial": 8, "quality": None,
-                                                  "mixed_threshold": 1.0}
+                                                  "decode_copies_ahead": False, "decode_chunk": None,
+                                                  "decode_trial": 8, "quality": None, "mixed_threshold": 1.0}
     assert engine_switches(plan_runs(parse_args(["--policies", f"pdscope{NO_TRIAL}"]))[0], None)["decode_trial"] == 0
     no_table = plan_runs(parse_args(["--policies", "ondemand"]))[0]
     assert engine_switches(no_table, "t.json")["hot_table"] is None
