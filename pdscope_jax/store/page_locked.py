@@ -217,10 +217,15 @@ def _deleter(managed: int, exported=_exported, lock=_exported_lock) -> None:
         exported.pop(managed, None)
 
 
-def import_array(buffer: HostBuffer, offset: int, shape, dtype, accel: jax.Device) -> jax.Array:
+def _check_inside(buffer: HostBuffer, offset: int, shape, dtype) -> None:
+    """ValueError where `shape` of `dtype` from `offset` does not lie inside the buffer."""
     dtype = np.dtype(dtype)
     if offset < 0 or offset + int(np.prod(shape)) * dtype.itemsize > buffer.nbytes:
         raise ValueError(f"bytes [{offset}, +{shape} {dtype}) lie outside the {buffer.nbytes}-byte buffer")
+
+
+def import_array(buffer: HostBuffer, offset: int, shape, dtype, accel: jax.Device) -> jax.Array:
+    _check_inside(buffer, offset, shape, dtype)
     view = DlpackView(buffer.address + offset, tuple(int(s) for s in shape), dtype,
                       (DL_CUDA_HOST, accel.local_hardware_id), buffer)
     array = jax.dlpack.from_dlpack(view)
@@ -231,9 +236,7 @@ def import_array(buffer: HostBuffer, offset: int, shape, dtype, accel: jax.Devic
 
 
 def device_alias(buffer: HostBuffer, offset: int, shape, dtype, accel: jax.Device) -> jax.Array | None:
-    dtype = np.dtype(dtype)
-    if offset < 0 or offset + int(np.prod(shape)) * dtype.itemsize > buffer.nbytes:
-        raise ValueError(f"bytes [{offset}, +{shape} {dtype}) lie outside the {buffer.nbytes}-byte buffer")
+    _check_inside(buffer, offset, shape, dtype)
     lib = _Driver.enter(buffer.ordinal)
     pointer = ctypes.c_uint64()
     if lib.cuMemHostGetDevicePointer_v2(ctypes.byref(pointer), ctypes.c_void_p(buffer.address + offset), 0) != 0:
