@@ -72,10 +72,17 @@ def main(argv: list[str] | None = None) -> dict:
     emit(records, {"what": "values", "alias_rows_equal_host": bool(np.array_equal(gathered, host[np.asarray(ids)]))})
 
     device = jax.sharding.SingleDeviceSharding(accel, memory_kind="device")
+
+    def alias_rows(a, i):
+        return a[i]
+
+    def copied_rows(p, i):
+        return jnp.stack([jax.device_put(jax.lax.dynamic_index_in_dim(p, i[j], keepdims=False), device)
+                          for j in range(i.shape[0])])
+
     for k in (1, 2, 8):
-        from_alias = jax.jit(lambda a, i, k=k: a[i[:k]] + 0)
-        by_copy = jax.jit(lambda p, i, k=k: jnp.stack([jax.device_put(jax.lax.dynamic_index_in_dim(
-            p, i[j], keepdims=False), device) for j in range(k)]) + 0)
+        from_alias = jax.jit(lambda a, i, k=k: alias_rows(a, i[:k]) + 0)
+        by_copy = jax.jit(lambda p, i, k=k: copied_rows(p, i[:k]) + 0)
         seconds = {"alias": _median_seconds(lambda: from_alias(alias, ids), args.repeats),
                    "device_put": _median_seconds(lambda: by_copy(pinned, ids), args.repeats)}
         emit(records, {"what": "bandwidth", "rows": k, "bytes": k * words * 4,
@@ -92,19 +99,12 @@ def main(argv: list[str] | None = None) -> dict:
             return total + jax.lax.switch(jnp.searchsorted(jnp.array(counts_list), count), branches), None
         return step
 
-    def alias_rows(a, i):
-        return a[i]
-
-    def copied_rows(p, i):
-        return jnp.stack([jax.device_put(jax.lax.dynamic_index_in_dim(p, i[j], keepdims=False), device)
-                          for j in range(i.shape[0])])
-
+    # other experts at every layer, so that no read is served from the GPU's L2 by an earlier layer's
+    layer_ids = jnp.asarray(np.stack([np.random.default_rng(2 + j).permutation(args.experts)[:8]
+                                      for j in range(args.layers)]), jnp.int32)
     for name, source, copy in (("alias", alias, alias_rows), ("device_put", pinned, copied_rows)):
         program = jax.jit(lambda s, c, i, copy=copy: jax.lax.scan(layers(s, copy), jnp.float32(0), (c, i))[0],
                           compiler_options=CHUNK_COMPILER_OPTIONS if accel.platform == "gpu" else None)
-        # other experts at every layer, so that no read is served from the GPU's L2 by an earlier layer's
-        layer_ids = jnp.asarray(np.stack([np.random.default_rng(2 + j).permutation(args.experts)[:8]
-                                          for j in range(args.layers)]), jnp.int32)
         for count in (0, 1):
             counts = jnp.full((args.layers,), count, jnp.int32)
             seconds = _median_seconds(lambda: program(source, counts, layer_ids), args.repeats)
@@ -142,7 +142,7 @@ def _conditional_forms(records: list, args, accel) -> None:
                     return total
                 program = jax.jit(chain, compiler_options=options)
                 seconds = _median_seconds(lambda: program(counts), args.repeats)
-                emit(records, {"what": "conditional forms", "form": name, "loop": form, "command_buffers": buffers,
+                emit(records, {"what": "conditional forms", "form": name, "loop": form, "command_buffers": bool(options),
                                "ms_per_layer": seconds * 1e3 / args.layers})
 
 
