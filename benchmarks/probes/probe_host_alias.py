@@ -142,8 +142,8 @@ def _conditional_forms(records: list, args, accel) -> None:
                     return total
                 program = jax.jit(chain, compiler_options=options)
                 seconds = _median_seconds(lambda: program(counts), args.repeats)
-                emit(records, {"what": "conditional forms", "form": name, "loop": form, "command_buffers": bool(options),
-                               "ms_per_layer": seconds * 1e3 / args.layers})
+                emit(records, {"what": "conditional forms", "form": name, "loop": form,
+                               "command_buffers": bool(options), "ms_per_layer": seconds * 1e3 / args.layers})
 
 
 if __name__ == "__main__":
