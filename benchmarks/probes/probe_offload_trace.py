@@ -92,17 +92,15 @@ def _bench_engine(args, policy: str):
 
     from pdscope_jax import models
     from pdscope_jax.api import resolve
-    from pdscope_jax.bench.runs import weights_loader
+    from pdscope_jax.bench.runs import quantized_weights, weights_loader
     from pdscope_jax.engine.runner import OffloadRunner
-    from pdscope_jax.quant.loader import quantizing_loader
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.workloads import routing
 
     cfg = resolve(args.model)[0]
-    loader = weights_loader(cfg, None, models.abstract_state(cfg, jnp.bfloat16), 0,
-                            routing.design(cfg, args.workload, seed=0))
-    if args.quantize:
-        cfg, loader = cfg.replace(expert_quant=args.quantize), quantizing_loader(loader, args.quantize)
+    shapes = models.abstract_state(cfg, jnp.bfloat16)
+    loader = weights_loader(cfg, None, shapes, 0, routing.design(cfg, args.workload, seed=0))
+    cfg, _, loader = quantized_weights(cfg, jnp.bfloat16, shapes, loader, args.quantize)
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, policy=policy,
                        max_seq_len=args.max_seq_len)
     return OffloadRunner(models.abstract_model(cfg, jnp.bfloat16), rc, loader)

@@ -71,11 +71,8 @@ def compare(args, command: str) -> dict:
         console.print(f"workload {design['workload']}, predictability {design['predictability']}: next-layer gate "
                       f"recall@k {design['fate_recall_mean']:.3f} (target {design['target_fate_recall_mean']})")
     loader = bench_runs.weights_loader(cfg, checkpoint, shapes, args.seed, workload)
-    if args.quantize:  # the same weights, their experts quantized as they load (the plain run too)
-        from pdscope_jax.quant.loader import quantizing_loader
-
-        cfg = cfg.replace(expert_quant=args.quantize)
-        shapes, loader = models.abstract_state(cfg, dtype), quantizing_loader(loader, args.quantize)
+    # the same weights, their experts quantized as they load (the plain run too)
+    cfg, shapes, loader = bench_runs.quantized_weights(cfg, dtype, shapes, loader, args.quantize)
     stamp = f"{datetime.datetime.now():%Y%m%d-%H%M%S}"
     rng = np.random.default_rng(args.seed)
     prompts = {(b, t): rng.integers(0, cfg.vocab_size, (b, t)).astype(np.int32)

@@ -22,7 +22,7 @@ Contract
   before left ("warm"). Returns the `summarise`d result row.
 - `run_plain(...)`: the whole model on the default device (no budget), timed the same way; then
   `mark_parity(results, tokens)` sets `tokens_match_plain` / `tokens_before_divergence` on every offload row.
-- `weights_loader`, `record_hot_table`, `profile_runs`, `describe_runner`: see their docstrings.
+- `weights_loader`, `quantized_weights`, `record_hot_table`, `profile_runs`, `describe_runner`: see their docstrings.
 """
 
 from __future__ import annotations
@@ -225,6 +225,18 @@ def weights_loader(cfg, checkpoint, shapes, seed: int, workload):
         return random_state({p: shapes[p] for p in paths}, seed, placement)
 
     return workload.loader(random) if workload is not None else random
+
+
+def quantized_weights(cfg, dtype, shapes, loader, quantize: str | None):
+    """(cfg, shapes, loader) of the benchmarked model with its experts quantized as they load (`quantize`: "int8",
+    "int4"), from the dense model's; None: the dense model's as given."""
+    if not quantize:
+        return cfg, shapes, loader
+    from pdscope_jax import models
+    from pdscope_jax.quant.loader import quantizing_loader
+
+    cfg = cfg.replace(expert_quant=quantize)
+    return cfg, models.abstract_state(cfg, dtype), quantizing_loader(loader, quantize)
 
 
 def record_hot_table(runner, cfg, args, rng, path) -> str:
