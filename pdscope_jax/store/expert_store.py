@@ -298,7 +298,7 @@ class ExpertStore:
             return None
         views = []
         for structure, parts in self._stack_parts[layer]:
-            leaves = [p.device_view() for p in parts]
+            leaves = [p.device_view for p in parts]
             if any(leaf is None for leaf in leaves):
                 return None
             views.append(structure.unflatten(leaves))

@@ -17,7 +17,7 @@ Contract:
 - `fill_from_device(buffer, src)`: one device-to-host DMA of the GPU array's bytes into the buffer; returns when done.
 - `pin_stack(src, accel, buffer=None) -> PinnedStack`: src ([E, ...], a GPU jax array or numpy) copied into a
   buffer of exactly its bytes (given, or made now) -> `whole` (the stack) and `experts` (its E slices), pinned_host
-  arrays of `accel` aliasing the buffer, and `view`, numpy over the same bytes; `device_view()`: `whole` as
+  arrays of `accel` aliasing the buffer, and `view`, numpy over the same bytes; `device_view`: `whole` as
   `device_alias` gives it (made once).
 - `BufferMaker(ordinal, threads=None)`: `expect([nbytes, ...])` starts making buffers of those sizes on its threads
   (default `page_lock_threads()`: PDSCOPE_PAGE_LOCK_THREADS, else `PAGE_LOCK_THREADS`), in order; `take(nbytes)`
@@ -34,6 +34,7 @@ import collections
 import concurrent.futures
 import ctypes
 import dataclasses
+import functools
 import mmap
 import os
 import threading
@@ -265,13 +266,10 @@ class PinnedStack:
     experts: list[jax.Array]
     view: np.ndarray
     buffer: HostBuffer
-    _alias: list = dataclasses.field(default_factory=list)
 
+    @functools.cached_property
     def device_view(self) -> jax.Array | None:
-        if not self._alias:
-            self._alias.append(device_alias(self.buffer, 0, self.whole.shape, self.view.dtype,
-                                            next(iter(self.whole.devices()))))
-        return self._alias[0]
+        return device_alias(self.buffer, 0, self.whole.shape, self.view.dtype, next(iter(self.whole.devices())))
 
     def release(self) -> None:
         self.buffer.release()
