@@ -15,6 +15,7 @@ Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offlo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from pathlib import Path
@@ -41,6 +42,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "`pdscope_jax.load` gives them)")
     parser.add_argument("--max-seq-len", type=int, default=4096,
                         help="the engine's (with --workload; bench sizes it to its longest prompt plus new tokens)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the model's first N decoder layers (with --workload): a smaller stand-in that "
+                             "builds faster and runs the same per-layer step")
     parser.add_argument("--trace", type=Path, required=True)
     parser.add_argument("--top", type=int, default=30, help="kernel kinds kept in the summary")
     args = parser.parse_args(argv)
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     return probe_result("an offloaded decode step traced (random weights)", devices, records, args.out,
                         model=args.model, weights="random (seeded, seed 0)", prompt=args.prompt, tokens=args.tokens,
                         gpu_memory=args.gpu_memory, expert_pool=args.expert_pool, workload=args.workload,
+                        layers=args.layers,
                         xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
@@ -98,6 +103,8 @@ def _bench_engine(args, policy: str):
     from pdscope_jax.workloads import routing
 
     cfg = resolve(args.model)[0]
+    if args.layers is not None:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
     shapes = models.abstract_state(cfg, jnp.bfloat16)
     loader = weights_loader(cfg, None, shapes, 0, routing.design(cfg, args.workload, seed=0))
     cfg, _, loader = quantized_weights(cfg, jnp.bfloat16, shapes, loader, args.quantize)
