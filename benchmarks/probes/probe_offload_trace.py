@@ -7,8 +7,9 @@ in turn; a bare `plain` loads the whole model, no budget) runs one warm-up `gene
 a `--prompt`-token prompt (it compiles and warms every program), `--repeats` timed ones, then one more under jax's
 profiler. Its Perfetto trace goes to
 `--trace DIR` (`LABEL[_QUANT].trace.json.gz`, `:` and `=` as `_`) and its summary (`trace_summary.summarize`)
-into the record, beside the decode tok/s of the timed runs and the decode statistics (hit rate, bytes, host
-experts). The profiler slows the launching thread: compare traces with each other, not with untraced tok/s.
+into the record, beside the decode tok/s of the timed runs, the decode statistics (hit rate, bytes, host experts)
+and whether its greedy tokens equal the first label's. The profiler slows the launching thread: compare traces
+with each other, not with untraced tok/s. `--layers N` keeps the first N decoder layers (with `--workload`).
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py --trace DIR [--out F]`.
 """
 
@@ -64,12 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
         runner = pdscope_jax.load(args.model, weights="random", quantize=args.quantize, policy=runs[0]["policy"],
                                   gpu_memory=args.gpu_memory, expert_pool=args.expert_pool)
     ids = np.random.default_rng(0).integers(0, min(1000, runner.config.vocab_size), (1, args.prompt), dtype=np.int32)
-    records = []
+    records, first = [], None
     for run in runs:
         label = run["label"]
         if run["policy"] != "plain":  # every switch set, so a run inherits none from the one before
             runner.engine.set_policy(run["policy"], **engine_switches(run, None))
-        record, _ = timed_generations(runner.generate, ids, args.tokens, args.repeats, None)
+        record, got = timed_generations(runner.generate, ids, args.tokens, args.repeats, first)
+        first = got if first is None else first  # every label's greedy tokens against the first label's
         name = re.sub(r"[:=]", "_", label) + (f"_{args.quantize}" if args.quantize else "")
         path = args.trace / f"{name}.trace.json.gz"
         stats = runner.engine.stats if hasattr(runner, "engine") else {}  # over the warm-up and timed runs

@@ -59,15 +59,16 @@ def choose(engine, batch: int, steps: int):
 
 
 def decode_experts(engine, host) -> tuple:
-    """Per MoE layer, the experts the device step copies its misses from: the store's device-memory views (read in
-    place) with RuntimeConfig.decode_zero_copy where every layer has them and no XLA host part computes from them;
-    else its pinned stacks, or per-expert arrays where it keeps no stacks."""
+    """Per MoE layer, the experts the device step copies its misses from: the store's device-memory views
+    (`device_decode.DeviceViews`: misses read in place, with no conditional where `device_decode.reads_in_place`)
+    with RuntimeConfig.decode_zero_copy where every layer has them and no XLA host part computes from them; else its
+    pinned stacks, or per-expert arrays where it keeps no stacks."""
     store, moe = engine.store, engine._moe_layers
     xla_host = host is not None and host.bridge is None and host.computes
     if engine.runtime.decode_zero_copy and not xla_host:
         views = tuple(store.layer_device_views(layer) for layer in moe)
         if all(v is not None for v in views):
-            return views
+            return tuple(device_decode.DeviceViews(*v) for v in views)
     return tuple(store.layer_stacks(layer) or store.layer_experts(layer) for layer in moe)
 
 

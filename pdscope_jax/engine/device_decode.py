@@ -42,8 +42,9 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
-from pdscope_jax.kernels import host_experts
-from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, slots_experts_ffn, stacked_experts_ffn, weighted_sum
+from pdscope_jax.kernels import host_experts, row_copy
+from pdscope_jax.models.experts import (GATHER_MAX_ASSIGNMENTS, slots_experts_ffn, sources_experts_ffn,
+                                        stacked_experts_ffn, weighted_sum)
 from pdscope_jax.engine.programs import dense_layer, moe_route, next_layer_picks
 from pdscope_jax.engine.pool_table import PoolTable, slot_count
 from pdscope_jax.store.expert_store import pull_traced
@@ -98,6 +99,13 @@ class Ahead(NamedTuple):
     predicted: jax.Array
     ids: jax.Array
     rows: tuple
+
+
+class DeviceViews(NamedTuple):
+    """A MoE layer's experts as device-memory views of their page-locked host stacks (gate_up [E, D, 2F], down
+    [E, F, D]; `ExpertStore.layer_device_views`): a kernel reads an expert from them in place, over PCIe."""
+    gate_up: object
+    down: object
 
 
 def _host_begin(host: HostExperts, m, h, ids, coef, picks):
@@ -229,6 +237,8 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
     the slots least worth keeping (a hit slot never among them)."""
     if host is not None and host.every_resident and ids.shape[0] == 1 and active is None:
         return (*_one_row_every_resident(m, h, weights, ids, banks, table), None)
+    if isinstance(experts, DeviceViews) and reads_in_place(host):
+        return (*_routed_in_place(m, h, weights, ids, experts, banks, table, active), None)
     num_slots = table.keep.shape[0]
     copies_nothing = host is not None and not host.copies  # every row from the pool, with no conditional
     if active is not None:
@@ -342,6 +352,14 @@ def _one_row_every_resident(m, h, weights, ids, banks, table):
 def _keep_copies(m, table, picks, worth, copied, parked, parts, banks):
     """The copied misses of MoE position m that are worth their victims take their slots (see the module
     docstring): the pool's table and banks after them. -> (slot_of, owner, keep, banks, evictions)."""
+    slot_of, owner, keep, target, evictions = _victims(m, table, picks, worth, copied, parked)
+    banks = _put(banks, target, tuple(part[:target.shape[0]] for part in parts))
+    return slot_of, owner, keep, banks, evictions
+
+
+def _victims(m, table, picks, worth, copied, parked):
+    """The table after the first `kept_rows` picks that are copied misses worth their victims take those slots.
+    -> (slot_of, owner, keep, target [r]: each candidate's slot, past every slot where not kept, evictions)."""
     num_layers, num_experts = table.slot_of.shape
     num_slots = table.keep.shape[0]
     keep = table.keep.at[parked].set(PROTECTED, mode="drop")
@@ -355,8 +373,78 @@ def _keep_copies(m, table, picks, worth, copied, parked, parts, banks):
     slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks[:r]].set(victims, mode="drop")
     owner = table.owner.at[target].set(m * num_experts + picks[:r], mode="drop")
     keep = keep.at[target].set(worth[:r], mode="drop").at[parked].set(worth, mode="drop")  # hits: their worth back
-    banks = _put(banks, target, tuple(part[:r] for part in parts))
-    return slot_of, owner, keep, banks, jnp.sum(evicted >= 0)
+    return slot_of, owner, keep, target, jnp.sum(evicted >= 0)
+
+
+def reads_in_place(host) -> bool:
+    """Whether a step with `host` (None or a `HostExperts`) may take a layer's misses from `DeviceViews` by
+    `_routed_in_place`: every miss is the GPU's (no host part, no bridge) and may be copied."""
+    return host is None or (host.copies and not host.computes and host.bridge is None and not host.every_resident)
+
+
+def _routed_in_place(m, h, weights, ids, views, banks, table, active=None):
+    """`_routed_experts` reading misses where they lie, with no conditional: the misses worth keeping (the same as
+    the copying path keeps) are first copied from host memory into their victims' slots by a kernel that skips the
+    rest (`kernels.row_copy`), then one FFN call reads every pick where it is, a hit or a kept miss in its bank,
+    any other miss in host memory over PCIe (`sources_experts_ffn`). Each miss's bytes cross PCIe once; the table,
+    counts and outputs are those of the copying path. -> (y, banks, table)."""
+    num_slots = table.keep.shape[0]
+    if active is not None:
+        ids = jnp.where(active[:, None], ids, -1)
+    picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
+    valid = picks >= 0
+    picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
+    slots = table.slot_of[m, picks]
+    miss = valid & (slots < 0)
+    clock = table.clock + 1
+    worth = clock + table.bonus[m, picks]
+    order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
+    picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
+    chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
+    hit = valid & ~miss
+    parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
+    slot_of, owner, keep, target, evictions = _victims(m, table, picks, worth, miss, parked)
+    r = target.shape[0]
+    banks = _put_from(banks, target, views, picks[:r])
+    kept_at = jnp.concatenate([target, jnp.full(picks.shape[0] - r, num_slots, target.dtype)])
+    at = jnp.where(miss, kept_at, jnp.where(valid, slots, 0))  # past every slot: read from host memory
+    src, local = _bank_of(banks, at)
+    src, local = jnp.where(at < num_slots, src, len(banks)), jnp.where(at < num_slots, local, picks)
+    rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
+    outputs = sources_experts_ffn(rows, (*banks, tuple(views)), src, local)  # [U, N, D] in the model's dtype
+    if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
+        pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
+        y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, jnp.any(chose, axis=0))
+    else:  # the plain model's sorted path adds each row's experts in ascending order, as this sum does
+        coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
+        y = _weighted_picks(valid, coeff, outputs)
+    routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
+    counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, 0, 0, 0, 0, 0]).astype(jnp.int32)
+    return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
+
+
+def _bank_of(banks, at):
+    """(bank index, slot in it) of slots `at` numbered over the banks one after the other (past them all: the
+    last bank's numbering, unused)."""
+    src, local, base = jnp.zeros_like(at), at, 0
+    for i, bank in enumerate(banks):
+        n = slot_count(bank[0])
+        inside = (at >= base) & (at < base + n)
+        src, local = jnp.where(inside, i, src), jnp.where(inside, at - base, local)
+        base += n
+    return src, local
+
+
+def _put_from(banks, target, views, experts):
+    """The banks with expert experts[u] of the host `views` copied into slot target[u] (numbered over the banks);
+    a target past every bank copies nothing and reads nothing."""
+    out, base = [], 0
+    for bank in banks:
+        n = slot_count(bank[0])
+        local = jnp.where((target >= base) & (target < base + n), target - base, -1)
+        out.append(tuple(row_copy.copy_rows(part, view, experts, local) for part, view in zip(bank, views)))
+        base += n
+    return tuple(out)
 
 
 def flat_states(states, model_state) -> tuple:

@@ -131,16 +131,36 @@ def _x_rows(x_ref, a, start, size: int, dtype, act: int) -> jax.Array:
     return _rounded(jax.nn.silu(gate) * up, dtype)
 
 
-def _kernel(idx_ref, x_ref, *refs, block_k: int, block_n: int, steps: int, dtype, act: int, pair_blocks: int,
-            scaled: bool):
+def _each_source(src_ref, a, groups: list, fn) -> None:
+    """fn(refs) on the weight refs of row a's source (`groups[src[a]]`; the only one where src_ref is None). The
+    branch is the same for all of a program's threads (a program takes one row), so no thread idles in it."""
+    if src_ref is None:
+        fn(groups[0])
+        return
+    source = src_ref[a]
+    for i, refs in enumerate(groups):
+        pl.when(source == i)(functools.partial(fn, refs))
+
+
+def _split_refs(refs: tuple, sources: int) -> tuple:
+    """(src_ref or None, x_ref, weight refs of each source, o_ref) of a kernel's refs after idx_ref."""
+    src_ref, refs = (refs[0], refs[1:]) if sources > 1 else (None, refs)
+    x_ref, weights, o_ref = refs[0], refs[1:-1], refs[-1]
+    per = len(weights) // sources
+    return src_ref, x_ref, [weights[i * per:(i + 1) * per] for i in range(sources)], o_ref
+
+
+def _kernel(idx_ref, *refs, sources: int, block_k: int, block_n: int, steps: int, dtype, act: int,
+            pair_blocks: int, scaled: bool):
     """Dense or int8 weights: acc[BN] += x[BK] @ w[slot, BK rows, BN columns], tile after tile along K (x's rows
-    as `_x_rows` gives them). `refs`: the weights (two with `pair_blocks`: column blocks from pair_blocks on read
-    the second), int8's scales when `scaled` (each column's sum times its float32 scale once, at the end), o_ref."""
-    w_refs, scale_ref, o_ref = refs[:-2 if scaled else -1], refs[-2] if scaled else None, refs[-1]
+    as `_x_rows` gives them). Each source's refs: its weights (two with `pair_blocks`: column blocks from
+    pair_blocks on read the second), int8's scales when `scaled` (each column's sum times its float32 scale once,
+    at the end)."""
+    src_ref, x_ref, groups, o_ref = _split_refs(refs, sources)
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
 
-    def product(w_ref, col_block):
+    def product(w_ref, scale_ref, col_block):
         cols = pl.ds(pl.multiple_of(col_block * block_n, block_n), block_n)
 
         def body(i, acc):
@@ -152,62 +172,78 @@ def _kernel(idx_ref, x_ref, *refs, block_k: int, block_n: int, steps: int, dtype
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
         o_ref[...] = acc * scale_ref[slot, 0, cols].astype(F32) if scaled else acc
 
-    if len(w_refs) == 1:
-        product(w_refs[0], j)
-    else:  # one program reads one matrix: the branch is the same for all its threads
-        pl.when(j < pair_blocks)(lambda: product(w_refs[0], j))
-        pl.when(j >= pair_blocks)(lambda: product(w_refs[1], j - pair_blocks))
+    def source(group):
+        w_refs, scale_ref = (group[:-1], group[-1]) if scaled else (group, None)
+        if len(w_refs) == 1:
+            product(w_refs[0], scale_ref, j)
+        else:  # one program reads one matrix: the branch is the same for all its threads
+            pl.when(j < pair_blocks)(lambda: product(w_refs[0], scale_ref, j))
+            pl.when(j >= pair_blocks)(lambda: product(w_refs[1], scale_ref, j - pair_blocks))
+
+    _each_source(src_ref, a, groups, source)
 
 
-def _kernel_int4(idx_ref, x_ref, q_ref, scale_ref, o_ref, *, group: int, block_n: int, steps: int, dtype, act: int):
-    """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows:
-    a tile is one group; its x (as `_x_rows` gives them) is split into even and odd elements in the kernel, so each
-    nibble meets its own. A group's sums of x times the integers are multiplied by its scales once (few operations
-    a byte: the kernel reads a quarter of bf16's bytes, and would otherwise be bound by its arithmetic)."""
+def _kernel_int4(idx_ref, *refs, sources: int, group: int, block_n: int, steps: int, dtype, act: int):
+    """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows
+    (each source's refs: q, scale): a tile is one group; its x (as `_x_rows` gives them) is split into even and
+    odd elements in the kernel, so each nibble meets its own. A group's sums of x times the integers are
+    multiplied by its scales once (few operations a byte: the kernel reads a quarter of bf16's bytes, and would
+    otherwise be bound by its arithmetic)."""
+    src_ref, x_ref, groups, o_ref = _split_refs(refs, sources)
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     half = group // 2
 
-    def body(i, acc):
-        g = s * steps + i
-        packed = q_ref[slot, pl.ds(pl.multiple_of(g * half, half), half), cols].astype(jnp.int32)  # [G/2, BN]
-        low = ((packed << 28) >> 28).astype(F32)  # arithmetic shifts sign-extend each nibble
-        high = ((packed << 24) >> 28).astype(F32)
-        xg = _x_rows(x_ref, a, pl.multiple_of(g * group, group), group, dtype, act)  # [G]
-        xe, xo = (v.reshape(half, 1) for v in jnp.split(xg.reshape(half, 2), 2, axis=-1))
-        return acc + jnp.sum(xe * low + xo * high, axis=0) * scale_ref[slot, g, cols].astype(F32)
+    def source(refs):
+        q_ref, scale_ref = refs
 
-    o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
+        def body(i, acc):
+            g = s * steps + i
+            packed = q_ref[slot, pl.ds(pl.multiple_of(g * half, half), half), cols].astype(jnp.int32)  # [G/2, BN]
+            low = ((packed << 28) >> 28).astype(F32)  # arithmetic shifts sign-extend each nibble
+            high = ((packed << 24) >> 28).astype(F32)
+            xg = _x_rows(x_ref, a, pl.multiple_of(g * group, group), group, dtype, act)  # [G]
+            xe, xo = (v.reshape(half, 1) for v in jnp.split(xg.reshape(half, 2), 2, axis=-1))
+            return acc + jnp.sum(xe * low + xo * high, axis=0) * scale_ref[slot, g, cols].astype(F32)
+
+        o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
+
+    _each_source(src_ref, a, groups, source)
 
 
-def _parts(x, ws: tuple, idx, interpret: bool, tiles: Tiles | None, act: int = 0) -> jax.Array:
-    """K's parts of the rows' products [P, A, N * len(ws)] float32 (their sum over P is the product). ws: one
-    weight, or two dense ones of one shape side by side. x: [A, K], or with `act` = K a gate/up product's parts
-    [P', A, 2K] whose swiglu the rows are."""
+def _parts(x, sources: tuple, idx, interpret: bool, tiles: Tiles | None, act: int = 0, src=None) -> jax.Array:
+    """K's parts of the rows' products [P, A, N * len(ws)] float32 (their sum over P is the product). sources: one
+    tuple `ws` per source, of one weight or two dense ones of one shape side by side (every source alike but in
+    its slot count); row a reads source src[a] (the only one where src is None). x: [A, K], or with `act` = K a
+    gate/up product's parts [P', A, 2K] whose swiglu the rows are."""
+    ws = sources[0]
     w = ws[0]
     a, k = x.shape[-2], x.shape[-1] // 2 if act else x.shape[-1]
     _, k_w, n = w.shape
     tiles = tiles_for(n) if tiles is None else tiles
     scheme = w.scheme if is_quantized(w) else None
     block_k, block_n = _block_k(w.dtype, scheme, k, tiles), tiles.block_n
+    alike = all(len(other) == len(ws) and all(_same_kind(v, w) for v in other) for other in sources)
     if (k_w != k or idx.shape != (a,) or not supported(a, k, n, w.dtype, scheme) or n % block_n or k % block_k
-            or (len(ws) > 1 and (scheme is not None or any(v.shape != w.shape or v.dtype != w.dtype for v in ws)))
+            or (len(ws) > 1 and scheme is not None) or not alike
+            or (src is None) != (len(sources) == 1) or (src is not None and src.shape != (a,))
             or (act and (act != k or x.ndim != 3))):
-        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {[v.shape for v in ws]} {w.dtype}, idx "
-                         f"{idx.shape} for {tiles}")
-    if not all(addressable(v) for v in ws):
+        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {[[v.shape for v in ws] for ws in sources]} "
+                         f"{w.dtype}, idx {idx.shape}, src {None if src is None else src.shape} for {tiles}")
+    if not all(addressable(v) for ws in sources for v in ws):
         raise ValueError(f"gather_matvec: unsupported shapes w {w.shape} {w.dtype}: 2^31 elements or more within "
                          f"4 GiB lie past the kernel's 32-bit offsets; pass a gathered copy of the rows' slots")
     n_blocks, k_blocks = n // block_n, k // block_k
     splits = _splits(a, k_blocks, n_blocks * len(ws), tiles.programs)
-    cut = dict(block_n=block_n, steps=k_blocks // splits, dtype=jnp.dtype(w.dtype))
+    cut = dict(sources=len(sources), block_n=block_n, steps=k_blocks // splits, dtype=jnp.dtype(w.dtype))
     if scheme is not None and scheme.bits == 4:
-        kernel, operands = functools.partial(_kernel_int4, group=block_k, act=act, **cut), (x, w.q, w.scale)
+        kernel = functools.partial(_kernel_int4, group=block_k, act=act, **cut)
     else:
         kernel = functools.partial(_kernel, block_k=block_k, act=act, pair_blocks=n_blocks, scaled=scheme is not None,
                                    **cut)
-        operands = (x, *ws) if scheme is None else (x, w.q, w.scale)
+    weights = [leaf for ws in sources for v in ws for leaf in ((v.q, v.scale) if scheme is not None else (v,))]
+    operands = ((idx.astype(jnp.int32),) + (() if src is None else (src.astype(jnp.int32),)) + (x, *weights))
     whole = pl.BlockSpec(memory_space=pl.ANY) if interpret else pl.no_block_spec
     from jax.experimental.pallas import triton as pl_triton
 
@@ -215,12 +251,27 @@ def _parts(x, ws: tuple, idx, interpret: bool, tiles: Tiles | None, act: int = 0
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, a, n * len(ws)), F32),
         grid=(a, n_blocks * len(ws), splits),
-        in_specs=[whole] * (1 + len(operands)),
+        in_specs=[whole] * len(operands),
         out_specs=pl.BlockSpec((None, None, block_n), lambda i, j, s: (s, i, j)),
         compiler_params=pl_triton.CompilerParams(num_warps=tiles.num_warps, num_stages=tiles.num_stages),
-        name=kernel_name(tiles) + ("_pair" if len(ws) > 1 else "") + ("_swiglu" if act else ""),
+        name=kernel_name(tiles) + ("_pair" if len(ws) > 1 else "") + ("_swiglu" if act else "")
+        + (f"_from{len(sources)}" if src is not None else ""),
         interpret=interpret,
-    )(idx.astype(jnp.int32), *operands)
+    )(*operands)
+
+
+def _same_kind(v, w) -> bool:
+    """Whether weight v is w's kind: the same shape past the slot axis, dtype and scheme (slot counts may differ)."""
+    if is_quantized(v) != is_quantized(w) or v.shape[1:] != w.shape[1:] or v.dtype != w.dtype:
+        return False
+    return not is_quantized(w) or v.scheme == w.scheme
+
+
+def _sources(w, src) -> tuple:
+    """The `sources` of `_parts` for a public call's w: one weight, a pair, or (with src) one of those a source."""
+    def one(v):
+        return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    return tuple(one(v) for v in w) if src is not None else (one(w),)
 
 
 def _summed(parts: jax.Array) -> jax.Array:
@@ -228,31 +279,35 @@ def _summed(parts: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
-    return _summed(_parts(x, (w,), idx, interpret, tiles))
+def gather_matvec(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None,
+                  src: jax.Array | None = None) -> jax.Array:
+    return _summed(_parts(x, _sources(w, src), idx, interpret, tiles, src=src))
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def matvec_parts(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None) -> jax.Array:
-    return _parts(x, tuple(w) if isinstance(w, (tuple, list)) else (w,), idx, interpret, tiles)
+def matvec_parts(x: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None,
+                 src: jax.Array | None = None) -> jax.Array:
+    return _parts(x, _sources(w, src), idx, interpret, tiles, src=src)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tiles"))
-def swiglu_matvec(h_parts: jax.Array, w, idx: jax.Array, interpret: bool = False,
-                  tiles: Tiles | None = None) -> jax.Array:
-    return _summed(_parts(h_parts, (w,), idx, interpret, tiles, act=h_parts.shape[-1] // 2))
+def swiglu_matvec(h_parts: jax.Array, w, idx: jax.Array, interpret: bool = False, tiles: Tiles | None = None,
+                  src: jax.Array | None = None) -> jax.Array:
+    return _summed(_parts(h_parts, _sources(w, src), idx, interpret, tiles, act=h_parts.shape[-1] // 2, src=src))
 
 
 def fuses_activation(down) -> bool:
     return (down.scheme.name if is_quantized(down) else "dense") in FUSED_ACTIVATION
 
 
-def swiglu_ffn(x: jax.Array, gate_up, down, picks: jax.Array, down_picks: jax.Array | None = None) -> jax.Array:
-    h_parts = matvec_parts(x, gate_up, picks)  # [P, A, 2F] float32, gate's columns first
+def swiglu_ffn(x: jax.Array, gate_up, down, picks: jax.Array, down_picks: jax.Array | None = None,
+               src: jax.Array | None = None) -> jax.Array:
+    h_parts = matvec_parts(x, gate_up, picks, src=src)  # [P, A, 2F] float32, gate's columns first
     down_picks = picks if down_picks is None else down_picks
-    if fuses_activation(down):
-        return swiglu_matvec(h_parts, down, down_picks)
-    return gather_matvec(swiglu(_summed(h_parts)).astype(down.dtype), down, down_picks)
+    first_down = down[0] if src is not None else down
+    if fuses_activation(first_down):
+        return swiglu_matvec(h_parts, down, down_picks, src=src)
+    return gather_matvec(swiglu(_summed(h_parts)).astype(first_down.dtype), down, down_picks, src=src)
 
 
 @functools.cache

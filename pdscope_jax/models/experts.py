@@ -13,8 +13,9 @@ Contract:
 - `picked_experts_ffn(x [A,D], gate_up, down, picks [A])`: row a through expert picks[a] of the stacks (the gather
   path); `stacked_experts_ffn(rows [U,N,D], gate_ups [U,..], downs [U,..])`: rows[u] through expert u (device
   decode's gathered picks); `slots_experts_ffn(rows, gate_up [S,..], down [S,..], slots [U])`: rows[u] through slot
-  slots[u] (device decode's picks in the pool). On a CUDA GPU all three run the `kernels.gather_matvec` kernel,
-  reading weights in place.
+  slots[u] (device decode's picks in the pool); `sources_experts_ffn(rows, sources, src [U], slots [U])`: rows[u]
+  through slot slots[u] of source src[u] (device decode reading the pool, its bank and host memory). On a CUDA GPU
+  all four run the `kernels.gather_matvec` kernel, reading weights in place.
 - `weighted_sum(y [N,K,D], weights [N,K], valid [N,K]) -> [N,D] float32`: the sum over k of the few-assignment
   path, in k order; the device decode program sums with it too, so both reduce in the same order and dtypes.
 - Weights may be `quant.formats.QuantizedWeight`s (routed experts stored int8 / int4): every path dequantizes
@@ -95,6 +96,40 @@ def slots_experts_ffn(rows: jax.Array, gate_up: jax.Array, down: jax.Array, slot
     weights where they lie (no gathered copy), or a gathered copy where its offsets cannot reach every slot
     (`gather_matvec.addressable`); elsewhere XLA multiplies a gathered copy of each slot's."""
     return _rows_through(rows, gate_up, down, slots, by_slot=True)
+
+
+def sources_experts_ffn(rows: jax.Array, sources: tuple, src: jax.Array, slots: jax.Array) -> jax.Array:
+    """expert_ffn(rows[u], gate_up, down of slot slots[u] of sources[src[u]]) for every u: rows [U, N, D], sources a
+    tuple of (gate_up [S_i, D, 2F], down [S_i, F, D]) stacks of one kind, src / slots [U] int32 (src in
+    [0, len(sources)), slots in [0, S_src)) -> [U, N, D] in rows' dtype. On a CUDA GPU the kernel reads each row's
+    slot where it lies, in its own source, and no other (`sources_take_kernel` says where it can); elsewhere XLA
+    gathers every row's slot from every source and selects."""
+    u, n, d = rows.shape
+
+    def selected(rows, sources, src, slots):
+        taken = None
+        for i, (gate_up, down) in enumerate(sources):
+            got = tuple(jax.tree.map(lambda a: a[jnp.clip(slots, 0, a.shape[0] - 1)], w) for w in (gate_up, down))
+            mine = src == i
+            taken = got if taken is None else jax.tree.map(
+                lambda new, old: jnp.where(mine.reshape(-1, *(1,) * (new.ndim - 1)), new, old), got, taken)
+        return jax.vmap(expert_ffn)(rows, *taken)
+
+    def in_place(rows, sources, src, slots):
+        gate_ups, downs = tuple(g for g, _ in sources), tuple(w for _, w in sources)
+        picks, where = jnp.repeat(slots, n), jnp.repeat(src, n)
+        out = gather_matvec.swiglu_ffn(rows.reshape(u * n, d), gate_ups, downs, picks, src=where)
+        return out.astype(rows.dtype).reshape(u, n, d)
+
+    if not sources_take_kernel(u * n, sources):
+        return selected(rows, sources, src, slots)
+    return gather_matvec.on_gpu(in_place, selected, rows, sources, src, slots)
+
+
+def sources_take_kernel(rows: int, sources: tuple) -> bool:
+    """Whether the kernel takes `rows` rows over these sources ((gate_up, down) pairs) and can address them all."""
+    return (_kernel_takes(rows, *sources[0])
+            and all(gather_matvec.addressable(w) for pair in sources for w in pair))
 
 
 def _rows_through(rows, gate_up, down, slots, by_slot: bool):

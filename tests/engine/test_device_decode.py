@@ -493,9 +493,10 @@ def test_bad_host_split_settings_are_named(field, value):
 
 
 def test_zero_copy_decode_reads_the_device_views_and_keeps_the_plain_models_tokens(ds, monkeypatch):
-    """RuntimeConfig.decode_zero_copy: the step copies its misses from the store's device views (on a GPU aliases
-    of the page-locked stacks; here device-memory copies stand in for them) and gives the plain model's tokens, with
-    the misses counted as copies; without views (jax's pinned memory) it copies from the pinned stacks."""
+    """RuntimeConfig.decode_zero_copy: the step reads its misses from the store's device views (on a GPU aliases
+    of the page-locked stacks; here device-memory copies stand in for them) with no conditional
+    (`_routed_in_place`), gives the plain model's tokens, and keeps and counts exactly what the copying step does;
+    without views (jax's pinned memory) it copies from the pinned stacks."""
     runner = ds.runner("ondemand", _slots(ds, "small"), decode_zero_copy=True, decode_chunk=4)
     assert runner.store.layer_device_views(ds.cfg.moe_layers[0]) is None  # the CPU backend: no driver buffers
     pinned = decode.decode_experts(runner, runner.decode_host(1))
@@ -504,11 +505,19 @@ def test_zero_copy_decode_reads_the_device_views_and_keeps_the_plain_models_toke
         jnp.stack(part) for part in runner.store.layer_experts(layer)), device) for layer in ds.cfg.moe_layers}
     monkeypatch.setattr(runner.store, "layer_device_views", views.get)
     chosen = decode.decode_experts(runner, runner.decode_host(1))
+    assert all(isinstance(layer, device_decode.DeviceViews) for layer in chosen)
     assert all(a.sharding.memory_kind == "device" for layer in chosen for a in jax.tree.leaves(layer))
     assert all(a.sharding.memory_kind == "pinned_host" for layer in pinned for a in jax.tree.leaves(layer))
+    in_place = []
+    traced = device_decode._routed_in_place
+    monkeypatch.setattr(device_decode, "_routed_in_place", lambda *a, **k: in_place.append(1) or traced(*a, **k))
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
-    decode_stats = runner.stats["decode"]
-    assert decode_stats["device_steps"] == ds.new - 1 and decode_stats["experts_loaded_now"] > 0
-    runner.set_policy("ondemand", decode_zero_copy=False)
+    assert in_place  # the step took the path with no conditional
+    keys = ("device_steps", "activated", "hits", "experts_loaded_now", "bytes_moved")
+    read_in_place = {key: runner.stats["decode"][key] for key in keys}
+    assert read_in_place["device_steps"] == ds.new - 1 and read_in_place["experts_loaded_now"] > 0
+    runner.set_policy("ondemand", decode_zero_copy=False, decode_chunk=4)
     assert all(a.sharding.memory_kind == "pinned_host" for layer in decode.decode_experts(runner, None)
                for a in jax.tree.leaves(layer))
+    np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    assert {key: runner.stats["decode"][key] for key in keys} == read_in_place  # the same cache, kept the same way

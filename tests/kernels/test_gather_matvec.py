@@ -355,3 +355,57 @@ def test_the_new_calls_lower_to_triton_for_cuda_here(call):
         fn, args = gm.swiglu_matvec, (jax.ShapeDtypeStruct((32, 1, 2816), jnp.float32),)
     exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=unchecked)(*args, w, idx)
     assert "xla.gpu.triton" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("scheme", [None, "int8", "int4"])
+def test_each_row_reads_its_own_source(scheme):
+    """src: row a reads slot idx[a] of source src[a]; sources of different slot counts, one kind of weight."""
+    rng = np.random.default_rng(11)
+
+    def weights(slots):
+        w = jnp.asarray(rng.standard_normal((slots, 128, 256)) * 0.1, jnp.bfloat16)
+        return w if scheme is None else quantize(w, scheme)
+
+    sources = (weights(3), weights(5), weights(2))
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.bfloat16)
+    src, idx = jnp.asarray([2, 0, 1, 1], jnp.int32), jnp.asarray([1, 2, 4, 0], jnp.int32)
+    got = np.asarray(gm.gather_matvec(x, sources, idx, interpret=True, src=src))
+    for a in range(4):
+        expected = reference(x[a:a + 1], sources[int(src[a])], idx[a:a + 1])
+        assert rel(got[a:a + 1], expected) < 1e-6
+    with pytest.raises(ValueError, match="unsupported"):  # sources of different kinds
+        gm.gather_matvec(x, (sources[0], jnp.zeros((2, 128, 128), jnp.bfloat16), sources[2]), idx, interpret=True,
+                         src=src)
+
+
+def test_a_pair_and_the_activation_read_each_rows_source():
+    rng = np.random.default_rng(12)
+    pool, bank = (jnp.asarray(rng.standard_normal((s, 128, 256)), jnp.float32) for s in (4, 3))
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.float32)
+    src, idx = jnp.asarray([1, 0, 1], jnp.int32), jnp.asarray([2, 3, 0], jnp.int32)
+    parts = gm.matvec_parts(x, ((pool, pool), (bank, bank)), idx, interpret=True, src=src)
+    summed = np.asarray(parts, np.float64).sum(axis=0)
+    picked = jnp.stack([(pool, bank)[int(s)][int(i)] for s, i in zip(src, idx)])
+    first = jnp.arange(3, dtype=jnp.int32)
+    assert rel(summed[:, :256], reference(x, picked, first)) < 1e-6
+    assert rel(summed[:, 256:], reference(x, picked, first)) < 1e-6
+    h_parts = jnp.asarray(rng.standard_normal((2, 3, 256)), jnp.float32)
+    down = jnp.asarray(rng.standard_normal((4, 128, 256)), jnp.float32), jnp.asarray(
+        rng.standard_normal((3, 128, 256)), jnp.float32)
+    got = gm.swiglu_matvec(h_parts, down, idx, interpret=True, src=src)
+    act = ex.swiglu(h_parts.sum(axis=0))
+    assert rel(got, reference(act, jnp.stack([down[int(s)][int(i)] for s, i in zip(src, idx)]), first)) < 1e-6
+
+
+@pytest.mark.parametrize("scheme", [None, "int4"])
+def test_sources_lower_to_triton_for_cuda_here(scheme):
+    """The per-row branch on a loaded source index has Triton lowering rules (cross-lowered for CUDA)."""
+    from jax import export
+
+    w = jax.ShapeDtypeStruct((4, 2048, 1536), jnp.bfloat16)
+    w = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
+    x, idx = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32)
+    unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    fn = jax.jit(lambda x, w1, w2, w3, idx, src: gm.gather_matvec(x, (w1, w2, w3), idx, src=src))
+    exported = export.export(fn, platforms=["cuda"], disabled_checks=unchecked)(x, w, w, w, idx, idx)
+    assert "xla.gpu.triton" in exported.mlir_module()
