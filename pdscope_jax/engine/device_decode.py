@@ -296,12 +296,10 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
             h, picks, pending = _host_begin(host, m, h, host_ids, host_coef, picks)
         n_miss = jnp.sum(copied, dtype=jnp.int32)
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
-    if copies_nothing and len(banks) == 1:  # the slots read where they lie: no gathered copy
-        outputs = slots_experts_ffn(rows, *banks[0], resident)
+    if copies_nothing:  # the slots read where they lie, in whichever bank: no gathered copy
+        outputs = _read_in_banks(rows, banks, resident)
     else:
-        if copies_nothing:  # two banks: the picks gathered from both
-            pulled = _take(banks, resident)
-        elif pulled is None:  # the program copies the misses itself
+        if pulled is None:  # the program copies the misses itself
             pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
         gate_ups, downs = pulled
         outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
@@ -337,10 +335,7 @@ def _one_row_every_resident(m, h, weights, ids, banks, table):
     picks = ids[0]  # [K], distinct
     slots = table.slot_of[m, picks]
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [K, 1, D]
-    if len(banks) == 1:
-        outputs = slots_experts_ffn(rows, *banks[0], slots)
-    else:
-        outputs = stacked_experts_ffn(rows, *_take(banks, slots))
+    outputs = _read_in_banks(rows, banks, slots)
     y = weighted_sum(jnp.swapaxes(outputs, 0, 1), weights, jnp.ones_like(weights, dtype=bool))
     clock = table.clock + 1
     k = picks.shape[0]
@@ -421,6 +416,14 @@ def _routed_in_place(m, h, weights, ids, views, banks, table, active=None):
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, 0, 0, 0, 0, 0]).astype(jnp.int32)
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
+
+
+def _read_in_banks(rows, banks, slots):
+    """The picks' expert outputs [U, N, D] for rows [U, N, D] and slots [U] numbered over the banks, each read in
+    its own bank (no gathered copy)."""
+    if len(banks) == 1:
+        return slots_experts_ffn(rows, *banks[0], slots)
+    return sources_experts_ffn(rows, banks, *_bank_of(banks, slots))
 
 
 def _bank_of(banks, at):

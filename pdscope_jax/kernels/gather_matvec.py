@@ -21,7 +21,8 @@ memory's speed; this kernel reads the picks' weights in place, in [BK, BN] tiles
 - `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU, `ENABLED`
   and `compiles_here()`, else `xla_fn(*args)` (`jax.lax.platform_dependent`). `ENABLED` is False under
   PDSCOPE_GPU_KERNELS=0. `compiles_here()` compiles every variant once per process on small weights where a GPU
-  is the default backend; if one fails it warns once and the XLA paths run, so an unsuited GPU still decodes.
+  is the default backend; if one fails it warns once and the XLA paths run, so an unsuited GPU still decodes;
+  `on_gpu(..., check=sources_compile_here)` checks the calls with per-row sources (`src`) the same way.
   `interpret=True` runs the kernel through Pallas' interpreter (tests on the CPU backend).
 """
 
@@ -331,7 +332,25 @@ def compiles_here() -> bool:
     return True
 
 
-def on_gpu(kernel_fn, xla_fn, *args):
-    if not (ENABLED and compiles_here()):
+@functools.cache
+def sources_compile_here() -> bool:
+    if not compiles_here() or jax.default_backend() != "gpu":
+        return compiles_here()
+    w = jax.ShapeDtypeStruct((1, 64, BLOCK_N), jnp.bfloat16)
+    x, idx = jax.ShapeDtypeStruct((1, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)
+    try:
+        for scheme in (None, "int8", "int4"):
+            weights = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
+            gather_matvec.lower(x, (weights, weights), idx, src=idx).compile()
+    except Exception as err:  # noqa: BLE001 (as in compiles_here: the XLA paths run)
+        warnings.warn(f"the GPU matvec kernel's per-row sources (pdscope_jax.kernels.gather_matvec) do not compile "
+                      f"on this GPU ({type(err).__name__}: {str(err)[:300]}); those calls run XLA's paths.",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def on_gpu(kernel_fn, xla_fn, *args, check=compiles_here):
+    if not (ENABLED and check()):
         return xla_fn(*args)
     return jax.lax.platform_dependent(*args, cuda=kernel_fn, default=xla_fn)

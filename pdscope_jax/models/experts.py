@@ -123,7 +123,7 @@ def sources_experts_ffn(rows: jax.Array, sources: tuple, src: jax.Array, slots: 
 
     if not sources_take_kernel(u * n, sources):
         return selected(rows, sources, src, slots)
-    return gather_matvec.on_gpu(in_place, selected, rows, sources, src, slots)
+    return gather_matvec.on_gpu(in_place, selected, rows, sources, src, slots, check=gather_matvec.sources_compile_here)
 
 
 def sources_take_kernel(rows: int, sources: tuple) -> bool:
