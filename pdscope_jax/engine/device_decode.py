@@ -225,6 +225,29 @@ def _put(banks, target, parts):
     return tuple(out)
 
 
+def _layer_picks(m, ids, table, active, by_worth: bool):
+    """MoE position m's distinct picks of ids [N, K] (rows not `active` route nowhere) and what the table says of
+    them. -> (ids, picks [U] (a pad repeats the first pick), valid, slots (-1: not resident), miss, worth, clock);
+    with `by_worth` misses first, most worth first (the order they are copied and kept in), else one row's top-k
+    as they come."""
+    if active is not None:
+        ids = jnp.where(active[:, None], ids, -1)
+    if not by_worth and ids.shape[0] == 1 and active is None:
+        picks = ids.reshape(-1)  # one row's top-k are distinct; with nothing to copy their order serves
+    else:
+        picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
+    valid = picks >= 0
+    picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
+    slots = table.slot_of[m, picks]
+    miss = valid & (slots < 0)
+    clock = table.clock + 1
+    worth = clock + table.bonus[m, picks]
+    if by_worth:
+        order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)
+        picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
+    return ids, picks, valid, slots, miss, worth, clock
+
+
 def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router=None, ahead=None, active=None):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
     (see the module docstring); `router`: the next MoE layer's (graph, state) where this layer copies ahead for
@@ -241,21 +264,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
         return (*_routed_in_place(m, h, weights, ids, experts, banks, table, active), None)
     num_slots = table.keep.shape[0]
     copies_nothing = host is not None and not host.copies  # every row from the pool, with no conditional
-    if active is not None:
-        ids = jnp.where(active[:, None], ids, -1)
-    if copies_nothing and ids.shape[0] == 1 and active is None:
-        picks = ids.reshape(-1)  # one row's top-k are distinct; with nothing to copy their order serves
-    else:
-        picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
-    valid = picks >= 0
-    picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
-    slots = table.slot_of[m, picks]
-    miss = valid & (slots < 0)
-    clock = table.clock + 1
-    worth = clock + table.bonus[m, picks]
-    if not copies_nothing:  # misses first, most worth first: the order they are copied and kept in
-        order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)
-        picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
+    ids, picks, valid, slots, miss, worth, clock = _layer_picks(m, ids, table, active, by_worth=not copies_nothing)
     resident = jnp.maximum(slots, 0)  # after the misses: hits (and pads) from their slots
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
@@ -384,17 +393,7 @@ def _routed_in_place(m, h, weights, ids, views, banks, table, active=None):
     any other miss in host memory over PCIe (`sources_experts_ffn`). Each miss's bytes cross PCIe once; the table,
     counts and outputs are those of the copying path. -> (y, banks, table)."""
     num_slots = table.keep.shape[0]
-    if active is not None:
-        ids = jnp.where(active[:, None], ids, -1)
-    picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
-    valid = picks >= 0
-    picks = jnp.where(valid, picks, picks[0])  # a pad repeats the first pick, with no weight and no count
-    slots = table.slot_of[m, picks]
-    miss = valid & (slots < 0)
-    clock = table.clock + 1
-    worth = clock + table.bonus[m, picks]
-    order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)  # misses first, most worth first
-    picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
+    ids, picks, valid, slots, miss, worth, clock = _layer_picks(m, ids, table, active, by_worth=True)
     chose = (ids[None] == picks[:, None, None]) & valid[:, None, None]  # [U, N, K]: row n chose pick u
     hit = valid & ~miss
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped

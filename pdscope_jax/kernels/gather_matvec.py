@@ -14,6 +14,9 @@ memory's speed; this kernel reads the picks' weights in place, in [BK, BN] tiles
   h_parts[:, a]) rounded to w's dtype, times w[idx[a]]. `swiglu_ffn(x, gate_up (one or a pair), down, picks,
   down_picks=None) -> float32 [A, N]`: an FFN, its activation in the down call where `fuses_activation(down)`
   (`FUSED_ACTIVATION` names the precisions), else in an XLA kernel between the calls.
+- Per-row sources: every call above takes `src` [A] int32; w (gate_up, down) is then a tuple of sources, weights
+  of one kind differing only in their slot count (the pool, the decode bank, host memory), and row a reads slot
+  idx[a] of source src[a] and no other (a program-uniform branch, no gathered copy).
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
   `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
   whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
@@ -230,9 +233,9 @@ def _parts(x, sources: tuple, idx, interpret: bool, tiles: Tiles | None, act: in
             or (len(ws) > 1 and scheme is not None) or not alike
             or (src is None) != (len(sources) == 1) or (src is not None and src.shape != (a,))
             or (act and (act != k or x.ndim != 3))):
-        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {[[v.shape for v in ws] for ws in sources]} "
-                         f"{w.dtype}, idx {idx.shape}, src {None if src is None else src.shape} for {tiles}")
-    if not all(addressable(v) for ws in sources for v in ws):
+        shapes = [[v.shape for v in one] for one in sources]
+        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {shapes} {w.dtype}, idx {idx.shape}, src {None if src is None else src.shape} for {tiles}")
+    if not all(addressable(v) for one in sources for v in one):
         raise ValueError(f"gather_matvec: unsupported shapes w {w.shape} {w.dtype}: 2^31 elements or more within "
                          f"4 GiB lie past the kernel's 32-bit offsets; pass a gathered copy of the rows' slots")
     n_blocks, k_blocks = n // block_n, k // block_k
