@@ -444,7 +444,7 @@ def _put_from(banks, target, views, experts):
     for bank in banks:
         n = slot_count(bank[0])
         local = jnp.where((target >= base) & (target < base + n), target - base, -1)
-        out.append(tuple(row_copy.copy_rows(part, view, experts, local) for part, view in zip(bank, views)))
+        out.append(tuple(row_copy.copy_rows(tuple(bank), tuple(views), experts, local)))
         base += n
     return tuple(out)
 

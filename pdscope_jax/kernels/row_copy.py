@@ -5,10 +5,11 @@ Why: a decode step that keeps some of a layer's misses must copy a number of the
 a conditional's predicate on the host, which waits for the GPU at every layer (docs/MEASUREMENTS.md); a kernel whose
 programs skip the rows not copied needs no such wait, and reads no byte of them.
 - `copy_rows(dst, src, rows [R] int32, slots [R] int32) -> dst'`: dst with dst'[slots[r]] = src[rows[r]] for each
-  r with 0 <= slots[r] < S (S: dst's first axis); every other slot as it was. dst [S, ...] and src [E, ...]: arrays
-  of one dtype and shape past the first axis, or `quant.formats.QuantizedWeight`s of one scheme (each leaf copied).
-  The copied rows' slots must be distinct. In a program that donates dst, the copy is in place (the kernel's output
-  aliases dst). rows must lie in [0, E) where their slot does.
+  r with 0 <= slots[r] < S; every other slot as it was. dst and src: pytrees of one structure (arrays,
+  `quant.formats.QuantizedWeight`s, a bank's (gate_up, down)), each dst leaf [S, ...] and its src leaf [E, ...] of
+  one dtype and shape past the first axis; every leaf copied in one kernel call. The copied rows' slots must be
+  distinct. In a program that donates dst, the copy is in place (the kernel's outputs alias dst's leaves). rows
+  must lie in [0, E) where their slot does.
 - `supported(dst)`: the kernel takes every leaf (a row's elements a multiple of `MIN_BLOCK`); elsewhere, without
   a CUDA GPU, or with the GPU kernels off (`gather_matvec.ENABLED`, `compiles_here`), XLA scatters a gathered copy
   of every named row (which reads them all). `interpret=True` runs the kernel through Pallas' interpreter (tests).
@@ -48,44 +49,55 @@ def _row_elements(a) -> int:
     return size
 
 
-def _kernel(rows_ref, slots_ref, src_ref, dst_ref, o_ref, *, block: int, slot_count: int):
-    del dst_ref  # aliased to o_ref: the slots not written keep their values
+def _kernel(rows_ref, slots_ref, *refs, blocks: tuple, slot_count: int):
+    """refs: each leaf's source, then each leaf's destination (aliased to its output), then the outputs. Program
+    (r, j) copies block j - start of the leaf whose blocks hold j (a program-uniform branch) where row r's slot is
+    in range."""
+    n = len(blocks)
+    srcs, outs = refs[:n], refs[2 * n:]
     r, j = pl.program_id(0), pl.program_id(1)
     slot = slots_ref[r]
+    start = 0
+    for src_ref, o_ref, (block, count) in zip(srcs, outs, blocks):
+        def copy(src_ref=src_ref, o_ref=o_ref, block=block, start=start):
+            cols = pl.ds(pl.multiple_of((j - start) * block, block), block)
+            o_ref[slot, cols] = src_ref[rows_ref[r], cols]
+        pl.when((slot >= 0) & (slot < slot_count) & (j >= start) & (j < start + count))(copy)
+        start += count
 
-    @pl.when((slot >= 0) & (slot < slot_count))
-    def _():
-        cols = pl.ds(pl.multiple_of(j * block, block), block)
-        o_ref[slot, cols] = src_ref[rows_ref[r], cols]
 
-
-def _copy_leaf(dst, src, rows, slots, interpret: bool):
-    s, elements = dst.shape[0], _row_elements(dst)
-    block = _block(elements)
-    flat_dst, flat_src = dst.reshape(s, elements), src.reshape(src.shape[0], elements)
+def _by_kernel(dst, src, rows, slots, interpret: bool = False):
+    """Every leaf of dst in one call (grid: rows x all leaves' blocks)."""
+    leaves, structure = jax.tree.flatten(dst)
+    s = leaves[0].shape[0]
+    flat_dst = [a.reshape(s, _row_elements(a)) for a in leaves]
+    flat_src = [a.reshape(a.shape[0], _row_elements(a)) for a in jax.tree.leaves(src)]
+    blocks = tuple((_block(a.shape[1]), a.shape[1] // _block(a.shape[1])) for a in flat_dst)
     whole = pl.BlockSpec(memory_space=pl.ANY) if interpret else pl.no_block_spec
     from jax.experimental.pallas import triton as pl_triton
 
+    n = len(leaves)
     out = pl.pallas_call(
-        functools.partial(_kernel, block=block, slot_count=s),
-        out_shape=jax.ShapeDtypeStruct(flat_dst.shape, flat_dst.dtype),
-        grid=(rows.shape[0], elements // block),
-        in_specs=[whole] * 4,
-        out_specs=whole,
-        input_output_aliases={3: 0},
+        functools.partial(_kernel, blocks=blocks, slot_count=s),
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in flat_dst],
+        grid=(rows.shape[0], sum(count for _, count in blocks)),
+        in_specs=[whole] * (2 + 2 * n),
+        out_specs=[whole] * n,
+        input_output_aliases={2 + n + i: i for i in range(n)},
         compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=1),  # Triton, not Mosaic GPU
         name="copy_rows",
         interpret=interpret,
-    )(rows.astype(jnp.int32), slots.astype(jnp.int32), flat_src, flat_dst)
-    return out.reshape(dst.shape)
+    )(rows.astype(jnp.int32), slots.astype(jnp.int32), *flat_src, *flat_dst)
+    return structure.unflatten([o.reshape(a.shape) for o, a in zip(out, leaves)])
 
 
 def _check(dst, src, rows, slots) -> None:
     d_leaves, s_leaves = jax.tree.leaves(dst), jax.tree.leaves(src)
     if (jax.tree.structure(dst) != jax.tree.structure(src) or rows.shape != slots.shape or rows.ndim != 1
-            or any(d.shape[1:] != v.shape[1:] or d.dtype != v.dtype for d, v in zip(d_leaves, s_leaves))):
+            or any(d.shape[1:] != v.shape[1:] or d.dtype != v.dtype for d, v in zip(d_leaves, s_leaves))
+            or len({d.shape[0] for d in d_leaves}) > 1):
         raise ValueError(f"copy_rows: dst {[d.shape for d in d_leaves]} and src {[v.shape for v in s_leaves]} differ "
-                         f"past their first axis (or in dtype), or rows {rows.shape} / slots {slots.shape} are not "
+                         f"past their first axis (or in dtype), dst's slot counts differ, or rows {rows.shape} / slots {slots.shape} are not "
                          f"one-dimensional of one length")
 
 
@@ -95,10 +107,6 @@ def _by_xla(dst, src, rows, slots):
         return d.at[jnp.where(inside, slots, d.shape[0])].set(v[jnp.where(inside, rows, 0)], mode="drop",
                                                                unique_indices=True)
     return jax.tree.map(leaf, dst, src)
-
-
-def _by_kernel(dst, src, rows, slots, interpret: bool = False):
-    return jax.tree.map(lambda d, v: _copy_leaf(d, v, rows, slots, interpret), dst, src)
 
 
 def copy_rows(dst, src, rows: jax.Array, slots: jax.Array, interpret: bool = False):

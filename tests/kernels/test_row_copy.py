@@ -22,17 +22,24 @@ def test_rows_land_in_their_slots_and_the_rest_stay(interpret):
     np.testing.assert_array_equal(got, expected)
 
 
-def test_quantized_weights_copy_every_leaf_in_a_donating_program():
+def test_a_banks_quantized_leaves_copy_in_one_donating_program():
+    """A bank's (gate_up, down), int4: every leaf (packed values, scales; rows of different sizes) in one call."""
     rng = np.random.default_rng(1)
-    dst, src = (quantize(jnp.asarray(rng.standard_normal((s, 128, 256)) * 0.1, jnp.bfloat16), "int4") for s in (4, 6))
-    rows, slots = jnp.asarray([5, 2], jnp.int32), jnp.asarray([1, -1], jnp.int32)
+
+    def bank(slots):
+        return tuple(quantize(jnp.asarray(rng.standard_normal((slots, k, n)) * 0.1, jnp.bfloat16), "int4")
+                     for k, n in ((128, 256), (64, 128)))
+
+    dst, src = bank(4), bank(6)
+    rows, slots = jnp.asarray([5, 2, 0], jnp.int32), jnp.asarray([1, -1, 3], jnp.int32)
     before = jax.tree.map(np.asarray, dst)
     copy = jax.jit(lambda d, s, r, t: row_copy.copy_rows(d, s, r, t, interpret=True), donate_argnums=0)
     got = copy(dst, src, rows, slots)
-    np.testing.assert_array_equal(np.asarray(got.q[1]), np.asarray(src.q[5]))
-    np.testing.assert_array_equal(np.asarray(got.scale[1]), np.asarray(src.scale[5]))
-    for slot in (0, 2, 3):
-        np.testing.assert_array_equal(np.asarray(got.q[slot]), before.q[slot])
+    for got_leaf, src_leaf, old in zip(jax.tree.leaves(got), jax.tree.leaves(src), jax.tree.leaves(before)):
+        np.testing.assert_array_equal(np.asarray(got_leaf[1]), np.asarray(src_leaf[5]))
+        np.testing.assert_array_equal(np.asarray(got_leaf[3]), np.asarray(src_leaf[0]))
+        for slot in (0, 2):
+            np.testing.assert_array_equal(np.asarray(got_leaf[slot]), old[slot])
 
 
 def test_mismatched_stacks_are_refused_and_odd_rows_take_xla():
@@ -50,6 +57,7 @@ def test_the_kernel_lowers_to_triton_for_cuda_here():
     q = jax.ShapeDtypeStruct((8, 1024, 1536), jnp.uint8)
     index = jax.ShapeDtypeStruct((4,), jnp.int32)
     unchecked = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    scale = jax.ShapeDtypeStruct((8, 32, 1536), jnp.bfloat16)
     exported = export.export(jax.jit(row_copy._by_kernel), platforms=["cuda"], disabled_checks=unchecked)(
-        q, q, index, index)
+        (q, scale), (q, scale), index, index)
     assert "xla.gpu.triton" in exported.mlir_module()
