@@ -130,10 +130,11 @@ class RuntimeConfig:
     # (None: the host's time for an expert over the host's and the link's together: engine.host_split)
     decode_bridge_copies: bool = True  # device decode's copies are made by the CUDA bridge's worker (DMA) where
     # the bridge runs, so the step has no conditional per layer and the host runs ahead; False: by the program
-    decode_zero_copy: bool = False  # device decode's program reads the misses it copies from the store's page-locked
-    # stacks in place (device-memory aliases, over PCIe: `ExpertStore.layer_device_views`) where the store has them
-    # (a CUDA GPU, host_alloc "driver"): a copy is a read inside a kernel, no copy program (the per-layer conditional
-    # stays, and costs as much either way: docs/MEASUREMENTS.md); off: copies from pinned_host memory
+    decode_zero_copy: bool = False  # device decode's program reads its misses from the store's page-locked stacks
+    # in place (device-memory aliases, over PCIe: `ExpertStore.layer_device_views`) where the store has them (a CUDA
+    # GPU, host_alloc "driver"): where the GPU takes every miss, with no per-layer conditional (a kernel keeps the
+    # misses worth keeping, the FFN reads the rest from host memory: `device_decode._routed_in_place`); off: the
+    # program copies misses from pinned_host memory under a conditional on their count
     decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
     # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
     # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)
