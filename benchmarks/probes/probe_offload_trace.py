@@ -5,12 +5,12 @@ Loads `--model` with seeded random weights once (as drawn, or rewritten by bench
 label (bench's: a planner name with its engine suffixes, `pdscope:progcopy:nocpu`; several switch the loaded engine
 in turn; a bare `plain` loads the whole model, no budget) runs one warm-up `generate` of `--tokens` new tokens after
 a `--prompt`-token prompt (it compiles and warms every program), `--repeats` timed ones, then one more under jax's
-profiler. Its Perfetto trace goes to
-`--trace DIR` (`LABEL[_QUANT].trace.json.gz`, `:` and `=` as `_`) and its summary (`trace_summary.summarize`)
+profiler where `--trace DIR` is given. Its Perfetto trace goes to
+`DIR/` (`LABEL[_QUANT].trace.json.gz`, `:` and `=` as `_`) and its summary (`trace_summary.summarize`)
 into the record, beside the decode tok/s of the timed runs, the decode statistics (hit rate, bytes, host experts)
 and whether its greedy tokens equal the first label's. The profiler slows the launching thread: compare traces
 with each other, not with untraced tok/s. `--layers N` keeps the first N decoder layers (with `--workload`).
-Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py --trace DIR [--out F]`.
+Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py [--trace DIR] [--out F]`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--layers", type=int, default=None,
                         help="keep the model's first N decoder layers (with --workload): a smaller stand-in that "
                              "builds faster and runs the same per-layer step")
-    parser.add_argument("--trace", type=Path, required=True)
+    parser.add_argument("--trace", type=Path, default=None, help="the traces' folder (none: no traced run)")
     parser.add_argument("--top", type=int, default=30, help="kernel kinds kept in the summary")
     args = parser.parse_args(argv)
     if args.expert_pool.lower() == "none":
@@ -73,14 +73,16 @@ def main(argv: list[str] | None = None) -> dict:
         record, got = timed_generations(runner.generate, ids, args.tokens, args.repeats, first)
         first = got if first is None else first  # every label's greedy tokens against the first label's
         name = re.sub(r"[:=]", "_", label) + (f"_{args.quantize}" if args.quantize else "")
-        path = args.trace / f"{name}.trace.json.gz"
         stats = runner.engine.stats if hasattr(runner, "engine") else {}  # over the warm-up and timed runs
         engine = {key: stats.get(key) for key in ("decode", "decode_host", "decode_trials", "slots", "decode_slots")}
         if hasattr(runner, "engine"):  # whether the store has device views for decode_zero_copy (`:zerocopy`)
             engine["device_views"] = runner.engine.store.layer_device_views(runner.config.moe_layers[0]) is not None
-        perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
-        # the first token comes from prefill: tokens - 1 decode steps, the last of them cut off (whole steps only)
-        summary = summarize(path, args.top, decode_steps=args.tokens - 1) if path.exists() else {"trace": None}
+        summary = {"trace": None}
+        if args.trace is not None:
+            path = args.trace / f"{name}.trace.json.gz"
+            perfetto_trace(lambda: runner.generate(ids, args.tokens), path)
+            # the first token comes from prefill: tokens - 1 decode steps, the last cut off (whole steps only)
+            summary = summarize(path, args.top, decode_steps=args.tokens - 1) if path.exists() else summary
         record.pop("tokens")
         emit(records, {"label": label, "quantize": args.quantize, **record, "engine": engine,
                        "trace_summary": summary})
