@@ -15,8 +15,8 @@ Both take (engine, token [B] (the first new token, on the accelerator), cache, t
 None)); `step(n)` runs decode step n (sampling at step n); `tokens` holds the host copies (`Sampled`, numpy
 arrays that own their memory: `host_copy`) of the steps fetched and not yet taken, in order (the device
 executor's lag two steps behind); the caller pops what it has taken, so a long decode keeps nothing per step;
-`finish()` -> the rest, and adds what it counted to the decode statistics. `decode_experts(engine, host)`: what
-the step copies from (pinned stacks, or their in-place device views with RuntimeConfig.decode_zero_copy).
+`finish()` -> the rest, and adds what it counted to the decode statistics. `decode_experts(engine, host,
+batch)`: what the step copies from (pinned stacks, or their in-place device views with decode_zero_copy).
 - `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
 - `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from pdscope_jax.engine import device_decode, pool_table
+from pdscope_jax.models.experts import sources_take_kernel
 
 
 def choose(engine, batch: int, steps: int):
@@ -58,18 +59,29 @@ def choose(engine, batch: int, steps: int):
     return DeviceDecode if on_device else HostDecode
 
 
-def decode_experts(engine, host) -> tuple:
+def decode_experts(engine, host, batch: int = 1) -> tuple:
     """Per MoE layer, the experts the device step copies its misses from: the store's device-memory views
     (`device_decode.DeviceViews`: misses read in place, with no conditional where `device_decode.reads_in_place`)
-    with RuntimeConfig.decode_zero_copy where every layer has them and no XLA host part computes from them; else its
+    with RuntimeConfig.decode_zero_copy where every layer has them, no XLA host part computes from them and, on a
+    GPU, the matvec kernel takes a step of `batch` rows (else XLA would read every pick from host memory); else its
     pinned stacks, or per-expert arrays where it keeps no stacks."""
     store, moe = engine.store, engine._moe_layers
     xla_host = host is not None and host.bridge is None and host.computes
     if engine.runtime.decode_zero_copy and not xla_host:
         views = tuple(store.layer_device_views(layer) for layer in moe)
-        if all(v is not None for v in views):
+        if all(v is not None for v in views) and _kernel_reads(engine, views[0], batch):
             return tuple(device_decode.DeviceViews(*v) for v in views)
     return tuple(store.layer_stacks(layer) or store.layer_experts(layer) for layer in moe)
+
+
+def _kernel_reads(engine, views, batch: int) -> bool:
+    """Whether a step of `batch` rows reads its picks from the pool's banks and the views by the matvec kernel
+    (always true off a GPU, where the views are device memory like any other)."""
+    if engine.devices.accel.platform != "gpu":
+        return True
+    cfg = engine.config
+    picks = cfg.num_experts_per_tok if batch == 1 else min(batch * cfg.num_experts_per_tok, cfg.num_experts)
+    return sources_take_kernel(picks * batch, (*engine.pool.banks, tuple(views)))
 
 
 AUTO_CHUNK = 32  # steps a program on a GPU where RuntimeConfig.decode_chunk is None (docs/MEASUREMENTS.md)
@@ -124,7 +136,7 @@ class DeviceDecode:
             self._fill_pool()
         bank = self._fill_bank() if self.host is not None and not self.host.copies else []
         self.table = pool_table.upload(e.pool, moe, decode_bonus(e, b), accel, bank)
-        self.experts = decode_experts(e, self.host)
+        self.experts = decode_experts(e, self.host, b)
         self.graphs = tuple(layer.graph for layer in e._layers)
         self.state_tree, self.state_leaves = device_decode.flat_states((layer.state for layer in e._layers), e._state)
         self.token, self.caches = token, tuple(cache)
