@@ -521,3 +521,19 @@ def test_zero_copy_decode_reads_the_device_views_and_keeps_the_plain_models_toke
                for a in jax.tree.leaves(layer))
     np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
     assert {key: runner.stats["decode"][key] for key in keys} == read_in_place  # the same cache, kept the same way
+
+
+def test_device_views_are_taken_only_where_the_kernel_reads_a_step_of_that_batch():
+    """On a GPU, a batch whose picks times rows exceed the matvec kernel's rows keeps the copying step: XLA's
+    fallback would read every pick from host memory."""
+    from types import SimpleNamespace
+
+    gate_up, down = jnp.zeros((6, 128, 256), jnp.bfloat16), jnp.zeros((6, 128, 128), jnp.bfloat16)
+    engine = SimpleNamespace(config=SimpleNamespace(num_experts_per_tok=4, num_experts=6),
+                             pool=SimpleNamespace(banks=((gate_up[:3], down[:3]),)),
+                             devices=SimpleNamespace(accel=SimpleNamespace(platform="gpu")))
+    views = (gate_up, down)
+    assert decode._kernel_reads(engine, views, 1) and decode._kernel_reads(engine, views, 8)  # 4 and 6 x 8 rows
+    assert not decode._kernel_reads(engine, views, 16)  # 6 picks x 16 rows: past the kernel's 64
+    engine.devices.accel.platform = "cpu"
+    assert decode._kernel_reads(engine, views, 16)
