@@ -372,11 +372,15 @@ def _victims(m, table, picks, worth, copied, parked):
     kept = copied[:r] & (worth[:r] > keep[victims])  # the i-th miss against the i-th victim
     target = jnp.where(kept, victims, num_slots + jnp.arange(r))  # distinct; out of range: dropped
     evicted = jnp.where(kept, table.owner[victims], -1)
-    slot_of = table.slot_of.at[jnp.where(evicted >= 0, evicted // num_experts, num_layers),
-                               evicted % num_experts].set(-1, mode="drop")
-    slot_of = slot_of.at[jnp.where(kept, m, num_layers), picks[:r]].set(victims, mode="drop")
+    # one scatter each: the evicted experts' entries (resident) and the kept misses' (not) are distinct, and so are
+    # the kept misses' slots (victims, never a hit's) and the hits' slots
+    layers = jnp.concatenate([jnp.where(evicted >= 0, evicted // num_experts, num_layers),
+                              jnp.where(kept, m, num_layers)])
+    experts = jnp.concatenate([evicted % num_experts, picks[:r]])
+    slot_of = table.slot_of.at[layers, experts].set(jnp.concatenate([jnp.full(r, -1, victims.dtype), victims]),
+                                                    mode="drop")
     owner = table.owner.at[target].set(m * num_experts + picks[:r], mode="drop")
-    keep = keep.at[target].set(worth[:r], mode="drop").at[parked].set(worth, mode="drop")  # hits: their worth back
+    keep = keep.at[jnp.concatenate([target, parked])].set(jnp.concatenate([worth[:r], worth]), mode="drop")
     return slot_of, owner, keep, target, jnp.sum(evicted >= 0)
 
 
