@@ -18,7 +18,7 @@ run (`kernels.host_experts`: the CUDA bridge, no Python callback); planners opt 
   [E,D,2F], down [E,F,D]) or tuples of E per-expert arrays; `banks`: `SlotPool.banks` (the pool, and the decode bank
   while open; the table numbers their slots one after the other). `host`: None (every miss copied) or the
   `HostExperts` split; with its copies ahead each layer hands the next its `Ahead`. A step that copies nothing from
-  one bank (a pool of every expert) multiplies the picks' slots where they lie (`slots_experts_ffn`). Sampling is
+  one bank (a pool of every expert) multiplies the picks' slots where they lie (`bank_slots.read_in_banks`). Sampling is
   `programs.next_token`'s (`generation.sampling.sample`, settings traced). `build_decode_step()` jits it (graphs,
   model graph, MoE layers, host and state tree static; caches, sampling state, banks and table donated). Its layers
   are nested jitted programs with the MoE position a traced value: layers of one kind trace once.
@@ -42,11 +42,11 @@ import numpy as np
 from flax import nnx
 
 from pdscope_jax.generation.sampling import sample
-from pdscope_jax.kernels import host_experts, row_copy
-from pdscope_jax.models.experts import (GATHER_MAX_ASSIGNMENTS, slots_experts_ffn, sources_experts_ffn,
-                                        stacked_experts_ffn, weighted_sum)
+from pdscope_jax.kernels import host_experts
+from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, sources_experts_ffn, stacked_experts_ffn, weighted_sum
+from pdscope_jax.engine import bank_slots
 from pdscope_jax.engine.programs import dense_layer, moe_route, next_layer_picks
-from pdscope_jax.engine.pool_table import PoolTable, slot_count
+from pdscope_jax.engine.pool_table import PoolTable
 from pdscope_jax.store.expert_store import pull_traced
 
 PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
@@ -196,35 +196,6 @@ def fits(slots: int, picks: int) -> bool:
     return slots > picks
 
 
-def _take(banks, slots):
-    """(gate_ups, downs) [U, ...] of `slots` [U] numbered over the banks one after the other. Every bank is
-    gathered and the right one selected: one more read of the picks' bytes per extra bank, which a layer's
-    copies cost far more than."""
-    taken, base = None, 0
-    for bank in banks:
-        n = slot_count(bank[0])
-        got = jax.tree.map(lambda a: a[jnp.clip(slots - base, 0, n - 1)], bank)
-        inside = (slots >= base) & (slots < base + n)
-        taken = got if taken is None else jax.tree.map(
-            lambda new, old: jnp.where(inside.reshape(-1, *(1,) * (new.ndim - 1)), new, old), got, taken)
-        base += n
-    return taken
-
-
-def _put(banks, target, parts):
-    """The banks with row u of `parts` written to slot target[u]; a target past every bank is dropped. Targets
-    must be distinct."""
-    out, base = [], 0
-    for bank in banks:
-        n = slot_count(bank[0])
-        mine = (target >= base) & (target < base + n)
-        local = jnp.where(mine, target - base, n + jnp.arange(target.shape[0]))  # out of range: dropped
-        out.append(jax.tree.map(lambda pool, part: pool.at[local].set(part, mode="drop", unique_indices=True),
-                                bank, parts))
-        base += n
-    return tuple(out)
-
-
 def _layer_picks(m, ids, table, active, by_worth: bool):
     """MoE position m's distinct picks of ids [N, K] (rows not `active` route nowhere) and what the table says of
     them. -> (ids, picks [U] (a pad repeats the first pick), valid, slots (-1: not resident), miss, worth, clock);
@@ -297,7 +268,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
                 ahead_counts[0] = jnp.sum(next_ids >= 0)
             copy_ids = jnp.where(copied, picks, early_rows if ahead is not None else -1)
             h, picks, pulled, next_rows = _bridge_pull(host, m, h, host_ids, host_coef, picks, copy_ids,
-                                                       lambda: _take(banks, resident), ahead, next_ids)
+                                                       lambda: bank_slots.take(banks, resident), ahead, next_ids)
             if router is not None:
                 next_ahead = Ahead(next_predicted, next_ids, next_rows)
             copied = copied | early
@@ -306,10 +277,10 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
         n_miss = jnp.sum(copied, dtype=jnp.int32)
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
     if copies_nothing:  # the slots read where they lie, in whichever bank: no gathered copy
-        outputs = _read_in_banks(rows, banks, resident)
+        outputs = bank_slots.read_in_banks(rows, banks, resident)
     else:
         if pulled is None:  # the program copies the misses itself
-            pulled = pull_traced(experts, picks, n_miss, lambda at: _take(banks, resident[at]))
+            pulled = pull_traced(experts, picks, n_miss, lambda at: bank_slots.take(banks, resident[at]))
         gate_ups, downs = pulled
         outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
@@ -344,7 +315,7 @@ def _one_row_every_resident(m, h, weights, ids, banks, table):
     picks = ids[0]  # [K], distinct
     slots = table.slot_of[m, picks]
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [K, 1, D]
-    outputs = _read_in_banks(rows, banks, slots)
+    outputs = bank_slots.read_in_banks(rows, banks, slots)
     y = weighted_sum(jnp.swapaxes(outputs, 0, 1), weights, jnp.ones_like(weights, dtype=bool))
     clock = table.clock + 1
     k = picks.shape[0]
@@ -357,7 +328,7 @@ def _keep_copies(m, table, picks, worth, copied, parked, parts, banks):
     """The copied misses of MoE position m that are worth their victims take their slots (see the module
     docstring): the pool's table and banks after them. -> (slot_of, owner, keep, banks, evictions)."""
     slot_of, owner, keep, target, evictions = _victims(m, table, picks, worth, copied, parked)
-    banks = _put(banks, target, tuple(part[:target.shape[0]] for part in parts))
+    banks = bank_slots.put(banks, target, tuple(part[:target.shape[0]] for part in parts))
     return slot_of, owner, keep, banks, evictions
 
 
@@ -403,10 +374,10 @@ def _routed_in_place(m, h, weights, ids, views, banks, table, active=None):
     parked = jnp.where(hit, slots, num_slots)  # out of range: dropped
     slot_of, owner, keep, target, evictions = _victims(m, table, picks, worth, miss, parked)
     r = target.shape[0]
-    banks = _put_from(banks, target, views, picks[:r])
+    banks = bank_slots.put_from(banks, target, views, picks[:r])
     kept_at = jnp.concatenate([target, jnp.full(picks.shape[0] - r, num_slots, target.dtype)])
     at = jnp.where(miss, kept_at, jnp.where(valid, slots, 0))  # past every slot: read from host memory
-    src, local = _bank_of(banks, at)
+    src, local = bank_slots.bank_of(banks, at)
     src, local = jnp.where(at < num_slots, src, len(banks)), jnp.where(at < num_slots, local, picks)
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
     outputs = sources_experts_ffn(rows, (*banks, tuple(views)), src, local)  # [U, N, D] in the model's dtype
@@ -419,38 +390,6 @@ def _routed_in_place(m, h, weights, ids, views, banks, table, active=None):
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, 0, 0, 0, 0, 0]).astype(jnp.int32)
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
-
-
-def _read_in_banks(rows, banks, slots):
-    """The picks' expert outputs [U, N, D] for rows [U, N, D] and slots [U] numbered over the banks, each read in
-    its own bank (no gathered copy)."""
-    if len(banks) == 1:
-        return slots_experts_ffn(rows, *banks[0], slots)
-    return sources_experts_ffn(rows, banks, *_bank_of(banks, slots))
-
-
-def _bank_of(banks, at):
-    """(bank index, slot in it) of slots `at` numbered over the banks one after the other (past them all: the
-    last bank's numbering, unused)."""
-    src, local, base = jnp.zeros_like(at), at, 0
-    for i, bank in enumerate(banks):
-        n = slot_count(bank[0])
-        inside = (at >= base) & (at < base + n)
-        src, local = jnp.where(inside, i, src), jnp.where(inside, at - base, local)
-        base += n
-    return src, local
-
-
-def _put_from(banks, target, views, experts):
-    """The banks with expert experts[u] of the host `views` copied into slot target[u] (numbered over the banks);
-    a target past every bank copies nothing and reads nothing."""
-    out, base = [], 0
-    for bank in banks:
-        n = slot_count(bank[0])
-        local = jnp.where((target >= base) & (target < base + n), target - base, -1)
-        out.append(tuple(row_copy.copy_rows(tuple(bank), tuple(views), experts, local)))
-        base += n
-    return tuple(out)
 
 
 def flat_states(states, model_state) -> tuple:

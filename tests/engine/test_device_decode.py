@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.engine import decode, device_decode, pool_table
+from pdscope_jax.engine import bank_slots, decode, device_decode, pool_table
 from pdscope_jax.store import expert_store
 from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError, select_devices
@@ -93,11 +93,11 @@ def test_slots_are_numbered_over_the_banks_one_after_the_other():
     pool = [np.arange(3 * 2, dtype=np.float32).reshape(3, 2), np.arange(3, dtype=np.float32) + 10]
     bank = [np.arange(2 * 2, dtype=np.float32).reshape(2, 2) + 100, np.arange(2, dtype=np.float32) + 110]
     banks = (tuple(map(jnp.asarray, pool)), tuple(map(jnp.asarray, bank)))
-    taken = device_decode._take(banks, jnp.array([4, 0, 3, 2]))
+    taken = bank_slots.take(banks, jnp.array([4, 0, 3, 2]))
     np.testing.assert_array_equal(taken[0], np.stack([bank[0][1], pool[0][0], bank[0][0], pool[0][2]]))
     np.testing.assert_array_equal(taken[1], [111, 10, 110, 12])
     parts = (-np.ones((3, 2), np.float32) * [[1], [2], [3]], -np.array([1, 2, 3], np.float32))
-    (p_gu, p_dn), (b_gu, b_dn) = device_decode._put(banks, jnp.array([1, 4, 7]), parts)
+    (p_gu, p_dn), (b_gu, b_dn) = bank_slots.put(banks, jnp.array([1, 4, 7]), parts)
     np.testing.assert_array_equal(p_dn, [10, -1, 12])
     np.testing.assert_array_equal(b_dn, [110, -2])
     np.testing.assert_array_equal(p_gu[1], [-1, -1])
