@@ -130,11 +130,12 @@ class RuntimeConfig:
     # (None: the host's time for an expert over the host's and the link's together: engine.host_split)
     decode_bridge_copies: bool = True  # device decode's copies are made by the CUDA bridge's worker (DMA) where
     # the bridge runs, so the step has no conditional per layer and the host runs ahead; False: by the program
-    decode_zero_copy: bool = False  # device decode's program reads its misses from the store's page-locked stacks
-    # in place (device-memory aliases, over PCIe: `ExpertStore.layer_device_views`) where the store has them (a CUDA
-    # GPU, host_alloc "driver"): where the GPU takes every miss, with no per-layer conditional (a kernel keeps the
-    # misses worth keeping, the FFN reads the rest from host memory: `device_decode._routed_in_place`); off: the
-    # program copies misses from pinned_host memory under a conditional on their count
+    decode_zero_copy: bool | None = None  # device decode reads its misses from the store's page-locked stacks in
+    # place (device-memory aliases, over PCIe: `ExpertStore.layer_device_views`) where the store has them (a CUDA
+    # GPU, host_alloc "driver"). None (auto): only where the step then has no per-layer conditional, every miss the
+    # GPU's (no host part, no bridge: a kernel keeps the misses worth keeping, the FFN reads the rest from host
+    # memory, `device_decode._routed_in_place`); True: wherever views exist; False: the program copies misses from
+    # pinned_host memory under a conditional on their count (docs/MEASUREMENTS.md)
     decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
     # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
     # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)
@@ -185,6 +186,8 @@ class RuntimeConfig:
             set_("decode_trial", int(self.decode_trial))
         if self.activation_memory not in ("measured", "estimated"):
             problems.append(f"activation_memory: expected 'measured' or 'estimated', got {self.activation_memory!r}")
+        if self.decode_zero_copy not in (None, True, False):
+            problems.append(f"decode_zero_copy: expected None (auto), True or False, got {self.decode_zero_copy!r}")
         if self.decode_cpu_experts not in ("auto", "xla", "off"):
             problems.append(f"decode_cpu_experts: expected 'auto', 'xla' or 'off', got {self.decode_cpu_experts!r}")
         share = self.decode_copy_share

@@ -8,10 +8,10 @@ Contract
   `decode_zero_copy`, `decode_copies_ahead`, `decode_chunk`, `decode_trial`, `quality`, `mixed_threshold`. A label
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
-  (`decode_bridge_copies` off), `:zerocopy` (`decode_zero_copy` on), `:ahead` (`decode_copies_ahead` on),
-  `:notrial` (`decode_trial` 0: no timing of both decode executors at warm-up), `:chunk=N` (`decode_chunk` N),
-  `:quality=Q` (`quality` Q, else `args.quality`). With `args.ablation` the runs are `ABLATION` (no decode trial)
-  then the plain run.
+  (`decode_bridge_copies` off), `:zerocopy` / `:nozerocopy` (`decode_zero_copy` on / off; else auto), `:ahead`
+  (`decode_copies_ahead` on), `:notrial` (`decode_trial` 0: no timing of both decode executors at warm-up),
+  `:chunk=N` (`decode_chunk` N), `:quality=Q` (`quality` Q, else `args.quality`). With `args.ablation` the runs
+  are `ABLATION` (no decode trial) then the plain run.
   `build_quality(args, runs)`: the quality the runner is built with (one that keeps the int4 copies where any run
   loads them).
 - `engine_switches(run, hot_table)`: `OffloadRunner.set_policy`'s keyword arguments for a run.
@@ -39,12 +39,13 @@ WITH_CPU = ":cpu"  # a policy name's suffix: decode_cpu_experts "auto" (the host
 COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
 PROGRAM_COPIES = ":progcopy"  # a policy name's suffix: RuntimeConfig.decode_bridge_copies off (the program copies)
 ZERO_COPY = ":zerocopy"  # a policy name's suffix: RuntimeConfig.decode_zero_copy on (misses read in place, over PCIe)
+NO_ZERO_COPY = ":nozerocopy"  # a policy name's suffix: decode_zero_copy off (the program copies misses: the old step)
 AHEAD = ":ahead"  # a policy name's suffix: RuntimeConfig.decode_copies_ahead on (predicted experts copied ahead)
 NO_TRIAL = ":notrial"  # a policy name's suffix: RuntimeConfig.decode_trial 0 (the one-program step where it can run)
 QUALITY = ":quality="  # a policy name's suffix with a quality (int8, mixed, int4): RuntimeConfig.quality
 CHUNK = ":chunk="  # a policy name's suffix with a step count: RuntimeConfig.decode_chunk
 QUALITIES = ("int8", "mixed", "int4")  # sched.precision.QUALITIES (here: `--help` stays without numpy)
-SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, ZERO_COPY, AHEAD, NO_TRIAL)
+SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, ZERO_COPY, NO_ZERO_COPY, AHEAD, NO_TRIAL)
 
 
 def split_label(label: str) -> tuple[str, dict]:
@@ -65,6 +66,8 @@ def split_label(label: str) -> tuple[str, dict]:
             switches["decode_bridge_copies"] = False
         elif f":{part}" == ZERO_COPY:
             switches["decode_zero_copy"] = True
+        elif f":{part}" == NO_ZERO_COPY:
+            switches["decode_zero_copy"] = False
         elif f":{part}" == AHEAD:
             switches["decode_copies_ahead"] = True
         elif f":{part}" == NO_TRIAL:
@@ -148,7 +151,7 @@ def engine_switches(run: dict, hot_table) -> dict:
             "decode_cpu_experts": run.get("decode_cpu_experts") or default_setting("decode_cpu_experts"),
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True),
-            "decode_zero_copy": run.get("decode_zero_copy", False),
+            "decode_zero_copy": run.get("decode_zero_copy", default_setting("decode_zero_copy")),
             "decode_copies_ahead": run.get("decode_copies_ahead", False),
             "decode_chunk": run.get("decode_chunk") or default_setting("decode_chunk"),
             "decode_trial": run.get("decode_trial", default_setting("decode_trial")), "quality": run.get("quality"),

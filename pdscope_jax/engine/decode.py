@@ -62,12 +62,14 @@ def choose(engine, batch: int, steps: int):
 def decode_experts(engine, host, batch: int = 1) -> tuple:
     """Per MoE layer, the experts the device step copies its misses from: the store's device-memory views
     (`device_decode.DeviceViews`: misses read in place, with no conditional where `device_decode.reads_in_place`)
-    with RuntimeConfig.decode_zero_copy where every layer has them, no XLA host part computes from them and, on a
+    where RuntimeConfig.decode_zero_copy asks for them (None: where `reads_in_place(host)`), every layer has them,
+    no XLA host part computes from them and, on a
     GPU, the matvec kernel takes a step of `batch` rows (else XLA would read every pick from host memory); else its
     pinned stacks, or per-expert arrays where it keeps no stacks."""
     store, moe = engine.store, engine._moe_layers
     xla_host = host is not None and host.bridge is None and host.computes
-    if engine.runtime.decode_zero_copy and not xla_host:
+    setting = engine.runtime.decode_zero_copy
+    if (device_decode.reads_in_place(host) if setting is None else setting) and not xla_host:
         views = tuple(store.layer_device_views(layer) for layer in moe)
         if all(v is not None for v in views) and _kernel_reads(engine, views[0], batch):
             return tuple(device_decode.DeviceViews(*v) for v in views)

@@ -33,7 +33,7 @@ def test_runs_for_policies_host_decode_and_plain():
     assert engine_switches(runs[0], "t.json") == {"hot_table": "t.json", "async_io": True, "batched_gpu": True,
                                                   "device_decode": True, "decode_bank": True,
                                                   "decode_cpu_experts": "auto", "decode_copy_share": None,
-                                                  "decode_bridge_copies": True, "decode_zero_copy": False,
+                                                  "decode_bridge_copies": True, "decode_zero_copy": None,
                                                   "decode_copies_ahead": False, "decode_chunk": None,
                                                   "decode_trial": 8, "quality": None, "mixed_threshold": 1.0}
     assert engine_switches(plan_runs(parse_args(["--policies", f"pdscope{NO_TRIAL}"]))[0], None)["decode_trial"] == 0
@@ -43,13 +43,14 @@ def test_runs_for_policies_host_decode_and_plain():
 
 def test_suffixes_combine_and_unknown_ones_are_named():
     run = plan_runs(parse_args(["--policies", f"pdscope{NO_BANK}{NO_CPU}", f"static{WITH_CPU}:copy=0.25",
-                                f"fate{PROGRAM_COPIES}", f"pdscope{AHEAD}", f"ondemand{ZERO_COPY}{PROGRAM_COPIES}"]))
+                                f"fate{PROGRAM_COPIES}", f"pdscope{AHEAD}", f"ondemand{ZERO_COPY}{PROGRAM_COPIES}",
+                                "ondemand:nozerocopy"]))
     switches = [engine_switches(r, None) for r in run]
     assert [(s["decode_bank"], s["decode_cpu_experts"], s["decode_copy_share"], s["decode_bridge_copies"],
              s["decode_copies_ahead"], s["decode_zero_copy"]) for s in switches] == [
-        (False, "off", None, True, False, False), (True, "auto", 0.25, True, False, False),
-        (True, "auto", None, False, False, False), (True, "auto", None, True, True, False),
-        (True, "auto", None, False, False, True)]
+        (False, "off", None, True, False, None), (True, "auto", 0.25, True, False, None),
+        (True, "auto", None, False, False, None), (True, "auto", None, True, True, None),
+        (True, "auto", None, False, False, True), (True, "auto", None, True, False, False)]
     assert split_label("ondemand") == ("ondemand", {})
     assert split_label("pdscope:chunk=32") == ("pdscope", {"decode_chunk": 32})
     for bad, named in (("pdscope:fast", "':fast'"), ("pdscope:copy=2", ":copy=F"), ("pdscope:copy=x", ":copy=F"),

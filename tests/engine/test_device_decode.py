@@ -523,6 +523,22 @@ def test_zero_copy_decode_reads_the_device_views_and_keeps_the_plain_models_toke
     assert {key: runner.stats["decode"][key] for key in keys} == read_in_place  # the same cache, kept the same way
 
 
+def test_by_default_views_are_taken_only_where_the_step_reads_every_miss_itself(ds, monkeypatch):
+    """decode_zero_copy None (auto): the views where the GPU takes every miss (no host part: no conditional left);
+    the pinned stacks where the host computes or the pool holds every expert."""
+    runner = ds.runner("ondemand", _slots(ds, "small"))
+    assert runner.runtime.decode_zero_copy is None
+    views = {layer: runner.store.layer_stacks(layer) or tuple(jnp.stack(part) for part in
+                                                              runner.store.layer_experts(layer))
+             for layer in ds.cfg.moe_layers}
+    monkeypatch.setattr(runner.store, "layer_device_views", views.get)
+    assert all(isinstance(layer, device_decode.DeviceViews) for layer in decode.decode_experts(runner, None))
+    for host in (device_decode.EVERY_RESIDENT, device_decode.HostExperts(0.5, bridge=object())):
+        assert not any(isinstance(layer, device_decode.DeviceViews) for layer in decode.decode_experts(runner, host))
+    with pytest.raises(RuntimeConfigError, match="decode_zero_copy"):
+        RuntimeConfig(decode_zero_copy="yes")
+
+
 def test_device_views_are_taken_only_where_the_kernel_reads_a_step_of_that_batch():
     """On a GPU, a batch whose picks times rows exceed the matvec kernel's rows keeps the copying step: XLA's
     fallback would read every pick from host memory."""
