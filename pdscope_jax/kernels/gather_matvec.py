@@ -3,30 +3,25 @@
 Why: XLA copies each gathered pick's weights and turns a one-row product into a reduction, at a fraction of the
 memory's speed; this kernel reads the picks' weights in place, in [BK, BN] tiles, accumulating in float32.
 - `gather_matvec(x [A, K], w [S, K, N], idx [A] int32) -> float32 [A, N]`: row a is x[a] @ w[idx[a]], x's values
-  rounded to w's (compute) dtype, summed in float32 (as `jnp.dot(x.astype(dtype), dense(w[idx[a]]),
-  preferred_element_type=float32)`, up to the order of the sum); idx in [0, S). w: a bf16/f16/f32 array or an
-  int8 / int4 `quant.formats.QuantizedWeight`, read once in its stored width, x times the integers summed per
-  scale (a column's, an int4 group's) and then scaled: quantized weights count at their exact values
-  (`w.dequantize(float32)`), where XLA's paths round them to the compute dtype first.
+  rounded to w's (compute) dtype, summed in float32 (up to the order of the sum); idx in [0, S). w: a
+  bf16/f16/f32 array or an int8 / int4 `quant.formats.QuantizedWeight`, read once in its stored width, x times the
+  integers summed per scale (a column's, an int4 group's) and then scaled: quantized weights count at their exact
+  values (`w.dequantize(float32)`), where XLA's paths round them to the compute dtype first.
 - `matvec_parts(x, w, idx) -> float32 [P, A, N]`: the same products left in the P parts K is cut into; w may be a
   pair (w1, w2) of dense weights of one shape: [P, A, 2N], w1's columns first (gate and up in one call).
   `swiglu_matvec(h_parts [P', A, 2K], w [S, K, N], idx) -> float32 [A, N]`: row a is swiglu(the sum of
-  h_parts[:, a]) rounded to w's dtype, times w[idx[a]]. `swiglu_ffn(x, gate_up (one or a pair), down, picks,
-  down_picks=None) -> float32 [A, N]`: an FFN, its activation in the down call where `fuses_activation(down)`
-  (`FUSED_ACTIVATION` names the precisions), else in an XLA kernel between the calls.
-- Per-row sources: every call above takes `src` [A] int32; w (gate_up, down) is then a tuple of sources, weights
-  of one kind differing only in their slot count (the pool, the decode bank, host memory), and row a reads slot
-  idx[a] of source src[a] and no other (a program-uniform branch, no gathered copy).
+  h_parts[:, a]) rounded to w's dtype, times w[idx[a]]. `swiglu_ffn(x, gate_up, down, picks, down_picks=None)`:
+  an FFN, its activation in the down call where `fuses_activation(down)` (`FUSED_ACTIVATION`), else between.
+- Per-row sources: each call takes `src` [A] int32; w is then a tuple of sources of one kind but their slot
+  counts (the pool, the decode bank, host memory), and row a reads slot idx[a] of source src[a] only.
 - `supported(a, k, n, dtype, scheme=None)`: the shapes the kernel takes (K and N multiples of its tiles, at most
-  `MAX_ROWS` rows; int4 groups of 32 or 64 rows); callers keep their XLA path for the rest. `addressable(w)`:
-  whether the kernel's offsets reach every slot of w (it raises for weights they would not). `tiles` (`Tiles`,
-  static) sets how a call cuts its work; by default `tiles_for(N)`, which every supported shape takes.
-- `on_gpu(kernel_fn, xla_fn, *args)`: `kernel_fn(*args)` when the program is lowered for a CUDA GPU, `ENABLED`
-  and `compiles_here()`, else `xla_fn(*args)` (`jax.lax.platform_dependent`). `ENABLED` is False under
-  PDSCOPE_GPU_KERNELS=0. `compiles_here()` compiles every variant once per process on small weights where a GPU
-  is the default backend; if one fails it warns once and the XLA paths run, so an unsuited GPU still decodes;
-  `on_gpu(..., check=sources_compile_here)` checks the calls with per-row sources (`src`) the same way.
-  `interpret=True` runs the kernel through Pallas' interpreter (tests on the CPU backend).
+  `MAX_ROWS` rows; int4 groups of 32 or 64 rows). `addressable(w)`: whether its offsets reach every slot of w.
+  `tiles` (`Tiles`, static) sets how a call cuts its work; by default `tiles_for(N)`.
+- `on_gpu(kernel_fn, xla_fn, *args, check=compiles_here)`: `kernel_fn(*args)` when lowered for a CUDA GPU,
+  `ENABLED` (PDSCOPE_GPU_KERNELS != 0) and `check()`, else `xla_fn(*args)` (`jax.lax.platform_dependent`).
+  `compiles_here()` / `sources_compile_here()` compile every variant (without / with sources) once per process
+  where a GPU is the default backend; on a failure they warn once and the XLA paths run. `interpret=True` runs
+  the kernel through Pallas' interpreter (tests on the CPU backend).
 """
 
 from __future__ import annotations
@@ -234,7 +229,8 @@ def _parts(x, sources: tuple, idx, interpret: bool, tiles: Tiles | None, act: in
             or (src is None) != (len(sources) == 1) or (src is not None and src.shape != (a,))
             or (act and (act != k or x.ndim != 3))):
         shapes = [[v.shape for v in one] for one in sources]
-        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {shapes} {w.dtype}, idx {idx.shape}, src {None if src is None else src.shape} for {tiles}")
+        raise ValueError(f"gather_matvec: unsupported shapes x {x.shape}, w {shapes} {w.dtype}, idx {idx.shape}, "
+                         f"src {None if src is None else src.shape} for {tiles}")
     if not all(addressable(v) for one in sources for v in one):
         raise ValueError(f"gather_matvec: unsupported shapes w {w.shape} {w.dtype}: 2^31 elements or more within "
                          f"4 GiB lie past the kernel's 32-bit offsets; pass a gathered copy of the rows' slots")

@@ -97,8 +97,8 @@ def _check(dst, src, rows, slots) -> None:
             or any(d.shape[1:] != v.shape[1:] or d.dtype != v.dtype for d, v in zip(d_leaves, s_leaves))
             or len({d.shape[0] for d in d_leaves}) > 1):
         raise ValueError(f"copy_rows: dst {[d.shape for d in d_leaves]} and src {[v.shape for v in s_leaves]} differ "
-                         f"past their first axis (or in dtype), dst's slot counts differ, or rows {rows.shape} / slots {slots.shape} are not "
-                         f"one-dimensional of one length")
+                         f"past their first axis (or in dtype), dst's slot counts differ, or rows {rows.shape} / "
+                         f"slots {slots.shape} are not one-dimensional of one length")
 
 
 def _by_xla(dst, src, rows, slots):
