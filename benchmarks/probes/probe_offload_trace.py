@@ -7,9 +7,9 @@ in turn; a bare `plain` loads the whole model, no budget) runs one warm-up `gene
 a `--prompt`-token prompt (it compiles and warms every program), `--repeats` timed ones, then one more under jax's
 profiler where `--trace DIR` is given. Its Perfetto trace goes to
 `DIR/` (`LABEL[_QUANT].trace.json.gz`, `:` and `=` as `_`) and its summary (`trace_summary.summarize`)
-into the record, beside the decode tok/s of the timed runs, the decode statistics (hit rate, bytes, host experts)
-and whether its greedy tokens equal the first label's. The profiler slows the launching thread: compare traces
-with each other, not with untraced tok/s. `--layers N` keeps the first N decoder layers (with `--workload`).
+into the record, beside the decode tok/s of the timed runs, both phases' statistics (hit rate, bytes, host experts,
+the CPU cost calibration) and whether its greedy tokens equal the first label's. The profiler slows the launching
+thread: compare traces with each other, not with untraced tok/s. `--layers N` keeps the first N decoder layers (with `--workload`).
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py [--trace DIR] [--out F]`.
 """
 
@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> dict:
         first = got if first is None else first  # every label's greedy tokens against the first label's
         name = re.sub(r"[:=]", "_", label) + (f"_{args.quantize}" if args.quantize else "")
         stats = runner.engine.stats if hasattr(runner, "engine") else {}  # over the warm-up and timed runs
-        engine = {key: stats.get(key) for key in ("decode", "decode_host", "decode_trials", "slots", "decode_slots")}
+        kept = ("prefill", "decode", "decode_host", "decode_trials", "slots", "decode_slots", "cpu_cost_scale")
+        engine = {key: stats.get(key) for key in kept}
         if hasattr(runner, "engine"):  # whether the store has device views for decode_zero_copy (`:zerocopy`)
             engine["device_views"] = runner.engine.store.layer_device_views(runner.config.moe_layers[0]) is not None
         summary = {"trace": None}
