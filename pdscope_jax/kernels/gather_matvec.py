@@ -20,8 +20,8 @@ memory's speed; this kernel reads the picks' weights in place, in [BK, BN] tiles
 - `on_gpu(kernel_fn, xla_fn, *args, check=compiles_here)`: `kernel_fn(*args)` when lowered for a CUDA GPU,
   `ENABLED` (PDSCOPE_GPU_KERNELS != 0) and `check()`, else `xla_fn(*args)` (`jax.lax.platform_dependent`).
   `compiles_here()` / `sources_compile_here()` compile every variant (without / with sources) once per process
-  where a GPU is the default backend; on a failure they warn once and the XLA paths run. `interpret=True` runs
-  the kernel through Pallas' interpreter (tests on the CPU backend).
+  where a GPU is the default backend (`compile_check`, which `row_copy` shares); on a failure they warn once and
+  the XLA paths run. `interpret=True` runs the kernel through Pallas' interpreter (tests on the CPU backend).
 """
 
 from __future__ import annotations
@@ -310,43 +310,56 @@ def swiglu_ffn(x: jax.Array, gate_up, down, picks: jax.Array, down_picks: jax.Ar
     return gather_matvec(swiglu(_summed(h_parts)).astype(first_down.dtype), down, down_picks, src=src)
 
 
-@functools.cache
-def compiles_here() -> bool:
+def compile_check(compile_all, what: str, instead: str) -> bool:
+    """Whether `compile_all()` (lowering and compiling a kernel's variants on shapes: it may run while an outer
+    program is traced, where concrete arrays would become its tracers) succeeds where a GPU is the default
+    backend; True elsewhere (nothing lowers a kernel there). On a failure it warns, naming `what` failed and what
+    runs `instead`, and returns False. Callers cache it: once per process."""
     if jax.default_backend() != "gpu":
-        return True  # nothing lowers the kernel on this backend
-    # shapes only: this runs while an outer program is traced, where concrete arrays would become its tracers
-    w = jax.ShapeDtypeStruct((1, 64, BLOCK_N), jnp.bfloat16)
-    x, idx = jax.ShapeDtypeStruct((1, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)
+        return True
     try:
-        for scheme in (None, "int8", "int4"):  # every variant a program may hold, so none fails inside one
-            weights = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
-            gather_matvec.lower(x, weights, idx).compile()
-            swiglu_matvec.lower(jax.ShapeDtypeStruct((2, 1, 128), F32), weights, idx).compile()
-        matvec_parts.lower(x, (w, w), idx).compile()
+        compile_all()
     except Exception as err:  # noqa: BLE001 (any failure of Pallas/Triton here means: use XLA's paths)
-        warnings.warn(f"the GPU matvec kernel (pdscope_jax.kernels.gather_matvec) does not compile on this GPU "
-                      f"({type(err).__name__}: {str(err)[:300]}); decode runs XLA's paths instead. Set "
-                      f"PDSCOPE_GPU_KERNELS=0 to skip the kernel and this check.", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"{what} does not compile on this GPU ({type(err).__name__}: {str(err)[:300]}); {instead}",
+                      RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+def _probe_shapes() -> tuple:
+    """(x, idx, [dense, int8, int4 weights]) as shapes: the small variants the compile checks lower."""
+    w = jax.ShapeDtypeStruct((1, 64, BLOCK_N), jnp.bfloat16)
+    quantized = [jax.eval_shape(lambda s=scheme: quantize(jnp.ones(w.shape, w.dtype), s))
+                 for scheme in ("int8", "int4")]
+    return jax.ShapeDtypeStruct((1, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32), [w, *quantized]
+
+
+def _compile_variants() -> None:
+    x, idx, weights = _probe_shapes()
+    for w in weights:  # every variant a program may hold, so none fails inside one
+        gather_matvec.lower(x, w, idx).compile()
+        swiglu_matvec.lower(jax.ShapeDtypeStruct((2, 1, 128), F32), w, idx).compile()
+    matvec_parts.lower(x, (weights[0], weights[0]), idx).compile()
+
+
+def _compile_source_variants() -> None:
+    x, idx, weights = _probe_shapes()
+    for w in weights:
+        gather_matvec.lower(x, (w, w), idx, src=idx).compile()
+
+
+@functools.cache
+def compiles_here() -> bool:
+    return compile_check(_compile_variants, "the GPU matvec kernel (pdscope_jax.kernels.gather_matvec)",
+                         "decode runs XLA's paths instead. Set PDSCOPE_GPU_KERNELS=0 to skip the kernel and this "
+                         "check.")
 
 
 @functools.cache
 def sources_compile_here() -> bool:
-    if not compiles_here() or jax.default_backend() != "gpu":
-        return compiles_here()
-    w = jax.ShapeDtypeStruct((1, 64, BLOCK_N), jnp.bfloat16)
-    x, idx = jax.ShapeDtypeStruct((1, 64), jnp.bfloat16), jax.ShapeDtypeStruct((1,), jnp.int32)
-    try:
-        for scheme in (None, "int8", "int4"):
-            weights = w if scheme is None else jax.eval_shape(lambda: quantize(jnp.ones(w.shape, w.dtype), scheme))
-            gather_matvec.lower(x, (weights, weights), idx, src=idx).compile()
-    except Exception as err:  # noqa: BLE001 (as in compiles_here: the XLA paths run)
-        warnings.warn(f"the GPU matvec kernel's per-row sources (pdscope_jax.kernels.gather_matvec) do not compile "
-                      f"on this GPU ({type(err).__name__}: {str(err)[:300]}); those calls run XLA's paths.",
-                      RuntimeWarning, stacklevel=2)
-        return False
-    return True
+    return compiles_here() and compile_check(
+        _compile_source_variants, "the GPU matvec kernel with per-row sources (pdscope_jax.kernels.gather_matvec)",
+        "those calls run XLA's paths.")
 
 
 def on_gpu(kernel_fn, xla_fn, *args, check=compiles_here):

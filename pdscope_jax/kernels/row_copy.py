@@ -18,7 +18,6 @@ programs skip the rows not copied needs no such wait, and reads no byte of them.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -120,17 +119,10 @@ def copy_rows(dst, src, rows: jax.Array, slots: jax.Array, interpret: bool = Fal
 
 @functools.cache
 def compiles_here() -> bool:
-    """Whether the kernel compiles where a GPU is the default backend (once per process; shapes only); if not, it
+    """Whether the kernel compiles where a GPU is the default backend (`gather_matvec.compile_check`); if not, it
     warns once and XLA's scatter runs."""
-    if jax.default_backend() != "gpu":
-        return True
     dst = jax.ShapeDtypeStruct((4, MIN_BLOCK), jnp.bfloat16)
     index = jax.ShapeDtypeStruct((2,), jnp.int32)
-    try:
-        jax.jit(_by_kernel).lower(dst, dst, index, index).compile()
-    except Exception as err:  # noqa: BLE001 (any failure of Pallas/Triton here means: use XLA's scatter)
-        warnings.warn(f"the GPU row copy kernel (pdscope_jax.kernels.row_copy) does not compile on this GPU "
-                      f"({type(err).__name__}: {str(err)[:300]}); XLA's scatter runs instead.", RuntimeWarning,
-                      stacklevel=2)
-        return False
-    return True
+    return gather_matvec.compile_check(lambda: jax.jit(_by_kernel).lower(dst, dst, index, index).compile(),
+                                       "the GPU row copy kernel (pdscope_jax.kernels.row_copy)",
+                                       "XLA's scatter runs instead.")
