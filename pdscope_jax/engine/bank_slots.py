@@ -18,22 +18,14 @@ import jax.numpy as jnp
 
 from pdscope_jax.engine.pool_table import slot_count
 from pdscope_jax.kernels import row_copy
-from pdscope_jax.models.experts import slots_experts_ffn, sources_experts_ffn
+from pdscope_jax.models.experts import gather_sources, slots_experts_ffn, sources_experts_ffn
 
 
 def take(banks, slots):
-    """(gate_ups, downs) [U, ...] of `slots` [U] numbered over the banks one after the other. Every bank is
-    gathered and the right one selected: one more read of the picks' bytes per extra bank, which a layer's
-    copies cost far more than."""
-    taken, base = None, 0
-    for bank in banks:
-        n = slot_count(bank[0])
-        got = jax.tree.map(lambda a: a[jnp.clip(slots - base, 0, n - 1)], bank)
-        inside = (slots >= base) & (slots < base + n)
-        taken = got if taken is None else jax.tree.map(
-            lambda new, old: jnp.where(inside.reshape(-1, *(1,) * (new.ndim - 1)), new, old), got, taken)
-        base += n
-    return taken
+    """(gate_ups, downs) [U, ...] of `slots` [U] numbered over the banks one after the other: every bank gathered
+    and the right one selected (`models.experts.gather_sources`), one more read of the picks' bytes per extra bank,
+    which a layer's copies cost far more than."""
+    return gather_sources(banks, *bank_of(banks, slots))
 
 
 def put(banks, target, parts):

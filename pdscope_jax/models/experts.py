@@ -10,12 +10,11 @@ Contract:
   experts: tiles of one slot's rows); all agree within float32 tolerance. Each expert's output is rounded to
   x's dtype before it is weighted (as `expert_ffn` returns it); the weighted sum is float32 and rounded once, to
   `out_dtype` (default x's dtype; the offload engine asks for float32 and rounds once after adding the CPU part).
-- `picked_experts_ffn(x [A,D], gate_up, down, picks [A])`: row a through expert picks[a] of the stacks (the gather
-  path); `stacked_experts_ffn(rows [U,N,D], gate_ups [U,..], downs [U,..])`: rows[u] through expert u (device
-  decode's gathered picks); `slots_experts_ffn(rows, gate_up [S,..], down [S,..], slots [U])`: rows[u] through slot
-  slots[u] (device decode's picks in the pool); `sources_experts_ffn(rows, sources, src [U], slots [U])`: rows[u]
-  through slot slots[u] of source src[u] (device decode reading the pool, its bank and host memory). On a CUDA GPU
-  all four run the `kernels.gather_matvec` kernel, reading weights in place.
+- `picked_experts_ffn(x [A,D], gate_up, down, picks [A])`: row a through expert picks[a] (the gather path);
+  device decode's `stacked_experts_ffn(rows [U,N,D], gate_ups [U,..], downs [U,..])` (rows[u] through expert u),
+  `slots_experts_ffn(rows, gate_up [S,..], down [S,..], slots [U])` (through slot slots[u]) and
+  `sources_experts_ffn(rows, sources, src [U], slots [U])` (through slot slots[u] of source src[u]: pool, bank,
+  host memory; `gather_sources` copies those slots). On a CUDA GPU the four run `kernels.gather_matvec`.
 - `weighted_sum(y [N,K,D], weights [N,K], valid [N,K]) -> [N,D] float32`: the sum over k of the few-assignment
   path, in k order; the device decode program sums with it too, so both reduce in the same order and dtypes.
 - Weights may be `quant.formats.QuantizedWeight`s (routed experts stored int8 / int4): every path dequantizes
@@ -107,13 +106,7 @@ def sources_experts_ffn(rows: jax.Array, sources: tuple, src: jax.Array, slots: 
     u, n, d = rows.shape
 
     def selected(rows, sources, src, slots):
-        taken = None
-        for i, (gate_up, down) in enumerate(sources):
-            got = tuple(jax.tree.map(lambda a: a[jnp.clip(slots, 0, a.shape[0] - 1)], w) for w in (gate_up, down))
-            mine = src == i
-            taken = got if taken is None else jax.tree.map(
-                lambda new, old: jnp.where(mine.reshape(-1, *(1,) * (new.ndim - 1)), new, old), got, taken)
-        return jax.vmap(expert_ffn)(rows, *taken)
+        return jax.vmap(expert_ffn)(rows, *gather_sources(sources, src, slots))
 
     def in_place(rows, sources, src, slots):
         gate_ups, downs = tuple(g for g, _ in sources), tuple(w for _, w in sources)
@@ -124,6 +117,19 @@ def sources_experts_ffn(rows: jax.Array, sources: tuple, src: jax.Array, slots: 
     if not sources_take_kernel(u * n, sources):
         return selected(rows, sources, src, slots)
     return gather_matvec.on_gpu(in_place, selected, rows, sources, src, slots, check=gather_matvec.sources_compile_here)
+
+
+def gather_sources(sources: tuple, src: jax.Array, slots: jax.Array) -> tuple:
+    """(gate_ups [U, ...], downs [U, ...]): a gathered copy of slot slots[u] of source src[u] (sources as in
+    `sources_experts_ffn`; a slot past its source's end reads its last). Every source is gathered and the right one
+    selected: one more read of the picks' bytes per extra source."""
+    taken = None
+    for i, pair in enumerate(sources):
+        got = jax.tree.map(lambda a: a[jnp.clip(slots, 0, a.shape[0] - 1)], tuple(pair))
+        mine = src == i
+        taken = got if taken is None else jax.tree.map(
+            lambda new, old: jnp.where(mine.reshape(-1, *(1,) * (new.ndim - 1)), new, old), got, taken)
+    return taken
 
 
 def sources_take_kernel(rows: int, sources: tuple) -> bool:
