@@ -170,6 +170,18 @@ def _host_end(host: HostExperts, pending, dep, experts):
     return _weighted_picks(ids >= 0, coef, outputs)
 
 
+def _routed_sum(weights, chose, use, outputs):
+    """The routed sum [N, D] float32 of the picks' outputs [U, N, D] (in the model's dtype) for the picks `use` [U]
+    (not the host's, not pads), each row's routing weights [N, K] as `chose` [U, N, K] assigns them, in the plain
+    model's order (`models.experts.combine_experts`)."""
+    if weights.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
+        pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
+        rows = jnp.arange(weights.shape[0])[:, None]
+        return weighted_sum(outputs[pick_of, rows], weights, jnp.any(chose & use[:, None, None], axis=0))
+    # the plain model's sorted path adds each row's experts in ascending order, as this sum does
+    return _weighted_picks(use, jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2), outputs)
+
+
 def _weighted_picks(use, coef, outputs):
     """sum over picks u with use[u] of coef[u, n] * outputs[u, n] in float32, in pick order -> [N, D]."""
     return jnp.sum(jnp.where(use[:, None, None], coef[:, :, None] * outputs.astype(F32), 0.0), axis=0)
@@ -283,12 +295,7 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
             pulled = pull_traced(experts, picks, n_miss, lambda at: bank_slots.take(banks, resident[at]))
         gate_ups, downs = pulled
         outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
-    if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
-        pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
-        on_gpu = jnp.any(chose & ~on_cpu[:, None, None], axis=0)
-        y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, on_gpu)
-    else:  # the plain model's sorted path adds each row's experts in ascending order, as this sum does
-        y = _weighted_picks(valid & ~on_cpu, coeff, outputs)
+    y = _routed_sum(weights, chose, valid & ~on_cpu, outputs)
     if host is not None and host.computes:
         y = y + _host_end(host, pending, y, experts)
 
@@ -381,12 +388,7 @@ def _routed_in_place(m, h, weights, ids, views, banks, table, active=None):
     src, local = jnp.where(at < num_slots, src, len(banks)), jnp.where(at < num_slots, local, picks)
     rows = jnp.broadcast_to(h, (picks.shape[0], *h.shape))  # [U, N, D]: every pick sees every row
     outputs = sources_experts_ffn(rows, (*banks, tuple(views)), src, local)  # [U, N, D] in the model's dtype
-    if ids.size <= GATHER_MAX_ASSIGNMENTS:  # the plain model's path for so few: its sum, in k order
-        pick_of = jnp.argmax(chose, axis=0)  # [N, K]: the pick each (row, k) chose
-        y = weighted_sum(outputs[pick_of, jnp.arange(h.shape[0])[:, None]], weights, jnp.any(chose, axis=0))
-    else:  # the plain model's sorted path adds each row's experts in ascending order, as this sum does
-        coeff = jnp.sum(jnp.where(chose, weights[None], 0.0), axis=2)  # [U, N]
-        y = _weighted_picks(valid, coeff, outputs)
+    y = _routed_sum(weights, chose, valid, outputs)
     routed = table.routed.at[m, picks].add(jnp.sum(chose, axis=(1, 2), dtype=jnp.int32))
     counts = table.counts + jnp.stack([jnp.sum(valid), jnp.sum(hit), evictions, 0, 0, 0, 0, 0]).astype(jnp.int32)
     return y, banks, PoolTable(slot_of, owner, keep, table.bonus, clock, counts, routed)
