@@ -47,8 +47,8 @@ from pdscope_jax.models.experts import sources_take_kernel
 
 
 def choose(engine, batch: int, steps: int):
-    rc, cfg = engine.runtime, engine.config
-    picks = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
+    rc = engine.runtime
+    picks = layer_picks(engine.config, batch)
     on_device = (steps > 0 and len(engine.shards) == 1 and rc.device_decode and rc.async_io and rc.batched_gpu
                  and (engine.precision is None or not engine.planner.decode_copies)
                  and engine.planner.decodes_on_device
@@ -63,9 +63,8 @@ def decode_experts(engine, host, batch: int = 1) -> tuple:
     """Per MoE layer, the experts the device step copies its misses from: the store's device-memory views
     (`device_decode.DeviceViews`: misses read in place, with no conditional where `device_decode.reads_in_place`)
     where RuntimeConfig.decode_zero_copy asks for them (None: where `reads_in_place(host)`), every layer has them,
-    no XLA host part computes from them and, on a
-    GPU, the matvec kernel takes a step of `batch` rows (else XLA would read every pick from host memory); else its
-    pinned stacks, or per-expert arrays where it keeps no stacks."""
+    no XLA host part computes from them and, on a GPU, the matvec kernel takes a step of `batch` rows (else XLA
+    would read every pick from host memory); else its pinned stacks, or per-expert arrays where it keeps none."""
     store, moe = engine.store, engine._moe_layers
     xla_host = host is not None and host.bridge is None and host.computes
     setting = engine.runtime.decode_zero_copy
@@ -81,9 +80,12 @@ def _kernel_reads(engine, views, batch: int) -> bool:
     (always true off a GPU, where the views are device memory like any other)."""
     if engine.devices.accel.platform != "gpu":
         return True
-    cfg = engine.config
-    picks = cfg.num_experts_per_tok if batch == 1 else min(batch * cfg.num_experts_per_tok, cfg.num_experts)
-    return sources_take_kernel(picks * batch, (*engine.pool.banks, tuple(views)))
+    return sources_take_kernel(layer_picks(engine.config, batch) * batch, (*engine.pool.banks, tuple(views)))
+
+
+def layer_picks(cfg, batch: int) -> int:
+    """The most distinct experts a MoE layer of a `batch`-row step picks."""
+    return min(batch * cfg.num_experts_per_tok, cfg.num_experts)
 
 
 AUTO_CHUNK = 32  # steps a program on a GPU where RuntimeConfig.decode_chunk is None (docs/MEASUREMENTS.md)
@@ -286,5 +288,5 @@ def decode_bonus(engine, batch: int) -> np.ndarray | None:
     table = np.stack([np.asarray(hot[layer], np.float64) for layer in engine._moe_layers])
     over_mean = table / np.maximum(table.mean(axis=1, keepdims=True), 1e-12)
     slots = engine.pool.num_slots + engine.pool.decode_slots
-    turnover = slots / min(batch * cfg.num_experts_per_tok, cfg.num_experts)
+    turnover = slots / layer_picks(cfg, batch)
     return np.round(over_mean * turnover).astype(np.int32)
