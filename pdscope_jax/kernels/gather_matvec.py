@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pdscope_jax.kernels import triton_offsets
 from pdscope_jax.kernels.expert_math import swiglu
 from pdscope_jax.quant.formats import is_quantized, quantize
 
@@ -92,11 +93,11 @@ def supported(a: int, k: int, n: int, dtype, scheme=None) -> bool:
 
 
 def addressable(w) -> bool:
-    """Whether the kernel can address every slot of `w` (an array or a QuantizedWeight): Pallas' Triton lowering
-    offsets an operand with 32-bit integers unless the operand exceeds 4 GiB, so an operand of 2^31 elements or
-    more within 4 GiB (1-byte integers between 2 and 4 GiB: an int4 pool's packed values) would overflow them."""
-    return all(leaf.size < 2**31 or leaf.size * jnp.dtype(leaf.dtype).itemsize > 2**32
-               for leaf in jax.tree.leaves(w))
+    """Whether the kernel can address every slot of `w` (an array or a QuantizedWeight): always where
+    `triton_offsets.install()` widened the lowering's offsets; else only where no leaf needs it (an operand of 2^31
+    elements or more within 4 GiB, such as an int4 pool's packed values of 2-4 GB, would wrap 32-bit offsets)."""
+    return triton_offsets.install() or not any(triton_offsets.needs_wide(leaf.shape, leaf.dtype)
+                                               for leaf in jax.tree.leaves(w))
 
 
 def _splits(a: int, k_blocks: int, n_blocks: int, programs: int = TILES.programs) -> int:

@@ -10,9 +10,10 @@ programs skip the rows not copied needs no such wait, and reads no byte of them.
   one dtype and shape past the first axis; every leaf copied in one kernel call. The copied rows' slots must be
   distinct. In a program that donates dst, the copy is in place (the kernel's outputs alias dst's leaves). rows
   must lie in [0, E) where their slot does.
-- `supported(dst)`: the kernel takes every leaf (a row's elements a multiple of `MIN_BLOCK`); elsewhere, without
-  a CUDA GPU, or with the GPU kernels off (`gather_matvec.ENABLED`, `compiles_here`), XLA scatters a gathered copy
-  of every named row (which reads them all). `interpret=True` runs the kernel through Pallas' interpreter (tests).
+- `supported(dst)`: the kernel takes every leaf (a row's elements a multiple of `MIN_BLOCK`) and can address it
+  (`gather_matvec.addressable`); elsewhere, without a CUDA GPU, or with the GPU kernels off
+  (`gather_matvec.ENABLED`, `compiles_here`), XLA scatters a gathered copy of every named row (which reads them
+  all). `interpret=True` runs the kernel through Pallas' interpreter (tests).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def _block(elements: int) -> int:
 
 
 def supported(dst) -> bool:
-    return all(leaf.ndim >= 1 and _block(_row_elements(leaf)) for leaf in jax.tree.leaves(dst))
+    return (all(leaf.ndim >= 1 and _block(_row_elements(leaf)) for leaf in jax.tree.leaves(dst))
+            and gather_matvec.addressable(dst))
 
 
 def _row_elements(a) -> int:

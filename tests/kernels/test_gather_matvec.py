@@ -231,14 +231,18 @@ def test_linear_uses_the_kernel_for_few_rows_only(rows, kernel, kernel_everywher
 
 
 
-def test_addressable_follows_the_lowerings_offset_width():
+def test_addressable_follows_the_lowerings_offset_width(monkeypatch):
     big = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
+    wrapping = [big((1664, 704, 2048), jnp.uint8), big((2**30, 2), jnp.bfloat16)]  # 2^31 elements within 4 GiB
+    assert all(gm.addressable(w) for w in wrapping)  # the lowering's offsets widened (triton_offsets)
+    jax.eval_shape(gm.gather_matvec, big((1, 256), jnp.bfloat16), big((2**16, 256, 128), jnp.bfloat16),  # 4 GiB
+                   big((1,), jnp.int32))
+    monkeypatch.setattr(gm.triton_offsets, "install", lambda: False)  # a jax whose lowering cannot be widened
     assert gm.addressable(big((64, 2048, 2816), jnp.bfloat16))  # a layer's stack: 32-bit offsets suffice
     assert gm.addressable(big((1664, 1408, 2048), jnp.bfloat16))  # over 4 GiB: the lowering offsets in 64 bits
-    assert not gm.addressable(big((1664, 704, 2048), jnp.uint8))  # 2.4e9 elements in 2.4 GB: 32-bit offsets
-    assert not gm.addressable(big((2**30, 2), jnp.bfloat16))  # exactly 4 GiB: still 32-bit
+    assert not any(gm.addressable(w) for w in wrapping)
     with pytest.raises(ValueError, match="unsupported shapes"):
-        jax.eval_shape(gm.gather_matvec, big((1, 128), jnp.bfloat16), big((2**17, 128, 128), jnp.bfloat16),  # 4 GiB
+        jax.eval_shape(gm.gather_matvec, big((1, 128), jnp.bfloat16), big((2**17, 128, 128), jnp.bfloat16),
                        big((1,), jnp.int32))
     jax.eval_shape(gm.gather_matvec, big((1, 128), jnp.bfloat16), big((2**17 - 1, 128, 128), jnp.bfloat16),
                    big((1,), jnp.int32))  # one slot less: within the 32-bit offsets
