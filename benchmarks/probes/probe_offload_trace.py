@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
         label = run["label"]
         if run["policy"] != "plain":  # every switch set, so a run inherits none from the one before
             runner.engine.set_policy(run["policy"], **engine_switches(run, None))
+            runner.engine.reset_calibration()  # every label starts from the cost table, as a new process does
         record, got = timed_generations(runner.generate, ids, args.tokens, args.repeats, first)
         first = got if first is None else first  # every label's greedy tokens against the first label's
         name = re.sub(r"[:=]", "_", label) + (f"_{args.quantize}" if args.quantize else "")

@@ -166,9 +166,11 @@ def planner_options(runner, policy: str, hot_per_layer: int | None) -> dict:
 
 
 def set_run(runner, run: dict, args, hot_table) -> dict:
-    """Switch `runner` to `run`'s policy and engine switches; returns the switches."""
+    """Switch `runner` to `run`'s policy and engine switches, its CPU calibration forgotten (every run starts from
+    the cost table, as a new process does); returns the switches."""
     engine = engine_switches(run, hot_table)
     runner.set_policy(run["policy"], planner_options(runner, run["policy"], args.hot_per_layer), **engine)
+    runner.reset_calibration()
     return engine
 
 

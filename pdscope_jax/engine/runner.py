@@ -20,7 +20,8 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
   engine (budget, weights and store, ..., policy).
 - `warmup(batch, prompt_len, new_tokens)` compiles a shape's programs before timing (`precompile_routed()`: its
   routing-dependent part) and adds its `program_shape` (what the programs depend on) to `warmed_shapes`;
-  `set_policy(name, options, **engine)` switches planners without rebuilding.
+  `set_policy(name, options, **engine)` switches planners without rebuilding; `reset_calibration()` forgets the
+  in-situ CPU calibration (which `set_policy` keeps under the same policy).
 - RuntimeConfig switches: `cost_table` (a name or path; else `build.analytic_costs`), seen by the planners with the
   in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot table,
   preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU program per
@@ -231,6 +232,11 @@ class OffloadRunner:
         for shard in self.shards:
             shard.pool.evictions = 0
         self._bytes_at_reset = [shard.store.bytes_moved for shard in self.shards]
+
+    def reset_calibration(self) -> None:
+        """Forget the in-situ CPU calibration, even under the same policy: runs compared in one process then start
+        from the table as a new process does (else later runs inherit what earlier ones learned)."""
+        self._calibration.clear()
 
     def decode_host(self, batch: int):
         """How device decode splits a batch of `batch` rows' misses between copies and the host

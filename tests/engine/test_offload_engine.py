@@ -244,5 +244,10 @@ def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, cali
         assert runner._calibration.costs_for("prefill", 64) is table  # another step size: nothing learned yet
     else:
         assert all(scale == 1.0 for scale in scales.values()) and planner_table is table
+    runner.set_policy("greedy")  # the same policy (as a warm-up's fresh pool) keeps what was learned
+    assert runner.stats["cpu_cost_scale"] == scales
+    runner.reset_calibration()  # a compared run (bench label) starts from the table, as a new process does
+    assert runner.stats["cpu_cost_scale"] == {} and runner._calibration.costs_for("prefill", 32) is table
+    runner.generate(ds.ids, ds.new)
     runner.set_policy("ondemand")
     assert runner.stats["cpu_cost_scale"] == {}  # learned under another policy's load
