@@ -70,3 +70,18 @@ def test_readme_table_keeps_budgets_and_engine_switches_apart(tmp_path, capsys):
     assert "DeepSeek-V2-Lite, uniform, 24 GB |" in header and "DeepSeek-V2-Lite, uniform, 24 GB, 8 GB pool" in header
     row = next(line for line in table.splitlines() if line.startswith("| `pdscope`"))
     assert "8,000 / 18.0" in row and "8,200 / 23.5" in row and "7,800" not in row
+
+
+def test_readme_table_names_an_h100s_column(tmp_path, capsys):
+    """The table's card is the H200; a run on an H100 gets its own column that says so."""
+    budget = {"runtime": {"gpu_memory": 24e9, "expert_pool": None}}
+    (tmp_path / "h200.json").write_text(json.dumps(_bench(7, "ccc3333", "uniform", [("pdscope", 8000.0, 50.0)],
+                                                          device="gpu:0 NVIDIA H200", **budget)))
+    (tmp_path / "h100.json").write_text(json.dumps(_bench(8, "ddd4444", "uniform", [("pdscope", 7000.0, 45.0)],
+                                                          device="gpu:0 NVIDIA H100 80GB HBM3", **budget)))
+    assert _module().main(["--dir", str(tmp_path), "--readme"]) == 0
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("| policy"))
+    assert "DeepSeek-V2-Lite, uniform, 24 GB |" in header and "DeepSeek-V2-Lite, uniform, 24 GB, H100 |" in header
+    row = next(line for line in table.splitlines() if line.startswith("| `pdscope`"))
+    assert "8,000 / 50.0" in row and "7,000 / 45.0" in row
