@@ -169,6 +169,8 @@ def _build_runner(cfg, dtype, rc, loader, args, console, checkpoint):
     each = f" (on each of {runner.accelerators} accelerators)" if runner.accelerators > 1 else ""
     console.print(f"budget{each}: {runner.budget.describe()}; double buffering: {runner.pool.can_double_buffer}; "
                   f"host bytes per model byte: {runner.store.host_bytes_per_model_byte:.2f}")
+    stages = ", ".join(f"{stage} {seconds:.1f} s" for stage, seconds in runner.startup_seconds.items())
+    console.print(f"built in {sum(runner.startup_seconds.values()):.1f} s: {stages}")
     return runner
 
 
@@ -195,6 +197,10 @@ def _measure_offload(runner, offload_runs, args, prompts, header, results, error
                     console.print_exception(max_frames=8)
                     continue
                 results.append(row)
+                # a line per point as it ends, so that a run cut short by a time limit still shows how far it got
+                console.print(f"{run['label']} batch {b} prompt {t}: prefill {row['prefill_tok_s']:,.0f} tok/s, "
+                              f"decode {row['decode_tok_s']:,.1f} tok/s (warm-up {row['warmup_seconds']:.0f} s, "
+                              f"point {row['point_seconds']:.0f} s)")
                 # the results so far, so that a run stopped early (a time limit) still leaves its figures
                 out.write_json({**header, **bench_runs.describe_runner(runner), "results": results,
                                 "errors": errors, "memory": None, "complete": False}, json_path)

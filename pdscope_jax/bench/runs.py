@@ -28,6 +28,7 @@ Contract
 from __future__ import annotations
 
 import statistics
+import time
 
 from pdscope_jax.bench.report import PHASE_TIMES
 from pdscope_jax.sched import PLAIN, planner_class
@@ -176,11 +177,14 @@ def set_run(runner, run: dict, args, hot_table) -> dict:
 
 def time_point(runner, run: dict, engine: dict, prompt, args, tokens: dict, advance) -> dict:
     """Warm-ups and timed repeats of one (run, batch, prompt length) point; `advance()` after each generation.
-    The first repeat's tokens go into `tokens[(label, batch, prompt_len)]`."""
+    The first repeat's tokens go into `tokens[(label, batch, prompt_len)]`; the row also holds the wall seconds of
+    the warm-ups (compilation, trials) and of the whole point."""
     b, t = prompt.shape
+    started = time.perf_counter()
     for _ in range(args.warmup):
         runner.warmup(b, t, args.new_tokens)  # the run's cache (and with decode_chunk, its chunks)
         advance()
+    warmed = time.perf_counter()
     compiled_after_warmup = runner.compiled_programs["total"]
     repeats = []
     for i in range(args.repeats):
@@ -190,7 +194,8 @@ def time_point(runner, run: dict, engine: dict, prompt, args, tokens: dict, adva
         repeats.append({"pool": "warm" if i else "cold", "prefill_tok_s": out.prefill_tokens_per_s,
                         "decode_tok_s": out.decode_tokens_per_s, **runner.stats})
         advance()
-    return summarise(run["policy"], t, repeats, compiled_after_warmup, variant=run["label"], batch=b, engine=engine)
+    row = summarise(run["policy"], t, repeats, compiled_after_warmup, variant=run["label"], batch=b, engine=engine)
+    return {**row, "warmup_seconds": warmed - started, "point_seconds": time.perf_counter() - started}
 
 
 def summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after_warmup: int, *, variant: str,
@@ -347,13 +352,15 @@ def profile_runs(runner, runs: list[dict], args, prompts, status, hot_table) -> 
 
 
 def describe_runner(runner) -> dict:
-    """The budget, slots, double buffering and host memory of the offload runner (None values without one)."""
+    """The budget, the engine's build stages (wall seconds), slots, double buffering and host memory of the offload
+    runner (None values without one)."""
     if runner is None:
-        return {"budget": None, "slots": None, "double_buffering": None, "host_bytes_per_model_byte": None,
-                "host_expert_bytes": None, "host_peak_rss_bytes": None}
+        return {"budget": None, "startup_seconds": None, "slots": None, "double_buffering": None,
+                "host_bytes_per_model_byte": None, "host_expert_bytes": None, "host_peak_rss_bytes": None}
     import resource
 
-    return {"budget": dict(runner.budget.lines()), "slots": runner.pool.num_slots,
+    return {"budget": dict(runner.budget.lines()), "startup_seconds": dict(runner.startup_seconds),
+            "slots": runner.pool.num_slots,
             "double_buffering": runner.pool.can_double_buffer,
             "host_bytes_per_model_byte": runner.store.host_bytes_per_model_byte,
             "host_expert_bytes": runner.store.host_bytes,
