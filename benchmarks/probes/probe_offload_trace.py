@@ -3,13 +3,16 @@
 Loads `--model` with seeded random weights once (as drawn, or rewritten by bench's `--workload`), at `--gpu-memory`
 / `--expert-pool` (`none`: no cap, as `bench` runs; `--quantize` for int8 / int4 experts), and for each `--policy`
 label (bench's: a planner name with its engine suffixes, `pdscope:progcopy:nocpu`; several switch the loaded engine
-in turn; a bare `plain` loads the whole model, no budget) runs one warm-up `generate` of `--tokens` new tokens after
-a `--prompt`-token prompt (it compiles and warms every program), `--repeats` timed ones, then one more under jax's
-profiler where `--trace DIR` is given. Its Perfetto trace goes to
+in turn; a bare `plain` loads the whole model, no budget) runs the bench's warm-up (`OffloadRunner.warmup`: every
+program routing may need compiled, the CPU calibration learned from the table, which each label starts from anew),
+one warm-up `generate` of `--tokens` new tokens after a `--prompt`-token prompt, `--repeats` timed ones (the record
+counts the programs they compiled: 0 when the warm-ups did their job), then one more under jax's profiler where
+`--trace DIR` is given. Its Perfetto trace goes to
 `DIR/` (`LABEL[_QUANT].trace.json.gz`, `:` and `=` as `_`) and its summary (`trace_summary.summarize`)
 into the record, beside the decode tok/s of the timed runs, both phases' statistics (hit rate, bytes, host experts,
 the CPU cost calibration) and whether its greedy tokens equal the first label's. The profiler slows the launching
-thread: compare traces with each other, not with untraced tok/s. `--layers N` keeps the first N decoder layers (with `--workload`).
+thread: compare traces with each other, not with untraced tok/s. `--layers N` keeps the first N decoder layers
+(with `--workload`).
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_offload_trace.py [--trace DIR] [--out F]`.
 """
 
@@ -71,7 +74,11 @@ def main(argv: list[str] | None = None) -> dict:
         if run["policy"] != "plain":  # every switch set, so a run inherits none from the one before
             runner.engine.set_policy(run["policy"], **engine_switches(run, None))
             runner.engine.reset_calibration()  # every label starts from the cost table, as a new process does
+            runner.engine.warmup(1, args.prompt, args.tokens)  # as the bench: no compile in the timed runs
+        compiled = runner.engine.compiled_programs["total"] if hasattr(runner, "engine") else None
         record, got = timed_generations(runner.generate, ids, args.tokens, args.repeats, first)
+        if compiled is not None:  # the warm-up generate and the timed runs
+            record["compiled_while_timed"] = runner.engine.compiled_programs["total"] - compiled
         first = got if first is None else first  # every label's greedy tokens against the first label's
         name = re.sub(r"[:=]", "_", label) + (f"_{args.quantize}" if args.quantize else "")
         stats = runner.engine.stats if hasattr(runner, "engine") else {}  # over the warm-up and timed runs
