@@ -492,12 +492,19 @@ def test_bad_host_split_settings_are_named(field, value):
 
 
 
-def test_zero_copy_decode_reads_the_device_views_and_keeps_the_plain_models_tokens(ds, monkeypatch):
+@pytest.mark.parametrize("bank", [False, True])
+def test_zero_copy_decode_reads_the_device_views_and_keeps_the_plain_models_tokens(ds, monkeypatch, bank):
     """RuntimeConfig.decode_zero_copy: the step reads its misses from the store's device views (on a GPU aliases
     of the page-locked stacks; here device-memory copies stand in for them) with no conditional
     (`_routed_in_place`), gives the plain model's tokens, and keeps and counts exactly what the copying step does;
-    without views (jax's pinned memory) it copies from the pinned stacks."""
+    without views (jax's pinned memory) it copies from the pinned stacks. With a decode bank beside the pool (6
+    slots beside 5), a pick lies in one of three sources: the pool, the bank or the views."""
     runner = ds.runner("ondemand", _slots(ds, "small"), decode_zero_copy=True, decode_chunk=4)
+    if bank:
+        slot = ds.cfg.expert_bytes(4)
+        runner = type(runner)(ds.model, runner.runtime.replace(gpu_memory=runner.budget.fixed + 5 * slot + slot // 2,
+                                                              expert_pool=11 * slot))
+    assert (runner.pool.num_slots, runner.decode_slots) == ((5, 6) if bank else (5, 0))
     assert runner.store.layer_device_views(ds.cfg.moe_layers[0]) is None  # the CPU backend: no driver buffers
     pinned = decode.decode_experts(runner, runner.decode_host(1))
     device = jax.sharding.SingleDeviceSharding(runner.devices.accel, memory_kind="device")
