@@ -98,7 +98,7 @@ def main() -> None:
         emit(records, record)
         del w, q
     probe_result("gather_matvec and copy_rows over far slots of a 2-4 GB quantized pool (seeded random bytes)",
-                 type("Devices", (), {"accel": jax.devices()[0]}), records, args.out)
+                 argparse.Namespace(accel=jax.devices()[0]), records, args.out)
 
 
 if __name__ == "__main__":
