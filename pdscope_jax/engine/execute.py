@@ -217,7 +217,7 @@ def _groups(experts: np.ndarray, rows: np.ndarray, w: np.ndarray, ids: np.ndarra
 
 def staged_ready_at(staging: concurrent.futures.Future[Staged]) -> float:
     staged = staging.result()
-    return ready_at(staged.gate_ups + staged.downs)
+    return ready_at(staged.arrays)
 
 
 def ready_at(arrays) -> float:

@@ -90,14 +90,14 @@ class Transfers:
         start = time.perf_counter()
         slots = self.pool.allocate(layer, experts, protect=protect, prefer=prefer, low=low)
         staging = self.stager.submit(self.store.stage, layer, experts, low if low.any() else None)
-        count_copies(stats, self.store, layer, experts, low, self.store.count_moved(layer, experts, low))
+        count_copies(stats, self.store, layer, experts, low, self.store.count_staged(layer, experts, low))
         self.pending[layer] = (staging, slots)
         self.prefetched[layer] = experts
         stats.experts_prefetched += experts.size
         if async_io:
             return staging
         staged = staging.result()
-        jax.block_until_ready(staged.gate_ups + staged.downs)
+        jax.block_until_ready(staged.arrays)
         waited = time.perf_counter() - start
         stats.transfer_seconds += waited
         stats.exposed_transfer_seconds += waited

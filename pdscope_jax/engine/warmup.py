@@ -5,7 +5,7 @@ Contract (each runs its programs on zeros or on slots it frees again; the caller
   (batch, tokens, padded rows) seen with every mix of parts (GPU only, CPU only, both, neither), the CPU part
   whole (few rows) or compacted to each size it can take, with `take_rows` for those sizes.
 - `precompile_slot_writes(pool, store, layer, num_experts)`: the commits of staged copies (power-of-two sizes up
-  to the one a whole layer pads to) and the pull-and-commit loads (each count up to `FUSED_MAX`), of base
+  to the one a whole layer pads to, of experts' arrays and of whole stacks) and the pull-and-commit loads (each count up to `FUSED_MAX`), of base
   copies and, where the store keeps them, of int4 copies.
 - `precompile_bank_writes(pool, store, layer, num_experts, slots)`: `store.write_bank` into a decode bank of `slots`
   rows (opened for this when closed, closed again) for every size a count up to min(E, slots) pads to: decode's
@@ -45,20 +45,23 @@ def precompile_combine(programs: dict, step_shapes, devices: Devices, dtype, hid
             programs["moe_combine"](x, shared, y_gpu, y_cpu, take)
 
 
-def _padded_counts(limit: int) -> list[int]:
+def _padded_counts(limit: int, whole_from: int | None = None) -> list[int]:
     """Counts that reach every size a commit of 1..limit experts pads to (powers of two): 1, 2, 4, ..., then limit
-    itself (its padded size is the next power of two); none for limit 0."""
+    itself (its padded size is the next power of two); none for limit 0. `whole_from`: the least count staged as a
+    whole stack (`ExpertStore.whole_from`), so the counts on both sides of it are added (each kind of commit at
+    every size it can take)."""
     counts, size = [], 1
     while size < limit:
         counts.append(size)
         size *= 2
-    return counts + [limit] if limit else []
+    edges = [] if whole_from is None else [n for n in (whole_from - 1, whole_from) if 1 <= n < limit]
+    return sorted(set(counts + edges)) + [limit] if limit else []
 
 
 def precompile_slot_writes(pool: SlotPool, store: ExpertStore, layer: int, num_experts: int) -> None:
     limit = min(num_experts, pool.num_slots)
     for low in (False, True) if store.has_low else (False,):
-        for count in _padded_counts(limit):
+        for count in _padded_counts(limit, None if low else store.whole_from(layer)):
             experts = np.arange(count)
             pool.release(layer, experts)
             kinds = np.full(experts.size, low)
@@ -76,7 +79,7 @@ def precompile_bank_writes(pool: SlotPool, store: ExpertStore, layer: int, num_e
     opened = pool.decode_slots == 0
     pool.open_decode_bank(slots)
     pooled, bank = pool.banks
-    for count in _padded_counts(min(num_experts, slots)):
+    for count in _padded_counts(min(num_experts, slots), store.whole_from(layer)):
         rows = np.arange(count)
         bank = store.write_bank(bank, layer, rows, rows)  # experts 0..n-1 into rows 0..n-1
     pool.banks = (pooled, bank)

@@ -17,9 +17,11 @@ Contract:
   driver-page-locked stacks as device-memory aliases a program reads in place over PCIe (`page_locked.device_alias`),
   or None (jax's pinned memory, or the driver or JAX refused).
 - Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched `device_put`
-  and returns at once (issue it before the compute it should hide behind); `commit(pool, staged, slots)` writes the
-  staged arrays into their slots with ONE jitted program that donates the pool (in place), compiled per power-of-two
-  batch size (padding repeats the last expert: an idempotent write); the budget counts two layers of staged arrays.
+  and returns at once (issue it before the compute it should hide behind): of the experts' arrays, or of the layer's
+  whole stack where that costs less (`moves_whole`: each copy has a fixed cost, and small experts have many arrays);
+  `commit(pool, staged, slots)` writes the staged experts into their slots with ONE jitted program that donates the
+  pool (in place), compiled per power-of-two count (padding is an idempotent write or none); the budget counts two
+  layers of staged arrays. `count_staged` counts the bytes a stage moves, `count_moved` the experts' own.
   `write(pool, layer, experts, slots) -> Written`, for loads needed now: up to `FUSED_MAX` experts in ONE program that
   copies from pinned memory and writes the donated pool (compiled per exact count), more through stage + commit;
   `Written.done` is ready when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode
@@ -39,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdscope_jax.kernels import row_copy
 from pdscope_jax.kernels.cpu_ffn import HostWeights
 from pdscope_jax.quant.formats import is_quantized
 from pdscope_jax.runtime import Devices
@@ -48,6 +51,10 @@ from pdscope_jax.store.slot_pool import SlotPool
 
 
 FUSED_MAX = 8  # `write` moves at most this many experts in one pull-and-commit program
+# What `moves_whole` weighs: one host-to-device copy's own cost beside its bytes, and the link's rate
+# (docs/MEASUREMENTS.md: int4 experts of 2.5 MB, four arrays each, moved one by one at about 7 GB/s)
+COPY_SECONDS = 50e-6
+LINK_BYTES_PER_SECOND = 50e9
 DEVICE = jax.memory.Space.Device
 EXACT_PULLS = 8  # `pull_traced` copies exactly the misses up to this many (batch 1: top-k <= 8 in every preset)
 
@@ -62,6 +69,11 @@ def _commit_slots(pool_gu, pool_dn, gus, dns, slots, low=False):
             return jax.lax.dynamic_update_slice(pool, part[None], (slots[i], 0, 0))
         pool_gu, pool_dn = jax.tree.map(put, pool_gu, gu), jax.tree.map(put, pool_dn, dn)
     return pool_gu, pool_dn
+
+
+def _commit_rows(pool_gu, pool_dn, stack_gu, stack_dn, rows, slots):
+    """pool_gu/pool_dn with slots[i] = stack row rows[i] for each i whose slot is in range (-1: padding)."""
+    return row_copy.copy_rows((pool_gu, pool_dn), (stack_gu, stack_dn), rows, slots)
 
 
 def _pull_into_slots(pool_gu, pool_dn, gus, dns, slots, low=False):
@@ -90,6 +102,13 @@ class Staged:
     downs: tuple[jax.Array, ...]  # n x [F, D]
     nbytes: int
     low: np.ndarray | None = None  # [n] bool: int4 copies (None: none)
+    stack: tuple | None = None  # the whole layer's (gate_up [E,...], down [E,...]) when it moved whole (then no
+    # per-expert arrays)
+
+    @property
+    def arrays(self) -> list[jax.Array]:
+        """Every array the copy writes on the accelerator (ready when the copy is)."""
+        return jax.tree.leaves((self.gate_ups, self.downs, self.stack))
 
 
 def _pow2(n: int) -> int:
@@ -141,7 +160,8 @@ class ExpertStore:
                         for low in (False, True)}
         self._pull = {low: jax.jit(functools.partial(_pull_into_slots, low=low), donate_argnums=(0, 1))
                       for low in (False, True)}
-        self._commit_sizes: set[tuple[int, bool]] = set()
+        self._commit_whole = jax.jit(_commit_rows, donate_argnums=(0, 1))
+        self._commit_sizes: set[tuple[int, bool | str]] = set()
         self._pull_sizes: set[tuple[int, bool]] = set()
 
     # ---- building --------------------------------------------------------------------------------------
@@ -258,7 +278,8 @@ class ExpertStore:
     @property
     def compiled_programs(self) -> int:
         """Commit and pull programs compiled: one per count, kind and target (the pool, or a decode bank)."""
-        sizes = [getattr(fn, "_cache_size", None) for fn in (*self._commit.values(), *self._pull.values())]
+        sizes = [getattr(fn, "_cache_size", None)
+                 for fn in (*self._commit.values(), *self._pull.values(), self._commit_whole)]
         if all(sizes):  # jax's own count (private, present in 0.10-0.12)
             return sum(size() for size in sizes)
         return len(self._commit_sizes) + len(self._pull_sizes)  # the counts and kinds seen
@@ -280,6 +301,37 @@ class ExpertStore:
         nbytes = self.expert_nbytes(layer, experts, low)
         self.bytes_moved += nbytes
         return nbytes
+
+    def count_staged(self, layer: int, experts: np.ndarray, low: np.ndarray | None = None) -> int:
+        """As `count_moved`, for the bytes `stage(layer, experts, low)` moves: the whole stack's where it moves
+        whole. -> those bytes."""
+        if not self.moves_whole(layer, len(experts), low):
+            return self.count_moved(layer, experts, low)
+        nbytes = self._stack_nbytes(layer)
+        self.bytes_moved += nbytes
+        return nbytes
+
+    def _stack_nbytes(self, layer: int) -> int:
+        return int(sum(leaf.nbytes for leaf in jax.tree.leaves(self._stacks[layer])))
+
+    def moves_whole(self, layer: int, count: int, low: np.ndarray | None = None) -> bool:
+        """Whether staging `count` experts of `layer` copies the layer's whole stack: the store keeps it, no int4
+        copy is asked for, and `count` experts' arrays, one copy each, would cost more than every expert's bytes
+        in one copy per array of the stack (`COPY_SECONDS`, `LINK_BYTES_PER_SECOND`)."""
+        if count <= 0 or layer not in self._stacks or (low is not None and np.asarray(low, bool).any()):
+            return False
+        leaves = jax.tree.leaves(self._stacks[layer])
+        total, arrays = self._stack_nbytes(layer), len(leaves)
+        each = total / leaves[0].shape[0]
+        one_by_one = count * (arrays * COPY_SECONDS + each / LINK_BYTES_PER_SECOND)
+        return arrays * COPY_SECONDS + total / LINK_BYTES_PER_SECOND < one_by_one
+
+    def whole_from(self, layer: int) -> int | None:
+        """The least count `moves_whole` stages whole for `layer` (it does for every larger one), or None."""
+        if layer not in self._stacks:
+            return None
+        experts = jax.tree.leaves(self._stacks[layer])[0].shape[0]
+        return next((n for n in range(1, experts + 1) if self.moves_whole(layer, n)), None)
 
     def cpu_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
         """(gate_up [D,2F], down [F,D]) of one expert on the CPU backend (aliasing the pinned copy when possible)."""
@@ -341,6 +393,9 @@ class ExpertStore:
         device_put); returns at once. Safe to call from another thread: it counts nothing (`count_moved` does, on
         the caller's thread)."""
         experts = np.asarray(experts, np.int64)
+        if self.moves_whole(layer, experts.size, low):
+            return Staged(layer, experts, (), (), self._stack_nbytes(layer),
+                          stack=tuple(jax.device_put(self._stacks[layer], self._device)))
         srcs = self._sources(layer, experts, low)
         on_device = jax.device_put(srcs, self._device) if experts.size else ([], [])
         return Staged(layer, experts, tuple(on_device[0]), tuple(on_device[1]),
@@ -354,13 +409,22 @@ class ExpertStore:
         """`experts` of `layer` into `rows` of a decode bank (gate_up, down) (`SlotPool.banks`' second) -> the bank
         after (donated: one program, ordered after its earlier readers); the bytes count as moved."""
         experts = np.asarray(experts, np.int64)
-        self.count_moved(layer, experts)
+        self.count_staged(layer, experts)
         return self._committed(bank, self.stage(layer, experts), rows)
 
     def _committed(self, bank: tuple, staged: Staged, slots: np.ndarray) -> tuple:
         """(gate_up, down) of `bank` with the staged experts written into `slots` (donated; one program per kind
         of copy), padded to a power of two by repeating the last (an idempotent write), so few sizes compile;
-        nothing staged: `bank` as it was."""
+        nothing staged: `bank` as it was. A whole stack staged: its rows copied, padded with rows copied nowhere."""
+        if staged.stack is not None:
+            n = staged.experts.size
+            size = _pow2(n)
+            self._commit_sizes.add((size, "whole"))
+            rows = np.zeros(size, np.int32)
+            rows[:n] = staged.experts
+            slot_ids = np.full(size, -1, np.int32)
+            slot_ids[:n] = slots
+            return self._commit_whole(*bank, *staged.stack, rows, slot_ids)
         low = np.zeros(staged.experts.size, bool) if staged.low is None else staged.low
         for kind in (False, True):
             picked = np.flatnonzero(low == kind)
@@ -381,11 +445,12 @@ class ExpertStore:
         the pool): one pull-and-commit program per kind of copy for up to FUSED_MAX experts, else stage + commit."""
         experts = np.asarray(experts, np.int64)
         slot_ids = np.asarray(slots, np.int32)
-        nbytes = self.count_moved(layer, experts, low)
         if experts.size > FUSED_MAX:
+            nbytes = self.count_staged(layer, experts, low)
             staged = self.stage(layer, experts, low)
             self.commit(pool, staged, slot_ids)
-            return Written(nbytes, staged.downs[-1])  # the copy's end; the commit follows in order
+            return Written(nbytes, staged.arrays[-1])  # the copy's end; the commit follows in order
+        nbytes = self.count_moved(layer, experts, low)
         low = np.zeros(experts.size, bool) if low is None else np.asarray(low, bool)
         done = None
         for kind in (False, True):

@@ -194,23 +194,34 @@ def test_the_decode_step_traces_a_layer_kind_once(ds, monkeypatch):
     assert len(traced) == 1 and isinstance(traced[0], jax.core.Tracer)
 
 
-def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds):
+@pytest.mark.parametrize("stacks", [False, True])
+def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds, stacks, monkeypatch):
     """Decode's bank fill writes each layer's share, whose size follows the real prompt's routing (warm-up's dummy
-    tokens may give other sizes): after warm-up, writing any count of experts into the bank compiles nothing."""
+    tokens may give other sizes): after warm-up, writing any count of experts into the bank, or staging any count
+    into the pool, compiles nothing, whether the count moves experts one by one or (stacks) the whole layer."""
     slot = ds.cfg.expert_bytes(4)
+    # a copy's own cost at a quarter of an expert's bytes' time: of 8 experts, 6 or more move whole, and 5 pads to
+    # the size 8 that whole stacks also take
+    monkeypatch.setattr(expert_store, "COPY_SECONDS", slot / expert_store.LINK_BYTES_PER_SECOND / 4)
     probe = ds.runner("static", 1)
     config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
                                    decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
-    runner = type(probe)(ds.model, config)
+    runner = type(probe)(ds.model, config, expert_stacks=stacks)
     runner.warmup(1, ds.ids.shape[1], ds.new)
     compiled = runner.compiled_programs["slot_commit"]
+    layer, store = ds.cfg.moe_layers[-1], runner.store
     runner.pool.open_decode_bank(runner.decode_slots)
     pooled, bank = runner.pool.banks
     for n in range(1, min(ds.cfg.num_experts, runner.decode_slots) + 1):
-        bank = runner.store.write_bank(bank, ds.cfg.moe_layers[-1], np.arange(n), np.arange(n))
+        bank = store.write_bank(bank, layer, np.arange(n), np.arange(n))
     runner.pool.banks = (pooled, bank)
     runner.pool.close_decode_bank()
+    for n in range(1, min(ds.cfg.num_experts, runner.pool.num_slots) + 1):
+        experts = np.arange(n)
+        runner.pool.release(layer, experts)
+        store.commit(runner.pool, store.stage(layer, experts), runner.pool.allocate(layer, experts))
     assert runner.decode_slots == 6 and runner.compiled_programs["slot_commit"] == compiled
+    assert store.whole_from(layer) == (6 if stacks else None)
 
 
 @pytest.mark.parametrize("stacks", [True, False])

@@ -263,3 +263,42 @@ def test_compact_rows_give_the_same_result_as_the_whole_input():
 def test_pull_counts_are_exact_up_to_eight_then_powers_of_two():
     assert expert_store.pull_counts(6) == [0, 1, 2, 3, 4, 5, 6]
     assert expert_store.pull_counts(48) == [0, 1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 48]
+
+
+def test_store_stages_a_whole_stack_where_one_copy_per_array_costs_more():
+    dev = select_devices()
+    gu, dn = _stacks()
+    plain = ExpertStore(dev)
+    plain.add_layer(1, gu, dn)
+    assert plain.whole_from(1) is None and not plain.moves_whole(1, E)  # no stack kept: experts one by one
+    store = ExpertStore(dev, stacks=True)
+    store.add_layer(1, gu, dn)
+    # tiny experts: two copies of a few KB cost more than the whole 200 KB stack in two
+    assert store.whole_from(1) == 2
+    assert not store.moves_whole(1, 1) and store.moves_whole(1, 3)
+    assert not store.moves_whole(1, 3, np.array([True, False, False]))  # an int4 copy asked for: one by one
+
+    pool = _pool(4)
+    experts = np.array([6, 0, 3])
+    slots = pool.allocate(1, experts)
+    staged = store.stage(1, experts)
+    assert staged.stack is not None and staged.gate_ups == () and len(staged.arrays) == 2
+    assert store.count_staged(1, experts) == staged.nbytes == gu.nbytes + dn.nbytes == store.bytes_moved
+    store.commit(pool, staged, slots)
+    for e, s in zip(experts, slots):
+        np.testing.assert_array_equal(np.asarray(pool.gate_up[s]), gu[e])
+        np.testing.assert_array_equal(np.asarray(pool.down[s]), dn[e])
+    untouched = np.setdiff1d(np.arange(4), slots)
+    assert not np.asarray(pool.gate_up[untouched]).any()  # the padding row was copied nowhere
+    assert store.compiled_programs == 1  # three experts padded to four
+
+    one = store.stage(1, np.array([5]))  # below whole_from: the expert's own arrays
+    assert one.stack is None and len(one.gate_ups) == 1 and store.count_staged(1, [5]) == gu[5].nbytes + dn[5].nbytes
+
+
+def test_warm_up_counts_reach_both_sides_of_the_whole_stack_switch():
+    from pdscope_jax.engine.warmup import _padded_counts
+
+    assert _padded_counts(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert _padded_counts(64, 27) == [1, 2, 4, 8, 16, 26, 27, 32, 64]  # 26 pads to 32 one by one, 27 whole
+    assert _padded_counts(8, 8) == [1, 2, 4, 7, 8] and _padded_counts(0, 3) == []
