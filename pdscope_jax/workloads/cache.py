@@ -32,8 +32,9 @@ import numpy as np
 from pdscope_jax.runtime import user_cache_dir
 
 ENV = "PDSCOPE_WORKLOAD_CACHE"
-DESIGN_VERSION = 1
-CONFIG_FIELDS = ("num_experts", "num_experts_per_tok", "moe_layers", "hidden_size", "vocab_size")
+DESIGN_VERSION = 2
+CONFIG_FIELDS = ("num_experts", "num_experts_per_tok", "moe_layers", "hidden_size", "vocab_size",
+                 "tie_word_embeddings")
 _OFF = ("0", "off", "false", "no")
 
 
@@ -65,6 +66,8 @@ def path_for(folder: Path, cfg, key: str) -> Path:
 
 def save(path: Path, workload) -> None:
     arrays = {"codes": workload.codes}
+    if workload.successor is not None:
+        arrays["successor"] = workload.successor
     arrays.update({f"rows_{layer}": rows for layer, rows in workload.rows.items()})
     arrays.update({f"masks_{layer}": mask for layer, mask in workload.masks.items()})
     meta = {"name": workload.name, "channel": workload.channel, "report": workload.report,
@@ -93,13 +96,16 @@ def load(path: Path, cfg) -> dict | None:
             fields = {"name": meta["name"], "channel": int(meta["channel"]), "codes": saved["codes"],
                       "rows": {int(layer): saved[f"rows_{layer}"] for layer in meta["rows"]},
                       "masks": {int(layer): saved[f"masks_{layer}"] for layer in meta["masks"]},
-                      "report": meta["report"], "predictability": meta["predictability"], "layout": meta["layout"]}
+                      "report": meta["report"], "predictability": meta["predictability"], "layout": meta["layout"],
+                      "successor": saved["successor"] if "successor" in saved.files else None}
     except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile):
         return None
     e, c = cfg.num_experts, fields["channel"]
     fits = (fields["codes"].shape == (cfg.vocab_size, c) and sorted(fields["rows"]) == sorted(cfg.moe_layers)
             and all(rows.shape == (c, e) for rows in fields["rows"].values())
-            and all(mask.shape == (c,) for mask in fields["masks"].values()))
+            and all(mask.shape == (c,) for mask in fields["masks"].values())
+            and (fields["successor"] is None) == bool(cfg.tie_word_embeddings)
+            and (fields["successor"] is None or fields["successor"].shape == (cfg.vocab_size,)))
     return fields if fits else None
 
 

@@ -163,7 +163,12 @@ class Workload:
       consecutive layers read disjoint, independent parts of the code;
     - predictability: phi_{j+1} bisected so that top-k of layer j+1's gate on layer j's MoE input
       (`cos(phi) A + b`: the fresh group is masked) has the target recall@k (`workloads.predictability`); "oracle"
-      keeps phi = 0 and no fresh groups (the skewed weights of the design before predictability, bit for bit)."""
+      keeps phi = 0 and no fresh groups (the skewed weights of the design before predictability, bit for bit).
+    Decode: greedy tokens would otherwise repeat (random weights loop on a few ids, so decode routed few experts
+    and cached runtimes hit almost always), so the lm_head reads only the channel: column `successor[t]` is token
+    t's code (its Gaussian part, unit norm), so the greedy token after t is `successor[t]` (one seeded cycle
+    through the vocabulary; at bf16 near-ties a neighbour's) and decode walks the vocabulary as prompts sample it. Not
+    with tied embeddings (the embedding is the lm_head there; `successor` None)."""
 
     name: str
     cfg: object
@@ -174,6 +179,7 @@ class Workload:
     report: list[dict]  # per MoE layer: targets and fitted values
     predictability: object = "oracle"
     layout: dict = dataclasses.field(default_factory=dict)
+    successor: np.ndarray | None = None  # [V] int32: token t's greedy successor (None: lm_head not rewritten)
 
     @classmethod
     def fit(cls, cfg, name: str, stats: dict | None, seed: int, channel: int, calibration: int,
@@ -253,8 +259,14 @@ class Workload:
                 masks[layer][group(j + 1)] = 0.0
             report.append(entry)
             prev_full, prev_ids, prev_target = full[:-1], ids, target
+        successor = None
+        if not cfg.tie_word_embeddings:  # one cycle through a seeded order: no token comes back before all did
+            order = np.random.default_rng([seed, 2]).permutation(cfg.vocab_size)
+            successor = np.empty(cfg.vocab_size, np.int32)
+            successor[order] = np.roll(order, -1)
         return cls(name, cfg, channel, codes, rows, masks, report, predictability,
-                   {"carried": carried, "fresh_per_group": fresh, "fresh_groups": 3 if fresh else 0, "constant": 1})
+                   {"carried": carried, "fresh_per_group": fresh, "fresh_groups": 3 if fresh else 0, "constant": 1},
+                   successor)
 
     # ---- the weights ------------------------------------------------------------------------------------
     def transform(self, path: str, array):
@@ -275,7 +287,16 @@ class Workload:
         layer = _norm_layer(path)
         if layer is not None and layer in self.masks:
             return array.at[-c:].multiply(jnp.asarray(self.masks[layer], array.dtype))
+        if path == "lm_head.kernel" and self.successor is not None:
+            return jnp.zeros_like(array).at[-c:].set(jnp.asarray(self.successor_rows(), array.dtype))
         return array
+
+    def successor_rows(self) -> np.ndarray:
+        """[channel, V] the lm_head's rows over the channel: column successor[t] = token t's unit Gaussian code."""
+        gaussian = self.codes[:, :-1].astype(np.float64)
+        rows = np.zeros((self.channel, self.codes.shape[0]), np.float32)
+        rows[:-1, self.successor] = (gaussian / np.linalg.norm(gaussian, axis=1, keepdims=True)).T
+        return rows
 
     def apply(self, flat: dict) -> dict:
         """A flat parameter dict of the workload's model (a new dict; the input is not modified)."""
@@ -311,6 +332,8 @@ class Workload:
         targets = [entry["target_fate_recall"] for entry in pairs]
         return {"workload": self.name, "predictability": self.predictability, "channel": self.channel,
                 "layout": self.layout, "layers": self.report,
+                "decode": ("greedy tokens walk one seeded cycle through the vocabulary (the lm_head reads the channel)"
+                           if self.successor is not None else "generated tokens (tied embeddings: lm_head as drawn)"),
                 "fate_recall_mean": float(np.mean([e["fate_recall"] for e in pairs])) if pairs else None,
                 "target_fate_recall_mean": float(np.mean(targets)) if pairs and None not in targets else None,
                 "source": [REFERENCE_RESULTS.name, pred.REFERENCE_PREDICTABILITY.name]}

@@ -112,6 +112,28 @@ def test_uniform_routes_in_the_model_as_designed():
     assert workload.summary()["workload"] == "uniform" and workload.summary()["predictability"] == "reference"
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-30b-a3b", NAME])
+def test_greedy_decode_walks_the_vocabulary_so_it_routes_as_prompts_do(name):
+    """Random weights' greedy tokens may loop on a few ids (decode then routes few experts, and every cache hits);
+    the workload's lm_head makes token t's greedy successor `successor[t]`, one cycle through the vocabulary, so
+    decode's tokens never repeat within it and its routing has the designed shares."""
+    cfg = preset(name)
+    flat = random_state(models.abstract_state(cfg, jnp.float32), 0, lambda path: None)
+    workload = design(cfg, "uniform", seed=0)
+    model = Generator(models.from_flat(cfg, jnp.float32, workload.apply(flat)))
+    ids = np.random.default_rng(3).integers(0, cfg.vocab_size, (4, 8)).astype(np.int32)
+    new = 48
+    tokens = np.asarray(model.generate(ids, new).tokens)  # [4, new]
+    before = np.concatenate([ids[:, -1:], tokens[:, :-1]], axis=1)
+    np.testing.assert_array_equal(tokens, workload.successor[before])  # float32: no near-ties
+    assert all(np.unique(row).size == new for row in tokens)
+    experts = workload.experts(tokens.reshape(-1))  # [M, N, K]
+    e = cfg.num_experts
+    for layer in experts:
+        assert np.abs(shares(layer, e) - 1 / e).max() < 0.6 / e  # 192 tokens: equal shares within sampling noise
+    assert workload.summary()["decode"].startswith("greedy tokens walk")
+
+
 @pytest.mark.parametrize("workload_name", ["uniform", "skewed"])
 @pytest.mark.parametrize("setting", [*PREDICTABILITY, 0.0])
 def test_the_fate_style_predictor_in_the_model_has_the_calibrated_recall(setup, workload_name, setting):
