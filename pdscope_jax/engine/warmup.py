@@ -5,8 +5,8 @@ Contract (each runs its programs on zeros or on slots it frees again; the caller
   (batch, tokens, padded rows) seen with every mix of parts (GPU only, CPU only, both, neither), the CPU part
   whole (few rows) or compacted to each size it can take, with `take_rows` for those sizes.
 - `precompile_slot_writes(pool, store, layer, num_experts)`: the commits of staged copies (power-of-two sizes up
-  to the one a whole layer pads to, of experts' arrays and of whole stacks) and the pull-and-commit loads (each count up to `FUSED_MAX`), of base
-  copies and, where the store keeps them, of int4 copies.
+  to the one a whole layer pads to, of experts' arrays and of whole stacks) and the pull-and-commit loads (each
+  count up to `FUSED_MAX`), of base copies and, where the store keeps them, of int4 copies.
 - `precompile_bank_writes(pool, store, layer, num_experts, slots)`: `store.write_bank` into a decode bank of `slots`
   rows (opened for this when closed, closed again) for every size a count up to min(E, slots) pads to: decode's
   bank fill writes each layer's share, whose count follows the real prompt's routing, not warm-up's.

@@ -1,31 +1,24 @@
 """The expert store: the only code that moves routed-expert weights; nothing writes their host copy once made.
 
 Contract:
-- Host copy, once: `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` copies a layer's stacks (numpy, or a jax array
-  anywhere) expert by expert into the accelerator's `pinned_host` memory, one allocation per expert and weight (any
-  subset of a layer is one transfer's operand); it keeps no reference to the stack (only one layer ever exists twice).
-- CPU view, no second copy: the CPU backend computes from a CPU-device array aliasing the same pinned bytes, verified
-  per expert (same address, same bytes); else the store keeps a CPU copy, reported by `host_bytes_per_model_byte` (1.0:
-  every view aliases, 2.0: none does). `cpu_view="copy"` forces copies.
-- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"driver"` (one buffer per layer stack
-  page-locked through the CUDA driver and imported zero-copy through dlpack, `store.page_locked`); `"auto"`: the
-  driver on a GPU, else jax (why: docs/MEASUREMENTS.md). `store.host_alloc` says which ran. `expect_stacks(sizes)`
-  lets the driver page-lock the stacks to come on threads while earlier layers are added; `loaded()` ends that.
-- Layer stacks: `layer_stacks(layer)` -> pinned (gate_up [E,D,2F], down [E,F,D]) for programs that pick experts by a
-  computed index (`engine.device_decode`, `pull_traced`): free with a buffer per stack; with jax only when
-  `stacks=True`, as a second pinned copy (in host_bytes_per_model_byte). `layer_device_views(layer)` -> the same
-  driver-page-locked stacks as device-memory aliases a program reads in place over PCIe (`page_locked.device_alias`),
-  or None (jax's pinned memory, or the driver or JAX refused).
-- Moving, in two steps so transfers overlap compute: `stage(layer, experts) -> Staged` issues ONE batched `device_put`
-  and returns at once (issue it before the compute it should hide behind): of the experts' arrays, or of the layer's
-  whole stack where that costs less (`moves_whole`: each copy has a fixed cost, and small experts have many arrays);
-  `commit(pool, staged, slots)` writes the staged experts into their slots with ONE jitted program that donates the
-  pool (in place), compiled per power-of-two count (padding is an idempotent write or none); the budget counts two
-  layers of staged arrays. `count_staged` counts the bytes a stage moves, `count_moved` the experts' own.
-  `write(pool, layer, experts, slots) -> Written`, for loads needed now: up to `FUSED_MAX` experts in ONE program that
-  copies from pinned memory and writes the donated pool (compiled per exact count), more through stage + commit;
-  `Written.done` is ready when the write is. `write_bank(bank, layer, experts, rows)` stages and commits into the decode
-  bank alike. Staging may run on another thread; `bytes_moved` is updated by the caller's thread only.
+- Host copy, once: `add_layer(layer, gate_up [E,D,2F], down [E,F,D])` copies a layer (numpy, or a jax array
+  anywhere) into the accelerator's `pinned_host` memory, one array per expert and weight, keeping no reference.
+- CPU view, no second copy: CPU-backend arrays alias the pinned bytes, verified per expert (address and bytes); else
+  a CPU copy, reported by `host_bytes_per_model_byte` (1.0: all alias, 2.0: none). `cpu_view="copy"` forces copies.
+- Who allocates: `host_alloc="jax"` (device_put into pinned_host) or `"driver"` (a buffer per layer stack page-locked
+  through the CUDA driver, imported zero-copy: `store.page_locked`); `"auto"`: the driver on a GPU, else jax.
+  `expect_stacks(sizes)` page-locks the stacks to come on threads; `loaded()` ends that.
+- Layer stacks: `layer_stacks(layer)` -> pinned (gate_up, down) [E, ...] for programs that index experts on the
+  device: free with the driver, else only with `stacks=True` (a second pinned copy). `layer_device_views(layer)`
+  -> the driver's stacks as device-memory aliases a program reads over PCIe, or None.
+- Moving, in two steps so copies overlap compute: `stage(layer, experts) -> Staged` issues ONE batched `device_put`
+  and returns at once: of the experts' arrays, or of the layer's whole stack where that costs less (`moves_whole`:
+  each copy has a fixed cost, and small experts have many arrays). `commit(pool, staged, slots)` writes them into
+  their slots with ONE program donating the pool, compiled per power-of-two count (padding writes idempotently or
+  nowhere). `count_staged` counts the bytes a stage moves, `count_moved` the experts' own; the caller's thread
+  counts (`bytes_moved`), staging may run on another. `write(pool, layer, experts, slots) -> Written` loads now:
+  up to `FUSED_MAX` experts in ONE pull-and-commit program, more by stage + commit. `write_bank` does the same
+  into a decode bank.
 - Native readers: `host_addresses(layer)` -> where a layer's bf16 or int8 experts lie (`kernels.cpu_ffn.HostWeights`).
 - Int4 copies (`store.low_copies`): `add_low_layer` pins a layer's too (`low_bytes`); `stage`, `write`, `count_moved`
   take `low` ([n] bool) to move them, turned into the pool's format as they are written (one program per kind).
