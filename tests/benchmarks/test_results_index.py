@@ -85,3 +85,13 @@ def test_readme_table_names_an_h100s_column(tmp_path, capsys):
     assert "DeepSeek-V2-Lite, uniform, 24 GB |" in header and "DeepSeek-V2-Lite, uniform, 24 GB, H100 |" in header
     row = next(line for line in table.splitlines() if line.startswith("| `pdscope`"))
     assert "8,000 / 50.0" in row and "7,000 / 45.0" in row
+
+
+def test_readme_table_names_a_budget_given_in_mib_in_mib(tmp_path, capsys):
+    """A budget set to a peer's measured peak (a whole number of MiB) reads as such, not as 17.0991 GB."""
+    peak = {"runtime": {"gpu_memory": 16307 * 2**20, "expert_pool": None}}
+    (tmp_path / "peak.json").write_text(json.dumps(_bench(9, "eee5555", "uniform", [("pdscope", 6000.0, 50.0)],
+                                                          **peak)))
+    assert _module().main(["--dir", str(tmp_path), "--readme"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| policy"))
+    assert "DeepSeek-V2-Lite, uniform, 16,307 MiB |" in header

@@ -165,8 +165,14 @@ def test_offload_engine_matches_plain_model_on_workload_weights(setup, workload_
     cfg, shapes, flat, workload = setup
     workload = design(cfg, workload_name, seed=0) if workload_name == "uniform" else workload
     ids = np.random.default_rng(2).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
-    plain = Generator(models.from_flat(cfg, jnp.float32, workload.apply(flat)))
-    loader = workload.loader(lambda paths, placement: random_state({p: shapes[p] for p in paths}, 0, placement))
+    # the lm_head as drawn, so that the logits see every hidden dimension (the workload's reads the channel only)
+    rewritten = {**workload.apply(flat), "lm_head.kernel": flat["lm_head.kernel"]}
+    plain = Generator(models.from_flat(cfg, jnp.float32, rewritten))
+
+    def loader(paths, placement):
+        drawn = random_state({p: shapes[p] for p in paths}, 0, placement)
+        return {p: v if p == "lm_head.kernel" else workload.transform(p, v) for p, v in drawn.items()}
+
     rc = RuntimeConfig(gpu_memory="1GB", expert_pool=6 * cfg.expert_bytes(4), policy="pdscope", max_seq_len=64)
     runner = OffloadRunner(models.abstract_model(cfg, jnp.float32), rc, loader)
     np.testing.assert_allclose(runner.logits(ids), plain.logits(ids), atol=1e-4, rtol=0)
