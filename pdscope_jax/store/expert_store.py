@@ -44,8 +44,8 @@ from pdscope_jax.store.slot_pool import SlotPool
 
 
 FUSED_MAX = 8  # `write` moves at most this many experts in one pull-and-commit program
-# What `moves_whole` weighs: one host-to-device copy's own cost beside its bytes, and the link's rate
-# (docs/MEASUREMENTS.md: int4 experts of 2.5 MB, four arrays each, moved one by one at about 7 GB/s)
+# What `moves_whole` weighs: one host-to-device copy's own cost beside its bytes, and the link's rate (measured on
+# the benchmark node: docs/MEASUREMENTS.md)
 COPY_SECONDS = 50e-6
 LINK_BYTES_PER_SECOND = 50e9
 DEVICE = jax.memory.Space.Device
@@ -95,8 +95,7 @@ class Staged:
     downs: tuple[jax.Array, ...]  # n x [F, D]
     nbytes: int
     low: np.ndarray | None = None  # [n] bool: int4 copies (None: none)
-    stack: tuple | None = None  # the whole layer's (gate_up [E,...], down [E,...]) when it moved whole (then no
-    # per-expert arrays)
+    stack: tuple | None = None  # the layer's whole (gate_up, down) [E, ...] when it moved whole (no per-expert arrays)
 
     @property
     def arrays(self) -> list[jax.Array]:
