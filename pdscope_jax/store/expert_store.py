@@ -382,8 +382,8 @@ class ExpertStore:
     # ---- moving ----------------------------------------------------------------------------------------
     def stage(self, layer: int, experts: np.ndarray, low: np.ndarray | None = None) -> Staged:
         """Issue the host-to-device copy of `experts` of `layer` (int4 copies where `low`; one batched
-        device_put); returns at once. Safe to call from another thread: it counts nothing (`count_moved` does, on
-        the caller's thread)."""
+        device_put, of the layer's whole stack where `moves_whole`); returns at once. Safe to call from another
+        thread: it counts nothing (`count_staged` does, on the caller's thread)."""
         experts = np.asarray(experts, np.int64)
         if self.moves_whole(layer, experts.size, low):
             return Staged(layer, experts, (), (), self._stack_nbytes(layer),

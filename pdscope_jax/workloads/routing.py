@@ -293,9 +293,8 @@ class Workload:
 
     def successor_rows(self) -> np.ndarray:
         """[channel, V] the lm_head's rows over the channel: column successor[t] = token t's unit Gaussian code."""
-        gaussian = self.codes[:, :-1].astype(np.float64)
         rows = np.zeros((self.channel, self.codes.shape[0]), np.float32)
-        rows[:-1, self.successor] = (gaussian / np.linalg.norm(gaussian, axis=1, keepdims=True)).T
+        rows[:-1, self.successor] = _unit_columns(self.codes[:, :-1].T.astype(np.float64))
         return rows
 
     def apply(self, flat: dict) -> dict:
