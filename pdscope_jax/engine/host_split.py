@@ -2,22 +2,20 @@
 rest, and the bridges.
 
 Contract: `HostSplit(store, config, device, expert_dtype)`; `for_step(runtime, planner, costs, batch)` -> a
-`device_decode.HostExperts`, or None (every miss is copied by the program itself). The host computes misses
-with decode_cpu_experts "auto" (through the bridge) or "xla" for a planner with the `decode_host_experts`
-capability; with "auto" or "off", RuntimeConfig.decode_bridge_copies and a planner that copies
-(`decode_copies`), the bridge's worker makes the copies, and with RuntimeConfig.decode_copies_ahead and a
-planner that reads next-layer scores also copies predicted experts a layer ahead (`HostExperts.ahead`). None where
-neither applies or the bridge cannot run
-(`why_not` then says why: not a CUDA GPU, experts neither bf16 nor int8, no kernel). Quantized experts' bridge
-computes but copies none: the step then copies its share itself, and by default (no copy share given) the host
-computes only where it is no slower than the link, else None (every miss copied). The share of a layer's misses copied:
-1 where the host computes none, 0 for a planner that never copies in decode, else
-RuntimeConfig.decode_copy_share, else 0 (nothing copied, not even into free slots) where the host computes an
-expert no slower than the link (the cost table's) copies one, else the host's time for one expert over the
-host's and the link's together, so that the two parts of a layer take about as long; the host's time is the
-bridge's kernel
-timed once on the store's experts (the cost table's CPU time without a bridge); a planner that copies also
-fills free slots first (`HostExperts.fill_free`).
+`device_decode.HostExperts`, or None (every miss is copied by the program itself). The host computes misses with
+decode_cpu_experts "auto" (through the bridge) or "xla" for a planner with the `decode_host_experts` capability;
+with "auto" or "off", RuntimeConfig.decode_bridge_copies and a planner that copies (`decode_copies`), the bridge's
+worker makes the copies, and with RuntimeConfig.decode_copies_ahead and a planner that reads next-layer scores also
+copies predicted experts a layer ahead (`HostExperts.ahead`). None where neither applies or the bridge cannot run
+(`why_not` then says why: not a CUDA GPU, experts not bf16 or int8 / int4 of compute dtype bf16, no kernel).
+Quantized experts' bridge computes but copies none: the step then copies its share itself, and by default (no copy
+share given) the host computes only where it is no slower than the link, else None (every miss copied). The share of
+a layer's misses copied: 1 where the host computes none, 0 for a planner that never copies in decode, else
+RuntimeConfig.decode_copy_share, else 0 (nothing copied, not even into free slots) where the host computes an expert
+no slower than the link (the cost table's) copies one, else the host's time for one expert over the host's and the
+link's together, so that the two parts of a layer take about as long; the host's time is the bridge's kernel timed
+once on the store's experts (the cost table's CPU time without a bridge); a planner that copies also fills free
+slots first (`HostExperts.fill_free`).
 A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
 engine's collection, stops them.
 """
@@ -92,7 +90,8 @@ class HostSplit:
         if self.dtype == jnp.bfloat16:
             addresses = [self.store.host_addresses(layer) for layer in cfg.moe_layers]
         if addresses is None or any(a is None for a in addresses):
-            bridge, self.why_not = None, "the experts are neither bf16 nor int8 arrays with host addresses"
+            bridge, self.why_not = None, ("the experts are not bf16, or int8 / int4 with float32 or bf16 scales and "
+                                          "compute dtype bf16, with host addresses")
         else:
             picks = min(batch * cfg.num_experts_per_tok, cfg.num_experts)
             bridge = host_experts.Bridge.create(addresses, (cfg.hidden_size, cfg.moe_intermediate_size), self.device,
@@ -106,7 +105,7 @@ class HostSplit:
 
 
 def kernel_seconds_per_expert(store, config, per_call: int, rows: int = 1, repeats: int = 12) -> float | None:
-    """`cpu_ffn.seconds_per_expert` on the store's own experts (bf16 or int8) of the first three MoE layers (more
+    """`cpu_ffn.seconds_per_expert` on the store's own experts (bf16, int8 or int4) of the first three MoE layers (more
     bytes than a CPU's caches hold), read where they lie as the bridge reads them; None where the kernel is not
     built or the experts have no host addresses."""
     weights = [store.host_addresses(layer) for layer in config.moe_layers[:3]]

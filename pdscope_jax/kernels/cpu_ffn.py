@@ -7,24 +7,21 @@ Contract: `moe_ffn_cpu(h, coef, gate_up, down, ids=None)` -> out [N, D] float32 
 - the experts either as sequences of k arrays gate_up_j [D, 2F], down_j [F, D] (ids None: the expert store's
   per-expert CPU views), or as a layer's stacks [E, D, 2F], [E, F, D] with ids [k] int32 naming the experts
   (ids are data: one compiled program serves any set of k experts). Either form may hold quantized experts
-  (`quant.formats.QuantizedWeight`, int8 or int4, all of one scheme, compute dtype bf16): the kernel reads their
-  integers once and uses the weights q * scale exactly (float32 sums scaled per column and group), the XLA path
-  dequantizes them in the program to bf16 (`dequantize()`): the two agree to that bf16 rounding.
-The kernel reads each weight where it lies (no gather, no copy), once per call, on every thread of its pool,
-with AVX-512 BF16 dot products (AMX-BF16 tiles for bf16 experts of several rows, where the CPU has them) and
-float32 accumulation; the activation is rounded to bf16 after scaling by coef, and the output is float32 (the
-XLA path rounds each expert's output to h's dtype first): the two agree to bf16 rounding. Eager or inside
-`jax.jit`; the path is chosen at trace time by `impl`:
+  (`quant.formats.QuantizedWeight`, int8 or int4, one scheme, compute dtype bf16): the kernel reads their integers
+  and float32 or bf16 scales where they lie and uses q * scale exactly; the XLA path dequantizes them to bf16.
+The kernel reads each weight where it lies (no gather, no copy), once per call, on every thread of its pool, with
+AVX-512 BF16 dot products (AMX-BF16 tiles for bf16 experts of several rows, where the CPU has them) and float32
+sums, the activation rounded to bf16 after scaling by coef; the XLA path rounds each expert's output to h's dtype:
+the two agree to bf16 rounding. Eager or inside `jax.jit`; the path is chosen at trace time by `impl`:
 - "auto": the kernel where `available()` and `kernel_supports(...)`, else "xla";
 - "kernel": the kernel, or an error where it cannot run; "xla": XLA ops, rows zero-padded to `min_rows`
   (XLA:CPU is pathologically slow on bf16 matmuls of one row), as the engine's dense path computes them.
 `available()`: the library is built and loaded, its targets registered, and the CPU has AVX-512 BF16 (the
 kernel's portable path is correct but not fast, so "auto" uses it only when forced with `set_isa("portable")`).
-Outside XLA: `HostWeights` (where experts lie: bf16, or int8 / int4 integers with float32 scales), `run(weights, h,
-coef, dims)` (one call, as the CUDA bridge's worker makes it) and `seconds_per_expert(weights, dims, ...)` (its time).
-The library is compiled on first use (`kernels.build`); `PDSCOPE_CPU_KERNEL=0` disables it. Threads:
-`PDSCOPE_CPU_FFN_THREADS` or `set_threads(n)`, by default the CPUs this process may run on (less two where there
-are 8 or more); a call is cut into `set_groups(n)` groups per thread (`PDSCOPE_CPU_FFN_GROUPS`, 4 by default).
+Outside XLA: `HostWeights` (where experts lie: bf16, or int8 / int4 integers with float32 or bf16 scales),
+`run(weights, h, coef, dims)` (one call, as the CUDA bridge's worker makes it), `seconds_per_expert` (its time).
+Built on first use (`kernels.build`; `PDSCOPE_CPU_KERNEL=0`: never). Threads: `PDSCOPE_CPU_FFN_THREADS` or
+`set_threads(n)`, else this process's CPUs (less two from 8 on), a call in `set_groups(n)` groups each (default 4).
 """
 
 from __future__ import annotations
@@ -71,7 +68,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
     lib.pdscope_cpu_ffn_run.restype = ctypes.c_int
-    lib.pdscope_cpu_ffn_run.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 7 + [ctypes.c_void_p] * 5
+    lib.pdscope_cpu_ffn_run.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 8 + [ctypes.c_void_p] * 5
     lib.pdscope_cpu_ffn_read.restype = None
     lib.pdscope_cpu_ffn_read.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.pdscope_cpu_ffn_profile.restype = None
@@ -130,7 +127,8 @@ def set_amx_rows(n: int) -> int:
 
 def set_groups(n: int) -> int:
     """Cut a call's work into n groups per pool thread (n >= 1; more groups: a preempted thread holds up less of
-    the call; n <= 0 keeps the setting). Returns the setting (0 where not built)."""
+    the call; n <= 0 keeps the setting; `PDSCOPE_CPU_FFN_GROUPS`, 4 by default). Returns the setting (0 where not
+    built)."""
     lib = library()
     return 0 if lib is None else lib.pdscope_cpu_ffn_set_groups(n)
 
@@ -168,8 +166,9 @@ def read_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 class HostWeights:
     """Experts' weights where they lie in host memory, for native code that reads them in place: per expert, the
     addresses of gate_up [D, 2F] and down [F, D], stored as `bits` says (16: bf16; 8 or 4: `quant.formats`'
-    integers, with the addresses of their float32 scales and int4's rows per scale row, `groups` = (gate_up's,
-    down's)). `a + b` lists a's experts then b's (one format); `take(at)` the experts at indices `at`."""
+    integers, with the addresses of their scales, float32 or bf16 as `scale_bits` (32 or 16) says, and int4's rows
+    per scale row, `groups` = (gate_up's, down's)). `a + b` lists a's experts then b's (one format); `take(at)` the
+    experts at indices `at`."""
 
     gate_up: tuple[int, ...]
     down: tuple[int, ...]
@@ -177,14 +176,15 @@ class HostWeights:
     gate_up_scale: tuple[int, ...] = ()
     down_scale: tuple[int, ...] = ()
     groups: tuple[int, int] = (0, 0)
+    scale_bits: int = 32  # quantized: the scales' type (bf16 experts: unused)
 
     def __len__(self) -> int:
         return len(self.gate_up)
 
     def __add__(self, other: "HostWeights") -> "HostWeights":
-        if (self.bits, self.groups) != (other.bits, other.groups):
-            raise ValueError(f"experts of two formats: {self.bits}-bit {self.groups} and {other.bits}-bit "
-                             f"{other.groups}")
+        if (self.bits, self.groups, self.scale_bits) != (other.bits, other.groups, other.scale_bits):
+            raise ValueError(f"experts of two formats: {self.bits}-bit {self.groups} (scales {self.scale_bits}-bit) "
+                             f"and {other.bits}-bit {other.groups} (scales {other.scale_bits}-bit)")
         return dataclasses.replace(self, **{name: getattr(self, name) + getattr(other, name) for name in
                                             ("gate_up", "down", "gate_up_scale", "down_scale")})
 
@@ -220,6 +220,8 @@ def _refusal(weights: HostWeights, dims: tuple[int, int]) -> str:
     """Why the kernel refused a call (`run`)."""
     if weights.bits not in (16, 8, 4):
         return f"bits must be 16, 8 or 4, not {weights.bits}"
+    if weights.bits != 16 and weights.scale_bits not in (32, 16):
+        return f"scale_bits must be 32 (float32) or 16 (bf16), not {weights.scale_bits}"
     if any(n <= 0 or n % BLOCK for n in dims):
         return f"the kernel takes hidden and intermediate sizes that are multiples of {BLOCK}, not {dims}"
     return (f"int4 groups (rows per scale row) must be powers of two, multiples of {BLOCK}, dividing D and F "
@@ -229,8 +231,8 @@ def _refusal(weights: HostWeights, dims: tuple[int, int]) -> str:
 def _run(lib, weights: HostWeights, h, coef, out, dims) -> int:
     gu, gus, dn, dns = weights.address_arrays()
     return lib.pdscope_cpu_ffn_run(h.ctypes.data, coef.ctypes.data, h.shape[0], *dims, len(weights), weights.bits,
-                                   *weights.groups, gu.ctypes.data, gus.ctypes.data, dn.ctypes.data, dns.ctypes.data,
-                                   out.ctypes.data)
+                                   weights.scale_bits, *weights.groups, gu.ctypes.data, gus.ctypes.data,
+                                   dn.ctypes.data, dns.ctypes.data, out.ctypes.data)
 
 
 def seconds_per_expert(weights: HostWeights, dims: tuple[int, int], per_call: int = 2, rows: int = 1,
@@ -285,8 +287,13 @@ def profile_read() -> dict[str, float]:
     return {"calls": int(calls), **{name: totals[i + 1] / calls / 1e6 for i, name in enumerate(PROFILE_FIELDS[:n - 1])}}
 
 
-def _f32(scale):
-    return scale if scale.dtype == jnp.float32 else scale.astype(jnp.float32)
+def _scales(weights) -> list:
+    """The QuantizedWeights' scales as the kernel takes them: as they are where all are float32 or all bf16 (read
+    where they lie), else widened to float32 in the program."""
+    scales = [w.scale for w in weights]
+    if len({jnp.dtype(s.dtype) for s in scales}) == 1 and jnp.dtype(scales[0].dtype) in (jnp.float32, jnp.bfloat16):
+        return scales
+    return [s.astype(jnp.float32) for s in scales]
 
 
 def _quant_supported(w) -> bool:
@@ -365,12 +372,11 @@ def moe_ffn_cpu(h: jax.Array, coef: jax.Array, gate_up: Weights | Sequence[Weigh
     if quantized:
         call = jax.ffi.ffi_call(TARGETS["quant_list" if ids is None else "quant_stacked"], out_type)
         bits = np.int32(first.scheme.bits)
-        # the kernel reads float32 scales; int4 stores bf16 ones (1/64 of its bytes), widened here in the program
         if ids is None:
-            return call(h, coef, *(w.q for w in gate_up), *(_f32(w.scale) for w in gate_up), *(w.q for w in down),
-                        *(_f32(w.scale) for w in down), bits=bits)
-        return call(h, coef, jnp.asarray(ids, jnp.int32), gate_up.q, _f32(gate_up.scale), down.q, _f32(down.scale),
-                    bits=bits)
+            scales = _scales([*gate_up, *down])
+            return call(h, coef, *(w.q for w in gate_up), *scales[:k], *(w.q for w in down), *scales[k:], bits=bits)
+        gs, ds = _scales([gate_up, down])
+        return call(h, coef, jnp.asarray(ids, jnp.int32), gate_up.q, gs, down.q, ds, bits=bits)
     if ids is None:
         return jax.ffi.ffi_call(TARGETS["list"], out_type)(h, coef, *gate_up, *down)
     return jax.ffi.ffi_call(TARGETS["stacked"], out_type)(h, coef, jnp.asarray(ids, jnp.int32), gate_up, down)

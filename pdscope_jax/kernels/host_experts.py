@@ -64,7 +64,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     lib.pdscope_host_experts_create.restype = ctypes.c_int64
-    lib.pdscope_host_experts_create.argtypes = ([ctypes.c_int] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
+    lib.pdscope_host_experts_create.argtypes = ([ctypes.c_int] * 6 + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
                                                 + [ctypes.c_void_p] * 3 + [ctypes.c_int])
     lib.pdscope_host_experts_problem.restype = ctypes.c_char_p
     lib.pdscope_host_experts_destroy.argtypes = [ctypes.c_int64]
@@ -113,9 +113,9 @@ class Bridge:
         gate_up, gate_up_scale, down, down_scale = every.address_arrays()
         run = ctypes.cast(cpu_ffn.library().pdscope_cpu_ffn_run, ctypes.c_void_p)
         handle = lib.pdscope_host_experts_create(len(weights), len(weights[0]), d, f, max_rows, max_picks,
-                                                 gate_up.ctypes.data, down.ctypes.data, every.bits, *every.groups,
-                                                 gate_up_scale.ctypes.data, down_scale.ctypes.data, run,
-                                                 device.local_hardware_id or 0)
+                                                 gate_up.ctypes.data, down.ctypes.data, every.bits, every.scale_bits,
+                                                 *every.groups, gate_up_scale.ctypes.data, down_scale.ctypes.data,
+                                                 run, device.local_hardware_id or 0)
         if handle < 0:
             _state["why"] = lib.pdscope_host_experts_problem().decode()
             return None

@@ -19,7 +19,7 @@ Contract:
   counts (`bytes_moved`), staging may run on another. `write(pool, layer, experts, slots) -> Written` loads now:
   up to `FUSED_MAX` experts in ONE pull-and-commit program, more by stage + commit. `write_bank` does the same
   into a decode bank.
-- Native readers: `host_addresses(layer)` -> where a layer's bf16 or int8 experts lie (`kernels.cpu_ffn.HostWeights`).
+- Native readers: `host_addresses(layer)` -> where a layer's bf16, int8 or int4 experts lie (`cpu_ffn.HostWeights`).
 - Int4 copies (`store.low_copies`): `add_low_layer` pins a layer's too (`low_bytes`); `stage`, `write`, `count_moved`
   take `low` ([n] bool) to move them, turned into the pool's format as they are written (one program per kind).
 """
@@ -355,12 +355,16 @@ class ExpertStore:
 
     def host_addresses(self, layer: int) -> HostWeights | None:
         """Where each expert's pinned bytes of `layer` lie, for native code that reads them in place: bf16 experts,
-        or int8 ones (their float32 scales too); None for other experts or where an address is unavailable."""
+        or int8 / int4 ones with their scales as stored (float32 or bf16: `scale_bits`; int4 with its rows per
+        scale row, `groups`); None for other experts or where an address is unavailable."""
         gus, dns = self._host[layer]
         first = gus[0]
         quantized = is_quantized(first)
-        if quantized and (first.scheme.bits != 8 or first.scale.dtype != np.float32):
-            return None  # int4 keeps bf16 scales, which the kernel does not read
+        if quantized:
+            scale_types = {np.dtype(w.scale.dtype).name for w in (first, dns[0])}  # one for the kernel's call
+            scale_bits = {"float32": 32, "bfloat16": 16}.get(scale_types.pop()) if len(scale_types) == 1 else None
+            if first.scheme.bits not in (8, 4) or scale_bits is None:
+                return None
         if not quantized and first.dtype != jnp.bfloat16:
             return None
         parts = [[w.q for w in gus], [w.scale for w in gus], [w.q for w in dns], [w.scale for w in dns]] \
@@ -372,7 +376,12 @@ class ExpertStore:
                 return None
             addresses.append(tuple(v.ctypes.data for v in views))
         gate_up, gate_up_scale, down, down_scale = addresses
-        return HostWeights(gate_up, down, 8 if quantized else 16, gate_up_scale, down_scale)
+        if not quantized:
+            return HostWeights(gate_up, down)
+        bits = first.scheme.bits
+        # int4: rows per scale row (dense rows over scale rows); int8's one scale row needs none
+        groups = tuple(w.shape[-2] // w.scale.shape[-2] for w in (first, dns[0])) if bits == 4 else (0, 0)
+        return HostWeights(gate_up, down, bits, gate_up_scale, down_scale, groups, scale_bits)
 
     def host_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
         """(gate_up, down) of one expert in pinned_host memory."""

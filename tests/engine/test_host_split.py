@@ -65,3 +65,28 @@ def test_the_copy_share_with_a_bridge_comes_from_its_kernel_timed_on_the_stores_
         assert (host.copy_share, host.copies, host.computes) == (share, copies, True)
     split.bridges.clear()  # the stand-in has nothing to close
 
+
+
+def test_an_int4_store_reaches_the_bridge_and_its_kernel_is_timed():
+    """int4 experts (bf16 scales) in bf16: the split asks for a bridge with the store's addresses (on the CPU
+    backend it is refused for the device, not for the experts), and the kernel is timed on them; float32 compute
+    is refused for the experts."""
+    from pdscope_jax.engine.host_split import HostSplit, kernel_seconds_per_expert
+    from pdscope_jax.kernels import cpu_ffn
+    from pdscope_jax.presets import preset
+    from pdscope_jax.quant.formats import quantize
+
+    if not cpu_ffn.built():
+        pytest.skip("the CPU expert kernel is not built here")
+    cfg, rng = preset("tiny-deepseek-v2-lite"), np.random.default_rng(1)
+    store = expert_store.ExpertStore(select_devices())
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    for layer in cfg.moe_layers:
+        store.add_layer(layer, *(quantize(jnp.asarray(rng.standard_normal(shape) * 0.1), "int4", jnp.bfloat16)
+                                 for shape in ((cfg.num_experts, d, 2 * f), (cfg.num_experts, f, d))))
+    seconds = kernel_seconds_per_expert(store, cfg, per_call=2, repeats=2)
+    assert seconds is not None and 0 < seconds < 0.1
+    split = HostSplit(store, cfg, store.devices.cpu, jnp.bfloat16)
+    assert split._bridge(1) is None and "not a CUDA GPU" in split.why_not
+    split = HostSplit(store, cfg, store.devices.cpu, jnp.float32)
+    assert split._bridge(1) is None and "compute dtype bf16" in split.why_not

@@ -121,29 +121,37 @@ def test_cpu_experts_of_quantized_layers_run_in_the_kernel(quant):
 
 @pytest.mark.skipif(not cpu_ffn.available(), reason="the CPU expert kernel does not run here")
 def test_the_stores_host_addresses_are_what_the_bridges_worker_computes_from():
-    """bf16 and int8 layers give the addresses of their pinned bytes (int8: with its float32 scales), which the
-    worker's entry (`cpu_ffn.run`) computes from as the kernel does from the arrays; int4 (bf16 scales) and float32
-    layers give none, so no bridge is made for them."""
+    """bf16, int8 and int4 layers give the addresses of their pinned bytes (quantized: with their scales as stored,
+    int8's float32, int4's bf16 with its groups, or int8 with bf16 scales), which the worker's entry (`cpu_ffn.run`)
+    computes from as the kernel does from the arrays, and to the XLA path's numbers; float32 layers give none, so
+    no bridge is made for them."""
     rng = np.random.default_rng(2)
     store = ExpertStore(select_devices())
     e, d, f = 8, 64, 96
     gate_up = jnp.asarray(rng.standard_normal((e, d, 2 * f)) * 0.1, jnp.bfloat16)
     down = jnp.asarray(rng.standard_normal((e, f, d)) * 0.1, jnp.bfloat16)
-    layers = {1: (gate_up, down), 2: (quantize(gate_up, "int8", jnp.bfloat16), quantize(down, "int8", jnp.bfloat16)),
+    int8 = [quantize(w, "int8", jnp.bfloat16) for w in (gate_up, down)]
+    layers = {1: (gate_up, down), 2: tuple(int8),
               3: (quantize(gate_up, "int4", jnp.bfloat16), quantize(down, "int4", jnp.bfloat16)),
-              4: (gate_up.astype(jnp.float32), down.astype(jnp.float32))}
+              4: (gate_up.astype(jnp.float32), down.astype(jnp.float32)),
+              5: tuple(QuantizedWeight(w.q, w.scale.astype(jnp.bfloat16), w.scheme, w.dtype) for w in int8)}
     for layer, (gu, dn) in layers.items():
         store.add_layer(layer, gu, dn)
-    assert store.host_addresses(3) is None and store.host_addresses(4) is None
+    assert store.host_addresses(4) is None
     h = jnp.asarray(rng.standard_normal((2, d)), jnp.bfloat16)
     coef = np.array([[0.5, 0.0], [0.25, 1.0]], np.float32)
     ids = np.array([6, 1], np.int32)
-    for layer, bits in ((1, 16), (2, 8)):
+    # (bits, scale_bits, groups): int4's rows per scale row are gcd(K, 64): 64 along D = 64, 32 along F = 96
+    for layer, form in ((1, (16, 32, (0, 0))), (2, (8, 32, (0, 0))), (3, (4, 16, (64, 32))), (5, (8, 16, (0, 0)))):
         weights = store.host_addresses(layer)
-        assert weights.bits == bits and len(weights) == e and bool(weights.gate_up_scale) == (bits == 8)
+        assert (weights.bits, weights.scale_bits, weights.groups) == form and len(weights) == e
+        assert len(weights.gate_up_scale) == len(weights.down_scale) == (0 if form[0] == 16 else e)
         gu, dn = layers[layer]
         want = cpu_ffn.moe_ffn_cpu(h, jnp.asarray(coef), gu, dn, jnp.asarray(ids), impl="kernel")
-        np.testing.assert_array_equal(cpu_ffn.run(weights.take(ids), np.asarray(h), coef, (d, f)), np.asarray(want))
+        got = cpu_ffn.run(weights.take(ids), np.asarray(h), coef, (d, f))
+        np.testing.assert_array_equal(got, np.asarray(want))
+        xla = np.asarray(cpu_ffn.moe_ffn_cpu(h, jnp.asarray(coef), gu, dn, jnp.asarray(ids), impl="xla"), np.float64)
+        assert np.linalg.norm(got - xla) / np.linalg.norm(xla) < 1e-2  # bf16 rounding apart
 
 
 def test_int8_decode_splits_its_misses_between_the_host_and_the_steps_own_copies():

@@ -1,6 +1,6 @@
 """The CPU expert kernel on int8 and int4 experts: against the XLA dequantize path, an exact float64 reference
-(weights q * scale) and the bf16 kernel on the dequantized experts; both instruction sets; skipping; routing
-and refusals."""
+(weights q * scale) and the bf16 kernel on the dequantized experts; both instruction sets; scales read as float32
+or as bf16 (bitwise the same where they hold the same values); skipping; routing and refusals."""
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +73,46 @@ def test_portable_path_matches(kernel, name, d, rows):
     np.testing.assert_array_equal(np.asarray(portable), np.asarray(listed))
     assert rel(portable, fast) < 1e-5  # the same weights; sums scaled per chunk vs per weight; exp polynomial
     assert rel(portable, exact(h, coef, gate_up, down, ids)) < 5e-3
+
+
+def scaled(w, dtype):
+    return QuantizedWeight(w.q, w.scale.astype(dtype), w.scheme, w.dtype)
+
+
+@pytest.mark.parametrize("name,d", FORMATS)
+@pytest.mark.parametrize("isa", ["portable", None])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_bf16_scales_in_the_program_give_the_bits_of_float32_ones(kernel, name, d, isa, rows):
+    """The handlers read bf16 scales where they lie (no float32 copy in the program): bitwise what the same scales
+    as float32 give (bf16 -> float32 is exact), stacked and listed, on either path; and the XLA path's numbers."""
+    gate_up, down = (scaled(w, jnp.bfloat16) for w in stacks(name, d))  # int8: its scales rounded to bf16 first
+    wide = [scaled(w, jnp.float32) for w in (gate_up, down)]
+    h, coef, ids = case(rows, 4, d, seed=3 * rows)
+    listed = jax.jit(lambda h, c, g, dn: cpu_ffn.moe_ffn_cpu(h, c, g, dn, impl="kernel"))
+    outs = []
+    cpu_ffn.set_isa(isa)
+    try:
+        for gu, dn in ((gate_up, down), wide):  # each call finished before the instruction set changes
+            outs.append(jax.block_until_ready(cpu_ffn.moe_ffn_cpu(h, coef, gu, dn, ids, impl="kernel")))
+            outs.append(jax.block_until_ready(listed(h, coef, [gu[e] for e in ids], [dn[e] for e in ids])))
+    finally:
+        cpu_ffn.set_isa(None)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(outs[0]))
+    assert rel(outs[0], cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="xla")) < 1e-2
+    assert rel(outs[0], exact(h, coef, gate_up, down, ids)) < 5e-3
+
+
+def test_scales_of_two_types_in_one_call_are_widened_to_float32(kernel):
+    """One expert's float32 scales among bf16 ones (one call reads one type): the program widens them all, and
+    the result is what all bf16 gives."""
+    gate_up, down = stacks("int4", 256)
+    h, coef, ids = case(3, 3, 256, seed=5)
+    gus, dns = [gate_up[e] for e in ids], [down[e] for e in ids]
+    mixed = [scaled(gus[0], jnp.float32), *gus[1:]]
+    assert gus[1].scale.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, mixed, dns, impl="kernel")),
+                                  np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gus, dns, impl="kernel")))
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])

@@ -302,3 +302,34 @@ def test_warm_up_counts_reach_both_sides_of_the_whole_stack_switch():
     assert _padded_counts(64) == [1, 2, 4, 8, 16, 32, 64]
     assert _padded_counts(64, 27) == [1, 2, 4, 8, 16, 26, 27, 32, 64]  # 26 pads to 32 one by one, 27 whole
     assert _padded_counts(8, 8) == [1, 2, 4, 7, 8] and _padded_counts(0, 3) == []
+
+
+def test_an_int4_stores_host_addresses_compute_what_the_xla_path_does():
+    """An int4 store (the tiny preset's shapes, bf16 scales kept as stored) gives the addresses of its pinned
+    integers and bf16 scales with its groups; the kernel's entry (`cpu_ffn.run`, the bridge's worker) reads them in
+    place to the XLA dequantize path's numbers, and to the bits of the kernel's program on the same experts."""
+    from pdscope_jax.kernels import cpu_ffn
+    from pdscope_jax.quant.formats import quantize
+
+    if not cpu_ffn.built():
+        pytest.skip("the CPU expert kernel is not built here")
+    cfg, rng = preset("tiny-deepseek-v2-lite"), np.random.default_rng(4)
+    e, d, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    store, stacks = ExpertStore(select_devices()), {}
+    for layer in cfg.moe_layers:
+        stacks[layer] = [quantize(jnp.asarray(rng.standard_normal(shape) * 0.1), "int4", jnp.bfloat16)
+                         for shape in ((e, d, 2 * f), (e, f, d))]
+        store.add_layer(layer, *stacks[layer])
+    h = jnp.asarray(rng.standard_normal((3, d)), jnp.bfloat16)
+    coef = np.array([[0.5, 0.0, 0.25], [0.25, 1.0, 0.0], [0.0, 0.0, 0.0]], np.float32)  # the last: no row
+    ids = np.array([5, 0, 2], np.int32)
+    for layer in cfg.moe_layers:
+        weights = store.host_addresses(layer)
+        # D = 64 rows of gate_up: groups of gcd(64, 64); F = 32 rows of down: gcd(32, 64)
+        assert (weights.bits, weights.scale_bits, weights.groups, len(weights)) == (4, 16, (64, 32), e)
+        got = cpu_ffn.run(weights.take(ids), np.asarray(h), coef, (d, f))
+        gate_up, down = stacks[layer]
+        xla = np.asarray(cpu_ffn.moe_ffn_cpu(h, jnp.asarray(coef), gate_up, down, jnp.asarray(ids), impl="xla"))
+        assert np.linalg.norm(got - xla) / np.linalg.norm(xla) < 1e-2  # bf16 rounding apart
+        kernel = cpu_ffn.moe_ffn_cpu(h, jnp.asarray(coef), gate_up, down, jnp.asarray(ids), impl="kernel")
+        np.testing.assert_array_equal(got, np.asarray(kernel))

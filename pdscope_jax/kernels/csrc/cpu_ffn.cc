@@ -16,8 +16,9 @@
 //
 // Quantized experts (int8 per output column, int4 in groups of G rows; layouts in ffn_weights.h) compute the
 // same with W = q * scale exactly: the integers are read once, turned into bf16 in registers (exact), and the
-// float32 sums of each 32-row chunk are scaled per column. Two adjacent units of one expert share their gate/up
-// pass (half a 64-byte line each).
+// float32 sums of each 32-row chunk are scaled per column. The scales are float32 or bf16, one type per call,
+// read where they lie (bf16 widened in registers: exact, the same result as their float32 copy). Two adjacent
+// units of one expert share their gate/up pass (half a 64-byte line each).
 //
 // Handlers: pdscope_cpu_ffn_list (h, coef, k gate_ups, k downs -> out) and pdscope_cpu_ffn_stacked
 // (h, coef, ids [k] int32, gate_up [E, D, 2F], down [E, F, D] -> out); pdscope_cpu_ffn_quant_list (h, coef,
@@ -85,6 +86,15 @@ int current_isa() {
   return isa;
 }
 
+// Quantized units, their scales of type S (float or bf16).
+template <class S>
+void run_quant(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
+  if (c.fmt == kInt8)
+    run_units<Int8Mat<S>>(c, j, b, nb, rows, m, s, partial, ph);
+  else
+    run_units<Int4Mat<S>>(c, j, b, nb, rows, m, s, partial, ph);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 void compute_group(void* ctx, int g) {
   Call& c = *static_cast<Call*>(ctx);
@@ -112,12 +122,12 @@ void compute_group(void* ctx, int g) {
       u = units_amx(c, u, hi, s, partial, ph);
       continue;
     }
-    if (c.fmt == kInt8)
-      run_units<Int8Mat>(c, j, b, nb, rows, m, s, partial, ph);
-    else if (c.fmt == kInt4)
-      run_units<Int4Mat>(c, j, b, nb, rows, m, s, partial, ph);
-    else
+    if (c.fmt == kBf16)
       run_units<Bf16Mat>(c, j, b, nb, rows, m, s, partial, ph);
+    else if (c.scale_bits == 16)
+      run_quant<bf16>(c, j, b, nb, rows, m, s, partial, ph);
+    else
+      run_quant<float>(c, j, b, nb, rows, m, s, partial, ph);
     u += nb;
   }
   if (tiles) amx_end();
@@ -278,13 +288,21 @@ ffi::Error ffn_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi
 // Whether g rows may share an int4 scale row of a `rows`-row matrix: a power of two, a multiple of kBlock, dividing.
 bool int4_group(int64_t g, int64_t rows) { return g > 0 && rows % g == 0 && g % kBlock == 0 && !(g & (g - 1)); }
 
+// The scales' element type as Call::scale_bits: 32 (f32), 16 (bf16), or 0 for another.
+int scale_bits_of(const ffi::AnyBuffer& scale) {
+  return scale.element_type() == ffi::DataType::F32 ? 32 : scale.element_type() == ffi::DataType::BF16 ? 16 : 0;
+}
+
 // One quantized matrix of dense shape [k, n] after `lead` leading axes: its integers' dtype and shape match the format,
-// its scales are [k / G, n] (int8: G = k; int4: `int4_group(G, k)`). Returns G, or 0 when it does not.
-int64_t quant_group(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& scale, int bits, size_t lead, int64_t k,
+// its scales are [k / G, n] (int8: G = k; int4: `int4_group(G, k)`) of the call's type (c.scale_bits; the first
+// matrix sets it). Returns G, or 0 when it does not.
+int64_t quant_group(Call& c, const ffi::AnyBuffer& q, const ffi::AnyBuffer& scale, int bits, size_t lead, int64_t k,
                     int64_t n) {
   auto qd = q.dimensions(), sd = scale.dimensions();
   const bool int4 = bits == 4;
-  if (q.element_type() != (int4 ? ffi::DataType::U8 : ffi::DataType::S8) || qd.size() != lead + 2 ||
+  if (c.scale_bits == 0) c.scale_bits = scale_bits_of(scale);
+  if (c.scale_bits == 0 || scale_bits_of(scale) != c.scale_bits ||
+      q.element_type() != (int4 ? ffi::DataType::U8 : ffi::DataType::S8) || qd.size() != lead + 2 ||
       sd.size() != lead + 2 || qd[lead] != (int4 ? k / 2 : k) || qd[lead + 1] != n || sd[lead + 1] != n ||
       sd[lead] <= 0 || k % sd[lead] != 0)
     return 0;
@@ -298,12 +316,13 @@ int64_t quant_group(const ffi::AnyBuffer& q, const ffi::Buffer<ffi::F32>& scale,
 ffi::Error quant_format(Call& c, int32_t bits) {
   if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant: bits must be 8 or 4");
   c.fmt = bits == 8 ? kInt8 : kInt4;
+  c.scale_bits = 0;  // set by the first scales (quant_group)
   return ffi::Error::Success();
 }
 
 const char kQuantLayout[] =
     ": int8 q [D, 2F] and [F, D] with scales [1, 2F] and [1, D]; int4 q uint8 [D/2, 2F] and [F/2, D] with "
-    "scales [D/G, 2F] and [F/G', D], G and G' powers of two and multiples of 32";
+    "scales [D/G, 2F] and [F/G', D], G and G' powers of two and multiples of 32; every scale f32, or every one bf16";
 
 // h [N, D] bf16, coef [k, N] f32, then k gate_up q, k gate_up scales, k down q, k down scales; attribute bits.
 ffi::Error ffn_quant_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::RemainingArgs weights,
@@ -318,29 +337,29 @@ ffi::Error ffn_quant_list(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, 
   c.f = kBlock;
   for (int j = 0; j < c.k; ++j) {
     auto gq = weights.get<ffi::AnyBuffer>(j), dq = weights.get<ffi::AnyBuffer>(2 * c.k + j);
-    auto gs = weights.get<ffi::Buffer<ffi::F32>>(c.k + j), ds = weights.get<ffi::Buffer<ffi::F32>>(3 * c.k + j);
+    auto gs = weights.get<ffi::AnyBuffer>(c.k + j), ds = weights.get<ffi::AnyBuffer>(3 * c.k + j);
     if (!gq.has_value() || !dq.has_value() || !gs.has_value() || !ds.has_value())
-      return ffi::Error::InvalidArgument(std::string("pdscope_cpu_ffn_quant_list") + kQuantLayout + " (f32 scales)");
+      return ffi::Error::InvalidArgument(std::string("pdscope_cpu_ffn_quant_list") + kQuantLayout);
     if (j == 0 && gq->dimensions().size() == 2) c.f = int(gq->dimensions()[1] / 2);
-    const int64_t gg = quant_group(*gq, *gs, bits, 0, c.d, 2 * int64_t(c.f));
-    const int64_t dg = quant_group(*dq, *ds, bits, 0, c.f, c.d);
+    const int64_t gg = quant_group(c, *gq, *gs, bits, 0, c.d, 2 * int64_t(c.f));
+    const int64_t dg = quant_group(c, *dq, *ds, bits, 0, c.f, c.d);
     if (gg == 0 || dg == 0 || (j > 0 && (gg != c.gu_group || dg != c.dn_group)))
       return ffi::Error::InvalidArgument(std::string("pdscope_cpu_ffn_quant_list") + kQuantLayout +
                                          ", the same for every expert");
     c.gu_group = int(gg);
     c.dn_group = int(dg);
     c.gate_up.push_back(gq->untyped_data());
-    c.gate_up_scale.push_back(gs->typed_data());
+    c.gate_up_scale.push_back(gs->untyped_data());
     c.down.push_back(dq->untyped_data());
-    c.down_scale.push_back(ds->typed_data());
+    c.down_scale.push_back(ds->untyped_data());
   }
   return checked_run(c, h, coef, out);
 }
 
 // h, coef, ids [k] int32, then the stacks gate_up q [E, ...], its scales [E, ...], down q, its scales; bits.
 ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coef, ffi::Buffer<ffi::S32> ids,
-                             ffi::AnyBuffer gq, ffi::Buffer<ffi::F32> gs, ffi::AnyBuffer dq,
-                             ffi::Buffer<ffi::F32> ds, ffi::ResultBuffer<ffi::F32> out, int32_t bits) {
+                             ffi::AnyBuffer gq, ffi::AnyBuffer gs, ffi::AnyBuffer dq, ffi::AnyBuffer ds,
+                             ffi::ResultBuffer<ffi::F32> out, int32_t bits) {
   Call c;
   if (auto e = quant_format(c, bits); e.failure()) return e;
   auto gd = gq.dimensions();
@@ -348,7 +367,8 @@ ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coe
     return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_stacked: h [N, D], coef [k, N], ids [k], stacks 3-d");
   c.f = int(gd[2] / 2);
   const int64_t experts = gd[0];
-  const int64_t gg = quant_group(gq, gs, bits, 1, c.d, 2 * int64_t(c.f)), dg = quant_group(dq, ds, bits, 1, c.f, c.d);
+  const int64_t gg = quant_group(c, gq, gs, bits, 1, c.d, 2 * int64_t(c.f));
+  const int64_t dg = quant_group(c, dq, ds, bits, 1, c.f, c.d);
   if (gg == 0 || dg == 0 || dq.dimensions()[0] != experts)
     return ffi::Error::InvalidArgument(std::string("pdscope_cpu_ffn_quant_stacked") + kQuantLayout +
                                        ", after one leading expert axis");
@@ -357,15 +377,15 @@ ffi::Error ffn_quant_stacked(ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::F32> coe
   c.dn_group = int(dg);
   const size_t e = size_t(std::max<int64_t>(experts, 1));
   const size_t gq_bytes = gq.size_bytes() / e, dq_bytes = dq.size_bytes() / e;
-  const size_t gs_size = gs.element_count() / e, ds_size = ds.element_count() / e;
+  const size_t gs_bytes = gs.size_bytes() / e, ds_bytes = ds.size_bytes() / e;
   const int32_t* id = ids.typed_data();
   for (int j = 0; j < c.k; ++j) {
     if (id[j] < 0 || id[j] >= experts)
       return ffi::Error::InvalidArgument("pdscope_cpu_ffn_quant_stacked: id out of range");
     c.gate_up.push_back(static_cast<const uint8_t*>(gq.untyped_data()) + id[j] * gq_bytes);
-    c.gate_up_scale.push_back(gs.typed_data() + id[j] * gs_size);
+    c.gate_up_scale.push_back(static_cast<const uint8_t*>(gs.untyped_data()) + id[j] * gs_bytes);
     c.down.push_back(static_cast<const uint8_t*>(dq.untyped_data()) + id[j] * dq_bytes);
-    c.down_scale.push_back(ds.typed_data() + id[j] * ds_size);
+    c.down_scale.push_back(static_cast<const uint8_t*>(ds.untyped_data()) + id[j] * ds_bytes);
   }
   return checked_run(c, h, coef, out);
 }
@@ -401,10 +421,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(pdscope_cpu_ffn_quant_stacked, ffn_quant_stacked,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // gate_up q
+                                  .Arg<ffi::AnyBuffer>()  // its scales, f32 or bf16
+                                  .Arg<ffi::AnyBuffer>()  // down q
+                                  .Arg<ffi::AnyBuffer>()  // its scales, of the same type
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("bits"));
 
@@ -471,22 +491,25 @@ int pdscope_cpu_ffn_set_threads(int n) {
 
 // One call from outside XLA (the CUDA bridge's worker): h [n, d] bf16, coef [k, n], k gate_up [d, 2f] and k down
 // [f, d] addresses stored as `bits` says (16: bf16, scales unused; 8, 4: pdscope_cpu_ffn_quant_list's integers, with k
-// float32 scale addresses each and int4's rows per scale row, gu_group and dn_group), out [n, d] float32; the list
-// handlers' math. Returns 0, or 1 when the sizes, format or groups do not fit the kernel.
-int pdscope_cpu_ffn_run(const uint16_t* h, const float* coef, int n, int d, int f, int k, int bits, int gu_group,
-                        int dn_group, const void* const* gate_up, const float* const* gate_up_scale,
-                        const void* const* down, const float* const* down_scale, float* out) {
+// scale addresses each, of float32 (scale_bits 32) or bf16 (16), and int4's rows per scale row, gu_group and
+// dn_group), out [n, d] float32; the list handlers' math. Returns 0, or 1 when the sizes, format, scale type or
+// groups do not fit the kernel.
+int pdscope_cpu_ffn_run(const uint16_t* h, const float* coef, int n, int d, int f, int k, int bits, int scale_bits,
+                        int gu_group, int dn_group, const void* const* gate_up, const void* const* gate_up_scale,
+                        const void* const* down, const void* const* down_scale, float* out) {
   Call c;
   c.n = n, c.d = d, c.f = f, c.k = k, c.h = h, c.coef = coef, c.out = out;
   c.gate_up.assign(gate_up, gate_up + k);
   c.down.assign(down, down + k);
-  if (bits == 8 || (bits == 4 && int4_group(gu_group, d) && int4_group(dn_group, f))) {
+  const bool scales = scale_bits == 32 || scale_bits == 16;
+  if (scales && (bits == 8 || (bits == 4 && int4_group(gu_group, d) && int4_group(dn_group, f)))) {
     c.fmt = bits == 8 ? kInt8 : kInt4;
+    c.scale_bits = scale_bits;
     c.gu_group = bits == 8 ? d : gu_group, c.dn_group = bits == 8 ? f : dn_group;
     c.gate_up_scale.assign(gate_up_scale, gate_up_scale + k);
     c.down_scale.assign(down_scale, down_scale + k);
   }
-  if (c.fmt == kBf16 && bits != 16) return 1;  // another format, or int4 groups the kernel does not take
+  if (c.fmt == kBf16 && bits != 16) return 1;  // another format or scale type, or int4 groups the kernel does not take
   if (check_shapes(c).failure()) return 1;
   run_call(c);
   return 0;

@@ -72,7 +72,8 @@ struct Call {
   int fmt = kBf16;                      // how gate_up and down are stored (ffn_weights.h)
   std::vector<const void*> gate_up;     // k x [d, 2f] (int4: [d/2, 2f] bytes)
   std::vector<const void*> down;        // k x [f, d] (int4: [f/2, d] bytes)
-  std::vector<const float*> gate_up_scale, down_scale;  // quantized: k x [d/gu_group, 2f], k x [f/dn_group, d]
+  std::vector<const void*> gate_up_scale, down_scale;  // quantized: k x [d/gu_group, 2f], k x [f/dn_group, d]
+  int scale_bits = 32;                  // quantized: the scales' type, 32 (float32) or 16 (bf16)
   int gu_group = 0, dn_group = 0;       // int4: rows per scale (int8: one scale row, bf16: unused)
   float* out = nullptr;                 // [n, d]
   std::vector<int> rows, row_off;       // routed rows of expert j: rows[row_off[j] .. row_off[j+1])

@@ -34,18 +34,19 @@ constexpr uint64_t kRing = kBeginRing;
 constexpr size_t kTimeline = 8192;  // layers the timeline keeps (the latest)
 constexpr int64_t kWatchdogNs = int64_t(30) * 1000 * 1000 * 1000;
 
-// cpu_ffn.cc's pdscope_cpu_ffn_run: (h, coef, n, d, f, k, bits, gu_group, dn_group, gate_up, gate_up scales, down,
-// down scales, out) -> 0 on success.
-using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, int, int, int, const void* const*,
-                      const float* const*, const void* const*, const float* const*, float*);
+// cpu_ffn.cc's pdscope_cpu_ffn_run: (h, coef, n, d, f, k, bits, scale_bits, gu_group, dn_group, gate_up, gate_up
+// scales, down, down scales, out) -> 0 on success.
+using RunFn = int (*)(const uint16_t*, const float*, int, int, int, int, int, int, int, int, const void* const*,
+                      const void* const*, const void* const*, const void* const*, float*);
 
 // Where a bridge's experts lie in host memory, at [layer * experts + expert]: gate_up [d, 2f] and down [f, d] as
-// `bits` says (16: bf16; 8 or 4: cpu_ffn.cc's integers with float32 scales, int4 with rows per scale row
-// gu_group / dn_group; then the worker computes them but copies none: its copies fill bf16 rows).
+// `bits` says (16: bf16; 8 or 4: cpu_ffn.cc's integers with scales of float32 (scale_bits 32) or bf16 (16), the
+// kernel reading either where it lies, int4 with rows per scale row gu_group / dn_group; then the worker computes
+// them but copies none: its copies fill bf16 rows).
 struct HostExperts {
-  int bits = 16, gu_group = 0, dn_group = 0;
+  int bits = 16, scale_bits = 32, gu_group = 0, dn_group = 0;
   std::vector<const void*> gate_up, down;
-  std::vector<const float*> gate_up_scale, down_scale;  // empty for bf16
+  std::vector<const void*> gate_up_scale, down_scale;  // empty for bf16
 };
 
 struct Desc {
@@ -316,7 +317,7 @@ class Bridge {
   // -> the experts computed.
   int Compute(const Desc& desc) {
     std::vector<const void*> gu, dn;
-    std::vector<const float*> gus, dns;  // quantized: the picks' scales
+    std::vector<const void*> gus, dns;  // quantized: the picks' scales
     std::vector<float> coef;
     const bool scaled = w_.bits != 16;
     for (int u = 0; u < desc.u; ++u) {
@@ -329,8 +330,8 @@ class Bridge {
       coef.insert(coef.end(), s_.coef + size_t(u) * desc.n, s_.coef + size_t(u + 1) * desc.n);
     }
     if (desc.u == 0) return 0;  // this layer's host part is nothing (no end waits for it)
-    if (gu.empty() || run_(s_.h, coef.data(), desc.n, d_, f_, int(gu.size()), w_.bits, w_.gu_group, w_.dn_group,
-                           gu.data(), gus.data(), dn.data(), dns.data(), s_.out) != 0) {
+    if (gu.empty() || run_(s_.h, coef.data(), desc.n, d_, f_, int(gu.size()), w_.bits, w_.scale_bits, w_.gu_group,
+                           w_.dn_group, gu.data(), gus.data(), dn.data(), dns.data(), s_.out) != 0) {
       if (!gu.empty()) faults_.fetch_add(1);
       std::memset(s_.out, 0, sizeof(float) * size_t(desc.n) * d_);
     }

@@ -22,8 +22,8 @@
 // outputs (a prediction: they overlap this layer's work and the next one's routing; the next layer's rows taken from
 // them are moved on the same stream, so after them), then computes out[n] = sum_u coef[u, n] * expert(ids[u])(h[n])
 // over the valid ids (>= 0) of that layer with the CPU expert kernel (cpu_ffn.cc's pdscope_cpu_ffn_run, passed in
-// as a function pointer; bf16, int8 or int4 experts, the quantized ones computed, never copied), and writes
-// "done". Handlers only enqueue: no host thread ever waits for the GPU, and the GPU
+// as a function pointer; bf16, int8 or int4 experts, the quantized ones, with float32 or bf16 scales, computed,
+// never copied), and writes "done". Handlers only enqueue: no host thread ever waits for the GPU, and the GPU
 // waits where the program needs a result. Ordering: begin and end alternate in program order and a program's handlers
 // run in order on one host thread, so each fetched and end waits for the latest begin. The staging is reused by the
 // next begin only after the stream passed this layer's fetched (the worker reads copy_ids before it issues the copies)
@@ -130,16 +130,17 @@ extern "C" {
 
 // A bridge for `layers` MoE layers of `experts` experts (hidden d, intermediate f), at most max_rows rows and
 // max_picks picks a layer; gate_up / down: layers * experts host addresses of [d, 2f] / [f, d] weights that outlive
-// the bridge, stored as `bits` says (HostExperts in host_bridge.h: 16 bf16; 8 or 4 with as many float32 scale
-// addresses in gate_up_scale / down_scale and int4's groups, else those null); run: pdscope_cpu_ffn_run;
-// ordinal: the CUDA device. Returns its handle, or -1 (`pdscope_host_experts_problem` says why).
+// the bridge, stored as `bits` says (HostExperts in host_bridge.h: 16 bf16; 8 or 4 with as many scale addresses
+// in gate_up_scale / down_scale, of float32 (scale_bits 32) or bf16 (16), and int4's groups, else those null);
+// run: pdscope_cpu_ffn_run; ordinal: the CUDA device. Returns its handle, or -1 (`pdscope_host_experts_problem`
+// says why).
 int64_t pdscope_host_experts_create(int layers, int experts, int d, int f, int max_rows, int max_picks,
-                                    const void* const* gate_up, const void* const* down, int bits, int gu_group,
-                                    int dn_group, const float* const* gate_up_scale, const float* const* down_scale,
-                                    void* run, int ordinal) {
+                                    const void* const* gate_up, const void* const* down, int bits, int scale_bits,
+                                    int gu_group, int dn_group, const void* const* gate_up_scale,
+                                    const void* const* down_scale, void* run, int ordinal) {
   const size_t n = size_t(layers) * experts;
   HostExperts w;  // (assign, not braces: a braced pair of pointers would be a list of those two pointers)
-  w.bits = bits, w.gu_group = gu_group, w.dn_group = dn_group;
+  w.bits = bits, w.scale_bits = scale_bits, w.gu_group = gu_group, w.dn_group = dn_group;
   w.gate_up.assign(gate_up, gate_up + n);
   w.down.assign(down, down + n);
   if (bits != 16) {
