@@ -7,7 +7,7 @@
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
 # 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depth 0 and 512, -ub/-b 4096, every core, 2
 #    repetitions; its peak GPU memory sampled by nvidia-smi every 250 ms.
-# 3. The project's bench at each chosen peak: prompts 512 and 4,096, 64 new tokens, 2 repeats.
+# 3. The project's bench at each chosen peak: prompts PROMPTS (default "512 4096"), 64 new tokens, 2 repeats.
 # Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN/ and
 # side_by_side-MODEL-TYPE.json (llama.cpp's peaks and rates per -ncmoe).
 # Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150, OURS_LIMIT 240.
@@ -60,7 +60,7 @@ for spec in ${OURS:-}; do
   [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
   [ "$limit" -ge 60 ] || { say "no time left for the project at -ncmoe $n"; continue; }
   timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --gpu-memory "${mib}MiB" \
-    --prompt-lens 512 4096 --new-tokens 64 --repeats 2 --policies ${policies//,/ } --out "$out/bench-$name-n$n" 2>&1 \
+    --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 --policies ${policies//,/ } --out "$out/bench-$name-n$n" 2>&1 \
     | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -14 | cut -c1-220
   say "the project at -ncmoe $n's ${mib} MiB done"
 done
