@@ -64,7 +64,7 @@ def library() -> ctypes.CDLL | None:
     for name in ("pdscope_cpu_ffn_isa", "pdscope_cpu_ffn_best_isa", "pdscope_cpu_ffn_threads"):
         getattr(lib, name).restype = ctypes.c_int
     for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads", "pdscope_cpu_ffn_set_stream",
-                 "pdscope_cpu_ffn_set_groups", "pdscope_cpu_ffn_set_amx_rows"):
+                 "pdscope_cpu_ffn_set_groups", "pdscope_cpu_ffn_set_amx_rows", "pdscope_cpu_ffn_set_quant_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
     lib.pdscope_cpu_ffn_run.restype = ctypes.c_int
@@ -123,6 +123,14 @@ def set_amx_rows(n: int) -> int:
     n <= 0 keeps the setting; `PDSCOPE_CPU_FFN_AMX_ROWS`, 2 by default). Returns the setting (0 where not built)."""
     lib = library()
     return 0 if lib is None else lib.pdscope_cpu_ffn_set_amx_rows(n)
+
+
+def set_quant_rows(n: int) -> int:
+    """The most routed rows of an int8 or int4 expert for the few-row quantized kernels (csrc/ffn_quant.h), 0 to 4
+    (0: none, the unit kernels instead; n < 0 keeps the setting; `PDSCOPE_CPU_FFN_QUANT_ROWS`, 4 by default).
+    Returns the setting (0 where not built). Read when a call runs, as `set_isa`."""
+    lib = library()
+    return 0 if lib is None else lib.pdscope_cpu_ffn_set_quant_rows(n)
 
 
 def set_groups(n: int) -> int:

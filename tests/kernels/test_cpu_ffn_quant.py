@@ -115,6 +115,26 @@ def test_scales_of_two_types_in_one_call_are_widened_to_float32(kernel):
                                   np.asarray(cpu_ffn.moe_ffn_cpu(h, coef, gus, dns, impl="kernel")))
 
 
+@pytest.mark.parametrize("name,d", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_few_row_kernels_match_the_unit_kernels(kernel, name, d, rows):
+    """Experts of at most 4 routed rows take the few-row kernels (csrc/ffn_quant.h) unless set_quant_rows(0) sends
+    them to the unit kernels: each row count, every row routed to every expert but the last."""
+    gate_up, down = stacks(name, d)
+    h, coef, ids = case(rows, 5, d, seed=40 + rows)
+    coef[:-1] = np.random.default_rng(rows).random((4, rows)).astype(np.float32) + 0.1
+    # calls read the setting when they run: each is finished before it changes
+    few = jax.block_until_ready(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    before = cpu_ffn.set_quant_rows(-1)
+    try:
+        assert cpu_ffn.set_quant_rows(0) == 0
+        units = jax.block_until_ready(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+    finally:
+        cpu_ffn.set_quant_rows(before)
+    assert rel(few, units) < 1e-5  # the same weights, float32 sums in another order
+    assert rel(few, exact(h, coef, gate_up, down, ids)) < 5e-3
+
+
 @pytest.mark.parametrize("name", ["int8", "int4"])
 @pytest.mark.parametrize("isa", ["portable", None])
 def test_skipped_experts_and_rows_are_not_read(kernel, name, isa):

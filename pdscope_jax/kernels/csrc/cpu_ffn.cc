@@ -16,18 +16,22 @@
 //
 // Quantized experts (int8 per output column, int4 in groups of G rows; layouts in ffn_weights.h) compute the
 // same with W = q * scale exactly: the integers are read once, turned into bf16 in registers (exact), and the
-// float32 sums of each 32-row chunk are scaled per column. The scales are float32 or bf16, one type per call,
-// read where they lie (bf16 widened in registers: exact, the same result as their float32 copy). Two adjacent
-// units of one expert share their gate/up pass (half a 64-byte line each).
+// float32 sums of each run of rows within one scale group (32 rows; few-row kernels: a slab) are scaled per
+// column. The scales are float32 or bf16, one type per call, read where they lie (bf16 widened in registers: exact,
+// the same result as their float32 copy). Two adjacent units of one expert share their gate/up pass (half a 64-byte
+// line each); with at most 4 routed rows (set_quant_rows) all of a group's units of one expert run together on the
+// few-row kernels.
 //
 // Handlers: pdscope_cpu_ffn_list (h, coef, k gate_ups, k downs -> out) and pdscope_cpu_ffn_stacked
 // (h, coef, ids [k] int32, gate_up [E, D, 2F], down [E, F, D] -> out); pdscope_cpu_ffn_quant_list (h, coef,
 // k gate_up q, k gate_up scales, k down q, k down scales; attribute bits 8 or 4) and
 // pdscope_cpu_ffn_quant_stacked (h, coef, ids, the four stacks; bits). Exported controls: threads, ISA,
-// phase profile, the streamed few-row path (off by default), and pdscope_cpu_ffn_run for the CUDA bridge.
+// phase profile, the streamed few-row path (off by default), the few-row quantized kernels' row limit, and
+// pdscope_cpu_ffn_run for the CUDA bridge.
 // Parts: ffn_types.h (the call, scratch, tunables), ffn_weights.h (the formats), ffn_units.h (one unit:
-// portable and AVX-512 BF16 kernels), ffn_amx.h (bf16 units of several rows on AMX-BF16 tiles), ffn_stream.h
-// (few rows, contiguous passes), thread_pool.h; this file plans a call, runs its groups and reduces them.
+// portable and AVX-512 BF16 kernels), ffn_quant.h (int8 and int4 units of at most 4 rows, a run at a time),
+// ffn_amx.h (bf16 units of several rows on AMX-BF16 tiles), ffn_stream.h (few rows, contiguous passes),
+// thread_pool.h; this file plans a call, runs its groups and reduces them.
 
 #include <algorithm>
 #include <atomic>
@@ -50,6 +54,7 @@
 #include "xla/ffi/api/ffi.h"
 
 #include "ffn_amx.h"
+#include "ffn_quant.h"
 #include "ffn_stream.h"
 #include "ffn_types.h"
 #include "ffn_units.h"
@@ -88,11 +93,10 @@ int current_isa() {
 
 // Quantized units, their scales of type S (float or bf16).
 template <class S>
-void run_quant(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
-  if (c.fmt == kInt8)
-    run_units<Int8Mat<S>>(c, j, b, nb, rows, m, s, partial, ph);
-  else
-    run_units<Int4Mat<S>>(c, j, b, nb, rows, m, s, partial, ph);
+int run_quant(const Call& c, int j, int b, int nb, int run, const int* rows, int m, Scratch& s, float* partial,
+              Phases* ph) {
+  if (c.fmt == kInt8) return run_units<Int8Mat<S>>(c, j, b, nb, run, rows, m, s, partial, ph);
+  return run_units<Int4Mat<S>>(c, j, b, nb, run, rows, m, s, partial, ph);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -115,20 +119,22 @@ void compute_group(void* ctx, int g) {
     const int* rows = c.rows.data() + c.row_off[j];
     const int m = c.row_off[j + 1] - c.row_off[j];
     // Quantized: an even block and the next one of its expert run together (a weight row's 64-byte line holds
-    // both units' columns; see gate_up_many). The order of additions into the partial does not change.
-    const int nb = (c.fmt != kBf16 && b % 2 == 0 && u + 1 < hi && c.unit_expert[u + 1] == j) ? 2 : 1;
+    // both units' columns; see gate_up_many), or the few-row kernels take the whole run. Either way the order of
+    // additions into the partial is fixed by the group's units.
+    int run = 1;  // the group's units of expert j from u on
+    while (u + run < hi && c.unit_expert[u + run] == j) ++run;
+    const int nb = (c.fmt != kBf16 && b % 2 == 0 && run > 1) ? 2 : 1;
     if (c.hx[j]) {  // the group's units of expert j on tiles, together
       tiles = tiles || amx_begin();
       u = units_amx(c, u, hi, s, partial, ph);
       continue;
     }
     if (c.fmt == kBf16)
-      run_units<Bf16Mat>(c, j, b, nb, rows, m, s, partial, ph);
+      u += run_units<Bf16Mat>(c, j, b, nb, run, rows, m, s, partial, ph);
     else if (c.scale_bits == 16)
-      run_quant<bf16>(c, j, b, nb, rows, m, s, partial, ph);
+      u += run_quant<bf16>(c, j, b, nb, run, rows, m, s, partial, ph);
     else
-      run_quant<float>(c, j, b, nb, rows, m, s, partial, ph);
-    u += nb;
+      u += run_quant<float>(c, j, b, nb, run, rows, m, s, partial, ph);
   }
   if (tiles) amx_end();
   if (ph) ph->total = now_ns() - start;
@@ -458,6 +464,13 @@ int pdscope_cpu_ffn_set_stream(int on) {
 int pdscope_cpu_ffn_set_amx_rows(int n) {
   if (n > 0) g_amx_rows.store(n);
   return g_amx_rows.load();
+}
+
+// The most routed rows of an int8 or int4 expert for the few-row quantized kernels (ffn_quant.h; 0 to 4, 0: none,
+// the unit kernels instead; n < 0 keeps it); returns the setting.
+int pdscope_cpu_ffn_set_quant_rows(int n) {
+  if (n >= 0) g_quant_rows.store(std::min(n, kQuantRows));
+  return g_quant_rows.load();
 }
 
 // Groups of units per pool thread in later calls (n >= 1; n <= 0 keeps it); returns the setting.

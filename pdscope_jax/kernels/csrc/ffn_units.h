@@ -1,5 +1,6 @@
 // One unit of work (expert j, 32 intermediate columns): portable and AVX-512 BF16 kernels, each a template over
 // the weights' format (a view of ffn_weights.h: M::value for the portable path, pair_of_rows for AVX-512).
+// run_units hands int8 and int4 experts of few rows to ffn_quant.h's kernels first (a run of units at a time).
 // Part of cpu_ffn.cc (one translation unit); see its header comment for the contract.
 #pragma once
 
@@ -349,14 +350,25 @@ void unit_scalar(const Call& c, int j, int b, const int* rows, int m, Scratch& s
   down_scalar(c, down_mat<M>(c, j), b, rows, m, act, partial);
 }
 
-// Units (j, b) .. (j, b + nb - 1) in the call's format and instruction set.
+// The few-row quantized kernels (ffn_quant.h): true where they took the units.
 template <class M>
-void run_units(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
+bool quant_units(const Call& c, int j, int b, int nu, const int* rows, int m, Scratch& s, float* partial,
+                 Phases* ph);
+
+// Units (j, b) .. (j, b + nb - 1) in the call's format and instruction set, or (quantized, few rows) all of the
+// run (j, b) .. (j, b + run - 1) (run >= nb); returns how many it computed.
+template <class M>
+int run_units(const Call& c, int j, int b, int nb, int run, const int* rows, int m, Scratch& s, float* partial,
+              Phases* ph) {
   if (c.isa >= kAvx512Bf16) {
+    if constexpr (M::kScaled) {
+      if (quant_units<M>(c, j, b, run, rows, m, s, partial, ph)) return run;
+    }
     unit_avx<M>(c, j, b, nb, rows, m, s, partial, ph);
   } else {
     for (int k = 0; k < nb; ++k) unit_scalar<M>(c, j, b + k, rows, m, s, partial);
   }
+  return nb;
 }
 
 }  // namespace pdscope_cpu_ffn
