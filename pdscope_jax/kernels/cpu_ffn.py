@@ -64,9 +64,11 @@ def library() -> ctypes.CDLL | None:
     for name in ("pdscope_cpu_ffn_isa", "pdscope_cpu_ffn_best_isa", "pdscope_cpu_ffn_threads"):
         getattr(lib, name).restype = ctypes.c_int
     for name in ("pdscope_cpu_ffn_set_isa", "pdscope_cpu_ffn_set_threads", "pdscope_cpu_ffn_set_stream",
-                 "pdscope_cpu_ffn_set_groups", "pdscope_cpu_ffn_set_amx_rows", "pdscope_cpu_ffn_set_quant_rows"):
+                 "pdscope_cpu_ffn_set_groups", "pdscope_cpu_ffn_set_amx_rows"):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [ctypes.c_int]
+    lib.pdscope_cpu_ffn_set_quant_rows.restype = ctypes.c_int
+    lib.pdscope_cpu_ffn_set_quant_rows.argtypes = [ctypes.c_int, ctypes.c_int]
     lib.pdscope_cpu_ffn_run.restype = ctypes.c_int
     lib.pdscope_cpu_ffn_run.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 8 + [ctypes.c_void_p] * 5
     lib.pdscope_cpu_ffn_read.restype = None
@@ -125,12 +127,15 @@ def set_amx_rows(n: int) -> int:
     return 0 if lib is None else lib.pdscope_cpu_ffn_set_amx_rows(n)
 
 
-def set_quant_rows(n: int) -> int:
-    """The most routed rows of an int8 or int4 expert for the few-row quantized kernels (csrc/ffn_quant.h), 0 to 4
-    (0: none, the unit kernels instead; n < 0 keeps the setting; `PDSCOPE_CPU_FFN_QUANT_ROWS`, 4 by default).
-    Returns the setting (0 where not built). Read when a call runs, as `set_isa`."""
+def set_quant_rows(n: int, bits: int = 4) -> int:
+    """The most routed rows of an expert of `bits` (4: int4, 8: int8) for the few-row quantized kernels
+    (csrc/ffn_quant.h), 0 to 4 (0: none, the unit kernels instead; n < 0 keeps the setting). By default int4 takes
+    them up to 4 rows (`PDSCOPE_CPU_FFN_QUANT_ROWS`) and int8 never (`PDSCOPE_CPU_FFN_QUANT_ROWS_INT8`: its unit
+    kernels ran faster on the GPU node's Xeon). Returns the setting (0 where not built). Read when a call runs."""
+    if bits not in (4, 8):
+        raise ValueError(f"set_quant_rows: bits must be 4 or 8, got {bits}")
     lib = library()
-    return 0 if lib is None else lib.pdscope_cpu_ffn_set_quant_rows(n)
+    return 0 if lib is None else lib.pdscope_cpu_ffn_set_quant_rows(bits, n)
 
 
 def set_groups(n: int) -> int:

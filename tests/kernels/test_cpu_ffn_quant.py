@@ -118,19 +118,22 @@ def test_scales_of_two_types_in_one_call_are_widened_to_float32(kernel):
 @pytest.mark.parametrize("name,d", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4])
 def test_few_row_kernels_match_the_unit_kernels(kernel, name, d, rows):
-    """Experts of at most 4 routed rows take the few-row kernels (csrc/ffn_quant.h) unless set_quant_rows(0) sends
-    them to the unit kernels: each row count, every row routed to every expert but the last."""
+    """Experts of at most 4 routed rows take the few-row kernels (csrc/ffn_quant.h) where set_quant_rows lets their
+    format (int4 by default), else the unit kernels: each row count, every row routed to every expert but the last."""
     gate_up, down = stacks(name, d)
+    bits = gate_up.scheme.bits
     h, coef, ids = case(rows, 5, d, seed=40 + rows)
     coef[:-1] = np.random.default_rng(rows).random((4, rows)).astype(np.float32) + 0.1
+    before = cpu_ffn.set_quant_rows(-1, bits)
+    assert before == (4 if bits == 4 else 0)  # the defaults
     # calls read the setting when they run: each is finished before it changes
-    few = jax.block_until_ready(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
-    before = cpu_ffn.set_quant_rows(-1)
     try:
-        assert cpu_ffn.set_quant_rows(0) == 0
+        assert cpu_ffn.set_quant_rows(4, bits) == 4
+        few = jax.block_until_ready(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
+        assert cpu_ffn.set_quant_rows(0, bits) == 0
         units = jax.block_until_ready(cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel"))
     finally:
-        cpu_ffn.set_quant_rows(before)
+        cpu_ffn.set_quant_rows(before, bits)
     assert rel(few, units) < 1e-5  # the same weights, float32 sums in another order
     assert rel(few, exact(h, coef, gate_up, down, ids)) < 5e-3
 

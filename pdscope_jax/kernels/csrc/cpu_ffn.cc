@@ -19,7 +19,8 @@
 // float32 sums of each run of rows within one scale group (32 rows; few-row kernels: a slab) are scaled per
 // column. The scales are float32 or bf16, one type per call, read where they lie (bf16 widened in registers: exact,
 // the same result as their float32 copy). Two adjacent units of one expert share their gate/up pass (half a 64-byte
-// line each); with at most 4 routed rows (set_quant_rows) all of a group's units of one expert run together on the
+// line each); with at most 4 routed rows (set_quant_rows: int4 by default) all of a group's units of one expert
+// run together on the
 // few-row kernels.
 //
 // Handlers: pdscope_cpu_ffn_list (h, coef, k gate_ups, k downs -> out) and pdscope_cpu_ffn_stacked
@@ -466,11 +467,13 @@ int pdscope_cpu_ffn_set_amx_rows(int n) {
   return g_amx_rows.load();
 }
 
-// The most routed rows of an int8 or int4 expert for the few-row quantized kernels (ffn_quant.h; 0 to 4, 0: none,
-// the unit kernels instead; n < 0 keeps it); returns the setting.
-int pdscope_cpu_ffn_set_quant_rows(int n) {
-  if (n >= 0) g_quant_rows.store(std::min(n, kQuantRows));
-  return g_quant_rows.load();
+// The most routed rows of an expert of `bits` (4 or 8) for the few-row quantized kernels (ffn_quant.h; 0 to 4, 0:
+// none, the unit kernels instead; n < 0 keeps it); returns the setting (-1 for other bits).
+int pdscope_cpu_ffn_set_quant_rows(int bits, int n) {
+  if (bits != 4 && bits != 8) return -1;
+  std::atomic<int>& rows = g_quant_rows[bits == 4 ? 0 : 1];
+  if (n >= 0) rows.store(std::min(n, kQuantRows));
+  return rows.load();
 }
 
 // Groups of units per pool thread in later calls (n >= 1; n <= 0 keeps it); returns the setting.

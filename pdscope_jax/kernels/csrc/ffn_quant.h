@@ -44,8 +44,11 @@ template <class S>
 constexpr bool kIsInt4<Int4Mat<S>> = true;
 
 constexpr int kQuantRows = 4;  // the most routed rows of an expert these kernels take
-// The most they do take (0: none; pdscope_cpu_ffn_set_quant_rows changes it).
-std::atomic<int> g_quant_rows{std::clamp(env_int("PDSCOPE_CPU_FFN_QUANT_ROWS", kQuantRows), 0, kQuantRows)};
+// The most they do take, int4 [0] and int8 [1] (0: none; pdscope_cpu_ffn_set_quant_rows changes them). int8 is off
+// by default: on a Sapphire Rapids host its unit kernels ran faster than these (docs/MEASUREMENTS.md).
+std::atomic<int> g_quant_rows[2] = {
+    std::clamp(env_int("PDSCOPE_CPU_FFN_QUANT_ROWS", kQuantRows), 0, kQuantRows),
+    std::clamp(env_int("PDSCOPE_CPU_FFN_QUANT_ROWS_INT8", 0), 0, kQuantRows)};
 constexpr int kQuantSlab = 32;  // stored rows (int4: byte rows) per slab of the gate_up walk
 // Lines the prefetch cursor runs ahead of the kernels (unset: a slab's and 256 more; 0: no prefetch).
 const int kQuantLead = env_int("PDSCOPE_CPU_FFN_PF_QUANT", -1);
@@ -445,12 +448,12 @@ void quant_run_avx(const Call& c, int j, int b, int nu, const int* rows, int m, 
 #endif
 
 // Units (j, b) .. (j, b + nu - 1) of int8 or int4 expert j for its m routed rows, on these kernels where they take
-// them (m <= g_quant_rows; int4: the CPU has AVX-512 VBMI); false where they do not.
+// them (m <= the format's g_quant_rows; int4: the CPU has AVX-512 VBMI); false where they do not.
 template <class M>
 bool quant_units(const Call& c, int j, int b, int nu, const int* rows, int m, Scratch& s, float* partial,
                  Phases* ph) {
 #if defined(__x86_64__)
-  if (m > g_quant_rows.load() || (kIsInt4<M> && !kHasVbmi)) return false;
+  if (m > g_quant_rows[kIsInt4<M> ? 0 : 1].load() || (kIsInt4<M> && !kHasVbmi)) return false;
   quant_run_avx<M>(c, j, b, nu, rows, m, s, partial, ph);
   return true;
 #else
