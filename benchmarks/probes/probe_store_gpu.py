@@ -38,7 +38,8 @@ from _common import emit
 from pdscope_jax.bench.timing import median_seconds
 from pdscope_jax.engine.cpu_experts import CpuExperts
 from pdscope_jax.runtime import select_devices
-from pdscope_jax.store.expert_store import ExpertStore, host_view
+from pdscope_jax.store.expert_store import ExpertStore
+from pdscope_jax.store.host_addresses import host_view
 from pdscope_jax.store.slot_pool import SlotPool
 
 

@@ -19,14 +19,14 @@ Contract:
   counts (`bytes_moved`), staging may run on another. `write(pool, layer, experts, slots) -> Written` loads now:
   up to `FUSED_MAX` experts in ONE pull-and-commit program, more by stage + commit. `write_bank` does the same
   into a decode bank.
-- Native readers: `host_addresses(layer)` -> where a layer's bf16, int8 or int4 experts lie (`cpu_ffn.HostWeights`).
+- Native readers: `host_addresses(layer)` -> where a layer's bf16, int8 or int4 experts lie (`cpu_ffn.HostWeights`,
+  `store.host_addresses`).
 - Int4 copies (`store.low_copies`): `add_low_layer` pins a layer's too (`low_bytes`); `stage`, `write`, `count_moved`
   take `low` ([n] bool) to move them, turned into the pool's format as they are written (one program per kind).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 
@@ -36,9 +36,9 @@ import numpy as np
 
 from pdscope_jax.kernels import row_copy
 from pdscope_jax.kernels.cpu_ffn import HostWeights
-from pdscope_jax.quant.formats import is_quantized
 from pdscope_jax.runtime import Devices
 from pdscope_jax.store import page_locked
+from pdscope_jax.store.host_addresses import host_view, host_weights
 from pdscope_jax.store.low_copies import to_slot
 from pdscope_jax.store.slot_pool import SlotPool
 
@@ -62,11 +62,6 @@ def _commit_slots(pool_gu, pool_dn, gus, dns, slots, low=False):
             return jax.lax.dynamic_update_slice(pool, part[None], (slots[i], 0, 0))
         pool_gu, pool_dn = jax.tree.map(put, pool_gu, gu), jax.tree.map(put, pool_dn, dn)
     return pool_gu, pool_dn
-
-
-def _commit_rows(pool_gu, pool_dn, stack_gu, stack_dn, rows, slots):
-    """pool_gu/pool_dn with slots[i] = stack row rows[i] for each i whose slot is in range (-1: padding)."""
-    return row_copy.copy_rows((pool_gu, pool_dn), (stack_gu, stack_dn), rows, slots)
 
 
 def _pull_into_slots(pool_gu, pool_dn, gus, dns, slots, low=False):
@@ -107,16 +102,6 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def host_view(array: jax.Array) -> np.ndarray | None:
-    """A numpy view of a single-buffer host-memory array's bytes, or None when its address is unavailable."""
-    try:
-        address = array.unsafe_buffer_pointer()
-    except Exception:  # noqa: BLE001 (backends differ in what they refuse; any refusal means "no view")
-        return None
-    raw = (ctypes.c_byte * array.nbytes).from_address(address)
-    return np.frombuffer(raw, dtype=np.uint8).view(np.dtype(array.dtype)).reshape(array.shape)
-
-
 class ExpertStore:
     def __init__(self, devices: Devices, cpu_view: str = "alias", host_alloc: str = "auto", stacks: bool = False):
         if cpu_view not in ("alias", "copy"):
@@ -152,7 +137,8 @@ class ExpertStore:
                         for low in (False, True)}
         self._pull = {low: jax.jit(functools.partial(_pull_into_slots, low=low), donate_argnums=(0, 1))
                       for low in (False, True)}
-        self._commit_whole = jax.jit(_commit_rows, donate_argnums=(0, 1))
+        # a whole stack's rows into slots (-1: padding, copied nowhere), the pool (or bank) donated
+        self._commit_whole = jax.jit(row_copy.copy_rows, donate_argnums=0)
         self._commit_sizes: set[tuple[int, bool | str]] = set()
         self._pull_sizes: set[tuple[int, bool]] = set()
 
@@ -354,34 +340,9 @@ class ExpertStore:
         return tuple(gus), tuple(dns)
 
     def host_addresses(self, layer: int) -> HostWeights | None:
-        """Where each expert's pinned bytes of `layer` lie, for native code that reads them in place: bf16 experts,
-        or int8 / int4 ones with their scales as stored (float32 or bf16: `scale_bits`; int4 with its rows per
-        scale row, `groups`); None for other experts or where an address is unavailable."""
-        gus, dns = self._host[layer]
-        first = gus[0]
-        quantized = is_quantized(first)
-        if quantized:
-            scale_types = {np.dtype(w.scale.dtype).name for w in (first, dns[0])}  # one for the kernel's call
-            scale_bits = {"float32": 32, "bfloat16": 16}.get(scale_types.pop()) if len(scale_types) == 1 else None
-            if first.scheme.bits not in (8, 4) or scale_bits is None:
-                return None
-        if not quantized and first.dtype != jnp.bfloat16:
-            return None
-        parts = [[w.q for w in gus], [w.scale for w in gus], [w.q for w in dns], [w.scale for w in dns]] \
-            if quantized else [gus, [], dns, []]
-        addresses = []
-        for arrays in parts:
-            views = [host_view(a) if isinstance(a, jax.Array) else None for a in arrays]
-            if any(v is None for v in views):
-                return None
-            addresses.append(tuple(v.ctypes.data for v in views))
-        gate_up, gate_up_scale, down, down_scale = addresses
-        if not quantized:
-            return HostWeights(gate_up, down)
-        bits = first.scheme.bits
-        # int4: rows per scale row (dense rows over scale rows); int8's one scale row needs none
-        groups = tuple(w.shape[-2] // w.scale.shape[-2] for w in (first, dns[0])) if bits == 4 else (0, 0)
-        return HostWeights(gate_up, down, bits, gate_up_scale, down_scale, groups, scale_bits)
+        """Where each expert's pinned bytes of `layer` lie, for native code that reads them in place
+        (`store.host_addresses.host_weights`); None where the kernel cannot read them."""
+        return host_weights(*self._host[layer])
 
     def host_weights(self, layer: int, expert: int) -> tuple[jax.Array, jax.Array]:
         """(gate_up, down) of one expert in pinned_host memory."""
@@ -425,7 +386,7 @@ class ExpertStore:
             rows[:n] = staged.experts
             slot_ids = np.full(size, -1, np.int32)
             slot_ids[:n] = slots
-            return self._commit_whole(*bank, *staged.stack, rows, slot_ids)
+            return self._commit_whole(tuple(bank), staged.stack, rows, slot_ids)
         low = np.zeros(staged.experts.size, bool) if staged.low is None else staged.low
         for kind in (False, True):
             picked = np.flatnonzero(low == kind)
