@@ -54,10 +54,6 @@ constexpr int kQuantSlab = 32;  // stored rows (int4: byte rows) per slab of the
 const int kQuantLead = env_int("PDSCOPE_CPU_FFN_PF_QUANT", -1);
 
 #if defined(__x86_64__)
-bool cpu_has_avx512vbmi() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512vbmi");
-}
 const bool kHasVbmi = cpu_has_avx512vbmi();
 
 // Column of lane l of spread vector j: Z = 4 vectors (64 columns), or 2 (32 columns).
@@ -128,10 +124,6 @@ inline void widen(const Int4Mat<S>& w, int r, int c0, __m512i* out) {
     for (int j = 0; j < 2; ++j)
       out[j] = _mm512_permutexvar_epi16(_mm512_multishift_epi64_epi8(_mm512_load_si512(kQ.spread2[j]), x), table);
   }
-}
-
-inline __m512 int8_floats(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 template <int Z, class S>

@@ -331,9 +331,15 @@ bool cpu_has_avx512bf16() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
 
+bool cpu_has_avx512vbmi() {  // the int4 few-row kernels' nibble spread (ffn_quant.h)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+}
+
 #pragma GCC pop_options
 #else
 bool cpu_has_avx512bf16() { return false; }
+bool cpu_has_avx512vbmi() { return false; }
 template <class M>
 void unit_avx(const Call&, int, int, int, const int*, int, Scratch&, float*, Phases*) {}
 #endif

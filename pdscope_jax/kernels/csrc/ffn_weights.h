@@ -89,11 +89,12 @@ inline void prefetch_two(const T* p, size_t ld) {  // p and the element one row 
 
 inline void prefetch_rows(const Bf16Mat& m, int r, int c0) { prefetch_two(m.w + size_t(r) * m.ld + c0, m.ld); }
 
-inline __m512i int8_row(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return to_bf16(lo, hi);
+// 16 int8 values as float32 (exact).
+inline __m512 int8_floats(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+
+inline __m512i int8_row(const int8_t* p) { return to_bf16(int8_floats(p), int8_floats(p + 16)); }
 
 template <class S>
 inline void pair_of_rows(const Int8Mat<S>& m, int r, int c0, __m512i* row0, __m512i* row1) {
