@@ -9,9 +9,11 @@ stamped with a new clock, so a layer depends on the one before, as in the step),
 - `blocks`: the r blocks (of --block slots) with the smallest minima, then `top_k` over their union: exact, since
   each of the r smallest values lies in a block whose minimum is no larger, and at most r blocks hold such values
   (ties go to the lower index in both);
-- `argmin`: r rounds of argmin, each masking the slot it found.
+- `argmin`: r rounds of argmin, each masking the slot it found;
+- `merge`: `engine.smallest` (what the step uses): one variadic reduction keeping the r smallest (value, index) pairs.
 Every variant's victims are checked equal to `top_k`'s on the same tables (the probe fails otherwise). Also the
-picks' own sorts: `sort` then a stable argsort by worth of --picks ids, against the argsort alone.
+picks' own sorts: `sort` then a stable argsort by worth of --picks ids, against the argsort alone and against one
+two-key `lax.sort` (worth, then id: the step's order).
 Usage: python benchmarks/probes/probe_victims.py [--slots 3173 4799 8192] [--out F.json]
 """
 
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from _common import emit, probe_result
+from pdscope_jax.engine.smallest import smallest
 from pdscope_jax.runtime import select_devices
 
 PROTECTED = np.iinfo(np.int32).max
@@ -56,7 +59,11 @@ def argmin(keep, r: int, block: int):
     return jnp.stack(found)
 
 
-VARIANTS = {"top_k": top_k, "blocks": blocks, "argmin": argmin}
+def merge(keep, r: int, block: int):
+    return smallest(keep, r)
+
+
+VARIANTS = {"top_k": top_k, "blocks": blocks, "argmin": argmin, "merge": merge}
 
 
 def chained(pick, layers: int, r: int, block: int):
@@ -119,20 +126,27 @@ def main(argv: list[str] | None = None) -> dict:
     ids = jax.device_put(rng.choice(128, (layers, args.picks), replace=False).astype(np.int32), accel)
     worth = jax.device_put(rng.integers(0, 4, (layers, args.picks)).astype(np.int32), accel)
 
-    def picks(sort_first: bool):
+    def picks(how: str):
         def run(ids, worth):
             out = []
             for layer in range(layers):  # chained: each layer's order feeds the next one's worth
-                p = jnp.sort(ids[layer]) if sort_first else ids[layer]
-                order = jnp.argsort(-(worth[layer] + (out[-1][0] if out else 0)), stable=True)
+                key = -(worth[layer] + (out[-1][0] if out else 0))
+                if how == "one_sort":
+                    out.append(jax.lax.sort((key, ids[layer]), num_keys=2)[1])
+                    continue
+                p = jnp.sort(ids[layer]) if how == "sort_then_argsort" else ids[layer]
+                order = jnp.argsort(key[jnp.argsort(ids[layer])] if how == "sort_then_argsort" else key, stable=True)
                 out.append(p[order])
             return jnp.stack(out)
         return jax.jit(run)
 
-    for sort_first in (True, False):
-        seconds = timed(picks(sort_first), (ids, worth), args.reps)
-        emit(records, {"what": "picks", "sort_then_argsort" if sort_first else "argsort_only": True,
-                       "picks": args.picks, "layers": layers, "us_per_layer": round(seconds / layers * 1e6, 2)})
+    orders = {how: np.asarray(picks(how)(ids, worth)) for how in ("sort_then_argsort", "one_sort")}
+    if not np.array_equal(*orders.values()):
+        raise SystemExit("the two-key sort ordered the picks otherwise than sort then stable argsort")
+    for how in ("sort_then_argsort", "argsort_only", "one_sort"):
+        seconds = timed(picks(how), (ids, worth), args.reps)
+        emit(records, {"what": "picks", "order": how, "picks": args.picks, "layers": layers,
+                       "us_per_layer": round(seconds / layers * 1e6, 2)})
     return probe_result("eviction victims and picks' sorts per decode layer", devices, records, args.out)
 
 

@@ -47,6 +47,7 @@ from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, sources_experts_f
 from pdscope_jax.engine import bank_slots
 from pdscope_jax.engine.programs import dense_layer, moe_route, next_layer_picks
 from pdscope_jax.engine.pool_table import PoolTable
+from pdscope_jax.engine.smallest import smallest
 from pdscope_jax.store.expert_store import pull_traced
 
 PROTECTED = np.iinfo(np.int32).max  # `keep` of this layer's hit slots while it places its misses
@@ -215,8 +216,9 @@ def _layer_picks(m, ids, table, active, by_worth: bool):
     as they come."""
     if active is not None:
         ids = jnp.where(active[:, None], ids, -1)
-    if not by_worth and ids.shape[0] == 1 and active is None:
-        picks = ids.reshape(-1)  # one row's top-k are distinct; with nothing to copy their order serves
+    one_row = ids.shape[0] == 1 and active is None
+    if one_row:
+        picks = ids.reshape(-1)  # one row's top-k are distinct: its picks, in the order they come
     else:
         picks = _distinct(ids, table.slot_of.shape[1], masked=active is not None)
     valid = picks >= 0
@@ -225,7 +227,10 @@ def _layer_picks(m, ids, table, active, by_worth: bool):
     miss = valid & (slots < 0)
     clock = table.clock + 1
     worth = clock + table.bonus[m, picks]
-    if by_worth:
+    if by_worth and one_row:  # by worth, then ascending: the general path's order, in one sort
+        _, picks, valid, miss, slots, worth = jax.lax.sort(
+            (jnp.where(miss, -worth, PROTECTED), picks, valid, miss, slots, worth), num_keys=2)
+    elif by_worth:
         order = jnp.argsort(jnp.where(miss, -worth, PROTECTED), stable=True)
         picks, valid, miss, slots, worth = (a[order] for a in (picks, valid, miss, slots, worth))
     return ids, picks, valid, slots, miss, worth, clock
@@ -346,7 +351,7 @@ def _victims(m, table, picks, worth, copied, parked):
     num_slots = table.keep.shape[0]
     keep = table.keep.at[parked].set(PROTECTED, mode="drop")
     r = kept_rows(picks.shape[0])  # the candidates: the first r picks, the misses most worth keeping
-    victims = jax.lax.top_k(-keep, r)[1]  # the slots least worth keeping, least first
+    victims = smallest(keep, r)  # the slots least worth keeping, least first
     kept = copied[:r] & (worth[:r] > keep[victims])  # the i-th miss against the i-th victim
     target = jnp.where(kept, victims, num_slots + jnp.arange(r))  # distinct; out of range: dropped
     evicted = jnp.where(kept, table.owner[victims], -1)
