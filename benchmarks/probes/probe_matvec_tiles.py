@@ -1,7 +1,9 @@
 """The GPU gather-matvec kernel's tiles (`kernels.gather_matvec.Tiles`) swept on the shapes whole-model decode runs.
 
 For each shape of DeepSeek-V2-Lite's decode step (six routed picks of 64 experts' gate_up and down; one row of the
-shared experts', the attention's q and o, the lm_head) and each candidate cut, compiles the kernel, then traces
+shared experts', the attention's q and o, the lm_head; Qwen3-30B-A3B's routed experts) and each candidate cut
+(`--quantize int4`: weights quantized as the engine stores them, a tile one scale group, so only the cut's columns,
+programs, warps and stages vary), compiles the kernel, then traces
 `--calls` calls of every cut of a shape (random bf16 weights, weights larger than the L2 cache where the model's
 are: a stack of copies cycled through) and reads each cut's kernel time from the trace by the kernel's name (its
 wall time a call, each waited for, where the trace does not name it). The reduction of K's parts, where a cut
@@ -26,11 +28,14 @@ from jax.profiler import ProfileData
 
 from _common import emit, probe_result
 from pdscope_jax.kernels import gather_matvec as gm
+from pdscope_jax.quant.formats import quantize
 
 SHAPES = {  # name: (rows, K, N, stacked weights)
     "experts_gate_up": (6, 2048, 2816, 64), "experts_down": (6, 1408, 2048, 64),
     "shared_gate_up": (1, 2048, 5632, 8), "shared_down": (1, 2816, 2048, 8),
     "q_proj": (1, 2048, 3072, 8), "o_proj": (1, 2048, 2048, 8), "lm_head": (1, 2048, 102400, 1),
+    # Qwen3-30B-A3B's routed experts (eight picks of 128): run with --quantize int4, its decode's format
+    "qwen3_gate_up": (8, 2048, 1536, 128), "qwen3_down": (8, 768, 2048, 128),
 }
 
 
@@ -63,6 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--quantize", default=None, choices=[None, "int4"], help="weights quantized (int4: the "
+                        "decode's int4 expert kernel; the cut's block_k is then the scale group)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -71,10 +78,15 @@ def main(argv: list[str] | None = None) -> dict:
     for shape in args.shapes:
         a, k, n, stack = SHAPES[shape]
         w = jnp.asarray(rng.standard_normal((stack, k, n), np.float32) * 0.02, jnp.bfloat16)
+        if args.quantize:
+            w = quantize(w, args.quantize)
+            jax.block_until_ready(jax.tree.leaves(w))
         x = jnp.asarray(rng.standard_normal((a, k), np.float32), jnp.bfloat16)
         picks = [jnp.asarray(rng.permutation(stack)[:a] if a <= stack else rng.integers(0, stack, a), jnp.int32)
                  for _ in range(args.calls)]
         cuts = [t for t in candidates() if n % t.block_n == 0 and k % t.block_k == 0]
+        if args.quantize:  # a tile is one scale group whatever block_k says: one cut per other setting
+            cuts = list({t._replace(block_k=gm.TILES.block_k): None for t in cuts})
         ok = []
         for tiles in cuts:
             try:
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
                 wall[tiles] = (time.perf_counter() - start) * 1e6 / len(picks)
 
         totals = kernel_us(run, {gm.kernel_name(t) for t in ok})
-        nbytes = a * k * n * 2
+        nbytes = a * sum(leaf.nbytes for leaf in jax.tree.leaves(w)) // stack
         # by the trace's kernel time where the trace names the kernels, else by wall time (launch included)
         traced = any(totals.values())
         rows = sorted(({"tiles": t._asdict(), "wall_us": wall[t],
@@ -106,7 +118,8 @@ def main(argv: list[str] | None = None) -> dict:
                        "trace" if traced else "wall", "default": default,
                        "best": rows[:5], "all": rows})
     devices = argparse.Namespace(accel=jax.devices()[0])
-    return probe_result("gather_matvec tiles on decode's shapes (random bf16 weights)", devices, records, args.out)
+    what = "random bf16 weights" + (f", {args.quantize}" if args.quantize else "")
+    return probe_result(f"gather_matvec tiles on decode's shapes ({what})", devices, records, args.out)
 
 
 if __name__ == "__main__":
