@@ -2,8 +2,8 @@
 
 For each shape of DeepSeek-V2-Lite's decode step (six routed picks of 64 experts' gate_up and down; one row of the
 shared experts', the attention's q and o, the lm_head; Qwen3-30B-A3B's routed experts) and each candidate cut
-(`--quantize int4`: weights quantized as the engine stores them, a tile one scale group, so only the cut's columns,
-programs, warps and stages vary), compiles the kernel, then traces
+(`--quantize int4`: weights quantized as the engine stores them, a tile whole scale groups, so the groups a tile
+takes vary instead of block_k), compiles the kernel, then traces
 `--calls` calls of every cut of a shape (random bf16 weights, weights larger than the L2 cache where the model's
 are: a stack of copies cycled through) and reads each cut's kernel time from the trace by the kernel's name (its
 wall time a call, each waited for, where the trace does not name it). The reduction of K's parts, where a cut
@@ -39,7 +39,12 @@ SHAPES = {  # name: (rows, K, N, stacked weights)
 }
 
 
-def candidates() -> list[gm.Tiles]:
+def candidates(int4: bool = False) -> list[gm.Tiles]:
+    if int4:  # a tile is whole scale groups: their count varies instead of block_k
+        cuts = [gm.Tiles(block_n=n, int4_groups=g, programs=p) for n, g, p in
+                itertools.product((64, 128, 256), (1, 2, 4), (1056, 2112, 4224))]
+        cuts += [gm.TILES._replace(num_warps=w, num_stages=s) for w, s in itertools.product((4, 8), (2, 3, 4))]
+        return list(dict.fromkeys([gm.TILES, gm.NARROW._replace(block_k=gm.TILES.block_k), *cuts]))
     cuts = [gm.Tiles(block_n=n, block_k=k, programs=p) for n, k, p in
             itertools.product((64, 128, 256), (32, 64, 128), (528, 1056, 2112))]
     cuts += [gm.TILES._replace(num_warps=w, num_stages=s) for w, s in itertools.product((2, 4, 8), (2, 3, 4, 5))]
@@ -84,9 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         x = jnp.asarray(rng.standard_normal((a, k), np.float32), jnp.bfloat16)
         picks = [jnp.asarray(rng.permutation(stack)[:a] if a <= stack else rng.integers(0, stack, a), jnp.int32)
                  for _ in range(args.calls)]
-        cuts = [t for t in candidates() if n % t.block_n == 0 and k % t.block_k == 0]
-        if args.quantize:  # a tile is one scale group whatever block_k says: one cut per other setting
-            cuts = list({t._replace(block_k=gm.TILES.block_k): None for t in cuts})
+        cuts = [t for t in candidates(args.quantize == "int4") if n % t.block_n == 0 and k % t.block_k == 0]
         ok = []
         for tiles in cuts:
             try:
@@ -113,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
                       key=lambda r: r["us"])
         for r in rows:
             r["gb_s"] = nbytes / r["us"] / 1e3 if r["us"] else None
-        default = next((r for r in rows if r["tiles"] == gm.tiles_for(n)._asdict()), None)
+        default = next((r for r in rows if gm.Tiles(**r["tiles"]) == gm.tiles_for(n)._replace(
+            block_k=gm.TILES.block_k if args.quantize else gm.tiles_for(n).block_k)), None)
         emit(records, {"shape": shape, "rows": a, "k": k, "n": n, "weight_bytes": nbytes, "timed_by":
                        "trace" if traced else "wall", "default": default,
                        "best": rows[:5], "all": rows})
