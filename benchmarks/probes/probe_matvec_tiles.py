@@ -2,13 +2,12 @@
 
 For each shape of DeepSeek-V2-Lite's decode step (six routed picks of 64 experts' gate_up and down; one row of the
 shared experts', the attention's q and o, the lm_head; Qwen3-30B-A3B's routed experts) and each candidate cut
-(`--quantize int4`: weights quantized as the engine stores them, a tile whole scale groups, so the groups a tile
-takes vary instead of block_k), compiles the kernel, then traces
-`--calls` calls of every cut of a shape (random bf16 weights, weights larger than the L2 cache where the model's
-are: a stack of copies cycled through) and reads each cut's kernel time from the trace by the kernel's name (its
-wall time a call, each waited for, where the trace does not name it). The reduction of K's parts, where a cut
-splits K, is a separate small kernel not counted. Records per shape and cut:
-microseconds a call and GB/s of the weights read, best first; the default cut's (`tiles_for`) beside them.
+(`--quantize int4`: weights quantized as the engine stores them, a tile one scale group, so block_k does not vary),
+compiles the kernel, then traces `--calls` calls of every cut of a shape (random bf16 weights, weights larger than
+the L2 cache where the model's are: a stack of copies cycled through) and reads each cut's kernel time from the
+trace by the kernel's name (its wall time a call, each waited for, where the trace does not name it). The reduction
+of K's parts, where a cut splits K, is a separate small kernel not counted. Records per shape and cut: microseconds
+a call and GB/s of the weights read, best first; the default cut's (`tiles_for`) beside them.
 Run from the repository root: `PYTHONPATH=. python benchmarks/probes/probe_matvec_tiles.py [--out FILE]`.
 """
 
@@ -40,11 +39,10 @@ SHAPES = {  # name: (rows, K, N, stacked weights)
 
 
 def candidates(int4: bool = False) -> list[gm.Tiles]:
-    if int4:  # a tile is whole scale groups: their count varies instead of block_k
-        cuts = [gm.Tiles(block_n=n, int4_groups=g, programs=p) for n, g, p in
-                itertools.product((64, 128, 256), (1, 2, 4), (1056, 2112, 4224))]
+    if int4:  # a tile is one scale group whatever block_k says: the other settings vary
+        cuts = [gm.Tiles(block_n=n, programs=p) for n, p in itertools.product((64, 128, 256), (1056, 2112, 4224))]
         cuts += [gm.TILES._replace(num_warps=w, num_stages=s) for w, s in itertools.product((4, 8), (2, 3, 4))]
-        return list(dict.fromkeys([gm.TILES, gm.NARROW._replace(block_k=gm.TILES.block_k), *cuts]))
+        return list(dict.fromkeys([gm.TILES, *cuts]))
     cuts = [gm.Tiles(block_n=n, block_k=k, programs=p) for n, k, p in
             itertools.product((64, 128, 256), (32, 64, 128), (528, 1056, 2112))]
     cuts += [gm.TILES._replace(num_warps=w, num_stages=s) for w, s in itertools.product((2, 4, 8), (2, 3, 4, 5))]
@@ -63,7 +61,8 @@ def kernel_us(run, names: set[str]) -> dict[str, float]:
         if plane.name.startswith("/device:"):
             for line in plane.lines:
                 for event in line.events:
-                    hit = next((name for name in names if event.name.startswith(name)), None)
+                    # the longest name the kernel's starts with: one cut's name may begin another's
+                    hit = max((name for name in names if event.name.startswith(name)), key=len, default=None)
                     if hit:
                         totals[hit] += event.duration_ns / 1e3
     return totals

@@ -47,15 +47,13 @@ BLOCK_N = 128
 
 class Tiles(NamedTuple):
     """How a call cuts its work: columns a program takes (`block_n`, a multiple of 16 dividing N), rows of K a tile
-    takes for 2-byte dense weights (`block_k`; 4-byte weights take half, int4 `int4_groups` scale groups where
-    they divide K's groups, else one), the grid's target size (`programs`: K is split until the grid has about
-    this many), and Triton's `num_warps` / `num_stages`."""
+    takes for 2-byte dense weights (`block_k`; 4-byte weights take half, int4 one group), the grid's target size
+    (`programs`: K is split until the grid has about this many), and Triton's `num_warps` / `num_stages`."""
     block_n: int = BLOCK_N
     block_k: int = 64
     programs: int = 2112  # 16 per multiprocessor of an H100/H200: enough weight bytes in flight
     num_warps: int = 4
     num_stages: int = 3
-    int4_groups: int = 1
 
 
 TILES = Tiles()
@@ -73,16 +71,14 @@ def tiles_for(n: int) -> Tiles:
 
 def kernel_name(tiles: Tiles) -> str:
     """The kernel's name in profiles: its tiles, so that a trace tells cuts apart."""
-    groups = f"_g{tiles.int4_groups}" if tiles.int4_groups > 1 else ""
-    return "gather_matvec_n{}_k{}_p{}_w{}_s{}".format(*tiles) + groups
+    return "gather_matvec_n{}_k{}_p{}_w{}_s{}".format(*tiles)
 
 
 def _block_k(dtype, scheme=None, k: int = 0, tiles: Tiles = TILES) -> int:
-    """Rows of K a tile takes: tiles.block_k (half for 4-byte weights); int4: `tiles.int4_groups` groups where they
-    divide K's groups, else one (each group's sums meet its own scale row)."""
+    """Rows of K a tile takes: tiles.block_k (half for 4-byte weights); an int4 group (a tile shares one scale
+    row)."""
     if scheme is not None and scheme.bits == 4:
-        group = scheme.group_for(k)
-        return group * tiles.int4_groups if k and (k // group) % tiles.int4_groups == 0 else group
+        return scheme.group_for(k)
     return tiles.block_k if jnp.dtype(dtype).itemsize <= 2 else tiles.block_k // 2
 
 
@@ -187,35 +183,29 @@ def _kernel(idx_ref, *refs, sources: int, block_k: int, block_n: int, steps: int
     _each_source(src_ref, a, groups, source)
 
 
-def _kernel_int4(idx_ref, *refs, sources: int, group: int, block_k: int, block_n: int, steps: int, dtype,
-                 act: int):
+def _kernel_int4(idx_ref, *refs, sources: int, group: int, block_n: int, steps: int, dtype, act: int):
     """int4 weights, two rows a byte (row 2i low nibble, 2i+1 high) and one scale row per group of `group` rows
-    (each source's refs: q, scale): a tile is block_k / group whole groups, read one after the other; a group's x
-    (as `_x_rows` gives them) is split into even and odd elements in the kernel, so each nibble meets its own. A
-    group's sums of x times the integers are multiplied by its scales once (few operations a byte: the kernel
-    reads a quarter of bf16's bytes, and would otherwise be bound by its arithmetic)."""
+    (each source's refs: q, scale): a tile is one group; its x (as `_x_rows` gives them) is split into even and
+    odd elements in the kernel, so each nibble meets its own. A group's sums of x times the integers are
+    multiplied by its scales once (few operations a byte: the kernel reads a quarter of bf16's bytes, and would
+    otherwise be bound by its arithmetic)."""
     src_ref, x_ref, groups, o_ref = _split_refs(refs, sources)
     a, j, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot = idx_ref[a]
     cols = pl.ds(pl.multiple_of(j * block_n, block_n), block_n)
     half = group // 2
-    per_tile = block_k // group
 
     def source(refs):
         q_ref, scale_ref = refs
 
-        def body(t, acc):
-            for i in range(per_tile):
-                acc = acc + group_sum((s * steps + t) * per_tile + i)
-            return acc
-
-        def group_sum(g):
+        def body(i, acc):
+            g = s * steps + i
             packed = q_ref[slot, pl.ds(pl.multiple_of(g * half, half), half), cols].astype(jnp.int32)  # [G/2, BN]
             low = ((packed << 28) >> 28).astype(F32)  # arithmetic shifts sign-extend each nibble
             high = ((packed << 24) >> 28).astype(F32)
             xg = _x_rows(x_ref, a, pl.multiple_of(g * group, group), group, dtype, act)  # [G]
             xe, xo = (v.reshape(half, 1) for v in jnp.split(xg.reshape(half, 2), 2, axis=-1))
-            return jnp.sum(xe * low + xo * high, axis=0) * scale_ref[slot, g, cols].astype(F32)
+            return acc + jnp.sum(xe * low + xo * high, axis=0) * scale_ref[slot, g, cols].astype(F32)
 
         o_ref[...] = jax.lax.fori_loop(0, steps, body, jnp.zeros((block_n,), F32))
 
@@ -249,7 +239,7 @@ def _parts(x, sources: tuple, idx, interpret: bool, tiles: Tiles | None, act: in
     splits = _splits(a, k_blocks, n_blocks * len(ws), tiles.programs)
     cut = dict(sources=len(sources), block_n=block_n, steps=k_blocks // splits, dtype=jnp.dtype(w.dtype))
     if scheme is not None and scheme.bits == 4:
-        kernel = functools.partial(_kernel_int4, group=scheme.group_for(k), block_k=block_k, act=act, **cut)
+        kernel = functools.partial(_kernel_int4, group=block_k, act=act, **cut)
     else:
         kernel = functools.partial(_kernel, block_k=block_k, act=act, pair_blocks=n_blocks, scaled=scheme is not None,
                                    **cut)

@@ -51,23 +51,6 @@ def test_quantized_weights_match_their_dequantized_product(scheme, k):
     assert rel(got, reference(x, w, idx)) < 1e-6
 
 
-@pytest.mark.parametrize("groups", [2, 4])
-@pytest.mark.parametrize("k", [512, 96])  # 8 groups of 64 (2 and 4 divide them); 3 of 32 (neither: one a tile)
-def test_int4_tiles_of_several_groups_give_the_one_group_sums(groups, k):
-    rng = np.random.default_rng(k + groups)
-    w = quantize(jnp.asarray(rng.standard_normal((4, k, 256)) * 0.05, jnp.bfloat16), "int4")
-    x = jnp.asarray(rng.standard_normal((3, k)), jnp.bfloat16)
-    idx = jnp.asarray([1, 3, 1], jnp.int32)
-    tiles = gm.TILES._replace(int4_groups=groups, programs=8)  # few programs: a program walks several tiles
-    divides = (k // w.scheme.group_for(k)) % groups == 0
-    assert gm._block_k(w.dtype, w.scheme, k, tiles) == w.scheme.group_for(k) * (groups if divides else 1)
-    one = gm.gather_matvec(x, w, idx, interpret=True, tiles=gm.TILES._replace(programs=8))
-    got = gm.gather_matvec(x, w, idx, interpret=True, tiles=tiles)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(one))  # the same additions in the same order
-    assert rel(got, reference(x, w, idx)) < 1e-6
-    assert gm.kernel_name(tiles).endswith(f"_g{groups}") and not gm.kernel_name(gm.TILES).endswith("_g1")
-
-
 def test_k_is_cut_by_any_divisor_up_to_the_grids_target():
     assert gm._splits(6, 22, 16) == 22  # an int4 down projection's 22 groups: 2,112 programs, not 192
     assert gm._splits(6, 32, 22) == 16  # a gate_up: the power of two it always took
