@@ -6,11 +6,14 @@ optimized HLO dump (`XLA_FLAGS="--xla_dump_to=DIR --xla_dump_hlo_as_text"`, the 
 gives every instruction a stack frame (`metadata={... stack_frame_id=N}`, resolved through the dump's FileNames,
 FunctionNames, FileLocations and StackFrames tables, where a frame's printed parent is the parent's id plus one)
 into the Python that traced it. A fusion with no frame of its
-own takes the most frequent frame of the instructions it calls.
+own takes the most frequent frame of the instructions it calls. Inside a command buffer (a CUDA graph) the trace's
+hlo_op names the buffer, so a kernel is found by its own name (a fusion's instruction name with `.` as `_`, or the
+Triton call's name in the dump; the longest such name it starts with, as Triton may add a suffix).
 Per kernel of `--module` (the HLO module's name, `jit_decode_step`) this takes the innermost frame in the package
 (`--package`, a path fragment: frames of jax itself are skipped) and its caller in the package, and sums kernels and
 microseconds by that innermost line; steps are counted as `trace_summary` counts them (rotary-embedding kernels),
-or given by `--steps`. Output: rows of {where, caller, kernels_per_step, us_per_step, kinds}, most time first.
+or given by `--steps`. Output: `sources`, rows of {where, caller, kernels_per_step, us_per_step, kinds}, most time
+first.
 Usage: python benchmarks/probes/kernel_sources.py TRACE.json.gz DUMP_after_optimizations.txt --module jit_decode_step
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import json
 import re
@@ -61,8 +65,11 @@ def frames(text: str) -> dict[int, list[tuple[str, str, int]]]:
 
 
 def instruction_frames(text: str) -> dict[str, int | None]:
-    """HLO instruction name -> its stack frame id (a fusion without one: its computation's most frequent)."""
+    """HLO instruction name -> its stack frame id (a fusion without one: its computation's most frequent); also
+    each GPU kernel's name -> the frame: a fusion's kernel is its instruction's name with `.` and `-` as `_`, a
+    Triton call's the `name` in its backend config (several calls of one name: their most frequent frame)."""
     own: dict[str, int | None] = {}
+    triton: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     calls: dict[str, str] = {}
     by_computation: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     computation = None
@@ -78,6 +85,9 @@ def instruction_frames(text: str) -> dict[str, int | None]:
         called = called.group(1) if called else None
         frame = re.search(r"stack_frame_id=(\d+)", line)
         own[name] = int(frame.group(1)) if frame else None
+        kernel = re.search(r' name = "([^"]+)"', line) if "xla.gpu.triton" in line else None
+        if kernel and frame:
+            triton[kernel.group(1)][int(frame.group(1))] += 1
         if called:
             calls[name] = called
         if frame and computation:
@@ -85,7 +95,9 @@ def instruction_frames(text: str) -> dict[str, int | None]:
     for name, called in calls.items():
         if own.get(name) is None and by_computation.get(called):
             own[name] = by_computation[called].most_common(1)[0][0]
-    return own
+    kernels = {re.sub(r"[.\-]", "_", name): frame for name, frame in own.items()}
+    kernels.update({name: frames.most_common(1)[0][0] for name, frames in triton.items()})
+    return {**kernels, **own}
 
 
 def attribute(trace: Path, hlo: Path, module: str, package: str = "pdscope_jax", steps: int | None = None) -> dict:
@@ -95,9 +107,17 @@ def attribute(trace: Path, hlo: Path, module: str, package: str = "pdscope_jax",
     events = data["traceEvents"] if isinstance(data, dict) else data
     kernels = [e for e in events if e.get("ph") == "X" and e.get("args", {}).get("hlo_module") == module]
     steps = steps or max(1, sum(e["name"].startswith(STEP_START) for e in kernels))
+
+    @functools.cache
+    def by_name(kernel: str):
+        """The frame of the longest known kernel name `kernel` starts with (Triton may add a suffix)."""
+        known = [name for name in owner if kernel.startswith(name)]
+        return owner[max(known, key=len)] if known else None
+
     rows: dict[tuple, list] = {}
     for e in kernels:
-        frame = owner.get(e["args"].get("hlo_op", ""))
+        # inside a command buffer (a CUDA graph) hlo_op names the buffer: the kernel's own name then says which
+        frame = owner.get(e["args"].get("hlo_op", "")) or by_name(e["name"])
         ours = [f for f in stacks.get(frame, []) if package in f[0]]
         where = f"{Path(ours[0][0]).name}:{ours[0][2]} {ours[0][1]}" if ours else "(no frame)"
         caller = f"{Path(ours[1][0]).name}:{ours[1][2]} {ours[1][1]}" if len(ours) > 1 else ""
@@ -110,7 +130,7 @@ def attribute(trace: Path, hlo: Path, module: str, package: str = "pdscope_jax",
     out.sort(key=lambda r: -r["us_per_step"])
     return {"trace": trace.name, "hlo": hlo.name, "module": module, "steps": steps,
             "kernels_per_step": round(len(kernels) / steps, 1),
-            "us_per_step": round(sum(e["dur"] for e in kernels) / steps, 1), "rows": out}
+            "us_per_step": round(sum(e["dur"] for e in kernels) / steps, 1), "sources": out}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -128,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{result['module']}: {result['steps']} steps, {result['kernels_per_step']} kernels and "
           f"{result['us_per_step']} us a step")
-    for r in result["rows"][:args.top]:
+    for r in result["sources"][:args.top]:
         print(f"{r['us_per_step']:8.1f} us {r['kernels_per_step']:6.1f} k  {r['where']:<50} <- {r['caller']:<45} "
               f"{r['kinds']}")
     return result

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict:
                 emit(records, {"what": "victims", "variant": name, "slots": slots, "free": free, "victims": r,
                                "block": block, "layers": layers, "us_per_layer": round(seconds / layers * 1e6, 2)})
     rng = np.random.default_rng(0)
-    ids = jax.device_put(rng.choice(128, (layers, args.picks), replace=False).astype(np.int32), accel)
+    ids = jax.device_put(np.stack([rng.choice(128, args.picks, replace=False) for _ in range(layers)]).astype(np.int32),
+                         accel)  # each layer's picks distinct, as one row's top-k are
     worth = jax.device_put(rng.integers(0, 4, (layers, args.picks)).astype(np.int32), accel)
 
     def picks(how: str):

@@ -57,7 +57,7 @@ def test_kernels_land_on_their_innermost_package_line(tmp_path):
         json.dump({"traceEvents": events}, f)
     got = attribute(trace, hlo, "jit_decode_step")
     assert got["steps"] == 3 and got["kernels_per_step"] == 2 and got["us_per_step"] == 10
-    rows = {r["where"]: r for r in got["rows"]}
+    rows = {r["where"]: r for r in got["sources"]}
     assert set(rows) == {"device_decode.py:440 decode_step", "device_decode.py:350 _victims"}
     assert rows["device_decode.py:440 decode_step"]["us_per_step"] == 4
     # fusion.7 has no frame: its computation's only frame is jax's (3), whose parent (printed 3) is _victims (2),
