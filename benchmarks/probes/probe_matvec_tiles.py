@@ -115,8 +115,10 @@ def main(argv: list[str] | None = None) -> dict:
                       key=lambda r: r["us"])
         for r in rows:
             r["gb_s"] = nbytes / r["us"] / 1e3 if r["us"] else None
-        default = next((r for r in rows if gm.Tiles(**r["tiles"]) == gm.tiles_for(n)._replace(
-            block_k=gm.TILES.block_k if args.quantize else gm.tiles_for(n).block_k)), None)
+        default_cut = gm.tiles_for(n)
+        if args.quantize:  # the int4 candidates keep TILES' block_k (a tile is a scale group whatever it says)
+            default_cut = default_cut._replace(block_k=gm.TILES.block_k)
+        default = next((r for r in rows if gm.Tiles(**r["tiles"]) == default_cut), None)
         emit(records, {"shape": shape, "rows": a, "k": k, "n": n, "weight_bytes": nbytes, "timed_by":
                        "trace" if traced else "wall", "default": default,
                        "best": rows[:5], "all": rows})
