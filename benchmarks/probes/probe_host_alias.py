@@ -21,8 +21,6 @@ Run on the GPU node from the repository root: `PYTHONPATH=. python3 benchmarks/p
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import jax
@@ -31,17 +29,7 @@ import numpy as np
 
 from pdscope_jax.generation.generator import CHUNK_COMPILER_OPTIONS
 from pdscope_jax.store import page_locked
-from _common import emit, probe_result
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from _common import emit, median_seconds, probe_result
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -83,8 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     for k in (1, 2, 8):
         from_alias = jax.jit(lambda a, i, k=k: alias_rows(a, i[:k]) + 0)
         by_copy = jax.jit(lambda p, i, k=k: copied_rows(p, i[:k]) + 0)
-        seconds = {"alias": _median_seconds(lambda: from_alias(alias, ids), args.repeats),
-                   "device_put": _median_seconds(lambda: by_copy(pinned, ids), args.repeats)}
+        seconds = {"alias": median_seconds(lambda: from_alias(alias, ids), args.repeats),
+                   "device_put": median_seconds(lambda: by_copy(pinned, ids), args.repeats)}
         emit(records, {"what": "bandwidth", "rows": k, "bytes": k * words * 4,
                        **{f"{name}_ms": s * 1e3 for name, s in seconds.items()},
                        **{f"{name}_gb_s": k * words * 4 / s / 1e9 for name, s in seconds.items()}})
@@ -107,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                           compiler_options=CHUNK_COMPILER_OPTIONS if accel.platform == "gpu" else None)
         for count in (0, 1):
             counts = jnp.full((args.layers,), count, jnp.int32)
-            seconds = _median_seconds(lambda: program(source, counts, layer_ids), args.repeats)
+            seconds = median_seconds(lambda: program(source, counts, layer_ids), args.repeats)
             emit(records, {"what": "round trips", "source": name, "count": count, "layers": args.layers,
                            "ms_per_layer": seconds * 1e3 / args.layers})
     _conditional_forms(records, args, accel)
@@ -141,7 +129,7 @@ def _conditional_forms(records: list, args, accel) -> None:
                         total = layer(total, c[j])
                     return total
                 program = jax.jit(chain, compiler_options=options)
-                seconds = _median_seconds(lambda: program(counts), args.repeats)
+                seconds = median_seconds(lambda: program(counts), args.repeats)
                 emit(records, {"what": "conditional forms", "form": name, "loop": form,
                                "command_buffers": bool(options), "ms_per_layer": seconds * 1e3 / args.layers})
 

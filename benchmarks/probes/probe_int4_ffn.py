@@ -16,15 +16,13 @@ Usage: PYTHONPATH=. python benchmarks/probes/probe_int4_ffn.py [--model qwen3] [
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import emit, probe_result
+from _common import emit, median_seconds, probe_result
 from pdscope_jax.kernels import gather_matvec as gm
 from pdscope_jax.kernels.expert_math import swiglu
 from pdscope_jax.quant.formats import quantize
@@ -36,16 +34,14 @@ MODELS = {"qwen3": (2048, 768, 128, 8), "deepseek": (2048, 1408, 64, 6),  # D, F
 
 def ffn(variant: str, interpret: bool):
     """x [A, D] bf16, gate_up, down (int4), picks [A] -> [A, D] float32, cut as `variant` says."""
-    cut = dict(interpret=interpret)
-
     def run(x, gate_up, down, picks):
-        parts = gm.matvec_parts(x, gate_up, picks, **cut)  # [P, A, 2F]
+        parts = gm.matvec_parts(x, gate_up, picks, interpret=interpret)  # [P, A, 2F]
         if variant == "fused":
-            return gm.swiglu_matvec(parts, down, picks, **cut)
+            return gm.swiglu_matvec(parts, down, picks, interpret=interpret)
         summed = parts.sum(axis=0)
         if variant == "summed":
-            return gm.swiglu_matvec(summed[None], down, picks, **cut)
-        return gm.gather_matvec(swiglu(summed).astype(jnp.bfloat16), down, picks, **cut)
+            return gm.swiglu_matvec(summed[None], down, picks, interpret=interpret)
+        return gm.gather_matvec(swiglu(summed).astype(jnp.bfloat16), down, picks, interpret=interpret)
     return run
 
 
@@ -88,12 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
         got = np.asarray(fn(x, gate_up, down, picks), np.float64)
         want = got if want is None else want
         err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-30))
-        times = []
-        for _ in range(args.reps):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(x, gate_up, down, picks))
-            times.append(time.perf_counter() - start)
-        us = statistics.median(times) / args.layers * 1e6
+        # the check's run above was the untimed one
+        us = median_seconds(lambda: fn(x, gate_up, down, picks), args.reps, warm=0) / args.layers * 1e6
         emit(records, {"variant": variant, "us_per_layer": round(us, 2), "tb_s": round(nbytes / us / 1e6, 3),
                        "rel_err_vs_fused": err})
         if err > 1e-4:

@@ -20,15 +20,13 @@ Usage: python benchmarks/probes/probe_victims.py [--slots 3173 4799 8192] [--out
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import emit, probe_result
+from _common import emit, median_seconds, probe_result
 from pdscope_jax.engine.smallest import smallest
 from pdscope_jax.runtime import select_devices
 
@@ -86,16 +84,6 @@ def table(slots: int, free: int, seed: int) -> np.ndarray:
     return keep
 
 
-def timed(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--slots", type=int, nargs="+", default=[3173, 4799, 8192])
@@ -119,7 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
                 got = np.asarray(fn(keep, clock)[1])
                 if not np.array_equal(got, want):
                     raise SystemExit(f"{name} picked other victims than top_k at {slots} slots, {free} free")
-                seconds = timed(fn, (keep, clock), args.reps)
+                seconds = median_seconds(lambda: fn(keep, clock), args.reps)
                 emit(records, {"what": "victims", "variant": name, "slots": slots, "free": free, "victims": r,
                                "block": block, "layers": layers, "us_per_layer": round(seconds / layers * 1e6, 2)})
     rng = np.random.default_rng(0)
@@ -141,11 +129,12 @@ def main(argv: list[str] | None = None) -> dict:
             return jnp.stack(out)
         return jax.jit(run)
 
-    orders = {how: np.asarray(picks(how)(ids, worth)) for how in ("sort_then_argsort", "one_sort")}
+    programs = {how: picks(how) for how in ("sort_then_argsort", "argsort_only", "one_sort")}
+    orders = {how: np.asarray(programs[how](ids, worth)) for how in ("sort_then_argsort", "one_sort")}
     if not np.array_equal(*orders.values()):
         raise SystemExit("the two-key sort ordered the picks otherwise than sort then stable argsort")
-    for how in ("sort_then_argsort", "argsort_only", "one_sort"):
-        seconds = timed(picks(how), (ids, worth), args.reps)
+    for how, program in programs.items():
+        seconds = median_seconds(lambda: program(ids, worth), args.reps)
         emit(records, {"what": "picks", "order": how, "picks": args.picks, "layers": layers,
                        "us_per_layer": round(seconds / layers * 1e6, 2)})
     return probe_result("eviction victims and picks' sorts per decode layer", devices, records, args.out)
