@@ -236,11 +236,14 @@ def _layer_picks(m, ids, table, active, by_worth: bool):
     return ids, picks, valid, slots, miss, worth, clock
 
 
-def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router=None, ahead=None, active=None):
+def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router=None, ahead=None, active=None,
+                    before_host=None):
     """The routed output [N, D] f32 of MoE layer position m for rows h [N, D] routed to ids [N, K] with weights
     (see the module docstring); `router`: the next MoE layer's (graph, state) where this layer copies ahead for
     it (`HostExperts.copies_ahead`), `ahead`: what the layer before copied ahead for this one (`Ahead`, or None);
     `active` [N] bool: rows not active route nowhere (no pick, no count; their output is meaningless).
+    `before_host`: arrays the GPU computes before it waits for the host's part (the layer's shared experts: the GPU
+    is idle while it waits, and XLA would otherwise schedule them after the wait).
     -> (y, banks, table, this layer's `Ahead` or None). Straight-line code, no loop over the picks (a
     loop costs a kernel chain per pick and copies of the pool): the layer's misses are copied at once and every
     pick's weights come out of that copy's program as one array (hits read from their slots) before any slot is
@@ -302,6 +305,8 @@ def _routed_experts(m, h, weights, ids, experts, banks, table, host=None, router
         outputs = stacked_experts_ffn(rows, gate_ups, downs)  # [U, N, D] in the model's dtype
     y = _routed_sum(weights, chose, valid & ~on_cpu, outputs)
     if host is not None and host.computes:
+        if before_host is not None:
+            y, _ = jax.lax.optimization_barrier((y, before_host))
         y = y + _host_end(host, pending, y, experts)
 
     hit = valid & ~miss
@@ -405,10 +410,11 @@ def flat_states(states, model_state) -> tuple:
     return tree, tuple(leaves)
 
 
-def _layer_experts(m, h, weights, ids, experts, banks, table, host, router_graph, router_state, ahead, active):
+def _layer_experts(m, h, weights, ids, experts, banks, table, host, router_graph, router_state, ahead, active,
+                   before_host=None):
     """`_routed_experts`, the next layer's router passed as its graph (static) and its state (traced)."""
     router = None if router_graph is None else (router_graph, router_state)
-    return _routed_experts(m, h, weights, ids, experts, banks, table, host, router, ahead, active)
+    return _routed_experts(m, h, weights, ids, experts, banks, table, host, router, ahead, active, before_host)
 
 
 # The step's layers as nested programs, the MoE position a traced value: a model's layers of one kind trace and lower
@@ -436,7 +442,7 @@ def decode_step(graphs, model_graph, moe_layers, host, state_tree, state_leaves,
         if host is not None and host.copies_ahead and m + 1 < len(moe_layers):
             router_graph, router_state = graphs[moe_layers[m + 1]], states[moe_layers[m + 1]]
         y, banks, table, ahead = _experts_program(np.int32(m), h, weights, ids, experts[m], banks, table, host,
-                                                  router_graph, router_state, ahead, active)
+                                                  router_graph, router_state, ahead, active, shared)
         x = x + (y.astype(x.dtype) + shared).reshape(x.shape)
     logits = model.logits(x)[:, 0]
     picked, sampling = sample(logits, sampling, step)

@@ -34,6 +34,7 @@ import numpy as np
 
 TOP_LOGPROBS = 20  # alternatives reported per step (OpenAI's maximum); computed always, so no shape depends on it
 F32 = jnp.float32
+TOP_CHUNK = 1024  # vocabulary entries per chunk of the two-stage top-k (`top_k_chunked`)
 
 
 def _is_int(value) -> bool:
@@ -169,9 +170,25 @@ def _draw(x, state: SamplingState, step, truncated=_truncated):
     return jax.vmap(jax.random.categorical)(keys, truncated(x, state)).astype(jnp.int32)
 
 
+def top_k_chunked(x, n: int, chunk: int = TOP_CHUNK):
+    """`lax.top_k(x, n)` of x [B, V] (values, indices), the same ties included, in two stages: the top n of each
+    chunk of V, then the top n of those. Why: over a whole vocabulary XLA's GPU top_k is a radix sort of every row,
+    which costs a step more than many small sorts. Exact: each of the n largest lies in its chunk's n largest, and
+    the candidates stay in index order among equal values, as top_k breaks ties (the lower index first)."""
+    b, v = x.shape
+    if v <= 2 * chunk or n > chunk:
+        return jax.lax.top_k(x, n)
+    chunks = -(-v // chunk)
+    padded = jnp.pad(x, ((0, 0), (0, chunks * chunk - v)), constant_values=-jnp.inf)  # after every real entry
+    values, at = jax.lax.top_k(padded.reshape(b, chunks, chunk), n)
+    at = (at + (jnp.arange(chunks, dtype=at.dtype) * chunk)[:, None]).reshape(b, chunks * n)
+    values, pos = jax.lax.top_k(values.reshape(b, chunks * n), n)
+    return values, jnp.take_along_axis(at, pos, axis=-1)
+
+
 def _picked(raw, token, state: SamplingState) -> tuple[Sampled, SamplingState]:
     """The `Sampled` of `token` [B] under log-probabilities raw [B, V], and the state with the token counted."""
-    top_logprobs, top_ids = jax.lax.top_k(raw, min(TOP_LOGPROBS, raw.shape[-1]))
+    top_logprobs, top_ids = top_k_chunked(raw, min(TOP_LOGPROBS, raw.shape[-1]))
     picked = Sampled(token, jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32),
                      top_logprobs)
     counts = state.counts.at[jnp.arange(token.shape[0]), token].add(1)

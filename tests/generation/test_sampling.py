@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import pdscope_jax
-from pdscope_jax.generation.sampling import SamplingParams, SamplingState, sample_jit
+from pdscope_jax.generation.sampling import SamplingParams, SamplingState, sample_jit, top_k_chunked
 
 V = 32
 LOGITS = jnp.asarray(np.random.default_rng(0).normal(size=(1, V)) * 3, jnp.float32)
@@ -89,6 +89,22 @@ def test_logprobs_are_the_model_distribution():
     raw = np.asarray(jax.nn.log_softmax(LOGITS[0]))
     np.testing.assert_allclose(picked.logprob[0], raw[int(picked.token[0])], rtol=1e-6)
     np.testing.assert_array_equal(picked.top_ids[0], np.argsort(-raw)[: picked.top_ids.shape[1]])
+
+
+@pytest.mark.parametrize("vocab", [2048, 2049, 5000, 151936])
+def test_chunked_top_k_is_top_k_ties_included(vocab):
+    """The two-stage top-k gives lax.top_k's values and indices: many ties, -inf entries, a vocabulary that is not a
+    multiple of the chunk, one finite entry in the last place."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-4, 4, size=(3, vocab)).astype(np.float32)
+    x[0, :100] = -np.inf
+    x[1] = -np.inf
+    x[1, -1] = 1.0
+    for n in (1, 20):
+        want = jax.lax.top_k(jnp.asarray(x), n)
+        got = top_k_chunked(jnp.asarray(x), n, chunk=512)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 def test_new_settings_compile_nothing():

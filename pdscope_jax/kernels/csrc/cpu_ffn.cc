@@ -120,11 +120,13 @@ void compute_group(void* ctx, int g) {
     const int* rows = c.rows.data() + c.row_off[j];
     const int m = c.row_off[j + 1] - c.row_off[j];
     // Quantized: an even block and the next one of its expert run together (a weight row's 64-byte line holds
-    // both units' columns; see gate_up_many), or the few-row kernels take the whole run. Either way the order of
+    // both units' columns; see gate_up_many), or the few-row kernels take the whole run; bf16 of one or two rows:
+    // up to wide_units(m) units share one pass over the weight rows (gate_up_wide). Either way the order of
     // additions into the partial is fixed by the group's units.
     int run = 1;  // the group's units of expert j from u on
     while (u + run < hi && c.unit_expert[u + run] == j) ++run;
-    const int nb = (c.fmt != kBf16 && b % 2 == 0 && run > 1) ? 2 : 1;
+    int nb = (c.fmt != kBf16 && b % 2 == 0 && run > 1) ? 2 : 1;
+    if (c.fmt == kBf16) nb = std::min(run, wide_units(m));  // one pass over the rows for up to 4 units
     if (c.hx[j]) {  // the group's units of expert j on tiles, together
       tiles = tiles || amx_begin();
       u = units_amx(c, u, hi, s, partial, ph);
@@ -186,8 +188,15 @@ void run_call(Call& c) {
   gather_rows(c);
   // More groups than threads: a thread the OS preempts holds up the call by one small group, not a 1/threads
   // share (the GPU runtime's and the host's own threads share the cores with the pool).
-  const int groups = int(std::min<int64_t>(int64_t(c.unit_expert.size()),
-                                          int64_t(p.size()) * g_groups_per_thread.load()));
+  // bf16 of few rows: fewer groups per thread where a group would hold fewer than wide_units (one pass each), but
+  // a whole number per thread, so that every thread gets the same share.
+  const int64_t units = int64_t(c.unit_expert.size()), threads = int64_t(p.size());
+  int64_t per_thread = g_groups_per_thread.load();
+  int rows_max = 0;
+  for (int j = 0; j < c.k; ++j) rows_max = std::max(rows_max, c.row_off[j + 1] - c.row_off[j]);
+  const int wide = c.fmt == kBf16 ? wide_units(rows_max) : 1;
+  if (wide > 1) per_thread = std::clamp<int64_t>(units / (threads * wide), 1, per_thread);
+  const int groups = int(std::min(units, threads * per_thread));
   if (g_partials.size() < size_t(groups)) g_partials.resize(groups);
   for (int g = 0; g < groups; ++g) {
     g_partials[g].resize(std::max(g_partials[g].size(), size_t(c.n) * c.d));

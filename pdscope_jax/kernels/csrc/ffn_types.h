@@ -18,6 +18,9 @@ constexpr int kBlock = 32;       // intermediate columns per unit (one 64-byte l
 constexpr int kGuRows = 4;       // rows held in registers by the gate/up kernel (4 accumulators each)
 constexpr int kDownRows = 8;     // rows held in registers by the down kernel (2 accumulators each)
 constexpr int kChunkPairs = 16;  // weight row pairs per chunk of the many-row gate/up (4 KB interleaved)
+// bf16 units of m rows that one gate/up pass takes together (gate_up_wide): its 4 * m accumulators a unit stay
+// within 16 registers.
+constexpr int wide_units(int m) { return m == 1 ? 4 : m == 2 ? 2 : 1; }
 
 int env_int(const char* name, int fallback) {
   const char* value = std::getenv(name);

@@ -131,6 +131,57 @@ void gate_up_avx(const Call& c, const M& w, int b, const int* rows, float* g, fl
   }
 }
 
+// NB consecutive units' gate and up columns (blocks b .. b + NB - 1) for R rows in one pass over the weight rows:
+// g, u [NB, R, kBlock]. A row's NB gate lines and NB up lines are adjacent, so each weight row (2F elements from the
+// next: its own page) is visited once for all NB units; one unit a pass visits every row's page once per unit.
+// Each unit's sums are added in the order gate_up_avx adds them.
+template <int R, int NB, class M>
+void gate_up_wide(const Call& c, const M& w, int b, const int* rows, float* g, float* u) {
+  const bf16* xr[R];
+  for (int r = 0; r < R; ++r) xr[r] = c.h + size_t(rows[r]) * c.d;
+  __m512 acc[NB][R][4];
+  for (int k = 0; k < NB; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int q = 0; q < 4; ++q) acc[k][r][q] = _mm512_setzero_ps();
+  const int c0 = b * kBlock;
+  for (int dd = 0; dd < c.d; dd += 2) {
+    if (kGuPrefetch > 0)
+      for (int k = 0; k < NB; ++k) {
+        prefetch_rows(w, dd + 2 * kGuPrefetch, c0 + k * kBlock);
+        prefetch_rows(w, dd + 2 * kGuPrefetch, c.f + c0 + k * kBlock);
+      }
+    __m512bh x[R];
+    for (int r = 0; r < R; ++r) x[r] = as_bh(pair_of(xr[r] + dd));
+    for (int k = 0; k < NB; ++k) {
+      __m512i v[4];
+      load_gate_up_pair(w, dd, c0 + k * kBlock, c.f, false, v);
+      for (int r = 0; r < R; ++r)
+        for (int q = 0; q < 4; ++q) acc[k][r][q] = _mm512_dpbf16_ps(acc[k][r][q], as_bh(v[q]), x[r]);
+    }
+  }
+  for (int k = 0; k < NB; ++k)
+    for (int r = 0; r < R; ++r) {
+      float* gr = g + (size_t(k) * R + r) * kBlock;
+      float* ur = u + (size_t(k) * R + r) * kBlock;
+      __m512 a, bb;
+      unpermute(acc[k][r][0], acc[k][r][1], &a, &bb);
+      _mm512_storeu_ps(gr, a);
+      _mm512_storeu_ps(gr + 16, bb);
+      unpermute(acc[k][r][2], acc[k][r][3], &a, &bb);
+      _mm512_storeu_ps(ur, a);
+      _mm512_storeu_ps(ur + 16, bb);
+    }
+}
+
+// gate_up_wide for 2 <= nb <= wide_units(m).
+template <class M>
+void gate_up_wide_any(const Call& c, const M& w, int b, int nb, const int* rows, int m, float* g, float* u) {
+  if (m == 2) return gate_up_wide<2, 2>(c, w, b, rows, g, u);
+  if (nb == 2) return gate_up_wide<1, 2>(c, w, b, rows, g, u);
+  if (nb == 3) return gate_up_wide<1, 3>(c, w, b, rows, g, u);
+  gate_up_wide<1, 4>(c, w, b, rows, g, u);
+}
+
 // Many rows: each chunk of 2 * kChunkPairs weight rows is loaded from memory once, interleaved into a
 // contiguous buffer, and every block of R rows runs over that buffer, its accumulators parked in `acc`
 // between chunks. (Re-walking the unit's rows per row block, 2F elements apart, missed the TLB on every row.)
@@ -296,7 +347,8 @@ inline void activation_avx(const float* g, const float* u, float scale, bf16* ac
   }
 }
 
-// Units (j, b) .. (j, b + nb - 1) of one expert (nb 1 or 2; see gate_up_many), in order.
+// Units (j, b) .. (j, b + nb - 1) of one expert (quantized: nb 1 or 2, see gate_up_many; bf16: at most
+// wide_units(m)), in order.
 template <class M>
 void unit_avx(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
   const M gu = gate_up_mat<M>(c, j), dn = down_mat<M>(c, j);
@@ -306,6 +358,9 @@ void unit_avx(const Call& c, int j, int b, int nb, const int* rows, int m, Scrat
   int64_t t = ph ? now_ns() : 0;
   if (!M::kScaled && nb == 1 && m <= kGuRows) {  // one pass over the weights either way: skip the chunk buffer
     gate_up_avx_upto<kGuRows>(c, gu, b, rows, m, g, u, true);
+  } else if (!M::kScaled && nb > 1 && nb <= wide_units(m)) {
+    u = g + size_t(nb) * m * kBlock;
+    gate_up_wide_any(c, gu, b, nb, rows, m, g, u);
   } else {
     u = g + size_t(nb) * m * kBlock;
     gate_up_many(c, gu, b, nb, rows, m, s, g, u);
