@@ -193,8 +193,12 @@ void run_call(Call& c) {
   const int64_t units = int64_t(c.unit_expert.size()), threads = int64_t(p.size());
   int64_t per_thread = g_groups_per_thread.load();
   int rows_max = 0;
-  for (int j = 0; j < c.k; ++j) rows_max = std::max(rows_max, c.row_off[j + 1] - c.row_off[j]);
-  const int wide = c.fmt == kBf16 ? wide_units(rows_max) : 1;
+  bool tiles = false;  // an expert on AMX tiles: its units run together anyway (ffn_amx.h)
+  for (int j = 0; j < c.k; ++j) {
+    rows_max = std::max(rows_max, c.row_off[j + 1] - c.row_off[j]);
+    tiles = tiles || c.hx[j] != nullptr;
+  }
+  const int wide = c.fmt == kBf16 && !tiles ? wide_units(rows_max) : 1;
   if (wide > 1) per_thread = std::clamp<int64_t>(units / (threads * wide), 1, per_thread);
   const int groups = int(std::min(units, threads * per_thread));
   if (g_partials.size() < size_t(groups)) g_partials.resize(groups);
