@@ -7,7 +7,7 @@
 // an expert with no such row reads none of its bytes.
 //
 // Work split: a unit is (expert j, 32 consecutive intermediate columns b). The units of all k experts are
-// cut into one contiguous group per pool thread; threads claim groups and, per unit, compute its gate and up
+// cut into contiguous groups (plan_groups); threads claim groups and, per unit, compute its gate and up
 // columns for the routed rows, the activation, and the matching 32 rows of down into the group's [N, D]
 // float32 partial sum; one reduction at the end adds the partials in group order. No barrier between
 // experts, every weight byte is read once per call, the split balances across experts, and the result does
@@ -28,10 +28,11 @@
 // pdscope_cpu_ffn_quant_stacked (h, coef, ids, the four stacks; bits). Exported controls: threads, ISA,
 // phase profile, the streamed few-row path (off by default), the few-row quantized kernels' row limit, and
 // pdscope_cpu_ffn_run for the CUDA bridge.
-// Parts: ffn_types.h (the call, scratch, tunables), ffn_weights.h (the formats), ffn_units.h (one unit:
-// portable and AVX-512 BF16 kernels), ffn_quant.h (int8 and int4 units of at most 4 rows, a run at a time),
-// ffn_quant_args.h (the quantized handlers' buffers), ffn_amx.h (bf16 units of several rows on AMX-BF16 tiles),
-// ffn_stream.h (few rows, contiguous passes), thread_pool.h; this file plans a call, runs and reduces its groups.
+// Parts: ffn_types.h (the call, scratch, tunables), ffn_plan.h (a call's groups of units), ffn_weights.h (the
+// formats), ffn_units.h (one unit: portable and AVX-512 BF16 kernels), ffn_quant.h (int8 and int4 units of at most
+// 4 rows, a run at a time), ffn_quant_args.h (the quantized handlers' buffers), ffn_amx.h (bf16 units of several rows
+// on AMX-BF16 tiles), ffn_stream.h (few rows, contiguous passes), thread_pool.h; this file runs a call's groups and
+// reduces them.
 
 #include <algorithm>
 #include <atomic>
@@ -58,6 +59,7 @@
 #include "ffn_quant_args.h"
 #include "ffn_stream.h"
 #include "ffn_types.h"
+#include "ffn_plan.h"
 #include "ffn_units.h"
 #include "thread_pool.h"
 
@@ -103,8 +105,7 @@ int run_quant(const Call& c, int j, int b, int nb, int run, const int* rows, int
 // ---------------------------------------------------------------------------------------------------------
 void compute_group(void* ctx, int g) {
   Call& c = *static_cast<Call*>(ctx);
-  const int64_t units = int64_t(c.unit_expert.size()), groups = int64_t(c.partials.size());
-  const int lo = int(units * g / groups), hi = int(units * (g + 1) / groups);
+  const int lo = c.group_lo[g], hi = c.group_lo[g + 1];
   if (lo == hi) return;
   Scratch& s = tls_scratch;
   s.act.resize(size_t(c.n) * kBlock);
@@ -143,7 +144,7 @@ void compute_group(void* ctx, int g) {
   if (ph) ph->total = now_ns() - start;
 }
 
-constexpr size_t kReduceChunk = 2048;
+constexpr size_t kReduceChunk = 512;  // floats: one decode row's sum (D = 2048) in 4 parallel chunks
 
 void reduce_chunk(void* ctx, int chunk) {
   Call& c = *static_cast<Call*>(ctx);
@@ -186,21 +187,8 @@ void run_call(Call& c) {
     return;
   }
   gather_rows(c);
-  // More groups than threads: a thread the OS preempts holds up the call by one small group, not a 1/threads
-  // share (the GPU runtime's and the host's own threads share the cores with the pool).
-  // bf16 of few rows: fewer groups per thread where a group would hold fewer than wide_units (one pass each), but
-  // a whole number per thread, so that every thread gets the same share.
-  const int64_t units = int64_t(c.unit_expert.size()), threads = int64_t(p.size());
-  int64_t per_thread = g_groups_per_thread.load();
-  int rows_max = 0;
-  bool tiles = false;  // an expert on AMX tiles: its units run together anyway (ffn_amx.h)
-  for (int j = 0; j < c.k; ++j) {
-    rows_max = std::max(rows_max, c.row_off[j + 1] - c.row_off[j]);
-    tiles = tiles || c.hx[j] != nullptr;
-  }
-  const int wide = c.fmt == kBf16 && !tiles ? wide_units(rows_max) : 1;
-  if (wide > 1) per_thread = std::clamp<int64_t>(units / (threads * wide), 1, per_thread);
-  const int groups = int(std::min(units, threads * per_thread));
+  plan_groups(c, int64_t(p.size()));
+  const int groups = int(c.group_lo.size()) - 1;
   if (g_partials.size() < size_t(groups)) g_partials.resize(groups);
   for (int g = 0; g < groups; ++g) {
     g_partials[g].resize(std::max(g_partials[g].size(), size_t(c.n) * c.d));

@@ -83,6 +83,7 @@ struct Call {
   std::vector<int> unit_expert, unit_block;
   std::vector<const bf16*> hx;          // AMX: expert j's routed rows of h, [round_up(m_j, 16), d], else null
   size_t hx_ld = 0;                     // elements between rows of hx
+  std::vector<int> group_lo;            // group g holds units [group_lo[g], group_lo[g + 1])
   std::vector<float*> partials;         // per group of units: its [n, d] partial sum
   std::vector<char> used;               // per group: it had units (its partial is meaningful)
   std::atomic<size_t> next_chunk{0};    // the reduction's chunks, claimed likewise
