@@ -172,9 +172,10 @@ def _draw(x, state: SamplingState, step, truncated=_truncated):
 
 def top_k_chunked(x, n: int, chunk: int = TOP_CHUNK):
     """`lax.top_k(x, n)` of x [B, V] (values, indices), the same ties included, in two stages: the top n of each
-    chunk of V, then the top n of those. Why: over a whole vocabulary XLA's GPU top_k is a radix sort of every row,
-    which costs a step more than many small sorts. Exact: each of the n largest lies in its chunk's n largest, and
-    the candidates stay in index order among equal values, as top_k breaks ties (the lower index first)."""
+    chunk of V, then the top n of those. Why: over a whole vocabulary XLA's GPU top_k is a radix sort of every row;
+    the chunks' sorts are small (what each costs on the GPU: docs/MEASUREMENTS.md). Exact: each of the n largest lies
+    in its chunk's n largest, and the candidates stay in index order among equal values, as top_k breaks ties (the
+    lower index first)."""
     b, v = x.shape
     if v <= 2 * chunk or n > chunk:
         return jax.lax.top_k(x, n)
