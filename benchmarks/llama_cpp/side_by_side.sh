@@ -3,6 +3,7 @@
 # the same GPU memory, in one call. MODEL: a preset; TYPE: q4_0 (default), q8_0 or bf16, the GGUF's and so the
 # project's precision (--quantize int4, int8, none); NCMOE: llama-bench -ncmoe values (0: the whole model on the GPU);
 # OURS: "N:policy,policy ..." runs `pdscope-jax bench` with --gpu-memory set to llama.cpp's peak at -ncmoe N;
+# WORKLOAD: uniform (default) or skewed, the bench's rewrite of the random weights, exported so llama.cpp routes alike;
 # DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
 # 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depth 0 and 512, -ub/-b 4096, every core, 2
@@ -16,12 +17,13 @@ export PYTHONPATH=$PWD:$PWD/.peers-build/src/llama.cpp/gguf-py PYTHONUNBUFFERED=
 noise='^W0000\|^I0000\|^WARNING: All log\|cuda_executor\|^E0000'
 type=${TYPE:-q4_0}; declare -A quantize=([q4_0]="--quantize int4" [q8_0]="--quantize int8" [bf16]="")
 [ -n "${quantize[$type]+set}" ] || { echo "TYPE must be q4_0, q8_0 or bf16, got $type" >&2; exit 2; }
-out=${RES:-${OUT:-.}}; mkdir -p "$out"; bin=.peers-build/build/bin; G=.peers-build/$MODEL-$type.gguf; t0=$(date +%s)
-name=$MODEL-$type
+workload=${WORKLOAD:-uniform}; suffix=$([ "$workload" = uniform ] || echo "-$workload")
+name=$MODEL-$type$suffix; mkdir -p .peers-build
+out=${RES:-${OUT:-.}}; mkdir -p "$out"; bin=.peers-build/build/bin; G=.peers-build/$name.gguf; t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
 if [ ! -f "$G" ]; then
-  timeout "${EXPORT_LIMIT:-300}" python3 benchmarks/export_gguf.py --model "$MODEL" --type "$type" --out "$G.part" \
-    2>&1 | grep -v "$noise" | grep -v "GiB written" | tail -4
+  timeout "${EXPORT_LIMIT:-300}" python3 benchmarks/export_gguf.py --model "$MODEL" --type "$type" \
+    --workload "$workload" --out "$G.part" 2>&1 | grep -v "$noise" | grep -v "GiB written" | tail -4
   if [ "${PIPESTATUS[0]}" != 0 ]; then rm -f "$G.part"; say "the export failed or ran out of time"; exit 1; fi
   mv "$G.part" "$G"
 fi
@@ -59,8 +61,9 @@ for spec in ${OURS:-}; do
   limit=${OURS_LIMIT:-240}
   [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
   [ "$limit" -ge 60 ] || { say "no time left for the project at -ncmoe $n"; continue; }
-  timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --gpu-memory "${mib}MiB" \
-    --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 --policies ${policies//,/ } --out "$out/bench-$name-n$n" 2>&1 \
+  timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
+    --gpu-memory "${mib}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 \
+    --policies ${policies//,/ } --out "$out/bench-$name-n$n" 2>&1 \
     | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -14 | cut -c1-220
   say "the project at -ncmoe $n's ${mib} MiB done"
 done
