@@ -15,8 +15,6 @@ Contract:
   rewritten by a routing workload (`pdscope_jax.workloads.routing.design`) when one is given;
 - `held(call)` -> (call's result, seconds the caller was held); `issue_and_done(fn, reps)` -> median (issue, done)
   seconds of `fn() -> (result, held seconds)`, the result waited for, after 2 untimed runs;
-- `median_seconds(fn, reps, warm=1)` -> median seconds of `fn()` with its result waited for, after `warm` untimed
-  runs;
 - `emit(records, record)` prints a record as one JSON line and appends it;
 - `probe_result(what, devices, records, out, **extra)` -> the result dict (the command line, the commit,
   accelerator and jax version, then `extra`, e.g. the expert shape, then the records), also written as JSON to
@@ -112,17 +110,6 @@ def issue_and_done(fn, reps: int, warm: int = 2) -> tuple[float, float]:
             done.append(end - start)
         del out
     return statistics.median(issue), statistics.median(done)
-
-
-def median_seconds(fn, reps: int, warm: int = 1) -> float:
-    for _ in range(warm):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def whole_model_parser(description: str) -> argparse.ArgumentParser:

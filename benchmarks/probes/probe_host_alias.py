@@ -27,9 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pdscope_jax.bench.timing import median_seconds
 from pdscope_jax.generation.generator import CHUNK_COMPILER_OPTIONS
 from pdscope_jax.store import page_locked
-from _common import emit, median_seconds, probe_result
+from _common import emit, probe_result
 
 
 def main(argv: list[str] | None = None) -> dict:

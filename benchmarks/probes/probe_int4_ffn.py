@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import emit, median_seconds, probe_result
+from _common import emit, probe_result
+from pdscope_jax.bench.timing import median_seconds
 from pdscope_jax.kernels import gather_matvec as gm
 from pdscope_jax.kernels.expert_math import swiglu
 from pdscope_jax.quant.formats import quantize
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         want = got if want is None else want
         err = float(np.abs(got - want).max() / (np.abs(want).max() + 1e-30))
         # the check's run above was the untimed one
-        us = median_seconds(lambda: fn(x, gate_up, down, picks), args.reps, warm=0) / args.layers * 1e6
+        us = median_seconds(lambda: fn(x, gate_up, down, picks), args.reps, warmup=0) / args.layers * 1e6
         emit(records, {"variant": variant, "us_per_layer": round(us, 2), "tb_s": round(nbytes / us / 1e6, 3),
                        "rel_err_vs_fused": err})
         if err > 1e-4:

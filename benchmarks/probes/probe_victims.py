@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from _common import emit, median_seconds, probe_result
+from _common import emit, probe_result
+from pdscope_jax.bench.timing import median_seconds
 from pdscope_jax.engine.smallest import smallest
 from pdscope_jax.runtime import select_devices
 
