@@ -109,7 +109,8 @@ void compute_group(void* ctx, int g) {
   if (lo == hi) return;
   Scratch& s = tls_scratch;
   s.act.resize(size_t(c.n) * kBlock);
-  s.gu.resize(2 * 2 * size_t(std::max(c.n, kGuRows)) * kBlock);  // gate and up of up to 2 units
+  // gate and up of up to 2 units of n rows, or of wide_units(m) units of m rows (at most as many floats)
+  s.gu.resize(2 * 2 * size_t(std::max(c.n, kGuRows)) * kBlock);
   Phases* ph = c.profile ? &c.group_ns[g] : nullptr;
   const int64_t start = ph ? now_ns() : 0;
   float* partial = c.partials[g];
@@ -126,8 +127,7 @@ void compute_group(void* ctx, int g) {
     // additions into the partial is fixed by the group's units.
     int run = 1;  // the group's units of expert j from u on
     while (u + run < hi && c.unit_expert[u + run] == j) ++run;
-    int nb = (c.fmt != kBf16 && b % 2 == 0 && run > 1) ? 2 : 1;
-    if (c.fmt == kBf16) nb = std::min(run, wide_units(m));  // one pass over the rows for up to 4 units
+    const int nb = c.fmt == kBf16 ? std::min(run, wide_units(m)) : (b % 2 == 0 && run > 1 ? 2 : 1);
     if (c.hx[j]) {  // the group's units of expert j on tiles, together
       tiles = tiles || amx_begin();
       u = units_amx(c, u, hi, s, partial, ph);

@@ -102,39 +102,10 @@ inline void load_gate_up_pair(const M& w, int dd, int c0, int f, bool prefetch, 
   out[3] = _mm512_unpackhi_epi16(u0, u1);
 }
 
-template <int R, class M>
-void gate_up_avx(const Call& c, const M& w, int b, const int* rows, float* g, float* u, bool prefetch) {
-  const bf16* xr[R];
-  for (int r = 0; r < R; ++r) xr[r] = c.h + size_t(rows[r]) * c.d;
-  __m512 g_lo[R], g_hi[R], u_lo[R], u_hi[R];
-  for (int r = 0; r < R; ++r) g_lo[r] = g_hi[r] = u_lo[r] = u_hi[r] = _mm512_setzero_ps();
-  for (int dd = 0; dd < c.d; dd += 2) {
-    __m512i v[4];
-    load_gate_up_pair(w, dd, b * kBlock, c.f, prefetch, v);
-    const __m512bh glo = as_bh(v[0]), ghi = as_bh(v[1]), ulo = as_bh(v[2]), uhi = as_bh(v[3]);
-    for (int r = 0; r < R; ++r) {
-      const __m512bh x = as_bh(pair_of(xr[r] + dd));
-      g_lo[r] = _mm512_dpbf16_ps(g_lo[r], glo, x);
-      g_hi[r] = _mm512_dpbf16_ps(g_hi[r], ghi, x);
-      u_lo[r] = _mm512_dpbf16_ps(u_lo[r], ulo, x);
-      u_hi[r] = _mm512_dpbf16_ps(u_hi[r], uhi, x);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    __m512 a, bb;
-    unpermute(g_lo[r], g_hi[r], &a, &bb);
-    _mm512_storeu_ps(g + r * kBlock, a);
-    _mm512_storeu_ps(g + r * kBlock + 16, bb);
-    unpermute(u_lo[r], u_hi[r], &a, &bb);
-    _mm512_storeu_ps(u + r * kBlock, a);
-    _mm512_storeu_ps(u + r * kBlock + 16, bb);
-  }
-}
-
 // NB consecutive units' gate and up columns (blocks b .. b + NB - 1) for R rows in one pass over the weight rows:
 // g, u [NB, R, kBlock]. A row's NB gate lines and NB up lines are adjacent, so each weight row (2F elements from the
 // next: its own page) is visited once for all NB units; one unit a pass visits every row's page once per unit.
-// Each unit's sums are added in the order gate_up_avx adds them.
+// Prefetches kGuPrefetch row pairs ahead (past the end is harmless: prefetches never fault).
 template <int R, int NB, class M>
 void gate_up_wide(const Call& c, const M& w, int b, const int* rows, float* g, float* u) {
   const bf16* xr[R];
@@ -173,9 +144,15 @@ void gate_up_wide(const Call& c, const M& w, int b, const int* rows, float* g, f
     }
 }
 
-// gate_up_wide for 2 <= nb <= wide_units(m).
+// gate_up_wide for m <= kGuRows rows and 1 <= nb <= wide_units(m) units.
 template <class M>
 void gate_up_wide_any(const Call& c, const M& w, int b, int nb, const int* rows, int m, float* g, float* u) {
+  if (nb == 1) {
+    if (m == 1) return gate_up_wide<1, 1>(c, w, b, rows, g, u);
+    if (m == 2) return gate_up_wide<2, 1>(c, w, b, rows, g, u);
+    if (m == 3) return gate_up_wide<3, 1>(c, w, b, rows, g, u);
+    return gate_up_wide<4, 1>(c, w, b, rows, g, u);
+  }
   if (m == 2) return gate_up_wide<2, 2>(c, w, b, rows, g, u);
   if (nb == 2) return gate_up_wide<1, 2>(c, w, b, rows, g, u);
   if (nb == 3) return gate_up_wide<1, 3>(c, w, b, rows, g, u);
@@ -303,14 +280,6 @@ void down_avx(const Call& c, const M& w, int b, const int* rows, const bf16* act
 }
 
 template <int R, class M>
-void gate_up_avx_upto(const Call& c, const M& w, int b, const int* rows, int m, float* g, float* u, bool pf) {
-  if constexpr (R > 1) {
-    if (m < R) return gate_up_avx_upto<R - 1>(c, w, b, rows, m, g, u, pf);
-  }
-  gate_up_avx<R>(c, w, b, rows, g, u, pf);
-}
-
-template <int R, class M>
 void down_avx_upto(const Call& c, const M& w, int b, const int* rows, int m, const bf16* act, float* partial,
                    bool pf) {
   if constexpr (R > 1) {
@@ -353,18 +322,13 @@ template <class M>
 void unit_avx(const Call& c, int j, int b, int nb, const int* rows, int m, Scratch& s, float* partial, Phases* ph) {
   const M gu = gate_up_mat<M>(c, j), dn = down_mat<M>(c, j);
   float* g = s.gu.data();
-  float* u = g + kGuRows * kBlock;
+  float* u = g + size_t(nb) * m * kBlock;
   const float* coef = c.coef + size_t(j) * c.n;
   int64_t t = ph ? now_ns() : 0;
-  if (!M::kScaled && nb == 1 && m <= kGuRows) {  // one pass over the weights either way: skip the chunk buffer
-    gate_up_avx_upto<kGuRows>(c, gu, b, rows, m, g, u, true);
-  } else if (!M::kScaled && nb > 1 && nb <= wide_units(m)) {
-    u = g + size_t(nb) * m * kBlock;
+  if (!M::kScaled && m <= kGuRows && nb <= wide_units(m))  // one pass over the weights either way: no chunk buffer
     gate_up_wide_any(c, gu, b, nb, rows, m, g, u);
-  } else {
-    u = g + size_t(nb) * m * kBlock;
+  else
     gate_up_many(c, gu, b, nb, rows, m, s, g, u);
-  }
   if (ph) { const int64_t t1 = now_ns(); ph->gate_up += t1 - t; t = t1; }
   for (int k = 0; k < nb; ++k) {
     bf16* act = s.act.data();
