@@ -109,8 +109,7 @@ void compute_group(void* ctx, int g) {
   if (lo == hi) return;
   Scratch& s = tls_scratch;
   s.act.resize(size_t(c.n) * kBlock);
-  // gate and up of up to 2 units of n rows, or of wide_units(m) units of m rows (at most as many floats)
-  s.gu.resize(2 * 2 * size_t(std::max(c.n, kGuRows)) * kBlock);
+  s.gu.resize(2 * 2 * size_t(std::max(c.n, kGuRows)) * kBlock);  // gate, up: 2 units of n rows, or wide_units(m)
   Phases* ph = c.profile ? &c.group_ns[g] : nullptr;
   const int64_t start = ph ? now_ns() : 0;
   float* partial = c.partials[g];
