@@ -139,10 +139,11 @@ class RuntimeConfig:
     decode_copies_ahead: bool = False  # with the bridge's copies and a planner that reads next-layer scores,
     # each layer predicts the next one's experts (its router on this layer's input) and the worker copies them
     # ahead (off: on the H200 node the link was already busy, and the copies ahead slowed decode; MEASUREMENTS)
-    decode_chunk: int | None = None  # device decode steps a program where a step has no bridge or host part (every
-    # miss copied by the program, or none missed: `device_decode.EVERY_RESIDENT`): >1 scans that many steps in one
-    # program run as XLA command buffers (the whole model's chunks); 1: a program a step; None: 32 on a GPU (1.6-2.5x
-    # the decode of one step a program on the H200: docs/MEASUREMENTS.md), 1 elsewhere (`engine.decode.chunk_steps`)
+    decode_chunk: int | None = None  # device decode steps a program: >1 scans that many steps in one program, run as
+    # XLA command buffers where a step has no bridge or host part (every miss copied by the program, or none missed:
+    # `device_decode.EVERY_RESIDENT`; the whole model's chunks), else launched as issued; 1: a program a step; None:
+    # 32 on a GPU where a step has no bridge or host part (1.6-2.5x the decode of one step a program on the H200:
+    # docs/MEASUREMENTS.md), 1 elsewhere (`engine.decode.chunk_steps`)
     decode_trial: int = 8  # where the planner chooses its decode mode (pdscope) and both executors can run a batch,
     # warm-up times this many decode steps of each (the one-program step, the host-planned loop) and decode runs the
     # faster (`engine.decode_trial`; not where the device steps run in chunks); 0: the one-program step wherever it

@@ -24,10 +24,10 @@ batch)`: what the step copies from (pinned stacks, or their in-place device view
   pool's table, and fetches each token two steps behind its step, so the host never waits for the step it just
   dispatched; where the pool holds every routed expert (`device_decode.EVERY_RESIDENT`) it first loads those
   not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
-  count in `seconds`, bytes and `experts_placed`. With `chunk_steps` above 1 (RuntimeConfig.decode_chunk; None:
-  `AUTO_CHUNK` on a GPU), steps without a bridge or host part (every miss copied by the program, or
-  EVERY_RESIDENT) and the run's `count` of steps given, the first step of each chunk runs that many steps in one
-  program (`device_decode.decode_chunk`) and the others run nothing; tokens then arrive a chunk late. Its steps
+  count in `seconds`, bytes and `experts_placed`. With `chunk_steps` above 1 and the run's `count` of steps given,
+  the first step of each chunk runs that many steps in one program (`device_decode.decode_chunk`) and the others
+  run nothing; tokens then arrive a chunk late. Steps with a bridge or a host part chunk only when asked
+  (RuntimeConfig.decode_chunk), in a program whose calls run as issued (`engine._decode_chunk_issued`). Its steps
   count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch use, prediction recall
   (where it copies ahead), gpu_experts and cpu_experts (misses the host computed), not in the time splits. For a
   batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's input position), `steps` int32 [B]
@@ -92,16 +92,20 @@ AUTO_CHUNK = 32  # steps a program on a GPU where RuntimeConfig.decode_chunk is 
 
 
 def chunk_steps(engine, host, count) -> int:
-    """Steps per device decode program for a run of `count` steps (None: not known) under the split `host`
-    (`engine.decode_host`): RuntimeConfig.decode_chunk, or `AUTO_CHUNK` on a GPU and 1 elsewhere where it is None;
-    1 where a step has a bridge (whose calls must run as issued, not as a recorded command buffer) or a host part,
-    or the count is not known."""
-    if not count or (host is not None and (host.bridge is not None or host.computes)):
+    """Steps per device decode program for a run of `count` steps (None: not known: 1) under the split `host`
+    (`engine.decode_host`): RuntimeConfig.decode_chunk where given; else 1 where a step has a bridge or a host part
+    (`bridged`) or the accelerator is not a GPU, `AUTO_CHUNK` elsewhere."""
+    if not count:
         return 1
     chunk = engine.runtime.decode_chunk
     if chunk is None:
-        return AUTO_CHUNK if engine.devices.accel.platform == "gpu" else 1
+        return 1 if bridged(host) or engine.devices.accel.platform != "gpu" else AUTO_CHUNK
     return chunk
+
+
+def bridged(host) -> bool:
+    """Whether steps under the split `host` call the bridge or have a host part: their chunks run as issued."""
+    return host is not None and (host.bridge is not None or host.computes)
 
 
 class HostDecode:
@@ -215,8 +219,9 @@ class DeviceDecode:
             return
         e, pool = self.engine, self.engine.pool
         size = min(self.chunk, self.count - n + 1)
+        program = e._decode_chunk_issued if bridged(self.host) else e._decode_chunk
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
-         self.table) = e._decode_chunk(size, self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
+         self.table) = program(size, self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
                                        self.state_leaves, self.experts, self.token, self.positions, self.caches,
                                        self.sampling, self.step_no, pool.banks, self.table, self.active)
         self.token = picked.token[-1]

@@ -130,6 +130,8 @@ class OffloadRunner:
         # several steps a program run as command buffers on a GPU, as the whole model's chunks do
         self._decode_chunk = device_decode.build_decode_chunk(
             CHUNK_COMPILER_OPTIONS if self.devices.accel.platform == "gpu" else None)
+        # the bridge's calls must run as issued, not replayed from a recorded command buffer
+        self._decode_chunk_issued = device_decode.build_decode_chunk()
         self.host_split = HostSplit(self.store, cfg, self.devices.accel, expert_dtype)
         self._calibration = CpuCalibration(self.costs)
         next_moe = dict(zip(self._moe_layers[:-1], self._moe_layers[1:]))
@@ -269,6 +271,7 @@ class OffloadRunner:
         counts = {name: cache_size(fn) for name, fn in self._programs.items()}
         counts["decode_step"] = cache_size(self._decode_step)
         counts["decode_chunk"] = cache_size(self._decode_chunk)
+        counts["decode_chunk_issued"] = cache_size(self._decode_chunk_issued)
         counts["init_cache"] = cache_size(self._init_cache)
         counts["slot_commit"] = self.store.compiled_programs
         counts["cpu_expert"] = self.cpu_experts.compiled_programs

@@ -122,6 +122,25 @@ def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere():
     assert chunk_steps(engine("cpu", 4), None, 63) == chunk_steps(engine("gpu", 4), None, 63) == 4
     assert chunk_steps(engine("gpu"), None, None) == 1  # the steps to come unknown (a batch's session)
     assert chunk_steps(engine("gpu"), device_decode.HostExperts(0.5), 63) == 1  # the host computes a part
+    assert chunk_steps(engine("gpu", 8), device_decode.HostExperts(0.5), 63) == 8  # unless asked
+
+
+def test_steps_with_a_host_part_decode_in_chunks_when_asked(ds):
+    """decode_chunk on steps whose host part XLA computes (the bridge's stand-in): the chunks run in the program
+    whose calls run as issued, and give the plain model's tokens and the per-step path's counts."""
+    single = ds.runner("static", _slots(ds, "small"), decode_cpu_experts="xla")
+    want = single.generate(ds.ids, ds.new)
+    runner = ds.runner("static", _slots(ds, "small"), decode_cpu_experts="xla", decode_chunk=4)
+    sizes, real = [], runner._decode_chunk_issued
+    runner._decode_chunk_issued = lambda n, *args: sizes.append(n) or real(n, *args)
+    got = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(got.tokens, ds.tokens)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    assert sizes == [4, 4, 1]
+    stats, one = runner.stats["decode"], single.stats["decode"]
+    for key in ("device_steps", "activated", "hits", "cpu_experts", "bytes_moved"):
+        assert stats[key] == one[key], key
+    assert stats["cpu_experts"] > 0
 
 
 def test_one_rows_every_resident_layer_is_the_general_layer(experts):
