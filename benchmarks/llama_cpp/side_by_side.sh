@@ -6,12 +6,13 @@
 # WORKLOAD: uniform (default) or skewed, the bench's rewrite of the random weights, exported so llama.cpp routes alike;
 # DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
-# 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depth 0 and 512, -ub/-b 4096, every core, 2
+# 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depth 0, 512 and 4,096, -ub/-b 4096, every core, 2
 #    repetitions; its peak GPU memory sampled by nvidia-smi every 250 ms.
-# 3. The project's bench at each chosen peak: prompts PROMPTS (default "512 4096"), 64 new tokens, 2 repeats.
-# Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN/ and
+# 3. The project's bench at each chosen peak: prompts PROMPTS (default "512 4096", ascending), 64 new tokens, 2
+#    repeats, each policy in its own process, so that XLA's peak (a process's peak so far) is the policy's own.
+# Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN-POLICY/ and
 # side_by_side-MODEL-TYPE.json (llama.cpp's peaks and rates per -ncmoe).
-# Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150, OURS_LIMIT 240.
+# Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150 (per -ncmoe), OURS_LIMIT 240 (per policy).
 set -u
 export PYTHONPATH=$PWD:$PWD/.peers-build/src/llama.cpp/gguf-py PYTHONUNBUFFERED=1
 noise='^W0000\|^I0000\|^WARNING: All log\|cuda_executor\|^E0000'
@@ -32,7 +33,7 @@ declare -A peak
 for n in ${NCMOE:-}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$name-n$n.log" 2>/dev/null &
   sampler=$!
-  timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n 64 -d 0,512 -ub 4096 \
+  timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n 64 -d 0,512,4096 -ub 4096 \
     -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" 2> "$out/llama-$name-n$n.err"
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   peak[$n]=$(sort -n "$out/mem-$name-n$n.log" | tail -1)
@@ -58,12 +59,14 @@ PY
 for spec in ${OURS:-}; do
   n=${spec%%:*}; policies=${spec#*:}; mib=${peak[$n]:-}
   [ -n "$mib" ] || { say "no llama.cpp peak for -ncmoe $n: skipped"; continue; }
-  limit=${OURS_LIMIT:-240}
-  [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
-  [ "$limit" -ge 60 ] || { say "no time left for the project at -ncmoe $n"; continue; }
-  timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
-    --gpu-memory "${mib}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 \
-    --policies ${policies//,/ } --out "$out/bench-$name-n$n" 2>&1 \
-    | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -14 | cut -c1-220
-  say "the project at -ncmoe $n's ${mib} MiB done"
+  for policy in ${policies//,/ }; do
+    limit=${OURS_LIMIT:-240}
+    [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
+    [ "$limit" -ge 60 ] || { say "no time left for $policy at -ncmoe $n"; continue; }
+    timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
+      --gpu-memory "${mib}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 \
+      --policies "$policy" --out "$out/bench-$name-n$n-${policy//:/_}" 2>&1 \
+      | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -8 | cut -c1-220
+    say "$policy at -ncmoe $n's ${mib} MiB done"
+  done
 done

@@ -83,28 +83,33 @@ def test_a_pool_of_every_expert_decodes_in_chunks_of_steps(ds):
     assert sizes == [3, 1]
 
 
-def _chunk_sizes(runner) -> list[int]:
-    """The step counts of the runner's chunk programs, in the order they run (recorded from now on)."""
-    sizes, real = [], runner._decode_chunk
-    runner._decode_chunk = lambda n, *args: sizes.append(n) or real(n, *args)
+def _chunk_sizes(runner, program: str = "_decode_chunk") -> list[int]:
+    """The step counts of the runner's chunk program `program`, in the order they run (recorded from now on)."""
+    sizes, real = [], getattr(runner, program)
+    setattr(runner, program, lambda n, *args: sizes.append(n) or real(n, *args))
     return sizes
 
 
-def test_steps_that_copy_their_misses_decode_in_chunks_too(ds):
-    """decode_chunk on steps with no bridge that copy their misses themselves (ondemand, a small pool, the
-    conditional per layer inside the scan): the plain model's tokens and the per-step path's counts."""
-    single = ds.runner("ondemand", _slots(ds, "small"))
-    assert single.decode_host(1) is None  # every miss copied by the program
+@pytest.mark.parametrize("policy, options, program, counted", [
+    # no bridge, every miss copied by the program (the conditional per layer inside the scan): command buffers
+    ("ondemand", {}, "_decode_chunk", "experts_loaded_now"),
+    # a host part (XLA computes it: the bridge's stand-in): the program whose calls run as issued
+    ("static", {"decode_cpu_experts": "xla"}, "_decode_chunk_issued", "cpu_experts")])
+def test_steps_decode_in_chunks_when_asked(ds, policy, options, program, counted):
+    """decode_chunk on a small pool's steps: the chunks run in their program and give the plain model's tokens and
+    the per-step path's counts."""
+    single = ds.runner(policy, _slots(ds, "small"), **options)
     want = single.generate(ds.ids, ds.new)
-    runner = ds.runner("ondemand", _slots(ds, "small"), decode_chunk=4)
-    sizes = _chunk_sizes(runner)
+    runner = ds.runner(policy, _slots(ds, "small"), decode_chunk=4, **options)
+    sizes = _chunk_sizes(runner, program)
     got = runner.generate(ds.ids, ds.new)
     np.testing.assert_array_equal(got.tokens, ds.tokens)
     np.testing.assert_array_equal(got.tokens, want.tokens)
     assert sizes == [4, 4, 1]
     stats, one = runner.stats["decode"], single.stats["decode"]
-    for key in ("device_steps", "activated", "hits", "experts_loaded_now", "bytes_moved"):
+    for key in ("device_steps", "activated", "hits", counted, "bytes_moved"):
         assert stats[key] == one[key], key
+    assert stats[counted] > 0
 
 
 def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere():
@@ -123,24 +128,6 @@ def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere():
     assert chunk_steps(engine("gpu"), None, None) == 1  # the steps to come unknown (a batch's session)
     assert chunk_steps(engine("gpu"), device_decode.HostExperts(0.5), 63) == 1  # the host computes a part
     assert chunk_steps(engine("gpu", 8), device_decode.HostExperts(0.5), 63) == 8  # unless asked
-
-
-def test_steps_with_a_host_part_decode_in_chunks_when_asked(ds):
-    """decode_chunk on steps whose host part XLA computes (the bridge's stand-in): the chunks run in the program
-    whose calls run as issued, and give the plain model's tokens and the per-step path's counts."""
-    single = ds.runner("static", _slots(ds, "small"), decode_cpu_experts="xla")
-    want = single.generate(ds.ids, ds.new)
-    runner = ds.runner("static", _slots(ds, "small"), decode_cpu_experts="xla", decode_chunk=4)
-    sizes, real = [], runner._decode_chunk_issued
-    runner._decode_chunk_issued = lambda n, *args: sizes.append(n) or real(n, *args)
-    got = runner.generate(ds.ids, ds.new)
-    np.testing.assert_array_equal(got.tokens, ds.tokens)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
-    assert sizes == [4, 4, 1]
-    stats, one = runner.stats["decode"], single.stats["decode"]
-    for key in ("device_steps", "activated", "hits", "cpu_experts", "bytes_moved"):
-        assert stats[key] == one[key], key
-    assert stats["cpu_experts"] > 0
 
 
 def test_one_rows_every_resident_layer_is_the_general_layer(experts):
