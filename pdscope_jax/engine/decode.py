@@ -222,8 +222,8 @@ class DeviceDecode:
         program = e._decode_chunk_issued if bridged(self.host) else e._decode_chunk
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
          self.table) = program(size, self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
-                                       self.state_leaves, self.experts, self.token, self.positions, self.caches,
-                                       self.sampling, self.step_no, pool.banks, self.table, self.active)
+                               self.state_leaves, self.experts, self.token, self.positions, self.caches,
+                               self.sampling, self.step_no, pool.banks, self.table, self.active)
         self.token = picked.token[-1]
         self.steps_run += size
         self.chunk_left = size - 1
