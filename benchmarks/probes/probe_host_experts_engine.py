@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict:
         for label in args.runs:
             policy, switches = split_label(label)
             defaults = {"decode_cpu_experts": RuntimeConfig.decode_cpu_experts, "decode_copy_share": None,
-                        "decode_bridge_copies": True, "decode_copies_ahead": RuntimeConfig.decode_copies_ahead}
+                        "decode_bridge_copies": True, "decode_copies_ahead": RuntimeConfig.decode_copies_ahead,
+                        "decode_chunk": RuntimeConfig.decode_chunk}
             # a label's switches only: nothing carries over from the last
             runner.set_policy(policy, **{**defaults, **switches})
             runner.warmup(1, args.prompt_len, args.tokens)
