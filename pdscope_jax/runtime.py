@@ -142,12 +142,13 @@ class RuntimeConfig:
     decode_chunk: int | None = None  # device decode steps a program: >1 scans that many steps in one program, run as
     # XLA command buffers where a step has no bridge or host part (every miss copied by the program, or none missed:
     # `device_decode.EVERY_RESIDENT`; the whole model's chunks), else launched as issued; 1: a program a step; None:
-    # 32 on a GPU where a step has no bridge or host part (1.6-2.5x the decode of one step a program on the H200:
-    # docs/MEASUREMENTS.md), 1 elsewhere (`engine.decode.chunk_steps`)
+    # 32 on a GPU unless XLA's host part computes misses (1.6-2.5x the decode of one step a program on the H200
+    # without a host part, 1.04-1.07x with the CUDA bridge on the H100: docs/MEASUREMENTS.md), 1 elsewhere
+    # (`engine.decode.chunk_steps`)
     decode_trial: int = 8  # where the planner chooses its decode mode (pdscope) and both executors can run a batch,
-    # warm-up times this many decode steps of each (the one-program step, the host-planned loop) and decode runs the
-    # faster (`engine.decode_trial`; not where the device steps run in chunks); 0: the one-program step wherever it
-    # can run
+    # warm-up times this many decode steps of each (the one-program step, a program a step even where real runs
+    # chunk it, and the host-planned loop) and decode runs the faster (`engine.decode_trial`); 0: the one-program
+    # step wherever it can run
     quality: str | None = None  # the lowest precision a copy of an expert may load in (`sched.precision`): None
     # (the stored precision), "int8", "mixed" (int4 copies of light experts, the rest stored precision) or "int4"
     mixed_threshold: float = 1.0  # "mixed": a copy loads int4 when its expert's routing weight over the token's

@@ -22,8 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdscope_jax.bench.runs import (COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, QUALITY, SUFFIXES,
-                                    WITH_CPU, ZERO_COPY, split_label)
+from pdscope_jax.bench.runs import (CHUNK, COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, QUALITY,
+                                    SUFFIXES, WITH_CPU, ZERO_COPY, split_label)
 from pdscope_jax.cli.options import add_quality, add_quantize
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"(it copies every miss), NAME{COPY_SHARE}F (the share of misses copied), "
                         f"NAME{PROGRAM_COPIES} (the decode program copies its misses itself, not the bridge's "
                         f"worker), NAME{ZERO_COPY} (it reads the misses in place from pinned host memory), "
-                        f"NAME{QUALITY}Q (its --quality), and '{PLAIN}' "
+                        f"NAME{CHUNK}N (N decode steps a program), NAME{QUALITY}Q (its --quality), and '{PLAIN}' "
                         "for the whole model without offloading")
     p.add_argument("--ablation", action="store_true", help="run the ablation sequence instead of --policies")
     p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"],
@@ -123,7 +123,7 @@ def check_args(args) -> None:
                 continue
             if policy not in POLICIES and name != PLAIN:
                 problems.append(f"--policies: unknown {name!r}; known: {', '.join(POLICIES)}, each with any of the "
-                                f"suffixes {', '.join(SUFFIXES)}, {COPY_SHARE}F, {QUALITY}Q, and {PLAIN}")
+                                f"suffixes {', '.join(SUFFIXES)}, {COPY_SHARE}F, {CHUNK}N, {QUALITY}Q, and {PLAIN}")
     checks.check_ints(problems, "--prompt-lens", args.prompt_lens)
     checks.check_ints(problems, "--batch", args.batch)
     for flag, value, low in (("--new-tokens", args.new_tokens, 1), ("--prefill-chunk", args.prefill_chunk, 1),

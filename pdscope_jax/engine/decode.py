@@ -26,8 +26,8 @@ batch)`: what the step copies from (pinned stacks, or their in-place device view
   not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
   count in `seconds`, bytes and `experts_placed`. With `chunk_steps` above 1 and the run's `count` of steps given,
   the first step of each chunk runs that many steps in one program (`device_decode.decode_chunk`) and the others
-  run nothing; tokens then arrive a chunk late. Steps with a bridge or a host part chunk only when asked
-  (RuntimeConfig.decode_chunk), in a program whose calls run as issued (`engine._decode_chunk_issued`). Its steps
+  run nothing; tokens then arrive a chunk late. Steps with a bridge or a host part chunk in a program whose calls
+  run as issued (`engine._decode_chunk_issued`), steps with XLA's host part only when asked. Its steps
   count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch use, prediction recall
   (where it copies ahead), gpu_experts and cpu_experts (misses the host computed), not in the time splits. For a
   batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's input position), `steps` int32 [B]
@@ -93,13 +93,14 @@ AUTO_CHUNK = 32  # steps a program on a GPU where RuntimeConfig.decode_chunk is 
 
 def chunk_steps(engine, host, count) -> int:
     """Steps per device decode program for a run of `count` steps (None: not known: 1) under the split `host`
-    (`engine.decode_host`): RuntimeConfig.decode_chunk where given; else 1 where a step has a bridge or a host part
-    (`bridged`) or the accelerator is not a GPU, `AUTO_CHUNK` elsewhere."""
+    (`engine.decode_host`): RuntimeConfig.decode_chunk where given; else `AUTO_CHUNK` on a GPU where a step has no
+    host part or has the CUDA bridge, 1 elsewhere (off a GPU, and where XLA's host part computes the misses)."""
     if not count:
         return 1
     chunk = engine.runtime.decode_chunk
     if chunk is None:
-        return 1 if bridged(host) or engine.devices.accel.platform != "gpu" else AUTO_CHUNK
+        xla_host = host is not None and host.bridge is None and host.computes
+        return 1 if xla_host or engine.devices.accel.platform != "gpu" else AUTO_CHUNK
     return chunk
 
 

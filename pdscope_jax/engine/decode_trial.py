@@ -7,11 +7,13 @@ each, two greedy generations on a prompt of seeded random tokens [batch, prompt_
 `set_policy` leaves; the difference of their decode seconds over `steps` is the executor's figure, so what an
 executor does once per decode (the device step's fill of the pool or of its decode bank, its table's upload and
 download) counts in neither (where noise on a loaded host makes the long run no slower, the long run's mean per
-decoded token stands in). Every program must be compiled before: the device step's by the warm-up that calls this,
-the host loop's by `compile_host_loop`, and what routing decides either needs by `precompile_routed` (the
-warm-up calls the three in that order, then this). `DecodeTrial.executor` is the faster executor; `to_dict()` ->
-{"chosen": "device" | "host", "ms_per_step": {name: ms}, "steps", "compiled_while_timed"}. The caller restarts the
-pool and statistics afterwards.
+decoded token stands in). The device executor is timed a program a step (`StepwiseDevice`) even where real runs
+chunk its steps (`decode.chunk_steps`), which only makes it faster: a chunk of each trial length would compile
+programs of their own. Every program must be compiled before: the device step's by the warm-up that calls this
+where it runs a program a step, else with the host loop's by `compile_loops`, and what routing decides either
+needs by `precompile_routed` (the warm-up calls them in that order, then this). `DecodeTrial.executor` is the
+faster executor; `to_dict()` -> {"chosen": "device" | "host", "ms_per_step": {name: ms}, "steps",
+"compiled_while_timed"}. The caller restarts the pool and statistics afterwards.
 Why a trial and not the cost table: the two differ in the host's dispatch per layer and the accelerator's cost per
 step, which the table does not hold, and on the benchmark node either may win (docs/MEASUREMENTS.md). Random tokens
 rather than warm-up's zeros: one token repeated routes to few experts, which would hide the misses that decide.
@@ -27,8 +29,18 @@ import numpy as np
 from pdscope_jax.engine.decode import DeviceDecode, HostDecode
 from pdscope_jax.generation.generator import sampling_params
 
-EXECUTORS = {"device": DeviceDecode, "host": HostDecode}
 COMPILE_TOKENS = 2  # a generation that runs one decode step: compiles an executor's programs
+
+
+class StepwiseDevice(DeviceDecode):
+    """The one-program step, a program a step: the run's count of steps is withheld, so it never chunks."""
+
+    def __init__(self, *args, count=None, **kwargs):
+        super().__init__(*args, **kwargs)
+
+
+EXECUTORS = {"device": DeviceDecode, "host": HostDecode}  # what a trial's winner runs
+TIMED = {"device": StepwiseDevice, "host": HostDecode}  # what the trial times for each
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +67,18 @@ def trial_prompt(engine, batch: int, prompt_len: int) -> np.ndarray:
     return np.random.default_rng(0).integers(0, engine.config.vocab_size, (batch, prompt_len)).astype(np.int32)
 
 
-def compile_host_loop(engine, batch: int, prompt_len: int, cache_tokens: int) -> None:
-    """Compile the host-planned loop's programs for this shape by a generation of two tokens (the caller then
-    compiles what routing decides a run needs, `precompile_routed`, for every shape run so far)."""
-    decode_seconds(engine, trial_prompt(engine, batch, prompt_len), COMPILE_TOKENS, cache_tokens, HostDecode)
+def compile_loops(engine, batch: int, prompt_len: int, cache_tokens: int, device_too: bool) -> None:
+    """Compile the host-planned loop's programs for this shape, and with `device_too` the device step's a program
+    a step, each by a generation of two tokens (the caller then compiles what routing decides a run needs,
+    `precompile_routed`, for every shape run so far)."""
+    for executor in (HostDecode, StepwiseDevice) if device_too else (HostDecode,):
+        decode_seconds(engine, trial_prompt(engine, batch, prompt_len), COMPILE_TOKENS, cache_tokens, executor)
 
 
 def trial(engine, batch: int, prompt_len: int, cache_tokens: int, steps: int) -> DecodeTrial:
     ids = trial_prompt(engine, batch, prompt_len)
     seconds, compiled = {}, engine.compiled_programs["total"]
-    for name, executor in EXECUTORS.items():
+    for name, executor in TIMED.items():
         runs = []
         for tokens in (COMPILE_TOKENS, COMPILE_TOKENS + steps):
             engine.set_policy(engine.runtime.policy, engine.runtime.policy_options)  # the same pool for every run

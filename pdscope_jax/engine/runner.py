@@ -401,12 +401,12 @@ class OffloadRunner:
         self.decode_trials.pop(batch, None)  # so that this compiles the executor `decode.choose` takes untried
         for _ in self._steps(ids, tokens, params, cache_tokens=new_tokens):
             pass
-        # the trial's longer run fits the cache; chunked steps are the device executor's alone: no trial
+        # the trial's longer run fits the cache
         steps = min(self.runtime.decode_trial, new_tokens - decode_trial.COMPILE_TOKENS)
-        trying = (steps > 0 and not chunked and self.planner.chooses_decode_mode
+        trying = (steps > 0 and self.planner.chooses_decode_mode
                   and decode.choose(self, batch, steps) is decode.DeviceDecode)
         if trying:
-            decode_trial.compile_host_loop(self, batch, prompt_len, new_tokens)
+            decode_trial.compile_loops(self, batch, prompt_len, new_tokens, device_too=chunked)
         self.precompile_routed()  # for both executors' shapes: the trial's timed runs compile nothing
         if trying:
             self.decode_trials[batch] = decode_trial.trial(self, batch, prompt_len, new_tokens, steps)

@@ -112,7 +112,7 @@ def test_steps_decode_in_chunks_when_asked(ds, policy, options, program, counted
     assert stats[counted] > 0
 
 
-def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere():
+def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere_or_with_xlas_host_part():
     from types import SimpleNamespace
 
     from pdscope_jax.engine.decode import AUTO_CHUNK, chunk_steps
@@ -126,7 +126,10 @@ def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere():
     assert chunk_steps(engine("cpu"), None, 63) == 1
     assert chunk_steps(engine("cpu", 4), None, 63) == chunk_steps(engine("gpu", 4), None, 63) == 4
     assert chunk_steps(engine("gpu"), None, None) == 1  # the steps to come unknown (a batch's session)
-    assert chunk_steps(engine("gpu"), device_decode.HostExperts(0.5), 63) == 1  # the host computes a part
+    bridged = device_decode.HostExperts(0.5, bridge=object())  # the CUDA bridge computes a part
+    assert chunk_steps(engine("gpu"), bridged, 63) == 32 and chunk_steps(engine("cpu"), bridged, 63) == 1
+    assert chunk_steps(engine("gpu"), device_decode.HostExperts(1.0), 63) == 32  # every miss copied
+    assert chunk_steps(engine("gpu"), device_decode.HostExperts(0.5), 63) == 1  # XLA's host part computes a part
     assert chunk_steps(engine("gpu", 8), device_decode.HostExperts(0.5), 63) == 8  # unless asked
 
 

@@ -22,7 +22,7 @@ def _timings(monkeypatch, device: float, host: float) -> list:
     def fixed(engine, ids, tokens, cache_tokens, executor):
         run(engine, ids, tokens, cache_tokens, executor)
         runs.append((executor, tokens))
-        return 1.0 + (device if executor is decode.DeviceDecode else host) * (tokens - 1)
+        return 1.0 + (device if issubclass(executor, decode.DeviceDecode) else host) * (tokens - 1)
 
     monkeypatch.setattr(decode_trial, "decode_seconds", fixed)
     return runs
@@ -59,7 +59,8 @@ def test_decode_runs_the_executor_the_trial_found_faster(ds, monkeypatch, faster
     runner = ds.runner("pdscope", _slots(ds, "double"))
     runner.warmup(1, ds.ids.shape[1], ds.new)
     two, longest = decode_trial.COMPILE_TOKENS, ds.new  # the steps the cache holds, the one-off cost cancelled
-    assert runs == [(decode.HostDecode, two), (decode.DeviceDecode, two), (decode.DeviceDecode, longest),
+    stepwise = decode_trial.StepwiseDevice
+    assert runs == [(decode.HostDecode, two), (stepwise, two), (stepwise, longest),
                     (decode.HostDecode, two), (decode.HostDecode, longest)]
     trial = runner.stats["decode_trials"]["1"]
     assert trial["chosen"] == faster and trial["ms_per_step"] == {"device": 1e3 * (1.0 if faster == "device" else 2.0),
@@ -84,8 +85,8 @@ def test_a_new_policy_or_engine_option_forgets_the_trial(ds, monkeypatch):
 
 
 @pytest.mark.parametrize("policy, rc", [("ondemand", {}), ("fate", {}), ("pdscope", {"decode_trial": 0}),
-                                        ("pdscope", {"device_decode": False}), ("pdscope", {"decode_chunk": 2})])
-def test_no_trial_for_baselines_when_off_chunked_or_when_one_executor_can_run(ds, monkeypatch, policy, rc):
+                                        ("pdscope", {"device_decode": False})])
+def test_no_trial_for_baselines_when_off_or_when_one_executor_can_run(ds, monkeypatch, policy, rc):
     runs = _timings(monkeypatch, device=2.0, host=1.0)
     runner = ds.runner(policy, _slots(ds, "double"), **rc)
     runner.warmup(1, ds.ids.shape[1], ds.new)
@@ -104,3 +105,25 @@ def test_the_trial_fits_the_runs_cache(ds):
     assert runner.stats["decode_trials"] == {}
     runner.warmup(1, ds.ids.shape[1], 3)
     assert runner.stats["decode_trials"]["1"]["steps"] == 1
+
+
+@pytest.mark.parametrize("faster", ["device", "host"])
+def test_chunked_device_steps_are_tried_a_program_a_step_and_run_in_chunks(ds, monkeypatch, faster):
+    """Where real runs chunk the device steps, the trial times them a program a step (no chunk program of a trial
+    length), compiled before timing, and the run it chooses the device for still runs in chunks."""
+    runs = _timings(monkeypatch, device=1.0 if faster == "device" else 2.0, host=1.0 if faster == "host" else 2.0)
+    runner = ds.runner("pdscope", _slots(ds, "double"), decode_chunk=2)
+    runner.warmup(1, ds.ids.shape[1], ds.new)
+    stepwise, two = decode_trial.StepwiseDevice, decode_trial.COMPILE_TOKENS
+    host = decode.HostDecode
+    assert runs == [(host, two), (stepwise, two),  # compiling runs
+                    (stepwise, two), (stepwise, ds.new), (host, two), (host, ds.new)]
+    trial = runner.stats["decode_trials"]["1"]
+    assert trial["chosen"] == faster and trial["compiled_while_timed"] == 0
+    dispatched = []
+    chunk, step = runner._decode_chunk, runner._decode_step
+    monkeypatch.setattr(runner, "_decode_chunk", lambda n, *a: dispatched.append(n) or chunk(n, *a))
+    monkeypatch.setattr(runner, "_decode_step", lambda *a: dispatched.append(1) or step(*a))
+    out = runner.generate(ds.ids, ds.new)
+    np.testing.assert_array_equal(out.tokens, ds.tokens)
+    assert dispatched == ([2, 2, 1] if faster == "device" else [])
