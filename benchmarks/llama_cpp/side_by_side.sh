@@ -6,8 +6,8 @@
 # WORKLOAD: uniform (default) or skewed, the bench's rewrite of the random weights, exported so llama.cpp routes alike;
 # DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
-# 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depth 0, 512 and 4,096, -ub/-b 4096, every core, 2
-#    repetitions; its peak GPU memory sampled by nvidia-smi every 250 ms.
+# 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depths DEPTHS (default 0,512,4096), -ub/-b 4096, 2
+#    repetitions, every core; its peak GPU memory sampled by nvidia-smi every 250 ms.
 # 3. The project's bench at each chosen peak: prompts PROMPTS (default "512 4096", ascending), 64 new tokens, 2
 #    repeats, each policy in its own process, so that XLA's peak (a process's peak so far) is the policy's own.
 # Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN-POLICY/ and
@@ -33,8 +33,8 @@ declare -A peak
 for n in ${NCMOE:-}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$name-n$n.log" 2>/dev/null &
   sampler=$!
-  timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n 64 -d 0,512,4096 -ub 4096 \
-    -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" 2> "$out/llama-$name-n$n.err"
+  timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n 64 \
+    -d "${DEPTHS:-0,512,4096}" -ub 4096 -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" 2> "$out/llama-$name-n$n.err"
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   peak[$n]=$(sort -n "$out/mem-$name-n$n.log" | tail -1)
   say "llama.cpp -ncmoe $n done"
