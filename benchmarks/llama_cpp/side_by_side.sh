@@ -34,7 +34,8 @@ for n in ${NCMOE:-}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$name-n$n.log" 2>/dev/null &
   sampler=$!
   timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n 64 \
-    -d "${DEPTHS:-0,512,4096}" -ub 4096 -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" 2> "$out/llama-$name-n$n.err"
+    -d "${DEPTHS:-0,512,4096}" -ub 4096 -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" \
+    2> "$out/llama-$name-n$n.err"
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
   peak[$n]=$(sort -n "$out/mem-$name-n$n.log" | tail -1)
   say "llama.cpp -ncmoe $n done"
