@@ -66,9 +66,8 @@ def decode_experts(engine, host, batch: int = 1) -> tuple:
     no XLA host part computes from them and, on a GPU, the matvec kernel takes a step of `batch` rows (else XLA
     would read every pick from host memory); else its pinned stacks, or per-expert arrays where it keeps none."""
     store, moe = engine.store, engine._moe_layers
-    xla_host = host is not None and host.bridge is None and host.computes
     setting = engine.runtime.decode_zero_copy
-    if (device_decode.reads_in_place(host) if setting is None else setting) and not xla_host:
+    if (device_decode.reads_in_place(host) if setting is None else setting) and not xla_host_part(host):
         views = tuple(store.layer_device_views(layer) for layer in moe)
         if all(v is not None for v in views) and _kernel_reads(engine, views[0], batch):
             return tuple(device_decode.DeviceViews(*v) for v in views)
@@ -99,14 +98,18 @@ def chunk_steps(engine, host, count) -> int:
         return 1
     chunk = engine.runtime.decode_chunk
     if chunk is None:
-        xla_host = host is not None and host.bridge is None and host.computes
-        return 1 if xla_host or engine.devices.accel.platform != "gpu" else AUTO_CHUNK
+        return 1 if xla_host_part(host) or engine.devices.accel.platform != "gpu" else AUTO_CHUNK
     return chunk
 
 
 def bridged(host) -> bool:
     """Whether steps under the split `host` call the bridge or have a host part: their chunks run as issued."""
     return host is not None and (host.bridge is not None or host.computes)
+
+
+def xla_host_part(host) -> bool:
+    """Whether XLA ops, not the bridge, compute part of the misses of steps under the split `host`."""
+    return host is not None and host.bridge is None and host.computes
 
 
 class HostDecode:
