@@ -134,7 +134,6 @@ class DeviceDecode:
     def __init__(self, engine, token, cache: list, t, sampling, steps=None, active=None, count=None):
         e = self.engine = engine
         e._transfers.commit_all()  # nothing staged stays behind the table's upload
-        e._transfers.streamed.clear()
         stats = e.phase_stats["decode"]
         waited = time.perf_counter()
         jax.block_until_ready((e.pool.gate_up, e.pool.down))  # prefill's queued work apart from the steps'

@@ -63,9 +63,7 @@ class HostLoop:
                         else None)
         for shard in e.shards:
             transfers = shard.transfers
-            if phase == "decode":
-                transfers.streamed.clear()  # what prefill streamed is now part of the decode cache
-            elif transfers.streams_prefill and shard.pool.can_double_buffer:
+            if phase != "decode" and transfers.streams_prefill and shard.pool.can_double_buffer:
                 first = e._moe_layers[0]  # streams behind the embedding and the layers before it
                 transfers.stream(first, (), e.phase_stats[phase], e.runtime.async_io, transfers.stream_low)
         programs = e._programs

@@ -22,16 +22,15 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
   routing-dependent part) and adds its `program_shape` (what the programs depend on) to `warmed_shapes`;
   `set_policy(name, options, **engine)` switches planners without rebuilding; `reset_calibration()` forgets the
   in-situ CPU calibration (which `set_policy` keeps under the same policy).
-- RuntimeConfig switches: `cost_table` (a name or path; else `build.analytic_costs`), seen by the planners with the
-  in-situ CPU calibration (`engine.calibration`); `hot_table` (activation counts for planners with a hot table,
-  preloaded); `async_io` (False: every copy waited for where it is issued); `batched_gpu` (False: one GPU program per
-  expert); `device_decode` (allow the one-program decode step); `decode_cpu_experts` and `decode_copy_share` (which
-  misses of that step the host's CPU computes: `engine.host_split`); `quality`, `mixed_threshold` (docs/PRECISION.md;
-  `precision_trace` records which GPU experts used int4 copies).
+- RuntimeConfig switches (`runtime`): `cost_table` (else `build.analytic_costs`) with the in-situ CPU calibration
+  (`engine.calibration`); `hot_table` (counts for planners with hot experts, preloaded; else the run's counts choose
+  which experts prefill's streams keep of each layer's even share); `async_io`, `batched_gpu`, `device_decode`,
+  `decode_*` (`engine.decode`, `engine.host_split`); `quality`, `mixed_threshold` (docs/PRECISION.md).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -121,6 +120,8 @@ class OffloadRunner:
         self._programs = build_programs()
         self.shards = build_shards(stores, owned, self._slots, self._moe_layers, cfg, expert_dtype, self._programs,
                                    self.devices.cpu, self.costs, self._mark, rc.cpu_min_rows, rc.cpu_kernel)
+        for shard in self.shards:  # which experts of each layer prefill's streams keep: its most routed
+            shard.transfers.wanted = functools.partial(self._routed, shard)
         # the lead accelerator's share: all of it on one accelerator (device decode and the bridge use it alone)
         lead = self.shards[0]
         self.store, self.pool, self.cpu_experts = lead.store, lead.pool, lead.cpu_experts
@@ -224,6 +225,11 @@ class OffloadRunner:
             raise BudgetError(f"policy {policy!r} keeps every expert resident: {total} slots needed{each}, the "
                               f"budget gives {self._slots} ({self.budget.describe()})")
 
+    def _routed(self, shard, layer: int) -> np.ndarray:
+        """[share's E] tokens routed to `shard`'s experts of `layer`: the hot table's counts, else this run's."""
+        counts = self._hot_counts[layer] if self._hot_counts else sum(c[layer] for c in self.activation_counts.values())
+        return shard.local(np.asarray(counts), layer)
+
     def reset_stats(self) -> None:
         self.phase_stats = {"prefill": PhaseStats(), "decode": PhaseStats()}
         self._loop.unsettled.clear()  # layers of a step that raised before settling
@@ -269,12 +275,9 @@ class OffloadRunner:
     def compiled_programs(self) -> dict[str, int]:
         """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
         counts = {name: cache_size(fn) for name, fn in self._programs.items()}
-        counts["decode_step"] = cache_size(self._decode_step)
-        counts["decode_chunk"] = cache_size(self._decode_chunk)
-        counts["decode_chunk_issued"] = cache_size(self._decode_chunk_issued)
-        counts["init_cache"] = cache_size(self._init_cache)
-        counts["slot_commit"] = self.store.compiled_programs
-        counts["cpu_expert"] = self.cpu_experts.compiled_programs
+        counts.update({name: cache_size(getattr(self, "_" + name)) for name in
+                       ("decode_step", "decode_chunk", "decode_chunk_issued", "init_cache")},
+                      slot_commit=self.store.compiled_programs, cpu_expert=self.cpu_experts.compiled_programs)
         if self.mesh_sum is not None:
             counts["mesh_sum"] = cache_size(self.mesh_sum._sum)
         counts["total"] = sum(v for v in counts.values() if v is not None)
@@ -283,10 +286,8 @@ class OffloadRunner:
     @property
     def stats(self) -> dict[str, Any]:
         return {
-            "policy": self.runtime.policy,
-            "async_io": self.runtime.async_io,
-            "batched_gpu": self.runtime.batched_gpu,
-            "device_decode": self.runtime.device_decode,
+            "policy": self.runtime.policy, "async_io": self.runtime.async_io,
+            "batched_gpu": self.runtime.batched_gpu, "device_decode": self.runtime.device_decode,
             "hot_table": self.runtime.hot_table,
             "prefill": self.phase_stats["prefill"].to_dict(),
             "decode": self.phase_stats["decode"].to_dict(),
@@ -486,7 +487,6 @@ class OffloadRunner:
                                        jax.device_put(positions, self.devices.accel), cache, "prefill",
                                        (positions < t).reshape(-1))
             yield c0, x, cache
-
 
 
 def _logit_windows(width: int, real: int, size_max: int):

@@ -6,12 +6,12 @@ Contract: `Transfers(pool, store)` reserves slots now and has ONE stager thread 
   non-resident ones when the plan streams the next layer and the pool holds two layers (`stream`), else the
   plan's prefetch (`stage_ahead`); from the int4 copies the plan marks (`stream_low`, `prefetch_low`). -> the
   staging (a Future of `Staged`), or None when nothing is in flight.
-- `stream(layer, protect, stats, async_io)` takes the slots streamed into for layers already computed first, so
-  the experts resident before a prefill stay resident.
+- `stream(layer, protect, stats, async_io)` takes the slots of experts beyond each other layer's even share first
+  (`SlotPool.over_share`; which a layer keeps: the most `wanted`, the engine's routed counts), so after a prefill
+  every layer keeps as many resident, for decode and for the next prefill, which streams only the rest.
 - With `async_io` off every copy is waited for where it is issued, before any compute is dispatched, and all of
   its time counts as exposed transfer.
 - `prefetched` {layer: experts staged for it before it routed} (popped by `take_prefetched` when it routes),
-  `streamed` {layer: experts streamed into it} (cleared when decode starts: they join the decode cache),
   `streams_prefill` (the last prefill streamed: the next prefill step streams its first MoE layer before the
   embedding, hiding that copy behind the layers before it; low when `stream_low`). `clear()` forgets all of it
   (a new policy).
@@ -41,13 +41,12 @@ class Transfers:
         # layer -> (staging of its experts, issued on the stager thread; their slots)
         self.pending: dict[int, tuple[concurrent.futures.Future[Staged], np.ndarray]] = {}
         self.prefetched: dict[int, np.ndarray] = {}
-        self.streamed: dict[int, np.ndarray] = {}
+        self.wanted = None  # MoE layer -> [E] scores: which experts a layer keeps of its share (None: by id)
         self.streams_prefill = self.stream_low = False
 
     def clear(self) -> None:
         self.pending.clear()
         self.prefetched.clear()
-        self.streamed.clear()
         self.streams_prefill = self.stream_low = False
 
     def take_prefetched(self, layer: int) -> np.ndarray | None:
@@ -72,12 +71,9 @@ class Transfers:
                                 low=np.isin(plan.prefetch, plan.prefetch_low))
 
     def stream(self, layer: int, protect: tuple[int, ...], stats: PhaseStats, async_io: bool, low: bool = False):
-        done = [(other, experts) for other, experts in self.streamed.items() if other != layer and
-                other not in protect]
-        transient = np.concatenate([self.pool.slot_of(other)[experts] for other, experts in done] or [[]])
+        beyond = self.pool.over_share(self.pool.even_share, (*protect, layer), self.wanted)
         experts = np.flatnonzero(~self.pool.resident(layer))
-        self.streamed[layer] = experts
-        return self.stage_ahead(layer, experts, protect, stats, async_io, prefer=transient[transient >= 0],
+        return self.stage_ahead(layer, experts, protect, stats, async_io, prefer=beyond,
                                 low=np.full(experts.size, low))
 
     def stage_ahead(self, layer: int, experts: np.ndarray, protect: tuple[int, ...], stats: PhaseStats,

@@ -7,8 +7,9 @@ table maps (layer, expert) -> slot; `slot_of(layer)` gives the [E] int32 map tha
 (-1: not in a slot). Slots are handed out free-first, then from the caller's `prefer`red slots, then least
 recently used, never taking a slot from a protected layer (the layer being computed), so:
 - prefill: streaming layer l+1 while layer l computes takes E slots other than layer l's; with S >= 2E these
-  are the two full-layer buffers (`can_double_buffer`): the engine prefers the slots it streamed into for layers
-  already computed, so the rest of the pool (hot or cached experts) stays resident and is not streamed again;
+  are the two full-layer buffers (`can_double_buffer`): the engine prefers the slots of experts beyond each other
+  layer's `even_share` (`over_share`), so every layer keeps an even share resident for decode and the next
+  prefill, and the rest of the pool (hot or cached experts within the share) is not streamed again;
 - decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
 `set_table` replaces the whole table with one kept elsewhere (device decode keeps it on the accelerator).
 `open_decode_bank(n)` allocates n more slots, numbered S..S+n-1, for device decode alone (the budget's
@@ -75,6 +76,29 @@ class SlotPool:
     def can_double_buffer(self) -> bool:
         """Two whole layers fit: prefill can stream layer l+1 while layer l computes."""
         return self.num_slots >= 2 * self.num_experts
+
+    @property
+    def even_share(self) -> int:
+        """Experts a layer keeps when prefill streams through two whole-layer buffers and every other MoE layer
+        keeps as many: (S - 2E) // (layers - 2) (every expert with at most two MoE layers; 0 without the buffers)."""
+        layers = len(self._slot_of)
+        if not self.can_double_buffer:
+            return 0
+        return self.num_experts if layers <= 2 else min(self.num_experts,
+                                                         (self.num_slots - 2 * self.num_experts) // (layers - 2))
+
+    def over_share(self, share: int, exclude: tuple[int, ...], wanted=None) -> np.ndarray:
+        """Slots holding experts beyond `share` in their layer (layers in `exclude` left out): each such layer's
+        least wanted residents, by `wanted(layer)` [E] scores (higher kept; None: all alike), ties the higher ids."""
+        out = []
+        for layer, slot_of in self._slot_of.items():
+            resident = np.flatnonzero(slot_of >= 0)
+            if layer in exclude or resident.size <= share:
+                continue
+            scores = np.zeros(slot_of.size) if wanted is None else np.asarray(wanted(layer), np.float64)
+            order = np.lexsort((-resident, scores[resident]))
+            out.append(slot_of[resident[order[: resident.size - share]]])
+        return np.concatenate(out).astype(np.int64) if out else np.zeros(0, np.int64)
 
     def slot_of(self, layer: int) -> np.ndarray:
         """[E] int32: each expert's slot, -1 when not resident. A copy."""
