@@ -6,17 +6,17 @@ RuntimeConfig's `device_decode`, `async_io` and `batched_gpu` are on, no copy ma
 engine's `precision` is None, or the planner never copies in decode: the decode program copies the stored precision
 alone), the pool can serve a layer's distinct experts (`device_decode.fits`) and the planner copies misses or the
 host can compute them (`engine.host_split`), and no warm-up's trial of both for this batch size found the host loop
-faster (`engine.decode_trials`, `engine.decode_trial`: planners that choose their decode mode); else `HostDecode`. The
-choice
-depends on nothing that changes between steps, so it holds for the whole decode (the device executor keeps the
-pool's table on the accelerator from its first step to its last).
+faster (`engine.decode_trials`, `engine.decode_trial`: planners that choose their decode mode); else `HostDecode`.
+The choice depends on nothing that changes between steps, so it holds for the whole decode (the device executor
+keeps the pool's table on the accelerator from its first step to its last).
 Both take (engine, token [B] (the first new token, on the accelerator), cache, t (prompt length), sampling (the
 `generation.sampling.SamplingState` on the accelerator, donated step by step), count (the steps to come, or
-None)); `step(n)` runs decode step n (sampling at step n); `tokens` holds the host copies (`Sampled`, numpy
-arrays that own their memory: `host_copy`) of the steps fetched and not yet taken, in order (the device
-executor's lag two steps behind); the caller pops what it has taken, so a long decode keeps nothing per step;
-`finish()` -> the rest, and adds what it counted to the decode statistics. `decode_experts(engine, host,
-batch)`: what the step copies from (pinned stacks, or their in-place device views with decode_zero_copy).
+None), streamed (its tokens are handed out as they come: `OffloadRunner.steps`)); `step(n)` runs decode step n
+(sampling at step n); `tokens` holds the host copies (`Sampled`, numpy arrays that own their memory:
+`host_copy`) of the steps fetched and not yet taken, in order (the device executor's lag two steps behind); the
+caller pops what it has taken, so a long decode keeps nothing per step; `finish()` -> the rest, and adds what it
+counted to the decode statistics. `decode_experts(engine, host, batch)`: what the step copies from (pinned
+stacks, or their in-place device views with decode_zero_copy).
 - `HostDecode`: `HostLoop.step` (per layer: route -> plan -> execute -> record), then `next_token`.
 - `DeviceDecode`: one `device_decode.decode_step` program per step: no planner call, no host round trip. It
   commits staged copies, waits for prefill's queued work (`handoff_seconds`), opens the pool's decode bank (the
@@ -26,10 +26,11 @@ batch)`: what the step copies from (pinned stacks, or their in-place device view
   not resident (`_fill_pool`), and where its steps copy nothing it fills the decode bank (`_fill_bank`); both
   count in `seconds`, bytes and `experts_placed`. With `chunk_steps` above 1 and the run's `count` of steps given,
   the first step of each chunk runs that many steps in one program (`device_decode.decode_chunk`) and the others
-  run nothing; tokens then arrive a chunk late. Steps with a bridge or a host part chunk in a program whose calls
-  run as issued (`engine._decode_chunk_issued`), steps with XLA's host part only when asked. Its steps
-  count in `device_steps`, `seconds`, hits (copies ahead used included), bytes, prefetch use, prediction recall
-  (where it copies ahead), gpu_experts and cpu_experts (misses the host computed), not in the time splits. For a
+  run nothing; tokens then arrive a chunk late (a streamed run's last steps short of a chunk: a program each).
+  Steps with a bridge or a host part chunk in a program whose calls run as issued (`engine._decode_chunk_issued`),
+  steps with XLA's host part only when asked. Its steps count in `device_steps`, `seconds`, hits (copies ahead used
+  included), bytes, prefetch use, prediction recall (where it copies ahead), gpu_experts and cpu_experts (misses
+  the host computed), not in the time splits. For a
   batch's ragged rows (`engine.batching`): t may be int32 [B] (each row's input position), `steps` int32 [B]
   (each row's sampling step at the first step), `active` [B] bool (the rest route to no expert and count as no
   token).
@@ -88,17 +89,21 @@ def layer_picks(cfg, batch: int) -> int:
 
 
 AUTO_CHUNK = 32  # steps a program on a GPU where RuntimeConfig.decode_chunk is None (docs/MEASUREMENTS.md)
+STREAM_CHUNK = 8  # the same for a streamed run: its tokens arrive a chunk late, and a stop wastes the chunk's rest
 
 
-def chunk_steps(engine, host, count) -> int:
+def chunk_steps(engine, host, count, streamed: bool = False) -> int:
     """Steps per device decode program for a run of `count` steps (None: not known: 1) under the split `host`
-    (`engine.decode_host`): RuntimeConfig.decode_chunk where given; else `AUTO_CHUNK` on a GPU where a step has no
-    host part or has the CUDA bridge, 1 elsewhere (off a GPU, and where XLA's host part computes the misses)."""
+    (`engine.decode_host`): RuntimeConfig.decode_chunk where given; else, on a GPU where a step has no host part or
+    has the CUDA bridge, `STREAM_CHUNK` for a `streamed` run (`OffloadRunner.steps`) and `AUTO_CHUNK` for the
+    others; 1 elsewhere (off a GPU, and where XLA's host part computes the misses)."""
     if not count:
         return 1
     chunk = engine.runtime.decode_chunk
     if chunk is None:
-        return 1 if xla_host_part(host) or engine.devices.accel.platform != "gpu" else AUTO_CHUNK
+        if xla_host_part(host) or engine.devices.accel.platform != "gpu":
+            return 1
+        return STREAM_CHUNK if streamed else AUTO_CHUNK
     return chunk
 
 
@@ -113,7 +118,7 @@ def xla_host_part(host) -> bool:
 
 
 class HostDecode:
-    def __init__(self, engine, token, cache: list, t: int, sampling, count=None):
+    def __init__(self, engine, token, cache: list, t: int, sampling, count=None, streamed=False):
         self.engine, self.token, self.cache, self.t = engine, token, cache, t
         self.sampling = sampling
         self.tokens: list = []
@@ -131,7 +136,7 @@ class HostDecode:
 
 
 class DeviceDecode:
-    def __init__(self, engine, token, cache: list, t, sampling, steps=None, active=None, count=None):
+    def __init__(self, engine, token, cache: list, t, sampling, steps=None, active=None, count=None, streamed=False):
         e = self.engine = engine
         e._transfers.commit_all()  # nothing staged stays behind the table's upload
         stats = e.phase_stats["decode"]
@@ -159,7 +164,7 @@ class DeviceDecode:
         self.sampling = sampling
         self.in_flight, self.tokens = [], []
         self.steps_run = 0
-        self.chunk, self.count = chunk_steps(e, self.host, count), count
+        self.chunk, self.count, self.streamed = chunk_steps(e, self.host, count, streamed), count, streamed
         self.chunk_left = 0  # steps of the chunk in flight still to be called: they run nothing
 
     def _fill_pool(self) -> None:
@@ -200,6 +205,12 @@ class DeviceDecode:
         if self.chunk > 1:
             self._chunk_step(n)
             return
+        self.in_flight.append(self._one_step())
+        if len(self.in_flight) > 2:
+            self.tokens.append(host_copy(self.in_flight.pop(0)))
+
+    def _one_step(self):
+        """Dispatch one step's program -> its picks (their host copies started)."""
         e, pool = self.engine, self.engine.pool
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
          self.table) = e._decode_step(self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
@@ -210,18 +221,23 @@ class DeviceDecode:
         self.steps_run += 1
         for leaf in jax.tree.leaves(picked):
             leaf.copy_to_host_async()
-        self.in_flight.append(picked)
-        if len(self.in_flight) > 2:
-            self.tokens.append(host_copy(self.in_flight.pop(0)))
+        return picked
 
     def _chunk_step(self, n: int) -> None:
         """Step n of a decode run in programs of `chunk` steps: the first step of a chunk dispatches the whole
-        chunk (`device_decode.decode_chunk`), then hands out the chunk before it; the others run nothing."""
+        chunk (`device_decode.decode_chunk`), then hands out what ran before it; the others run nothing. The last
+        chunk is as long as the steps left, except in a streamed run, whose count changes from run to run and is
+        not warmed up: there the steps left run a program each, so any count runs the same two programs."""
         if self.chunk_left:
             self.chunk_left -= 1
             return
-        e, pool = self.engine, self.engine.pool
         size = min(self.chunk, self.count - n + 1)
+        if self.streamed and size < self.chunk:
+            picked = self._one_step()
+            self.tokens += self._unstacked()
+            self.in_flight.append((picked, False))
+            return
+        e, pool = self.engine, self.engine.pool
         program = e._decode_chunk_issued if bridged(self.host) else e._decode_chunk
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
          self.table) = program(size, self.graphs, e._graph, e._moe_layers, self.host, self.state_tree,
@@ -233,14 +249,15 @@ class DeviceDecode:
         for leaf in jax.tree.leaves(picked):
             leaf.copy_to_host_async()
         self.tokens += self._unstacked()  # the chunk before, done or nearly
-        self.in_flight.append(picked)
+        self.in_flight.append((picked, True))
 
     def _unstacked(self) -> list:
-        """Host copies of the chunks in flight, one Sampled a step (and none left in flight)."""
+        """Host copies of what is in flight (chunks, and steps of a program each), one Sampled a step (and none
+        left in flight)."""
         out = []
-        for chunk in self.in_flight:
-            steps = host_copy(chunk)
-            out += [jax.tree.map(lambda a, i=i: a[i], steps) for i in range(len(steps.token))]
+        for picked, stacked in self.in_flight:
+            steps = host_copy(picked)
+            out += [jax.tree.map(lambda a, i=i: a[i], steps) for i in range(len(steps.token))] if stacked else [steps]
         self.in_flight = []
         return out
 

@@ -30,7 +30,6 @@ cpu_view="alias", host_alloc="auto", expert_stacks=False)`: `model`, a `CausalLM
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -121,7 +120,7 @@ class OffloadRunner:
         self.shards = build_shards(stores, owned, self._slots, self._moe_layers, cfg, expert_dtype, self._programs,
                                    self.devices.cpu, self.costs, self._mark, rc.cpu_min_rows, rc.cpu_kernel)
         for shard in self.shards:  # which experts of each layer prefill's streams keep: its most routed
-            shard.transfers.wanted = functools.partial(self._routed, shard)
+            shard.transfers.wanted = lambda layer, shard=shard: self._routed(shard, layer)
         # the lead accelerator's share: all of it on one accelerator (device decode and the bridge use it alone)
         lead = self.shards[0]
         self.store, self.pool, self.cpu_experts = lead.store, lead.pool, lead.cpu_experts
@@ -345,7 +344,7 @@ class OffloadRunner:
 
     def generate(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
                  seed: int = 0, **sampling) -> GenerationResult:
-        steps = self.steps(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
+        steps = self.steps(input_ids, max_new_tokens, temperature, top_k, seed, streamed=False, **sampling)
         start = time.perf_counter()
         tokens = [next(steps).token]  # a host copy: waits
         prefill_seconds = time.perf_counter() - start
@@ -357,14 +356,16 @@ class OffloadRunner:
         return GenerationResult.timed(np.stack(tokens, axis=1), steps.prompt_len, prefill_seconds, decode_seconds)
 
     def steps(self, input_ids, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int | None = None,
-              seed: int = 0, **sampling) -> Steps:
+              seed: int = 0, streamed: bool = True, **sampling) -> Steps:
         """The call checked now, then an iterator of its steps' host `Sampled` copies (prefill's first); closing
-        it early still settles the decode statistics and the pool's table."""
+        it early still settles the decode statistics and the pool's table. `streamed` (default): decode chunks
+        sized for tokens handed out as they come (`engine.decode.chunk_steps`), not for a whole generation."""
         ids = self._check(input_ids, max_new_tokens, temperature, top_k, seed, **sampling)
         params, _ = sampling_params(temperature, top_k, seed, **sampling)
-        return Steps(self._steps(ids, max_new_tokens, params), ids.shape[1])
+        return Steps(self._steps(ids, max_new_tokens, params, streamed=streamed), ids.shape[1])
 
-    def _steps(self, ids: np.ndarray, max_new_tokens: int, params, cache_tokens: int | None = None, executor=None):
+    def _steps(self, ids: np.ndarray, max_new_tokens: int, params, cache_tokens: int | None = None, executor=None,
+               streamed: bool = False):
         b, t = ids.shape
         cache, chunks = self._start(ids, max_new_tokens, cache_tokens)
         state = SamplingState.create(params, ids, self.config.vocab_size, self.devices.accel)
@@ -375,7 +376,7 @@ class OffloadRunner:
         token, first = first.token, decode.host_copy(first)  # only the token stays on the accelerator
         yield first
         executor = executor or decode.choose(self, b, max_new_tokens - 1)  # host-planned, or a program a step
-        decoder = executor(self, token, cache, t, state, count=max_new_tokens - 1)
+        decoder = executor(self, token, cache, t, state, count=max_new_tokens - 1, streamed=streamed)
         try:
             for step in range(1, max_new_tokens):
                 decoder.step(step)

@@ -78,9 +78,15 @@ def test_a_pool_of_every_expert_decodes_in_chunks_of_steps(ds):
         assert stats[key] == one[key], key
     assert stats["device_steps"] == ds.new - 1
     sizes = _chunk_sizes(runner)
-    steps = list(runner.steps(ds.ids, 5))  # 4 steps: a chunk of 3, then one of 1, in order
+    steps = list(runner.steps(ds.ids, 5, streamed=False))  # 4 steps: a chunk of 3, then one of 1, in order
     np.testing.assert_array_equal(np.stack([s.token for s in steps], axis=1), ds.tokens[:, :5])
     assert sizes == [3, 1]
+    runner.reset_stats()
+    sizes, compiled = _chunk_sizes(runner), runner.compiled_programs
+    streamed = list(runner.steps(ds.ids, 9))  # streamed: two chunks of 3, then the 2 steps left a program each
+    np.testing.assert_array_equal(np.stack([s.token for s in streamed], axis=1), ds.tokens[:, :9])
+    assert sizes == [3, 3] and runner.stats["decode"]["device_steps"] == 8
+    assert runner.compiled_programs == compiled  # no chunk of 2 compiled
 
 
 def _chunk_sizes(runner, program: str = "_decode_chunk") -> list[int]:
@@ -115,7 +121,7 @@ def test_steps_decode_in_chunks_when_asked(ds, policy, options, program, counted
 def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere_or_with_xlas_host_part():
     from types import SimpleNamespace
 
-    from pdscope_jax.engine.decode import AUTO_CHUNK, chunk_steps
+    from pdscope_jax.engine.decode import AUTO_CHUNK, STREAM_CHUNK, chunk_steps
 
     def engine(platform, chunk=None):
         return SimpleNamespace(runtime=RuntimeConfig(decode_chunk=chunk),
@@ -131,6 +137,10 @@ def test_chunk_steps_default_to_32_on_a_gpu_and_1_elsewhere_or_with_xlas_host_pa
     assert chunk_steps(engine("gpu"), device_decode.HostExperts(1.0), 63) == 32  # every miss copied
     assert chunk_steps(engine("gpu"), device_decode.HostExperts(0.5), 63) == 1  # XLA's host part computes a part
     assert chunk_steps(engine("gpu", 8), device_decode.HostExperts(0.5), 63) == 8  # unless asked
+    # a streamed run's tokens arrive a chunk late: shorter chunks, unless a chunk is asked for
+    assert chunk_steps(engine("gpu"), bridged, 63, streamed=True) == STREAM_CHUNK == 8
+    assert chunk_steps(engine("gpu", 4), bridged, 63, streamed=True) == 4
+    assert chunk_steps(engine("cpu"), bridged, 63, streamed=True) == 1
 
 
 def test_one_rows_every_resident_layer_is_the_general_layer(experts):

@@ -197,31 +197,41 @@ def test_device_memory_flat_over_decode_steps(ds):
     assert max(live) <= runner.budget.total
 
 
-def test_streaming_keeps_experts_resident_before_the_prefill(monkeypatch):
-    """A prefill that streams whole layers through two layer buffers takes the slots it streamed into for layers
-    already computed, not the experts the decode cache (or a hot table) holds: fewer experts are streamed again
-    than with least-recently-used slots, and the logits stay the plain model's."""
+def test_streaming_keeps_an_even_share_of_every_layer(monkeypatch):
+    """A prefill that streams whole layers through two layer buffers takes the slots of experts beyond each other
+    layer's even share: after it every layer but the last two keeps that share (its most routed experts), the
+    next prefill streams only the rest of each layer, fewer than with least-recently-used slots, and the logits
+    stay the plain model's."""
     cfg = preset("tiny-deepseek-v2-lite").replace(num_layers=7)  # six MoE layers of eight experts
     model = models.build(cfg, nnx.Rngs(0), jnp.float32)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 24)).astype(np.int32)
     want = Generator(model).logits(ids)
+    e, moe = cfg.num_experts, cfg.moe_layers
 
-    def streamed_again(prefer_streamed: bool) -> int:
-        if not prefer_streamed:  # every slot by least recent use, as before slots were preferred
+    def run(prefer: bool):
+        if not prefer:  # every slot by least recent use
             allocate = SlotPool.allocate
             monkeypatch.setattr(SlotPool, "allocate", lambda self, layer, experts, protect=(), prefer=None, low=False:
                                 allocate(self, layer, experts, protect, low=low))
-        config = RuntimeConfig(gpu_memory="1GB", expert_pool=(3 * cfg.num_experts) * cfg.expert_bytes(4),
-                               policy="ondemand", max_seq_len=128)
+        config = RuntimeConfig(gpu_memory="1GB", expert_pool=(3 * e) * cfg.expert_bytes(4), policy="ondemand",
+                               max_seq_len=128)
         runner = OffloadRunner(model, config)
-        runner.generate(ids, 8)  # the decode cache fills the pool beyond the two layer buffers
+        runner.logits(ids)
+        routed = {layer: runner.activation_counts["prefill"][layer].copy() for layer in moe}
+        resident = [np.flatnonzero(runner.pool.resident(layer)) for layer in moe]
         runner.reset_stats()
         np.testing.assert_allclose(runner.logits(ids), want, atol=TOL, rtol=TOL)
         monkeypatch.undo()
-        return runner.stats["prefill"]["experts_prefetched"]
+        return runner.pool.even_share, routed, resident, runner.stats["prefill"]["experts_prefetched"]
 
-    kept, lru = streamed_again(True), streamed_again(False)
-    assert kept < lru <= len(cfg.moe_layers) * cfg.num_experts
+    share, routed, resident, streamed = run(True)
+    assert share == (3 * e - 2 * e) // (len(moe) - 2) == 2
+    assert [r.size for r in resident] == [share] * (len(moe) - 2) + [e, e]
+    for layer, kept in zip(moe[:-2], resident):
+        most_routed = np.sort(np.lexsort((np.arange(e), -routed[layer]))[:share])
+        np.testing.assert_array_equal(kept, most_routed)
+    assert streamed == len(moe) * (e - share)
+    assert streamed < run(False)[3] <= len(moe) * e
 
 
 @pytest.mark.parametrize("factor, calibrated", [(1e-6, True), (1e6, False)])

@@ -133,6 +133,27 @@ def _stacks(seed=0, dtype=np.float32):
     return (rng.standard_normal((E, D, 2 * F)).astype(dtype) * 0.1, rng.standard_normal((E, F, D)).astype(dtype) * 0.1)
 
 
+def test_even_share_leaves_two_layer_buffers_and_over_share_names_the_least_wanted():
+    """Four MoE layers of E experts in 2E + 4 slots: two whole layers and two experts in each of the other two.
+    Beyond that share a layer's least wanted residents (by its scores, ties the higher ids) are named first;
+    excluded layers and layers within their share name none."""
+    layers = (1, 2, 3, 4)
+    assert _pool(2 * E + 4, layers).even_share == 2
+    assert _pool(2 * E - 1, layers).even_share == 0  # no two buffers: nothing streams
+    assert _pool(2 * E, (1, 2)).even_share == E
+    pool = _pool(2 * E + 4, layers)
+    pool.allocate(1, np.array([0, 1, 2, 3]))
+    pool.allocate(2, np.array([4, 5]))
+    pool.allocate(3, np.arange(E))
+    scores = {1: np.array([0, 9, 1, 8] + [0] * (E - 4)), 2: np.zeros(E), 3: np.zeros(E)}
+    named = pool.over_share(2, exclude=(3,), wanted=scores.get)
+    assert sorted(named.tolist()) == sorted(pool.slot_of(1)[[0, 2]].tolist())  # layer 1 keeps 1 and 3
+    by_id = pool.over_share(2, exclude=(), wanted=None)
+    np.testing.assert_array_equal(np.sort(by_id), np.sort(np.concatenate(
+        [pool.slot_of(1)[[2, 3]], pool.slot_of(3)[np.arange(2, E)]])))  # the lowest ids kept
+    assert pool.over_share(E, exclude=()).size == 0
+
+
 def test_store_aliases_cpu_views_and_writes_slots_in_place():
     dev = select_devices()
     store = ExpertStore(dev)
