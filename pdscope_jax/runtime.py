@@ -15,7 +15,9 @@ finite and positive (`expert_pool` may be 0: no slots). Every bad field is named
 backend: the first GPU and the first CPU device when a GPU exists; otherwise, with two or more CPU devices
 (tests set `jax_num_cpu_devices=2`), cpu:1 stands for the accelerator and cpu:0 for the CPU backend; with one
 CPU device both roles fall on it. `select_accelerators(n)` extends it to the offload engine's n accelerators
-(`request_cpu_stand_in(n)` asks for n + 1 CPU devices where no GPU exists).
+(`request_cpu_stand_in(n)` asks for n + 1 CPU devices where no GPU exists). `allocator_peak(device, at_least)`:
+the bytes its allocator has held at most so far in this process (it never goes down), or `at_least` where that is
+more or the device reports none.
 
 `hold_gpu_to_budget(gpu_memory)`, called by `load()` before JAX's backends start, makes XLA preallocate about the
 budget (`PREALLOCATION_FACTOR` x budget + `PREALLOCATION_SLACK`) of the first GPU instead of its default 75 %.
@@ -216,6 +218,11 @@ class RuntimeConfig:
 class Devices(NamedTuple):
     accel: jax.Device  # runs attention, the router and GPU-resident experts; holds the slot pool
     cpu: jax.Device  # the CPU backend: computes CPU-placed experts
+
+
+def allocator_peak(device: jax.Device, at_least: int | None = None) -> int | None:
+    peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
+    return at_least if peak is None else max(int(peak), at_least or 0)
 
 
 def request_cpu_stand_in(accelerators: int = 1) -> None:

@@ -19,7 +19,7 @@ Contract
   stands without activation counts (a fixed resident set: `hot_slots(..., have_table=False)` is not None).
 - `time_point(runner, run, prompt, args, tokens)`: `args.warmup` warm-ups, then `args.repeats` timed
   generations; the first starts from the pool `set_policy` left ("cold"), the others from the pool the one
-  before left ("warm"). Returns the `summarise`d result row.
+  before left ("warm"). Returns the `summarise`d result row, with the allocator's peak before and after warm-up.
 - `run_plain(...)`: the whole model on the default device (no budget), timed the same way; then
   `mark_parity(results, tokens)` sets `tokens_match_plain` / `tokens_before_divergence` on every offload row.
 - `weights_loader`, `quantized_weights`, `record_hot_table`, `profile_runs`, `describe_runner`: see their docstrings.
@@ -31,6 +31,7 @@ import statistics
 import time
 
 from pdscope_jax.bench.report import PHASE_TIMES
+from pdscope_jax.runtime import allocator_peak
 from pdscope_jax.sched import PLAIN, planner_class
 
 HOST_DECODE = ":host"  # a policy name's suffix: RuntimeConfig.device_decode off
@@ -178,13 +179,16 @@ def set_run(runner, run: dict, args, hot_table) -> dict:
 def time_point(runner, run: dict, engine: dict, prompt, args, tokens: dict, advance) -> dict:
     """Warm-ups and timed repeats of one (run, batch, prompt length) point; `advance()` after each generation.
     The first repeat's tokens go into `tokens[(label, batch, prompt_len)]`; the row also holds the wall seconds of
-    the warm-ups (compilation, trials) and of the whole point."""
+    the warm-ups (compilation, trials) and of the whole point, and the accelerator allocator's peak so far (the
+    process's: it never goes down) before and after the warm-ups, which tells the timed runs' own peak from the
+    warm-ups' (None where the device reports none)."""
     b, t = prompt.shape
-    started = time.perf_counter()
+    started, peaks = time.perf_counter(), {"device_peak_before_warmup": allocator_peak(runner.devices.accel)}
     for _ in range(args.warmup):
         runner.warmup(b, t, args.new_tokens)  # the run's cache (and with decode_chunk, its chunks)
         advance()
     warmed = time.perf_counter()
+    peaks["device_peak_after_warmup"] = allocator_peak(runner.devices.accel)
     compiled_after_warmup = runner.compiled_programs["total"]
     repeats = []
     for i in range(args.repeats):
@@ -195,7 +199,7 @@ def time_point(runner, run: dict, engine: dict, prompt, args, tokens: dict, adva
                         "decode_tok_s": out.decode_tokens_per_s, **runner.stats})
         advance()
     row = summarise(run["policy"], t, repeats, compiled_after_warmup, variant=run["label"], batch=b, engine=engine)
-    return {**row, "warmup_seconds": warmed - started, "point_seconds": time.perf_counter() - started}
+    return {**row, **peaks, "warmup_seconds": warmed - started, "point_seconds": time.perf_counter() - started}
 
 
 def summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after_warmup: int, *, variant: str,

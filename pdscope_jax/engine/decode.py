@@ -45,6 +45,7 @@ import numpy as np
 
 from pdscope_jax.engine import device_decode, pool_table
 from pdscope_jax.models.experts import sources_take_kernel
+from pdscope_jax.runtime import allocator_peak
 
 
 def choose(engine, batch: int, steps: int):
@@ -268,6 +269,7 @@ class DeviceDecode:
         seconds = time.perf_counter() - self.start
         moe = e._moe_layers
         counts = pool_table.download(self.table, e.pool, moe)
+        e.device_peak_bytes = allocator_peak(e.devices.accel, e.device_peak_bytes)  # the decode's, bank included
         e.pool.close_decode_bank()
         for layer, routed in zip(moe, np.asarray(self.table.routed)):
             e.activation_counts["decode"][layer] += routed

@@ -30,7 +30,7 @@ import numpy as np
 from pdscope_jax.engine.calibration import CpuCalibration
 from pdscope_jax.engine.route import Routed, Router
 from pdscope_jax.engine.stats import LayerTiming, prediction_hits
-from pdscope_jax.runtime import bucket
+from pdscope_jax.runtime import allocator_peak, bucket
 from pdscope_jax.sched import LayerDemand, Plan, check_plan
 from pdscope_jax.sched.across import balance
 from pdscope_jax.sched.precision import relative_peaks
@@ -75,9 +75,7 @@ class HostLoop:
                 x, cache[i] = programs["dense_layer"](layer.graph, layer.state, x, positions, cache[i])
         x.block_until_ready()
         self.settle()
-        reported = e.devices.accel.memory_stats() or {}
-        if "peak_bytes_in_use" in reported:
-            e.device_peak_bytes = max(e.device_peak_bytes or 0, int(reported["peak_bytes_in_use"]))
+        e.device_peak_bytes = allocator_peak(e.devices.accel, e.device_peak_bytes)
         stats = e.phase_stats[phase]
         stats.steps += 1
         stats.tokens += int(valid.sum())

@@ -1,8 +1,9 @@
 """The bench command's runs and options come from the policy registry: defaults, choices, help, the ablation
-sequence, host-planned decode and which planners take `--hot-per-layer` (no model is built)."""
+sequence, host-planned decode, which planners take `--hot-per-layer` and what a point records (no model is built)."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from pdscope_jax.bench.runs import (ABLATION, AHEAD, HOST_DECODE, NO_BANK, NO_CPU, NO_TRIAL, PROGRAM_COPIES, WITH_CPU,
@@ -84,3 +85,35 @@ def test_hot_per_layer_goes_to_planners_with_a_fixed_hot_set():
     fixed = {name for name in POLICIES if planner_class(name).hot_slots(12, 4, True, False) is not None}
     assert given == fixed == {"static"}
     assert all(planner_options(runner, name, None) == {} for name in POLICIES)
+
+
+def test_a_point_records_the_allocator_peak_before_and_after_its_warm_ups():
+    """The allocator's peak is the process's so far: the row keeps it before and after the warm-ups, so a timed
+    run's peak can be told from what compiling and the trials held. None where the device reports none."""
+    from pdscope_jax.bench.runs import PHASE_KEYS, time_point
+    from pdscope_jax.runtime import allocator_peak
+
+    memory = {"peak_bytes_in_use": 100}
+    phase = {key: 1.0 for key in PHASE_KEYS}
+
+    class Runner:
+        devices = SimpleNamespace(accel=SimpleNamespace(memory_stats=lambda: dict(memory)))
+        compiled_programs = {"total": 3}
+        stats = {"prefill": phase, "decode": phase, "compiled_programs": {"total": 3}}
+
+        def warmup(self, *shape):
+            memory["peak_bytes_in_use"] = 250  # compiling and the decode trial held more
+
+        def reset_stats(self):
+            pass
+
+        def generate(self, prompt, new_tokens):
+            memory["peak_bytes_in_use"] = 260
+            return SimpleNamespace(tokens=prompt, prefill_tokens_per_s=10.0, decode_tokens_per_s=2.0)
+
+    args = SimpleNamespace(warmup=1, repeats=2, new_tokens=4)
+    row = time_point(Runner(), {"policy": "static", "label": "static"}, {}, np.zeros((1, 8)), args, {}, lambda: None)
+    assert (row["device_peak_before_warmup"], row["device_peak_after_warmup"]) == (100, 250)
+    assert row["decode_tok_s"] == 2.0 and len(row["repeats"]) == 2
+    assert allocator_peak(Runner.devices.accel, 300) == 300 and allocator_peak(Runner.devices.accel, None) == 260
+    assert allocator_peak(SimpleNamespace(memory_stats=lambda: None), 7) == 7
