@@ -200,7 +200,7 @@ def _measure_offload(runner, offload_runs, args, prompts, header, results, error
                 # a line per point as it ends, so that a run cut short by a time limit still shows how far it got
                 console.print(f"{run['label']} batch {b} prompt {t}: prefill {row['prefill_tok_s']:,.0f} tok/s, "
                               f"decode {row['decode_tok_s']:,.1f} tok/s (warm-up {row['warmup_seconds']:.0f} s, "
-                              f"point {row['point_seconds']:.0f} s)")
+                              f"point {row['point_seconds']:.0f} s){out.peak_note(row, runner.budget.total)}")
                 # the results so far, so that a run stopped early (a time limit) still leaves its figures
                 out.write_json({**header, **bench_runs.describe_runner(runner), "results": results,
                                 "errors": errors, "memory": None, "complete": False}, json_path)

@@ -6,7 +6,8 @@ Contract: every function reads the result rows `bench.runs.summarise` / `bench.r
 `prediction_recall`, and the parity keys `tokens_match_plain` / `tokens_before_divergence`) and never changes them.
 A phase run as one accelerator program per step (`device_steps` > 0) has no time split and shows "one
 program/step"; its prediction recall, None where it predicts nothing, shows as "n/a (device)". The summary line
-carries each row's `prediction_recall` per phase (None: no prediction in that phase).
+carries each row's `prediction_recall` per phase (None: no prediction in that phase). `peak_note(row, budget)`: the
+allocator's peak of a point against the budget, for the line printed as it ends.
 """
 
 from __future__ import annotations
@@ -72,6 +73,18 @@ def bridge_missing(result: dict) -> str | None:
         return None
     return next((why for rep in result.get("repeats", []) if (why := (rep.get("decode_host") or {}).get("why_not"))),
                 None)
+
+
+def peak_note(row: dict, budget: int) -> str:
+    """", GPU peak P GB of the B GB budget (after the warm-ups W)" for a point whose device reports a peak, flagged
+    where it is over the budget (the peak is the process's so far: W tells what the warm-ups held); "" where none."""
+    peak = max((r.get("device_peak_bytes") or 0 for r in row.get("repeats", [])), default=0)
+    if not peak:
+        return ""
+    warm = row.get("device_peak_after_warmup")
+    after = f" (after the warm-ups {warm / 1e9:.2f})" if warm else ""
+    over = f" [bold yellow]{peak / budget - 1:.1%} over the budget[/]" if peak > budget else ""
+    return f", GPU peak {peak / 1e9:.2f} GB of the {budget / 1e9:.2f} GB budget{after}{over}"
 
 
 def plot(report: dict, path: Path) -> None:

@@ -117,3 +117,14 @@ def test_a_point_records_the_allocator_peak_before_and_after_its_warm_ups():
     assert row["decode_tok_s"] == 2.0 and len(row["repeats"]) == 2
     assert allocator_peak(Runner.devices.accel, 300) == 300 and allocator_peak(Runner.devices.accel, None) == 260
     assert allocator_peak(SimpleNamespace(memory_stats=lambda: None), 7) == 7
+
+
+def test_a_points_line_names_its_gpu_peak_against_the_budget():
+    from pdscope_jax.bench.report import peak_note
+
+    row = {"repeats": [{"device_peak_bytes": 9_000_000_000}, {"device_peak_bytes": 11_000_000_000}],
+           "device_peak_after_warmup": 8_000_000_000}
+    assert peak_note(row, 10_000_000_000) == (", GPU peak 11.00 GB of the 10.00 GB budget (after the warm-ups 8.00)"
+                                              " [bold yellow]10.0% over the budget[/]")
+    assert peak_note(row, 12_000_000_000).endswith("budget (after the warm-ups 8.00)")  # within: not flagged
+    assert peak_note({"repeats": [{"device_peak_bytes": None}]}, 10) == ""  # the device reports no peak
