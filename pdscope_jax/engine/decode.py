@@ -184,13 +184,13 @@ class DeviceDecode:
 
     def _fill_bank(self) -> list[tuple[int, int]]:
         """A step that copies nothing leaves the decode bank as it opened, empty: fill it now, once, with the
-        experts `pool_table.bank_fill` names (the hot table's order, else by id) -> those (position, expert)."""
+        experts `pool_table.bank_fill` names (each layer's most routed first: the hot table's counts, else the run's,
+        ties by id) -> those (position, expert)."""
         e, pool = self.engine, self.engine.pool
         if not pool.decode_slots:
             return []
-        hot = e._hot_counts
-        rank = None if not hot else np.stack([np.argsort(-np.asarray(hot[layer]), kind="stable")
-                                              for layer in e._moe_layers])
+        lead = e.shards[0]
+        rank = np.stack([np.argsort(-e.routed_counts(lead, layer), kind="stable") for layer in e._moe_layers])
         pairs = pool_table.bank_fill(pool, e._moe_layers, rank, pool.decode_slots)
         moved_before, (pooled, bank) = e.store.bytes_moved, pool.banks
         for m, layer in enumerate(e._moe_layers):

@@ -120,7 +120,7 @@ class OffloadRunner:
         self.shards = build_shards(stores, owned, self._slots, self._moe_layers, cfg, expert_dtype, self._programs,
                                    self.devices.cpu, self.costs, self._mark, rc.cpu_min_rows, rc.cpu_kernel)
         for shard in self.shards:  # which experts of each layer prefill's streams keep: its most routed
-            shard.transfers.wanted = lambda layer, shard=shard: self._routed(shard, layer)
+            shard.transfers.wanted = lambda layer, shard=shard: self.routed_counts(shard, layer)
         # the lead accelerator's share: all of it on one accelerator (device decode and the bridge use it alone)
         lead = self.shards[0]
         self.store, self.pool, self.cpu_experts = lead.store, lead.pool, lead.cpu_experts
@@ -224,7 +224,7 @@ class OffloadRunner:
             raise BudgetError(f"policy {policy!r} keeps every expert resident: {total} slots needed{each}, the "
                               f"budget gives {self._slots} ({self.budget.describe()})")
 
-    def _routed(self, shard, layer: int) -> np.ndarray:
+    def routed_counts(self, shard, layer: int) -> np.ndarray:
         """[share's E] tokens routed to `shard`'s experts of `layer`: the hot table's counts, else this run's."""
         counts = self._hot_counts[layer] if self._hot_counts else sum(c[layer] for c in self.activation_counts.values())
         return shard.local(np.asarray(counts), layer)

@@ -148,6 +148,24 @@ def test_a_step_that_copies_nothing_fills_the_decode_bank_once_as_it_opens(ds):
     assert hits[True] > hits[False]
 
 
+def test_without_a_hot_table_the_bank_takes_each_layers_most_routed_experts(ds, monkeypatch):
+    """The decode bank's order is the run's routing so far (this generation's prefill), ties by id."""
+    slot = ds.cfg.expert_bytes(4)
+    probe = ds.runner("static", 1)
+    config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
+                                   decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
+    runner = type(probe)(ds.model, config)
+    ranks, fill = [], pool_table.bank_fill
+    monkeypatch.setattr(pool_table, "bank_fill", lambda pool, moe, rank, rows: ranks.append(rank) or fill(
+        pool, moe, rank, rows))
+    runner.generate(ds.ids, ds.new)
+    routed = runner.activation_counts["prefill"]
+    want = np.stack([np.argsort(-routed[layer], kind="stable") for layer in ds.cfg.moe_layers])
+    assert len(ranks) == 1 and (want != np.arange(ds.cfg.num_experts)).any()  # not the order by id
+    np.testing.assert_array_equal(ranks[0], want)
+    assert runner.stats["decode"]["experts_placed"] == 6
+
+
 def test_the_bank_is_filled_by_layer_in_turn_with_each_layers_most_wanted_absent_experts(experts):
     devices = select_devices()
     pool = SlotPool(4, (2, 5), E, D, F, jnp.float32, devices.accel)
