@@ -233,11 +233,14 @@ class DeviceDecode:
             self.chunk_left -= 1
             return
         size = min(self.chunk, self.count - n + 1)
-        if self.streamed and size < self.chunk:
-            picked = self._one_step()
-            self.tokens += self._unstacked()
-            self.in_flight.append((picked, False))
-            return
+        stacked = not (self.streamed and size < self.chunk)
+        picked = self._one_chunk(size) if stacked else self._one_step()
+        self.chunk_left = size - 1 if stacked else 0
+        self.tokens += self._unstacked()  # what ran before, done or nearly
+        self.in_flight.append((picked, stacked))
+
+    def _one_chunk(self, size: int):
+        """Dispatch a program of `size` steps -> their picks, stacked (their host copies started)."""
         e, pool = self.engine, self.engine.pool
         program = e._decode_chunk_issued if bridged(self.host) else e._decode_chunk
         (picked, self.sampling, self.positions, self.step_no, self.caches, pool.banks,
@@ -246,11 +249,9 @@ class DeviceDecode:
                                self.sampling, self.step_no, pool.banks, self.table, self.active)
         self.token = picked.token[-1]
         self.steps_run += size
-        self.chunk_left = size - 1
         for leaf in jax.tree.leaves(picked):
             leaf.copy_to_host_async()
-        self.tokens += self._unstacked()  # the chunk before, done or nearly
-        self.in_flight.append((picked, True))
+        return picked
 
     def _unstacked(self) -> list:
         """Host copies of what is in flight (chunks, and steps of a program each), one Sampled a step (and none

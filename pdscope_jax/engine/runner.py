@@ -274,9 +274,10 @@ class OffloadRunner:
     def compiled_programs(self) -> dict[str, int]:
         """Programs compiled so far, per kind (jit cache sizes; None where this jax does not expose them)."""
         counts = {name: cache_size(fn) for name, fn in self._programs.items()}
-        counts.update({name: cache_size(getattr(self, "_" + name)) for name in
-                       ("decode_step", "decode_chunk", "decode_chunk_issued", "init_cache")},
-                      slot_commit=self.store.compiled_programs, cpu_expert=self.cpu_experts.compiled_programs)
+        counts.update(decode_step=cache_size(self._decode_step), decode_chunk=cache_size(self._decode_chunk),
+                      decode_chunk_issued=cache_size(self._decode_chunk_issued),
+                      init_cache=cache_size(self._init_cache), slot_commit=self.store.compiled_programs,
+                      cpu_expert=self.cpu_experts.compiled_programs)
         if self.mesh_sum is not None:
             counts["mesh_sum"] = cache_size(self.mesh_sum._sum)
         counts["total"] = sum(v for v in counts.values() if v is not None)
@@ -285,9 +286,8 @@ class OffloadRunner:
     @property
     def stats(self) -> dict[str, Any]:
         return {
-            "policy": self.runtime.policy, "async_io": self.runtime.async_io,
+            "policy": self.runtime.policy, "async_io": self.runtime.async_io, "hot_table": self.runtime.hot_table,
             "batched_gpu": self.runtime.batched_gpu, "device_decode": self.runtime.device_decode,
-            "hot_table": self.runtime.hot_table,
             "prefill": self.phase_stats["prefill"].to_dict(),
             "decode": self.phase_stats["decode"].to_dict(),
             "compiled_programs": self.compiled_programs,

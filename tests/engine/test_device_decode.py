@@ -131,13 +131,10 @@ def test_a_step_that_copies_nothing_fills_the_decode_bank_once_as_it_opens(ds):
     decode bank (6 slots beside a pool of 5) is filled as decode starts, 2 experts for each of the 3 MoE layers:
     the plain model's tokens, those bytes counted as moved, more hits than without the bank, and the bank gone
     after decode."""
-    slot = ds.cfg.expert_bytes(4)
-    probe = ds.runner("static", 1)
-    config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
-                                   decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
+    runner_type, config, slot = _host_computes_every_miss(ds)
     hits = {}
     for bank in (True, False):
-        runner = type(probe)(ds.model, config.replace(decode_bank=bank))
+        runner = runner_type(ds.model, config.replace(decode_bank=bank))
         assert runner.decode_host(1).copies is False
         np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
         decode = runner.stats["decode"]
@@ -148,13 +145,20 @@ def test_a_step_that_copies_nothing_fills_the_decode_bank_once_as_it_opens(ds):
     assert hits[True] > hits[False]
 
 
-def test_without_a_hot_table_the_bank_takes_each_layers_most_routed_experts(ds, monkeypatch):
-    """The decode bank's order is the run's routing so far (this generation's prefill), ties by id."""
+def _host_computes_every_miss(ds):
+    """(runner class, config, expert bytes): `static` with a pool of 5 slots and a decode bank of 6, its misses
+    computed by the host (XLA ops, the bridge's stand-in), so its steps copy nothing."""
     slot = ds.cfg.expert_bytes(4)
     probe = ds.runner("static", 1)
     config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
                                    decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
-    runner = type(probe)(ds.model, config)
+    return type(probe), config, slot
+
+
+def test_without_a_hot_table_the_bank_takes_each_layers_most_routed_experts(ds, monkeypatch):
+    """The decode bank's order is the run's routing so far (this generation's prefill), ties by id."""
+    runner_type, config, _ = _host_computes_every_miss(ds)
+    runner = runner_type(ds.model, config)
     ranks, fill = [], pool_table.bank_fill
     monkeypatch.setattr(pool_table, "bank_fill", lambda pool, moe, rank, rows: ranks.append(rank) or fill(
         pool, moe, rank, rows))
@@ -221,10 +225,8 @@ def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds, stacks, monkeyp
     # a copy's own cost at a quarter of an expert's bytes' time: of 8 experts, 6 or more move whole, and 5 pads to
     # the size 8 that whole stacks also take
     monkeypatch.setattr(expert_store, "COPY_SECONDS", slot / expert_store.LINK_BYTES_PER_SECOND / 4)
-    probe = ds.runner("static", 1)
-    config = probe.runtime.replace(gpu_memory=probe.budget.fixed + 5 * slot + slot // 2, expert_pool=11 * slot,
-                                   decode_cpu_experts="xla", policy_options=(("hot_per_layer", 1),))
-    runner = type(probe)(ds.model, config, expert_stacks=stacks)
+    runner_type, config, _ = _host_computes_every_miss(ds)
+    runner = runner_type(ds.model, config, expert_stacks=stacks)
     runner.warmup(1, ds.ids.shape[1], ds.new)
     compiled = runner.compiled_programs["slot_commit"]
     layer, store = ds.cfg.moe_layers[-1], runner.store
