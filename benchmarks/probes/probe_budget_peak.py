@@ -1,0 +1,165 @@
+"""Where the accelerator allocator's peak rises above the budget: a ledger of the peak over one bench-like run.
+
+Builds the offloaded model (`--model`, seeded random weights, `--workload`) at `--gpu-memory` for one `--prompt-len`
+(the bench's RuntimeConfig: max_seq_len = prompt + tokens), sets `--policy`, runs the bench's warm-up, then
+`--repeats` generations of `--tokens` new tokens. Before and after each stage named in WRAPPED (the warm-up's parts,
+the decode bank's opening and fill, each decode program's dispatch and its wait, the decode's end) and at every
+timeline mark of the prefill loop, it reads the allocator's bytes in use and its peak (the process's so far: it
+never goes down); it keeps an entry wherever the peak grew. Each entry: the stage, seconds since the start, bytes in
+use, the peak, the growth, and whether the peak is over the budget. Also the budget's parts and the live arrays on
+the accelerator (count and bytes by shape) after the build and after the last decode. The first entry over the
+budget names the stage that took the process past it. Run from the repository root:
+`PYTHONPATH=. python benchmarks/probes/probe_budget_peak.py --gpu-memory 24399MiB --out F.json`. Random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+WRAPPED = (  # (module, class or None, function): stages whose peak the ledger reads before and after
+    ("pdscope_jax.engine.runner", "OffloadRunner", "warmup"),
+    ("pdscope_jax.engine.runner", "OffloadRunner", "precompile_routed"),
+    ("pdscope_jax.engine.decode_trial", None, "compile_loops"),
+    ("pdscope_jax.engine.decode_trial", None, "trial"),
+    ("pdscope_jax.store.slot_pool", "SlotPool", "open_decode_bank"),
+    ("pdscope_jax.engine.decode", "DeviceDecode", "_fill_bank"),
+    ("pdscope_jax.engine.decode", "DeviceDecode", "_fill_pool"),
+    ("pdscope_jax.engine.decode", "DeviceDecode", "_one_step"),
+    ("pdscope_jax.engine.decode", "DeviceDecode", "_one_chunk"),
+    ("pdscope_jax.engine.decode", "DeviceDecode", "_unstacked"),
+    ("pdscope_jax.engine.decode", "DeviceDecode", "finish"),
+    ("pdscope_jax.engine.decode", "HostDecode", "step"),
+)
+
+
+def parse_args(argv):
+    from pdscope_jax.runtime import parse_size
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="deepseek-v2-lite")
+    p.add_argument("--gpu-memory", type=parse_size, required=True)
+    p.add_argument("--policy", default="pdscope")
+    p.add_argument("--workload", default="uniform", choices=["uniform", "skewed"])
+    p.add_argument("--prompt-len", type=int, default=4096)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args(argv)
+
+
+class Ledger:
+    """Allocator readings, kept where the peak grew (or where asked), against a budget."""
+
+    def __init__(self, device, budget: int):
+        self.device, self.budget, self.start = device, budget, time.perf_counter()
+        self.entries: list[dict] = []
+        self.peak = 0
+
+    def read(self, stage: str, keep: bool = False) -> None:
+        stats = self.device.memory_stats() or {}
+        peak, in_use = stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0)
+        if peak > self.peak or keep:
+            self.entries.append({"stage": stage, "seconds": round(time.perf_counter() - self.start, 4),
+                                 "bytes_in_use": in_use, "peak": peak, "grew": peak - self.peak,
+                                 "over_budget": peak > self.budget})
+            self.peak = max(self.peak, peak)
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        @functools.wraps(inner)
+        def wrapped(*args, **kwargs):
+            self.read(f"before {label}")
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.read(f"after {label}")
+
+        setattr(owner, name, wrapped)
+
+
+def live_arrays(device) -> list[dict]:
+    import jax
+
+    by_shape = collections.Counter()
+    count = collections.Counter()
+    for a in jax.live_arrays():
+        if device in a.devices() and a.sharding.memory_kind in (None, "device"):
+            key = f"{a.dtype}{list(a.shape)}"
+            by_shape[key] += a.nbytes
+            count[key] += 1
+    return [{"shape": k, "arrays": count[k], "bytes": v} for k, v in by_shape.most_common(25)]
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    import importlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from _common import probe_result, random_loader
+    from pdscope_jax import models
+    from pdscope_jax.api import resolve
+    from pdscope_jax.engine.runner import OffloadRunner
+    from pdscope_jax.runtime import RuntimeConfig
+    from pdscope_jax.workloads import routing as workloads
+
+    cfg, _ = resolve(args.model)
+    dtype = jnp.bfloat16
+    shapes = models.abstract_state(cfg, dtype)
+    loader = random_loader(shapes, 0, workloads.design(cfg, args.workload, seed=0))
+    rc = RuntimeConfig(gpu_memory=args.gpu_memory, policy="ondemand", max_seq_len=args.prompt_len + args.tokens)
+    accel = jax.devices()[0]
+    ledger = Ledger(accel, args.gpu_memory)
+    ledger.read("start", keep=True)
+    marked = OffloadRunner._mark  # the prefill loop holds the bound method: patched before the build
+
+    def mark(self, phase, event, layer, at=None):
+        ledger.read(f"{phase} {event} layer {layer}")
+        marked(self, phase, event, layer, at)
+
+    OffloadRunner._mark = mark
+    runner = OffloadRunner(models.abstract_model(cfg, dtype), rc, loader)
+    ledger.read("built", keep=True)
+    built_arrays = live_arrays(accel)
+    for module, cls, name in WRAPPED:
+        owner = importlib.import_module(module)
+        ledger.wrap(getattr(owner, cls) if cls else owner, name, f"{cls + '.' if cls else ''}{name}")
+    runner.set_policy(args.policy, {})
+    runner.reset_calibration()
+    prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.prompt_len)).astype(np.int32)
+    ledger.read("warm-up starts", keep=True)
+    runner.warmup(1, args.prompt_len, args.tokens)
+    ledger.read("warm-up done", keep=True)
+    repeats = []
+    for i in range(args.repeats):
+        runner.reset_stats()
+        ledger.read(f"repeat {i} starts", keep=True)
+        out = runner.generate(prompt, args.tokens)
+        ledger.read(f"repeat {i} done", keep=True)
+        repeats.append({"prefill_tok_s": out.prefill_tokens_per_s, "decode_tok_s": out.decode_tokens_per_s})
+        print(json.dumps(repeats[-1]), flush=True)
+    over = next((e for e in ledger.entries if e["over_budget"]), None)
+    print(json.dumps({"budget": runner.budget.describe(), "first_over_budget": over,
+                      "peak": ledger.peak, "gpu_memory": args.gpu_memory}), flush=True)
+    for entry in ledger.entries:
+        if entry["grew"] > 2**24 or entry["stage"].endswith(("starts", "done", "built")):
+            print(json.dumps(entry), flush=True)
+    return probe_result("the allocator's peak over a bench-like run, stage by stage (random weights)",
+                        argparse.Namespace(accel=accel), ledger.entries, args.out, model=args.model,
+                        policy=args.policy, workload=args.workload, prompt_len=args.prompt_len, tokens=args.tokens,
+                        budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats,
+                        live_arrays_built=built_arrays, live_arrays_end=live_arrays(accel),
+                        slots=runner.pool.num_slots, decode_slots=runner.decode_slots)
+
+
+if __name__ == "__main__":
+    main()
