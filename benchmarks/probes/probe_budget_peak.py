@@ -147,6 +147,7 @@ def main(argv=None) -> dict:
         ledger.read(f"repeat {i} done", keep=True)
         repeats.append({"prefill_tok_s": out.prefill_tokens_per_s, "decode_tok_s": out.decode_tokens_per_s})
         print(json.dumps(repeats[-1]), flush=True)
+    stats_end = accel.memory_stats()
     over = next((e for e in ledger.entries if e["over_budget"]), None)
     print(json.dumps({"budget": runner.budget.describe(), "first_over_budget": over,
                       "peak": ledger.peak, "gpu_memory": args.gpu_memory}), flush=True)
@@ -158,7 +159,7 @@ def main(argv=None) -> dict:
                         policy=args.policy, workload=args.workload, prompt_len=args.prompt_len, tokens=args.tokens,
                         budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats,
                         live_arrays_built=built_arrays, live_arrays_end=live_arrays(accel),
-                        slots=runner.pool.num_slots, decode_slots=runner.decode_slots)
+                        slots=runner.pool.num_slots, decode_slots=runner.decode_slots, memory_stats_end=stats_end)
 
 
 if __name__ == "__main__":
