@@ -6,7 +6,9 @@ Builds the offloaded model (`--model`, seeded random weights, `--workload`) at `
 the decode bank's opening and fill, each decode program's dispatch and its wait, the decode's end) and at every
 timeline mark of the prefill loop, it reads the allocator's bytes in use and its peak (the process's so far: it
 never goes down); it keeps an entry wherever the peak grew. Each entry: the stage, seconds since the start, bytes in
-use, the peak, the growth, and whether the peak is over the budget. Also the budget's parts and the live arrays on
+use, the bytes of live arrays in the accelerator's memory (what Python holds: in use less these is temporaries and
+buffers of queued programs), the peak, the growth, and whether the peak is over the budget (a backend without
+allocator statistics, the CPU: the live arrays' bytes stand for both). Also the budget's parts and the live arrays on
 the accelerator (count and bytes by shape) after the build and after the last decode. The first entry over the
 budget names the stage that took the process past it. Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_budget_peak.py --gpu-memory 24399MiB --out F.json`. Random weights.
@@ -63,12 +65,15 @@ class Ledger:
         self.peak = 0
 
     def read(self, stage: str, keep: bool = False) -> None:
-        stats = self.device.memory_stats() or {}
+        stats = self.device.memory_stats()
+        live = None if stats else live_bytes(self.device)
+        if not stats:  # a backend without allocator statistics (the CPU): the live arrays' peak instead
+            stats = {"peak_bytes_in_use": max(self.peak, live), "bytes_in_use": live}
         peak, in_use = stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0)
         if peak > self.peak or keep:
             self.entries.append({"stage": stage, "seconds": round(time.perf_counter() - self.start, 4),
-                                 "bytes_in_use": in_use, "peak": peak, "grew": peak - self.peak,
-                                 "over_budget": peak > self.budget})
+                                 "bytes_in_use": in_use, "live_array_bytes": live or live_bytes(self.device),
+                                 "peak": peak, "grew": peak - self.peak, "over_budget": peak > self.budget})
             self.peak = max(self.peak, peak)
 
     def wrap(self, owner, name: str, label: str) -> None:
@@ -83,6 +88,14 @@ class Ledger:
                 self.read(f"after {label}")
 
         setattr(owner, name, wrapped)
+
+
+def live_bytes(device) -> int:
+    """Bytes of the live arrays in `device`'s own memory (what Python holds; temporaries excluded)."""
+    import jax
+
+    return sum(a.nbytes for a in jax.live_arrays() if device in a.devices()
+               and a.sharding.memory_kind in (None, "device"))
 
 
 def live_arrays(device) -> list[dict]:
