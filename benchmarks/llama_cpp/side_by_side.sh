@@ -5,6 +5,9 @@
 # OURS: "N:policy,policy ..." runs `pdscope-jax bench` with --gpu-memory set to llama.cpp's peak at -ncmoe N;
 # WORKLOAD: uniform (default) or skewed, the bench's rewrite of the random weights, exported so llama.cpp routes alike;
 # DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
+# OURS_CONTEXT_MIB: the project's GPU memory outside XLA's allocator (CUDA context, libraries); when set, XLA's
+# allocator is held to llama.cpp's peak less it (an error past it) and the budget is that less OURS_SLACK_MIB.
+# The project's runs are sampled by nvidia-smi as llama.cpp's are (mem-ours-*.log).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
 # 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depths DEPTHS (default 0,512,4096), -ub/-b 4096, 2
 #    repetitions, every core; its peak GPU memory sampled by nvidia-smi every 250 ms.
@@ -30,6 +33,8 @@ if [ ! -f "$G" ]; then
 fi
 say "GGUF: $(du -h "$G" | cut -f1)"
 declare -A peak
+total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+say "GPU memory used before any run: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1) MiB"
 for n in ${NCMOE:-}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$name-n$n.log" 2>/dev/null &
   sampler=$!
@@ -64,10 +69,19 @@ for spec in ${OURS:-}; do
     limit=${OURS_LIMIT:-240}
     [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
     [ "$limit" -ge 60 ] || { say "no time left for $policy at -ncmoe $n"; continue; }
-    timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
-      --gpu-memory "${mib}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 \
+    held=$(( mib - ${OURS_CONTEXT_MIB:-0} )); budget=$(( held - ${OURS_SLACK_MIB:-0} ))
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 \
+      > "$out/mem-ours-$name-n$n-${policy//:/_}.log" 2>/dev/null &
+    sampler=$!
+    # with OURS_CONTEXT_MIB, XLA's allocator is held to llama.cpp's peak less our CUDA context: past it, an error
+    fraction=$(python3 -c "print(f'{$held / $total_mib:.6f}')")
+    env ${OURS_CONTEXT_MIB:+XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction} \
+      timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
+      --gpu-memory "${budget}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 \
       --policies "$policy" --out "$out/bench-$name-n$n-${policy//:/_}" 2>&1 \
       | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -8 | cut -c1-220
-    say "$policy at -ncmoe $n's ${mib} MiB done"
+    kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
+    say "$policy at -ncmoe $n's ${mib} MiB (budget ${budget} MiB${OURS_CONTEXT_MIB:+, XLA held to $held MiB}) done;" \
+      "nvidia-smi peak $(sort -n "$out/mem-ours-$name-n$n-${policy//:/_}.log" | tail -1) MiB"
   done
 done
