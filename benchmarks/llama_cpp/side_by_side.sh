@@ -5,8 +5,9 @@
 # OURS: "N:policy,policy ..." runs `pdscope-jax bench` with --gpu-memory set to llama.cpp's peak at -ncmoe N;
 # WORKLOAD: uniform (default) or skewed, the bench's rewrite of the random weights, exported so llama.cpp routes alike;
 # DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
-# OURS_CONTEXT_MIB: the project's GPU memory outside XLA's allocator (CUDA context, libraries); when set, XLA's
-# allocator is held to llama.cpp's peak less it (an error past it) and the budget is that less OURS_SLACK_MIB.
+# OURS_CONTEXT_MIB: the project's GPU memory outside XLA's allocator (CUDA context, libraries; "auto": measured by
+# jax_context_mib.py); when set, XLA's allocator is held to llama.cpp's peak less it (an error past it) and the
+# budget is that less OURS_SLACK_MIB.
 # The project's runs are sampled by nvidia-smi as llama.cpp's are (mem-ours-*.log).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
 # 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depths DEPTHS (default 0,512,4096), -ub/-b 4096, 2
@@ -33,6 +34,10 @@ if [ ! -f "$G" ]; then
 fi
 say "GGUF: $(du -h "$G" | cut -f1)"
 declare -A peak
+if [ -n "${OURS:-}" ] && [ "${OURS_CONTEXT_MIB:-}" = auto ]; then
+  OURS_CONTEXT_MIB=$(python3 benchmarks/llama_cpp/jax_context_mib.py 2>/dev/null | tail -1)
+  say "the project's CUDA context: ${OURS_CONTEXT_MIB} MiB"
+fi
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 say "GPU memory used before any run: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1) MiB"
 for n in ${NCMOE:-}; do
