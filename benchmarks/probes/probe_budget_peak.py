@@ -8,9 +8,12 @@ timeline mark of the prefill loop, it reads the allocator's bytes in use and its
 never goes down); it keeps an entry wherever the peak grew. Each entry: the stage, seconds since the start, bytes in
 use, the bytes of live arrays in the accelerator's memory (what Python holds: in use less these is temporaries and
 buffers of queued programs), the peak, the growth, and whether the peak is over the budget (a backend without
-allocator statistics, the CPU: the live arrays' bytes stand for both). Also the budget's parts and the live arrays on
-the accelerator (count and bytes by shape) after the build and after the last decode. The first entry over the
-budget names the stage that took the process past it. Run from the repository root:
+allocator statistics, the CPU: the live arrays' bytes stand for both). The first entry over the budget names the
+stage that took the process past it. Also kept: the budget's parts, the live arrays on the accelerator by shape
+after the build and after the last decode, the allocator's statistics at the end, each decode bank fill's time.
+With `--fill-waits` the decode
+bank's fill holds one layer's staged copies at a time (an experiment; the package's fill issues every layer's at
+once). Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_budget_peak.py --gpu-memory 24399MiB --out F.json`. Random weights.
 """
 
@@ -52,8 +55,26 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--fill-waits", action="store_true",
+                   help="the decode bank's fill waits for each layer's write before staging the next (one layer's "
+                        "copies in flight instead of every layer's): its peak and time beside the package's fill")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
+
+
+def wait_each_bank_write() -> None:
+    """Make `ExpertStore.write_bank` return only once its write is done, so the fill holds one layer's staged
+    copies at a time."""
+    import jax
+
+    from pdscope_jax.store.expert_store import ExpertStore
+
+    write = ExpertStore.write_bank
+
+    def waited(self, bank, layer, experts, rows):
+        return jax.block_until_ready(write(self, bank, layer, experts, rows))
+
+    ExpertStore.write_bank = waited
 
 
 class Ledger:
@@ -88,6 +109,28 @@ class Ledger:
                 self.read(f"after {label}")
 
         setattr(owner, name, wrapped)
+
+
+def time_bank_fills() -> list[dict]:
+    """Time each decode bank's fill (`DeviceDecode._fill_bank`): the seconds to issue it, and until its writes are
+    done (waited for here; the first step would wait for them on the accelerator anyway). -> the list filled."""
+    import jax
+
+    from pdscope_jax.engine.decode import DeviceDecode
+
+    fills, fill = [], DeviceDecode._fill_bank
+
+    def timed(self):
+        start = time.perf_counter()
+        pairs = fill(self)
+        issued = time.perf_counter()
+        jax.block_until_ready(self.engine.pool.banks)
+        fills.append({"experts": len(pairs), "issue_seconds": issued - start,
+                      "done_seconds": time.perf_counter() - start})
+        return pairs
+
+    DeviceDecode._fill_bank = timed
+    return fills
 
 
 def live_bytes(device) -> int:
@@ -125,6 +168,9 @@ def main(argv=None) -> dict:
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.workloads import routing as workloads
 
+    if args.fill_waits:
+        wait_each_bank_write()
+    fills = time_bank_fills()
     cfg, _ = resolve(args.model)
     dtype = jnp.bfloat16
     shapes = models.abstract_state(cfg, dtype)
@@ -162,6 +208,7 @@ def main(argv=None) -> dict:
         print(json.dumps(repeats[-1]), flush=True)
     stats_end = accel.memory_stats()
     over = next((e for e in ledger.entries if e["over_budget"]), None)
+    print(json.dumps({"bank_fills": fills}), flush=True)
     print(json.dumps({"budget": runner.budget.describe(), "first_over_budget": over,
                       "peak": ledger.peak, "gpu_memory": args.gpu_memory}), flush=True)
     for entry in ledger.entries:
@@ -169,7 +216,8 @@ def main(argv=None) -> dict:
             print(json.dumps(entry), flush=True)
     return probe_result("the allocator's peak over a bench-like run, stage by stage (random weights)",
                         argparse.Namespace(accel=accel), ledger.entries, args.out, model=args.model,
-                        policy=args.policy, workload=args.workload, prompt_len=args.prompt_len, tokens=args.tokens,
+                        policy=args.policy, workload=args.workload, fill_waits=args.fill_waits,
+                        prompt_len=args.prompt_len, tokens=args.tokens, bank_fills=fills,
                         budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats,
                         live_arrays_built=built_arrays, live_arrays_end=live_arrays(accel),
                         slots=runner.pool.num_slots, decode_slots=runner.decode_slots, memory_stats_end=stats_end)
