@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pdscope_jax.runtime import allocator_peak
+
 WRAPPED = (  # (module, class or None, function): stages whose peak the ledger reads before and after
     ("pdscope_jax.engine.runner", "OffloadRunner", "warmup"),
     ("pdscope_jax.engine.runner", "OffloadRunner", "precompile_routed"),
@@ -78,24 +80,24 @@ def wait_each_bank_write() -> None:
 
 
 class Ledger:
-    """Allocator readings, kept where the peak grew (or where asked), against a budget."""
+    """Allocator readings of `runner`'s accelerator, kept where the peak grew (or where asked), against a budget."""
 
-    def __init__(self, device, budget: int):
-        self.device, self.budget, self.start = device, budget, time.perf_counter()
+    def __init__(self, runner, budget: int):
+        self.runner, self.budget, self.start = runner, budget, time.perf_counter()
         self.entries: list[dict] = []
         self.peak = 0
 
     def read(self, stage: str, keep: bool = False) -> None:
-        stats = self.device.memory_stats()
-        live = None if stats else live_bytes(self.device)
-        if not stats:  # a backend without allocator statistics (the CPU): the live arrays' peak instead
-            stats = {"peak_bytes_in_use": max(self.peak, live), "bytes_in_use": live}
-        peak, in_use = stats.get("peak_bytes_in_use", 0), stats.get("bytes_in_use", 0)
+        held = self.runner.device_memory()  # live arrays' bytes, and the allocator's bytes in use where reported
+        live = held["live_array_bytes"]
+        # a backend without allocator statistics (the CPU): the live arrays stand for them
+        peak = allocator_peak(self.runner.devices.accel, max(self.peak, live))
+        in_use = live if held["bytes_in_use"] is None else held["bytes_in_use"]
         if peak > self.peak or keep:
             self.entries.append({"stage": stage, "seconds": round(time.perf_counter() - self.start, 4),
-                                 "bytes_in_use": in_use, "live_array_bytes": live or live_bytes(self.device),
-                                 "peak": peak, "grew": peak - self.peak, "over_budget": peak > self.budget})
-            self.peak = max(self.peak, peak)
+                                 "bytes_in_use": in_use, "live_array_bytes": live, "peak": peak,
+                                 "grew": peak - self.peak, "over_budget": peak > self.budget})
+            self.peak = peak
 
     def wrap(self, owner, name: str, label: str) -> None:
         inner = getattr(owner, name)
@@ -133,14 +135,6 @@ def time_bank_fills() -> list[dict]:
     return fills
 
 
-def live_bytes(device) -> int:
-    """Bytes of the live arrays in `device`'s own memory (what Python holds; temporaries excluded)."""
-    import jax
-
-    return sum(a.nbytes for a in jax.live_arrays() if device in a.devices()
-               and a.sharding.memory_kind in (None, "device"))
-
-
 def live_arrays(device) -> list[dict]:
     import jax
 
@@ -158,7 +152,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     import importlib
 
-    import jax
     import jax.numpy as jnp
 
     from _common import probe_result, random_loader
@@ -176,9 +169,6 @@ def main(argv=None) -> dict:
     shapes = models.abstract_state(cfg, dtype)
     loader = random_loader(shapes, 0, workloads.design(cfg, args.workload, seed=0))
     rc = RuntimeConfig(gpu_memory=args.gpu_memory, policy="ondemand", max_seq_len=args.prompt_len + args.tokens)
-    accel = jax.devices()[0]
-    ledger = Ledger(accel, args.gpu_memory)
-    ledger.read("start", keep=True)
     marked = OffloadRunner._mark  # the prefill loop holds the bound method: patched before the build
 
     def mark(self, phase, event, layer, at=None):
@@ -187,6 +177,8 @@ def main(argv=None) -> dict:
 
     OffloadRunner._mark = mark
     runner = OffloadRunner(models.abstract_model(cfg, dtype), rc, loader)
+    accel = runner.devices.accel
+    ledger = Ledger(runner, args.gpu_memory)
     ledger.read("built", keep=True)
     built_arrays = live_arrays(accel)
     for module, cls, name in WRAPPED:
