@@ -11,9 +11,7 @@ buffers of queued programs), the peak, the growth, and whether the peak is over 
 allocator statistics, the CPU: the live arrays' bytes stand for both). The first entry over the budget names the
 stage that took the process past it. Also kept: the budget's parts, the live arrays on the accelerator by shape
 after the build and after the last decode, the allocator's statistics at the end, each decode bank fill's time.
-With `--fill-waits` the decode
-bank's fill holds one layer's staged copies at a time (an experiment; the package's fill issues every layer's at
-once). Run from the repository root:
+Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_budget_peak.py --gpu-memory 24399MiB --out F.json`. Random weights.
 """
 
@@ -57,26 +55,8 @@ def parse_args(argv):
     p.add_argument("--prompt-len", type=int, default=4096)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--fill-waits", action="store_true",
-                   help="the decode bank's fill waits for each layer's write before staging the next (one layer's "
-                        "copies in flight instead of every layer's): its peak and time beside the package's fill")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args(argv)
-
-
-def wait_each_bank_write() -> None:
-    """Make `ExpertStore.write_bank` return only once its write is done, so the fill holds one layer's staged
-    copies at a time."""
-    import jax
-
-    from pdscope_jax.store.expert_store import ExpertStore
-
-    write = ExpertStore.write_bank
-
-    def waited(self, bank, layer, experts, rows):
-        return jax.block_until_ready(write(self, bank, layer, experts, rows))
-
-    ExpertStore.write_bank = waited
 
 
 class Ledger:
@@ -161,8 +141,6 @@ def main(argv=None) -> dict:
     from pdscope_jax.runtime import RuntimeConfig
     from pdscope_jax.workloads import routing as workloads
 
-    if args.fill_waits:
-        wait_each_bank_write()
     fills = time_bank_fills()
     cfg, _ = resolve(args.model)
     dtype = jnp.bfloat16
@@ -208,7 +186,7 @@ def main(argv=None) -> dict:
             print(json.dumps(entry), flush=True)
     return probe_result("the allocator's peak over a bench-like run, stage by stage (random weights)",
                         argparse.Namespace(accel=accel), ledger.entries, args.out, model=args.model,
-                        policy=args.policy, workload=args.workload, fill_waits=args.fill_waits,
+                        policy=args.policy, workload=args.workload,
                         prompt_len=args.prompt_len, tokens=args.tokens, bank_fills=fills,
                         budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats,
                         live_arrays_built=built_arrays, live_arrays_end=live_arrays(accel),

@@ -43,7 +43,7 @@ import time
 import jax
 import numpy as np
 
-from pdscope_jax.engine import device_decode, pool_table
+from pdscope_jax.engine import bank_fill, device_decode, pool_table
 from pdscope_jax.models.experts import sources_take_kernel
 from pdscope_jax.runtime import allocator_peak
 
@@ -185,7 +185,7 @@ class DeviceDecode:
     def _fill_bank(self) -> list[tuple[int, int]]:
         """A step that copies nothing leaves the decode bank as it opened, empty: fill it now, once, with the
         experts `pool_table.bank_fill` names (each layer's most routed first: the hot table's counts, else the run's,
-        ties by id) -> those (position, expert)."""
+        ties by id), its staged copies bounded by the budget (`engine.bank_fill`) -> those (position, expert)."""
         e, pool = self.engine, self.engine.pool
         if not pool.decode_slots:
             return []
@@ -193,10 +193,11 @@ class DeviceDecode:
         rank = np.stack([np.argsort(-e.routed_counts(lead, layer), kind="stable") for layer in e._moe_layers])
         pairs = pool_table.bank_fill(pool, e._moe_layers, rank, pool.decode_slots)
         moved_before, (pooled, bank) = e.store.bytes_moved, pool.banks
+        writes = []
         for m, layer in enumerate(e._moe_layers):
             rows = [row for row, (position, _) in enumerate(pairs) if position == m]
-            bank = e.store.write_bank(bank, layer, [pairs[row][1] for row in rows], rows)
-        pool.banks = (pooled, bank)
+            writes.append((layer, [pairs[row][1] for row in rows], rows))
+        pool.banks = (pooled, bank_fill.fill(e.store, bank, writes, e.budget.decode_fill_group))
         stats = e.phase_stats["decode"]
         stats.experts_placed += len(pairs)
         stats.bytes_moved += e.store.bytes_moved - moved_before

@@ -433,7 +433,7 @@ class OffloadRunner:
             precompile_slot_writes(shard.pool, shard.store, first, shard.count)
         precompile_combine(self._programs, shapes, self.devices, self.cache_dtype, self.config.hidden_size,
                            self.cpu_experts.min_rows)
-        precompile_bank_writes(self.pool, self.store, first, self.config.num_experts, self.decode_slots)
+        precompile_bank_writes(self.pool, self.store, first, self.budget.decode_fill_group, self.decode_slots)
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
 
     def device_memory(self) -> dict[str, int | None]:

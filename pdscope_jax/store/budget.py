@@ -9,8 +9,9 @@ write, the next layer's are issued, so two layers) and what is left for the rout
 their integers and scales).
 Decode needs neither prefill's activations nor staging: what they hold beyond a decode step's own activations
 (`decode_activation_bytes`) is the decode bank, `decode_slots` more slots that exist only while decode runs
-(`SlotPool.open_decode_bank`); `expert_pool` caps the pool and the bank together, and neither phase's total
-(`planned`, `planned_decode`) exceeds the budget. When the fixed parts do not fit, it raises `BudgetError` with
+(`SlotPool.open_decode_bank`), beside the staging of its fill (`FILL_GROUPS_IN_FLIGHT` groups of at most
+`decode_fill_group` experts: `engine.bank_fill`); `expert_pool` caps the pool and the bank together, and neither
+phase's total (`planned`, `planned_decode`) exceeds the budget. When the fixed parts do not fit, it raises `BudgetError` with
 every number, before anything is allocated. It never touches a device.
 """
 
@@ -22,6 +23,9 @@ from pdscope_jax.config import ModelConfig
 from pdscope_jax.errors import InputError
 from pdscope_jax.models.experts import GATHER_MAX_ASSIGNMENTS, grouped_tiles
 from pdscope_jax.runtime import RuntimeConfig, format_size
+
+
+FILL_GROUPS_IN_FLIGHT = 2  # groups of the decode bank's fill staged at once: one written while the next crosses
 
 
 class BudgetError(InputError):
@@ -41,6 +45,7 @@ class Budget:
     decode_activations: int = 0  # activations of the largest decode step
     activations_measured: bool = False  # `activations` is a measured figure, not `activation_bytes`
     decode_slots: int = 0  # slots of the decode bank: decode only, in prefill's activations and staging
+    decode_fill_group: int = 0  # experts the bank's fill stages at once, a layer's share of the bank (rounded up)
 
     @property
     def fixed(self) -> int:
@@ -60,9 +65,15 @@ class Budget:
         return self.decode_slots * self.slot_bytes
 
     @property
+    def decode_fill_staging(self) -> int:
+        """The device copies the bank's fill holds at once beside the bank (`FILL_GROUPS_IN_FLIGHT` groups)."""
+        return FILL_GROUPS_IN_FLIGHT * self.decode_fill_group * self.slot_bytes
+
+    @property
     def planned_decode(self) -> int:
         """Everything the engine accounts for on the accelerator in decode; never above `total`."""
-        return self.non_expert + self.kv_cache + self.decode_activations + self.pool + self.decode_bank
+        return (self.non_expert + self.kv_cache + self.decode_activations + self.pool + self.decode_bank
+                + self.decode_fill_staging)
 
     def lines(self) -> list[tuple[str, int]]:
         return [("non-expert weights", self.non_expert), ("KV cache", self.kv_cache),
@@ -70,6 +81,8 @@ class Budget:
                 ("transfer staging", self.staging),
                 (f"expert slot pool ({self.slots} slots x {format_size(self.slot_bytes)})", self.pool),
                 (f"decode bank, in prefill's activations and staging ({self.decode_slots} slots)", self.decode_bank),
+                (f"decode bank's fill staging ({FILL_GROUPS_IN_FLIGHT} x {self.decode_fill_group} experts)",
+                 self.decode_fill_staging),
                 ("budget", self.total)]
 
     def describe(self) -> str:
@@ -146,6 +159,24 @@ def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, k
     if not rc.decode_bank:
         return dataclasses.replace(budget, slots=int(slots))
     room = budget.activations + budget.staging - budget.decode_activations  # what decode leaves of prefill's parts
+    bank_cap = experts - slots
     if rc.expert_pool is not None:
-        room = min(room, rc.expert_pool - slots * slot_bytes)
-    return dataclasses.replace(budget, slots=int(slots), decode_slots=int(min(room // slot_bytes, experts - slots)))
+        bank_cap = min(bank_cap, (rc.expert_pool - slots * slot_bytes) // slot_bytes)
+    bank = _bank_slots(room // slot_bytes, len(cfg.moe_layers), bank_cap)
+    return dataclasses.replace(budget, slots=int(slots), decode_slots=bank,
+                               decode_fill_group=_fill_group(bank, len(cfg.moe_layers)))
+
+
+def _fill_group(bank: int, layers: int) -> int:
+    """Experts the fill of a bank of `bank` slots stages at once: a layer's share, rounded up."""
+    return -(-bank // layers)
+
+
+def _bank_slots(room: int, layers: int, cap: int) -> int:
+    """The most decode bank slots, at most `cap`, that fit in `room` slots beside their fill's staging."""
+    bank = max(0, min(cap, room * layers // (layers + FILL_GROUPS_IN_FLIGHT)))
+    while bank < cap and bank + 1 + FILL_GROUPS_IN_FLIGHT * _fill_group(bank + 1, layers) <= room:
+        bank += 1
+    while bank > 0 and bank + FILL_GROUPS_IN_FLIGHT * _fill_group(bank, layers) > room:
+        bank -= 1
+    return int(bank)

@@ -350,12 +350,12 @@ class ExpertStore:
         return gus[expert], dns[expert]
 
     # ---- moving ----------------------------------------------------------------------------------------
-    def stage(self, layer: int, experts: np.ndarray, low: np.ndarray | None = None) -> Staged:
+    def stage(self, layer: int, experts: np.ndarray, low: np.ndarray | None = None, whole: bool = True) -> Staged:
         """Issue the host-to-device copy of `experts` of `layer` (int4 copies where `low`; one batched
-        device_put, of the layer's whole stack where `moves_whole`); returns at once. Safe to call from another
-        thread: it counts nothing (`count_staged` does, on the caller's thread)."""
+        device_put, of the layer's whole stack where `whole` and `moves_whole`); returns at once. Safe to call from
+        another thread: it counts nothing (`count_staged` does, on the caller's thread)."""
         experts = np.asarray(experts, np.int64)
-        if self.moves_whole(layer, experts.size, low):
+        if whole and self.moves_whole(layer, experts.size, low):
             return Staged(layer, experts, (), (), self._stack_nbytes(layer),
                           stack=tuple(jax.device_put(self._stacks[layer], self._device)))
         srcs = self._sources(layer, experts, low)
@@ -369,10 +369,15 @@ class ExpertStore:
 
     def write_bank(self, bank: tuple, layer: int, experts: np.ndarray, rows: np.ndarray) -> tuple:
         """`experts` of `layer` into `rows` of a decode bank (gate_up, down) (`SlotPool.banks`' second) -> the bank
-        after (donated: one program, ordered after its earlier readers); the bytes count as moved."""
+        after (donated: one program, ordered after its earlier readers); the experts' own arrays are staged (never
+        the whole stack: the bank's fill stages no more than it writes), and their bytes count as moved."""
         experts = np.asarray(experts, np.int64)
-        self.count_staged(layer, experts)
-        return self._committed(bank, self.stage(layer, experts), rows)
+        self.count_moved(layer, experts)
+        return self.commit_bank(bank, self.stage(layer, experts, whole=False), rows)
+
+    def commit_bank(self, bank: tuple, staged: Staged, rows: np.ndarray) -> tuple:
+        """`staged` written into `rows` of a decode bank -> the bank after (donated; one program)."""
+        return self._committed(bank, staged, rows)
 
     def _committed(self, bank: tuple, staged: Staged, slots: np.ndarray) -> tuple:
         """(gate_up, down) of `bank` with the staged experts written into `slots` (donated; one program per kind

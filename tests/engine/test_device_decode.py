@@ -218,9 +218,10 @@ def test_the_decode_step_traces_a_layer_kind_once(ds, monkeypatch):
 
 @pytest.mark.parametrize("stacks", [False, True])
 def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds, stacks, monkeypatch):
-    """Decode's bank fill writes each layer's share, whose size follows the real prompt's routing (warm-up's dummy
-    tokens may give other sizes): after warm-up, writing any count of experts into the bank, or staging any count
-    into the pool, compiles nothing, whether the count moves experts one by one or (stacks) the whole layer."""
+    """Decode's bank fill writes groups of at most a layer's share, whose sizes follow the real prompt's routing
+    (warm-up's dummy tokens may give other sizes): after warm-up, writing any such group into the bank, or staging
+    any count into the pool, compiles nothing, whether the count moves experts one by one or (stacks) the whole
+    layer."""
     slot = ds.cfg.expert_bytes(4)
     # a copy's own cost at a quarter of an expert's bytes' time: of 8 experts, 6 or more move whole, and 5 pads to
     # the size 8 that whole stacks also take
@@ -232,7 +233,8 @@ def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds, stacks, monkeyp
     layer, store = ds.cfg.moe_layers[-1], runner.store
     runner.pool.open_decode_bank(runner.decode_slots)
     pooled, bank = runner.pool.banks
-    for n in range(1, min(ds.cfg.num_experts, runner.decode_slots) + 1):
+    group = runner.budget.decode_fill_group
+    for n in range(1, min(group, runner.decode_slots) + 1):
         bank = store.write_bank(bank, layer, np.arange(n), np.arange(n))
     runner.pool.banks = (pooled, bank)
     runner.pool.close_decode_bank()
@@ -240,7 +242,7 @@ def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds, stacks, monkeyp
         experts = np.arange(n)
         runner.pool.release(layer, experts)
         store.commit(runner.pool, store.stage(layer, experts), runner.pool.allocate(layer, experts))
-    assert runner.decode_slots == 6 and runner.compiled_programs["slot_commit"] == compiled
+    assert runner.decode_slots == 6 and group == 2 and runner.compiled_programs["slot_commit"] == compiled
     assert store.whole_from(layer) == (6 if stacks else None)
 
 

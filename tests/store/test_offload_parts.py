@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.store.budget import BudgetError, plan_budget
+from pdscope_jax.store.budget import FILL_GROUPS_IN_FLIGHT, BudgetError, plan_budget
 from pdscope_jax.engine import cpu_experts
 from pdscope_jax.store import expert_store
 from pdscope_jax.engine.cpu_experts import CpuExperts
@@ -69,8 +69,13 @@ def test_decode_bank_takes_what_decode_leaves_of_prefills_activations_and_stagin
     parts = dict(non_expert_bytes=3 * 10**9, kv_cache_bytes=10**8, itemsize=2)
     b = plan_budget(cfg, RuntimeConfig(gpu_memory="24GB"), **parts)
     assert 0 < b.decode_activations < b.activations
-    room = b.activations + b.staging - b.decode_activations
-    assert b.decode_slots == room // b.slot_bytes and b.decode_bank == b.decode_slots * b.slot_bytes
+    room, layers = (b.activations + b.staging - b.decode_activations) // b.slot_bytes, len(cfg.moe_layers)
+    # the bank and its fill's staging (groups of a layer's share) fill the room; one slot more would not fit
+    group = -(-b.decode_slots // layers)
+    assert b.decode_fill_group == group and b.decode_fill_staging == FILL_GROUPS_IN_FLIGHT * group * b.slot_bytes
+    assert b.decode_slots + FILL_GROUPS_IN_FLIGHT * group <= room
+    assert room < b.decode_slots + 1 + FILL_GROUPS_IN_FLIGHT * -(-(b.decode_slots + 1) // layers)
+    assert b.decode_bank == b.decode_slots * b.slot_bytes
     assert b.planned <= b.total and b.planned_decode <= b.total
     assert b.pool + b.decode_bank >= 17 * 10**9  # issue 22: a 24 GB budget holds >= 17 GB of experts in decode
     capped = plan_budget(cfg, RuntimeConfig(gpu_memory="14GB", expert_pool="5GB"), **parts)
