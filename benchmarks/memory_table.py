@@ -7,8 +7,8 @@ on the backend it runs on, `engine.activations`, usually less) and transfer stag
 part, from `engine.build.plan_budget`, the engine's own accounting),
 and two GPU budgets: the smallest that runs (an empty slot pool: every expert on the CPU) and one whose pool
 holds a quarter of the routed experts; plus the whole model on one GPU (`plain`), and the decode bank: the
-experts device decode holds beyond the pool at any budget, in what prefill's activations and staging leave
-(`store.budget`). A precision is a dtype ("bfloat16", "float32") or a quantized scheme of the routed experts ("int8",
+experts device decode holds beyond the pool at any budget, in what prefill's activations and staging leave beside
+the staging of its fill (`store.budget`). A precision is a dtype ("bfloat16", "float32") or a quantized scheme of the routed experts ("int8",
 "int4": the rest of the model in bfloat16, as `load(..., quantize=)` builds it). `main` prints a markdown table (or
 JSON with --json) for every preset at each of --precisions (default bfloat16, int8, int4).
 
@@ -36,6 +36,7 @@ def model_bytes(name: str, dtype: str = "bfloat16", max_seq_len: int = 4096, max
     from pdscope_jax.engine.build import plan_budget, split_abstract
     from pdscope_jax.presets import preset
     from pdscope_jax.runtime import RuntimeConfig
+    from pdscope_jax.store.budget import decode_bank_slots
 
     cfg = preset(name)
     if dtype in SCHEMES:  # quantized routed experts, the rest in bfloat16
@@ -51,7 +52,9 @@ def model_bytes(name: str, dtype: str = "bfloat16", max_seq_len: int = 4096, max
             "routed_experts": experts, "non_expert": budget.non_expert, "kv_cache": budget.kv_cache,
             "activations": budget.activations, "staging": budget.staging, "gpu_minimum": budget.fixed,
             "gpu_quarter_pool": budget.fixed + pool,
-            "decode_bank": min(budget.activations + budget.staging - budget.decode_activations, experts),
+            "decode_bank": budget.slot_bytes * decode_bank_slots(
+                (budget.activations + budget.staging - budget.decode_activations) // budget.slot_bytes,
+                len(cfg.moe_layers), len(cfg.moe_layers) * cfg.num_experts, budget.slot_bytes),
             "plain_gpu": budget.non_expert + experts + budget.kv_cache + budget.activations}
 
 

@@ -9,10 +9,10 @@ write, the next layer's are issued, so two layers) and what is left for the rout
 their integers and scales).
 Decode needs neither prefill's activations nor staging: what they hold beyond a decode step's own activations
 (`decode_activation_bytes`) is the decode bank, `decode_slots` more slots that exist only while decode runs
-(`SlotPool.open_decode_bank`), beside the staging of its fill (`FILL_GROUPS_IN_FLIGHT` groups of at most
+(`SlotPool.open_decode_bank`), beside the staging of its fill (`FILL_GROUPS_IN_FLIGHT` groups of
 `decode_fill_group` experts: `engine.bank_fill`); `expert_pool` caps the pool and the bank together, and neither
-phase's total (`planned`, `planned_decode`) exceeds the budget. When the fixed parts do not fit, it raises `BudgetError` with
-every number, before anything is allocated. It never touches a device.
+phase's total (`planned`, `planned_decode`) exceeds the budget. When the fixed parts do not fit, it raises
+`BudgetError` with every number, before anything is allocated. It never touches a device.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pdscope_jax.runtime import RuntimeConfig, format_size
 
 
 FILL_GROUPS_IN_FLIGHT = 2  # groups of the decode bank's fill staged at once: one written while the next crosses
+FILL_GROUP_BYTES = 128 * 2**20  # a group's most bytes: over 2 ms of the link, time enough to stage the next
 
 
 class BudgetError(InputError):
@@ -45,7 +46,7 @@ class Budget:
     decode_activations: int = 0  # activations of the largest decode step
     activations_measured: bool = False  # `activations` is a measured figure, not `activation_bytes`
     decode_slots: int = 0  # slots of the decode bank: decode only, in prefill's activations and staging
-    decode_fill_group: int = 0  # experts the bank's fill stages at once, a layer's share of the bank (rounded up)
+    decode_fill_group: int = 0  # experts a group of the bank's fill stages at once (`fill_group`)
 
     @property
     def fixed(self) -> int:
@@ -162,21 +163,21 @@ def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, k
     bank_cap = experts - slots
     if rc.expert_pool is not None:
         bank_cap = min(bank_cap, (rc.expert_pool - slots * slot_bytes) // slot_bytes)
-    bank = _bank_slots(room // slot_bytes, len(cfg.moe_layers), bank_cap)
+    bank = decode_bank_slots(room // slot_bytes, len(cfg.moe_layers), bank_cap, slot_bytes)
     return dataclasses.replace(budget, slots=int(slots), decode_slots=bank,
-                               decode_fill_group=_fill_group(bank, len(cfg.moe_layers)))
+                               decode_fill_group=fill_group(bank, len(cfg.moe_layers), slot_bytes))
 
 
-def _fill_group(bank: int, layers: int) -> int:
-    """Experts the fill of a bank of `bank` slots stages at once: a layer's share, rounded up."""
-    return -(-bank // layers)
+def fill_group(bank: int, layers: int, slot_bytes: int) -> int:
+    """Experts the fill of a bank of `bank` slots stages at once: a layer's share (rounded up), at most
+    `FILL_GROUP_BYTES` of them (at least one expert)."""
+    return min(-(-bank // layers), max(1, FILL_GROUP_BYTES // slot_bytes))
 
 
-def _bank_slots(room: int, layers: int, cap: int) -> int:
+def decode_bank_slots(room: int, layers: int, cap: int, slot_bytes: int) -> int:
     """The most decode bank slots, at most `cap`, that fit in `room` slots beside their fill's staging."""
-    bank = max(0, min(cap, room * layers // (layers + FILL_GROUPS_IN_FLIGHT)))
-    while bank < cap and bank + 1 + FILL_GROUPS_IN_FLIGHT * _fill_group(bank + 1, layers) <= room:
+    widest = fill_group(cap, layers, slot_bytes)  # no bank of at most `cap` slots has a larger group
+    bank = max(0, min(cap, room - FILL_GROUPS_IN_FLIGHT * widest))
+    while bank < cap and bank + 1 + FILL_GROUPS_IN_FLIGHT * fill_group(bank + 1, layers, slot_bytes) <= room:
         bank += 1
-    while bank > 0 and bank + FILL_GROUPS_IN_FLIGHT * _fill_group(bank, layers) > room:
-        bank -= 1
     return int(bank)

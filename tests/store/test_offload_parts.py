@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.store.budget import FILL_GROUPS_IN_FLIGHT, BudgetError, plan_budget
+from pdscope_jax.store.budget import FILL_GROUP_BYTES, FILL_GROUPS_IN_FLIGHT, BudgetError, plan_budget
 from pdscope_jax.engine import cpu_experts
 from pdscope_jax.store import expert_store
 from pdscope_jax.engine.cpu_experts import CpuExperts
@@ -70,11 +70,11 @@ def test_decode_bank_takes_what_decode_leaves_of_prefills_activations_and_stagin
     b = plan_budget(cfg, RuntimeConfig(gpu_memory="24GB"), **parts)
     assert 0 < b.decode_activations < b.activations
     room, layers = (b.activations + b.staging - b.decode_activations) // b.slot_bytes, len(cfg.moe_layers)
-    # the bank and its fill's staging (groups of a layer's share) fill the room; one slot more would not fit
-    group = -(-b.decode_slots // layers)
-    assert b.decode_fill_group == group and b.decode_fill_staging == FILL_GROUPS_IN_FLIGHT * group * b.slot_bytes
-    assert b.decode_slots + FILL_GROUPS_IN_FLIGHT * group <= room
-    assert room < b.decode_slots + 1 + FILL_GROUPS_IN_FLIGHT * -(-(b.decode_slots + 1) // layers)
+    # the bank and its fill's staging (groups of a layer's share, at most FILL_GROUP_BYTES each) fill the room
+    group = min(-(-b.decode_slots // layers), FILL_GROUP_BYTES // b.slot_bytes)
+    assert group == 7 and b.decode_fill_group == group  # DeepSeek-V2-Lite: 17.3 MB experts, 7 in 128 MiB
+    assert b.decode_fill_staging == FILL_GROUPS_IN_FLIGHT * group * b.slot_bytes
+    assert b.decode_slots + FILL_GROUPS_IN_FLIGHT * group <= room < b.decode_slots + 1 + FILL_GROUPS_IN_FLIGHT * group
     assert b.decode_bank == b.decode_slots * b.slot_bytes
     assert b.planned <= b.total and b.planned_decode <= b.total
     assert b.pool + b.decode_bank >= 17 * 10**9  # issue 22: a 24 GB budget holds >= 17 GB of experts in decode
