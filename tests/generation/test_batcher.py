@@ -55,7 +55,7 @@ def test_joining_and_leaving_rows_get_the_tokens_they_get_alone(runner):
     assert batcher.free_slots == 4
 
 
-def test_new_compositions_compile_nothing_after_warm_up(runner, compiles_for_real):
+def test_new_compositions_compile_nothing_after_warm_up(runner):
     reqs = requests(runner.config.vocab_size)
     batcher = Batcher(runner.model, max_batch=3, max_len=64, chunk=8)  # a size no other test compiled
     first = run_batched(batcher, reqs)  # warm-up: every row bucket and length bucket these lengths use

@@ -107,7 +107,7 @@ def test_chunked_top_k_is_top_k_ties_included(vocab):
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
-def test_new_settings_compile_nothing(compiles_for_real):
+def test_new_settings_compile_nothing():
     """Counted twice: the jitted sampler's cache, and every backend compilation jax reports while a whole-model
     and an offloaded generate run under several settings."""
     settings = [dict(), dict(temperature=0.7), dict(temperature=1.3, top_k=5, seed=9),
