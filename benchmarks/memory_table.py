@@ -8,9 +8,10 @@ part, from `engine.build.plan_budget`, the engine's own accounting),
 and two GPU budgets: the smallest that runs (an empty slot pool: every expert on the CPU) and one whose pool
 holds a quarter of the routed experts; plus the whole model on one GPU (`plain`), and the decode bank: the
 experts device decode holds beyond the pool at any budget, in what prefill's activations and staging leave beside
-the staging of its fill (`store.budget`). A precision is a dtype ("bfloat16", "float32") or a quantized scheme of the routed experts ("int8",
-"int4": the rest of the model in bfloat16, as `load(..., quantize=)` builds it). `main` prints a markdown table (or
-JSON with --json) for every preset at each of --precisions (default bfloat16, int8, int4).
+the staging of its fill (`store.budget`). A precision is a dtype ("bfloat16", "float32") or a quantized scheme of
+the routed experts ("int8", "int4": the rest of the model in bfloat16, as `load(..., quantize=)` builds it).
+`main` prints a markdown table (or JSON with --json) for every preset at each of --precisions (default bfloat16,
+int8, int4).
 
     python3 benchmarks/memory_table.py [--max-seq-len 4096] [--max-batch 1] [--precisions ...] [--json]
 """
@@ -36,7 +37,6 @@ def model_bytes(name: str, dtype: str = "bfloat16", max_seq_len: int = 4096, max
     from pdscope_jax.engine.build import plan_budget, split_abstract
     from pdscope_jax.presets import preset
     from pdscope_jax.runtime import RuntimeConfig
-    from pdscope_jax.store.budget import decode_bank_slots
 
     cfg = preset(name)
     if dtype in SCHEMES:  # quantized routed experts, the rest in bfloat16
@@ -46,15 +46,15 @@ def model_bytes(name: str, dtype: str = "bfloat16", max_seq_len: int = 4096, max
     rc = RuntimeConfig(gpu_memory=10**15, expert_pool=0, policy="pdscope", max_seq_len=max_seq_len,
                        max_batch=max_batch, activation_memory="estimated")
     budget, _expert_dtype, _cache_dtype = plan_budget(cfg, rc, abstract, shapes)
+    # the engine's own decode bank where the budget leaves no pool: what prefill's parts leave, less its fill's staging
+    smallest, _, _ = plan_budget(cfg, rc.replace(gpu_memory=budget.fixed, expert_pool=None), abstract, shapes)
     experts = len(cfg.moe_layers) * cfg.num_experts * budget.slot_bytes
     pool = int(POOL_SHARE * len(cfg.moe_layers) * cfg.num_experts) * budget.slot_bytes
     return {"model": name, "dtype": dtype, "max_seq_len": max_seq_len, "max_batch": max_batch,
             "routed_experts": experts, "non_expert": budget.non_expert, "kv_cache": budget.kv_cache,
             "activations": budget.activations, "staging": budget.staging, "gpu_minimum": budget.fixed,
             "gpu_quarter_pool": budget.fixed + pool,
-            "decode_bank": budget.slot_bytes * decode_bank_slots(
-                (budget.activations + budget.staging - budget.decode_activations) // budget.slot_bytes,
-                len(cfg.moe_layers), len(cfg.moe_layers) * cfg.num_experts, budget.slot_bytes),
+            "decode_bank": smallest.decode_bank,
             "plain_gpu": budget.non_expert + experts + budget.kv_cache + budget.activations}
 
 

@@ -20,8 +20,9 @@ from pdscope_jax.store.budget import FILL_GROUPS_IN_FLIGHT
 
 
 def fill(store, bank: tuple, writes, group: int, in_flight: int = FILL_GROUPS_IN_FLIGHT) -> tuple:
-    groups = iter([(layer, np.asarray(experts, np.int64)[i:i + group], np.asarray(rows)[i:i + group])
-                   for layer, experts, rows in writes for i in range(0, len(experts), max(group, 1))])
+    size = max(group, 1)
+    groups = iter([(layer, np.asarray(experts, np.int64)[i:i + size], np.asarray(rows)[i:i + size])
+                   for layer, experts, rows in writes for i in range(0, len(experts), size)])
     staged = collections.deque()
 
     def stage_next() -> None:
