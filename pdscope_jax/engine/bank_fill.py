@@ -6,7 +6,7 @@ arrays staged (`ExpertStore.stage`, never a whole stack) and written into its ro
 bytes counted as moved. At most `in_flight` groups' staged copies are alive at once: a group is staged only once
 the write of the group `in_flight` before it is done, so the device memory the fill needs beside the bank is the
 budget's `decode_fill_staging` (`store.budget`), while the next group's copy crosses the link as one is written,
-which keeps the link busy. Where nothing bounded it, every layer's copies were issued at once, beyond the budget.
+which keeps the link busy.
 """
 
 from __future__ import annotations

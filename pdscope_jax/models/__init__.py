@@ -66,7 +66,7 @@ def _abstract_parts(cfg: ModelConfig, dtype_name: str):
 class _OneKey:
     """Stands in for `nnx.Rngs` where only shapes are built: every stream gives one key. nnx.Rngs counts its draws
     in a Variable, and inside a trace each count's update makes flax ask the traced count for its sharding, whose
-    error message walks the trace so far: quadratic in the model's size (15 s for DeepSeek-V3, 1 s with one key)."""
+    error message walks the trace so far: quadratic in the model's size (docs/MEASUREMENTS.md)."""
 
     def __init__(self):
         self.key = jax.random.key(0)
