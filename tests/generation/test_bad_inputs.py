@@ -10,6 +10,7 @@ raises InputError, never anything else.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import io
@@ -88,6 +89,7 @@ def files() -> dict[str, str]:
     from pdscope_jax.sched.costs import CostTable
 
     root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # made once per worker, at collection, so no tmp_path
     cfg = preset(MODEL)
     hp = PredictorHParams(cfg.hidden_size, cfg.num_experts_per_tok, cfg.num_experts, proj_dim=8, hidden=16)
     out = {"tmp": str(root)}
