@@ -10,10 +10,10 @@
 # budget is that less OURS_SLACK_MIB.
 # The project's runs are sampled by nvidia-smi as llama.cpp's are (mem-ours-*.log).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
-# 2. llama-bench per -ncmoe: prompts 512 and 4,096, 64 tokens, at depths DEPTHS (default 0,512,4096), -ub/-b 4096, 2
-#    repetitions, every core; its peak GPU memory sampled by nvidia-smi every 250 ms.
-# 3. The project's bench at each chosen peak: prompts PROMPTS (default "512 4096", ascending), 64 new tokens, 2
-#    repeats, each policy in its own process, so that XLA's peak (a process's peak so far) is the policy's own.
+# 2. llama-bench per -ncmoe: prompts 512 and 4,096, NEW_TOKENS tokens (default 64), at depths DEPTHS (default
+#    0,512,4096), -ub/-b 4096, 2 repetitions, every core; its peak GPU memory sampled by nvidia-smi every 250 ms.
+# 3. The project's bench at each chosen peak: prompts PROMPTS (default "512 4096", ascending), NEW_TOKENS new tokens,
+#    2 repeats, each policy in its own process, so that XLA's peak (a process's peak so far) is the policy's own.
 # Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN-POLICY/ and
 # side_by_side-MODEL-TYPE.json (llama.cpp's peaks and rates per -ncmoe).
 # Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150 (per -ncmoe), OURS_LIMIT 240 (per policy).
@@ -43,7 +43,7 @@ say "GPU memory used before any run: $(nvidia-smi --query-gpu=memory.used --form
 for n in ${NCMOE:-}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$name-n$n.log" 2>/dev/null &
   sampler=$!
-  timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n 64 \
+  timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n "${NEW_TOKENS:-64}" \
     -d "${DEPTHS:-0,512,4096}" -ub 4096 -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" \
     2> "$out/llama-$name-n$n.err"
   kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
@@ -82,7 +82,7 @@ for spec in ${OURS:-}; do
     fraction=$(python3 -c "print(f'{$held / $total_mib:.6f}')")
     env ${OURS_CONTEXT_MIB:+XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction} \
       timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
-      --gpu-memory "${budget}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens 64 --repeats 2 \
+      --gpu-memory "${budget}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens "${NEW_TOKENS:-64}" --repeats 2 \
       --policies "$policy" --out "$out/bench-$name-n$n-${policy//:/_}" 2>&1 \
       | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -8 | cut -c1-220
     kill $sampler 2>/dev/null; wait $sampler 2>/dev/null

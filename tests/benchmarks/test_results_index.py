@@ -95,3 +95,21 @@ def test_readme_table_names_a_budget_given_in_mib_in_mib(tmp_path, capsys):
     assert _module().main(["--dir", str(tmp_path), "--readme"]) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| policy"))
     assert "DeepSeek-V2-Lite, uniform, 16,307 MiB |" in header
+
+
+def test_readme_table_keeps_a_run_matched_by_nvidia_smi_apart_from_a_budget_of_that_figure(tmp_path, capsys):
+    """A run held to a peer's nvidia-smi peak has a smaller budget; its column names the matched figure, apart from a
+    run whose budget was that figure."""
+    peak = {"runtime": {"gpu_memory": 24399 * 2**20, "expert_pool": None}}
+    matched = {"runtime": {"gpu_memory": 21726 * 2**20, "expert_pool": None}, "matched_gpu_mib": 24399}
+    (tmp_path / "budget.json").write_text(json.dumps(_bench(10, "fff6666", "uniform", [("pdscope", 9000.0, 80.0)],
+                                                            **peak)))
+    (tmp_path / "matched.json").write_text(json.dumps(_bench(11, "aaa7777", "uniform", [("pdscope", 8500.0, 58.0)],
+                                                             **matched)))
+    assert _module().main(["--dir", str(tmp_path), "--readme"]) == 0
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("| policy"))
+    assert "DeepSeek-V2-Lite, uniform, 24,399 MiB |" in header
+    assert "DeepSeek-V2-Lite, uniform, 24,399 MiB by nvidia-smi |" in header and "21,726" not in header
+    row = next(line for line in table.splitlines() if line.startswith("| `pdscope`"))
+    assert "9,000 / 80.0" in row and "8,500 / 58.0" in row
