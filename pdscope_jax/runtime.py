@@ -292,6 +292,19 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     return -(-n // last) * last
 
 
+PREFILL_ROUND = 128  # a step capped at the KV cache's length is padded to a multiple of this
+
+
+def prefill_rows(n: int, rc: RuntimeConfig, sequences: int | None = None) -> int:
+    """Rows a prefill step of `n` tokens (the rows of `sequences` sequences together; None: max_batch) is padded to:
+    the smallest prefill bucket >= n, but never past what their KV cache can hold, sequences x max_seq_len rounded
+    up to PREFILL_ROUND (and never below n). So the largest step the budget reserves activations for is the cache's
+    length, not the next bucket: at max_seq_len 4,160 (a 4,096-token prompt and 64 new tokens) 4,224 rows, not
+    8,192."""
+    cap = -(-(sequences or rc.max_batch) * rc.max_seq_len // PREFILL_ROUND) * PREFILL_ROUND
+    return min(bucket(n, rc.prefill_buckets), max(n, cap))
+
+
 COMPILE_CACHE_ENV = "PDSCOPE_JAX_COMPILE_CACHE"  # 0/off/false/no: no cache; 1/on/unset: the default; else a path
 COMPILE_CACHE_MAX_BYTES = 8 * 2**30  # least recently used programs go beyond this (jax's LRU cache, via filelock)
 _OFF, _ON = {"0", "off", "false", "no"}, {"", "1", "on", "true", "yes"}

@@ -12,7 +12,7 @@ program's temporaries for the next. Results are kept per (config, shapes, backen
 build many engines of one model, and, where JAX's persistent compilation cache is on, in its folder
 (`activations/`, one JSON file per key; the key also holds jax's version, the device kind, XLA_FLAGS and
 `artifacts.provenance.source_digest()`), so a warm start neither traces nor loads these programs again.
-The largest step is `store.budget.largest_step`, padded to its prefill bucket.
+The largest step is `store.budget.largest_step`, padded as prefill pads it (`runtime.prefill_rows`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pdscope_jax.artifacts.integrity import atomic_write_json
 from pdscope_jax.engine.programs import LOGIT_ROWS, build_programs, program_pieces
 from pdscope_jax.engine.route import DENSE_MAX_ROWS
 from pdscope_jax.quant.formats import QuantizedWeight, scheme, shapes as quant_shapes
-from pdscope_jax.runtime import RuntimeConfig, bucket
+from pdscope_jax.runtime import RuntimeConfig, prefill_rows
 from pdscope_jax.store.budget import largest_step
 
 MARGIN = 1.25  # for the allocator's fragmentation and the small arrays the engine keeps between programs
@@ -48,7 +48,7 @@ class Measured:
 
 def measure_activations(cfg, rc: RuntimeConfig, abstract, kv_cache, expert_dtype, cache_dtype) -> Measured | None:
     b, tq = largest_step(rc)
-    n_pad = bucket(b * tq, rc.prefill_buckets)
+    n_pad = prefill_rows(b * tq, rc)
     key = (cfg, b, tq, n_pad, tuple(a.shape for a in jax.tree.leaves(kv_cache)), np.dtype(expert_dtype).name,
            np.dtype(cache_dtype).name, jax.default_backend())
     if key not in _RESULTS:

@@ -30,7 +30,7 @@ import numpy as np
 from pdscope_jax.engine.calibration import CpuCalibration
 from pdscope_jax.engine.route import Routed, Router
 from pdscope_jax.engine.stats import LayerTiming, prediction_hits
-from pdscope_jax.runtime import allocator_peak, bucket
+from pdscope_jax.runtime import allocator_peak, bucket, prefill_rows
 from pdscope_jax.sched import LayerDemand, Plan, check_plan
 from pdscope_jax.sched.across import balance
 from pdscope_jax.sched.precision import relative_peaks
@@ -53,7 +53,7 @@ class HostLoop:
         e = self.engine
         start = time.perf_counter()
         n = valid.size
-        n_pad = bucket(n, e.runtime.decode_buckets if phase == "decode" else e.runtime.prefill_buckets)
+        n_pad = bucket(n, e.runtime.decode_buckets) if phase == "decode" else prefill_rows(n, e.runtime)
         self.step_shapes.add((*ids.shape, n_pad))
         self.predicted.clear()  # a step that raised may have left some
         valid_pad = np.zeros(n_pad, bool)

@@ -54,7 +54,8 @@ from pdscope_jax.generation.generator import (CACHE_BUCKET, CHUNK_COMPILER_OPTIO
                                                check_request, sampling_params)
 from pdscope_jax.generation.sampling import SamplingState
 from pdscope_jax.parallel.mesh import split_size
-from pdscope_jax.runtime import Devices, RuntimeConfig, RuntimeConfigError, bucket, select_accelerators, select_devices
+from pdscope_jax.runtime import (Devices, RuntimeConfig, RuntimeConfigError, prefill_rows, select_accelerators,
+                                 select_devices)
 from pdscope_jax.sched import (CostTable, ObservingPlanner, activation_counts, load_cost_table, make_planner,
                                planner_class)
 from pdscope_jax.sched.precision import LOW, loads_low, quality_problems, rule_for
@@ -62,7 +63,6 @@ from pdscope_jax.store.budget import BudgetError
 
 __all__ = ["OffloadRunner", "analytic_costs"]
 WARMUP_TOKENS = 2  # a warm-up's generation: the prefill's token and one decode step (every step's programs)
-
 
 
 class OffloadRunner:
@@ -464,7 +464,7 @@ class OffloadRunner:
             chunk = rc.prefill_chunk
             t_pad = round_up(prompt_len, chunk)
         else:
-            t_pad = chunk = bucket(prompt_len, rc.prefill_buckets)
+            t_pad = chunk = prefill_rows(prompt_len, rc, sequences=1)
         return t_pad, chunk, round_up(max(t_pad, prompt_len + new_tokens), CACHE_BUCKET)
 
     def _start(self, ids: np.ndarray, max_new_tokens: int, cache_tokens: int | None = None):

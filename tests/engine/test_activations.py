@@ -47,6 +47,24 @@ def test_measured_figure_is_the_largest_program_and_under_the_formula(name, max_
     assert _measure(name, max_seq_len=max_seq_len)[2] is measured  # compiled once per shapes in a process
 
 
+def test_the_largest_step_pads_to_the_cache_length_not_the_next_bucket():
+    """A step is padded to its bucket, capped at the rows the KV cache can hold (rounded up to PREFILL_ROUND): a
+    4,096-token prompt with 64 new tokens reserves activations for 4,224 rows, not 8,192; a bucket under the cap
+    stays; a batch's cap is its sequences' lengths together."""
+    from pdscope_jax.runtime import PREFILL_ROUND, prefill_rows
+
+    assert PREFILL_ROUND == 128
+    rc = RuntimeConfig(max_seq_len=4160)
+    assert prefill_rows(4160, rc) == 4224 and prefill_rows(4097, rc) == 4224
+    assert prefill_rows(4096, rc) == 4096 and prefill_rows(100, rc) == 128
+    batch = RuntimeConfig(max_batch=4, max_seq_len=300)
+    assert prefill_rows(1200, batch) == 1280 and prefill_rows(259, batch, sequences=1) == 384
+    assert prefill_rows(300, RuntimeConfig(max_seq_len=4096)) == 512  # far under the cap: the bucket
+    small, padded = _measure("tiny-deepseek-v2-lite", max_seq_len=264)[2], _measure("tiny-deepseek-v2-lite",
+                                                                                  max_seq_len=400)[2]
+    assert small.bytes < padded.bytes  # 384 rows against 512: a bucket of 512 would measure both alike
+
+
 def test_full_size_attention_holds_its_score_matrix():
     """DeepSeek-V2-Lite at 4,096 tokens, compiled from shapes alone: the route program holds at least one float32
     score matrix (heads x T x T), and the whole figure stays below the formula's 7.7 GB."""

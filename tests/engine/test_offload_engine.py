@@ -261,3 +261,18 @@ def test_cpu_costs_are_calibrated_in_situ_never_below_the_table(ds, factor, cali
     runner.generate(ds.ids, ds.new)
     runner.set_policy("ondemand")
     assert runner.stats["cpu_cost_scale"] == {}  # learned under another policy's load
+
+
+def test_a_prompt_past_the_last_bucket_under_the_cache_pads_to_the_cache_length():
+    """max_seq_len 264: a 259-token prompt's prefill step pads to 384 rows (the cache's length rounded up to
+    `runtime.PREFILL_ROUND`), not to the next bucket's 512, keeps the plain model's tokens, and the budget's
+    activations are measured for that step (`runtime.prefill_rows`)."""
+    from pdscope_jax.runtime import prefill_rows
+
+    ref = Reference("tiny-deepseek-v2-lite", batch=1, prompt=259, new=3)
+    runner = OffloadRunner(ref.model, RuntimeConfig(gpu_memory="1GB", expert_pool=5 * ref.cfg.expert_bytes(4),
+                                                    policy="ondemand", max_seq_len=264))
+    np.testing.assert_array_equal(runner.generate(ref.ids, ref.new).tokens, ref.tokens)
+    assert (1, 384, 384) in runner._loop.step_shapes  # (batch, padded prompt, padded rows)
+    assert max(rows for _, _, rows in runner._loop.step_shapes) == 384
+    assert prefill_rows(259, runner.runtime) == prefill_rows(264, runner.runtime) == 384
