@@ -1,8 +1,9 @@
 """The host-planned step: one forward over the layers, and per MoE layer route -> plan -> execute -> record.
 
 Contract: `HostLoop.step(ids [B, T], positions [B, T], cache, phase, valid [B*T] bool) -> (x [B, T, D], cache)`.
-Token counts are padded to buckets (`RuntimeConfig.decode_buckets` / `prefill_buckets`), so the set of compiled
-programs is bounded; padded rows route but count in no statistic. Per MoE layer (`moe_layer`, Algorithm 1):
+Token counts are padded to buckets (`RuntimeConfig.decode_buckets`; prefill's `runtime.prefill_rows`: its buckets,
+capped at the KV cache's length), so the set of compiled programs is bounded; padded rows route but count in no
+statistic. Per MoE layer (`moe_layer`, Algorithm 1):
   route    `Router.route`: attention, router, shared experts, next-layer scores; the routing to the host;
            then what it chose is counted (activation counts, the planner's observation, prefetch use, and how
            well the scores the layer before gave its planner predicted it: `stats.prediction_hits`);
