@@ -60,9 +60,9 @@ def test_the_largest_step_pads_to_the_cache_length_not_the_next_bucket():
     batch = RuntimeConfig(max_batch=4, max_seq_len=300)
     assert prefill_rows(1200, batch) == 1280 and prefill_rows(259, batch, sequences=1) == 384
     assert prefill_rows(300, RuntimeConfig(max_seq_len=4096)) == 512  # far under the cap: the bucket
-    small, padded = _measure("tiny-deepseek-v2-lite", max_seq_len=264)[2], _measure("tiny-deepseek-v2-lite",
-                                                                                  max_seq_len=400)[2]
-    assert small.bytes < padded.bytes  # 384 rows against 512: a bucket of 512 would measure both alike
+    capped = _measure("tiny-deepseek-v2-lite", max_seq_len=264)[2]  # 264 keys, 384 rows (its bucket: 512)
+    at_384 = _measure("tiny-deepseek-v2-lite", max_seq_len=264, prefill_buckets=(16, 32, 64, 128, 256, 384, 512))[2]
+    assert capped.bytes == at_384.bytes  # the same step as a bucket of 384 rows, which 512 rows would exceed
 
 
 def test_full_size_attention_holds_its_score_matrix():
