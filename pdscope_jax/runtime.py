@@ -295,13 +295,14 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 PREFILL_ROUND = 128  # a step capped at the KV cache's length is padded to a multiple of this
 
 
-def prefill_rows(n: int, rc: RuntimeConfig, sequences: int | None = None) -> int:
-    """Rows a prefill step of `n` tokens (the rows of `sequences` sequences together; None: max_batch) is padded to:
-    the smallest prefill bucket >= n, but never past what their KV cache can hold, sequences x max_seq_len rounded
-    up to PREFILL_ROUND (and never below n). So the largest step the budget reserves activations for is the cache's
+def prefill_rows(n: int, rc: RuntimeConfig, sequences: int) -> int:
+    """Rows a prefill step of `n` tokens (the rows of its `sequences` sequences together) is padded to: the smallest
+    prefill bucket >= n, but never past what their KV cache can hold, sequences x max_seq_len rounded up to
+    PREFILL_ROUND (and never below n). So the largest step the budget reserves activations for is the cache's
     length, not the next bucket: at max_seq_len 4,160 (a 4,096-token prompt and 64 new tokens) 4,224 rows, not
-    8,192."""
-    cap = -(-(sequences or rc.max_batch) * rc.max_seq_len // PREFILL_ROUND) * PREFILL_ROUND
+    8,192. The engine pads a prompt (per sequence) and each step (its rows together) by this one rule, so a step
+    is never padded past what its prompt was."""
+    cap = -(-sequences * rc.max_seq_len // PREFILL_ROUND) * PREFILL_ROUND
     return min(bucket(n, rc.prefill_buckets), max(n, cap))
 
 

@@ -48,7 +48,7 @@ class Measured:
 
 def measure_activations(cfg, rc: RuntimeConfig, abstract, kv_cache, expert_dtype, cache_dtype) -> Measured | None:
     b, tq = largest_step(rc)
-    n_pad = prefill_rows(b * tq, rc)
+    n_pad = prefill_rows(b * tq, rc, b)
     key = (cfg, b, tq, n_pad, tuple(a.shape for a in jax.tree.leaves(kv_cache)), np.dtype(expert_dtype).name,
            np.dtype(cache_dtype).name, jax.default_backend())
     if key not in _RESULTS:

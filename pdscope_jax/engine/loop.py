@@ -54,7 +54,7 @@ class HostLoop:
         e = self.engine
         start = time.perf_counter()
         n = valid.size
-        n_pad = bucket(n, e.runtime.decode_buckets) if phase == "decode" else prefill_rows(n, e.runtime)
+        n_pad = bucket(n, e.runtime.decode_buckets) if phase == "decode" else prefill_rows(n, e.runtime, ids.shape[0])
         self.step_shapes.add((*ids.shape, n_pad))
         self.predicted.clear()  # a step that raised may have left some
         valid_pad = np.zeros(n_pad, bool)

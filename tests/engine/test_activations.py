@@ -55,11 +55,11 @@ def test_the_largest_step_pads_to_the_cache_length_not_the_next_bucket():
 
     assert PREFILL_ROUND == 128
     rc = RuntimeConfig(max_seq_len=4160)
-    assert prefill_rows(4160, rc) == 4224 and prefill_rows(4097, rc) == 4224
-    assert prefill_rows(4096, rc) == 4096 and prefill_rows(100, rc) == 128
+    assert prefill_rows(4160, rc, 1) == 4224 and prefill_rows(4097, rc, 1) == 4224
+    assert prefill_rows(4096, rc, 1) == 4096 and prefill_rows(100, rc, 1) == 128
     batch = RuntimeConfig(max_batch=4, max_seq_len=300)
-    assert prefill_rows(1200, batch) == 1280 and prefill_rows(259, batch, sequences=1) == 384
-    assert prefill_rows(300, RuntimeConfig(max_seq_len=4096)) == 512  # far under the cap: the bucket
+    assert prefill_rows(1200, batch, 4) == 1280 and prefill_rows(259, batch, 1) == 384
+    assert prefill_rows(300, RuntimeConfig(max_seq_len=4096), 1) == 512  # far under the cap: the bucket
     capped = _measure("tiny-deepseek-v2-lite", max_seq_len=264)[2]  # 264 keys, 384 rows (its bucket: 512)
     at_384 = _measure("tiny-deepseek-v2-lite", max_seq_len=264, prefill_buckets=(16, 32, 64, 128, 256, 384, 512))[2]
     assert capped.bytes == at_384.bytes  # the same step as a bucket of 384 rows, which 512 rows would exceed

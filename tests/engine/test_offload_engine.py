@@ -275,4 +275,8 @@ def test_a_prompt_past_the_last_bucket_under_the_cache_pads_to_the_cache_length(
     np.testing.assert_array_equal(runner.generate(ref.ids, ref.new).tokens, ref.tokens)
     assert (1, 384, 384) in runner._loop.step_shapes  # (batch, padded prompt, padded rows)
     assert max(rows for _, _, rows in runner._loop.step_shapes) == 384
-    assert prefill_rows(259, runner.runtime) == prefill_rows(264, runner.runtime) == 384
+    assert prefill_rows(259, runner.runtime, 1) == prefill_rows(264, runner.runtime, 1) == 384
+    # a cache budgeted for two sequences: one prompt's step is still padded by its own sequence, not to 512 rows
+    pair = OffloadRunner(ref.model, runner.runtime.replace(max_batch=2))
+    np.testing.assert_array_equal(pair.generate(ref.ids, ref.new).tokens, ref.tokens)
+    assert max(rows for _, _, rows in pair._loop.step_shapes) == 384
