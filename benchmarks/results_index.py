@@ -214,9 +214,8 @@ def memory_of(d: dict) -> str:
     matched = d.get("matched_gpu_mib")
     quantize = d.get("quantize")
     card = ", H100" if "H100" in str(d.get("device", "")) else ""  # the table's card is the H200 unless named
-    return ((f"{matched:,} MiB by nvidia-smi" if matched else gb(gpu)) + (f", {gb(pool)} pool" if pool is not None
-                                                                         else "")
-            + (f", {quantize}" if quantize else "") + card)
+    size = f"{matched:,} MiB by nvidia-smi" if matched else gb(gpu)
+    return size + (f", {gb(pool)} pool" if pool is not None else "") + (f", {quantize}" if quantize else "") + card
 
 
 def headline_cells(entries: list[tuple[str, dict]], prompt_len: int) -> dict:
