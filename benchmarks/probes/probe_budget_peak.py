@@ -10,7 +10,8 @@ use, the bytes of live arrays in the accelerator's memory (what Python holds: in
 buffers of queued programs), the peak, the growth, and whether the peak is over the budget (a backend without
 allocator statistics, the CPU: the live arrays' bytes stand for both). The first entry over the budget names the
 stage that took the process past it. Also kept: the budget's parts, the live arrays on the accelerator by shape
-after the build and after the last decode, the allocator's statistics at the end, each decode bank fill's time.
+after the build and after the last decode, the allocator's statistics at the end, each decode bank fill's time,
+XLA's memory analysis of each decode program (its temporaries: what the budget's decode step reserve stands for).
 Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_budget_peak.py --gpu-memory 24399MiB --out F.json`. Random weights.
 """
@@ -115,6 +116,33 @@ def time_bank_fills() -> list[dict]:
     return fills
 
 
+def record_decode_programs(runner) -> list[dict]:
+    """XLA's memory analysis of each decode program `runner` dispatches (the one-step program and both chunk
+    programs), read once per program and step count from the same arguments (lowered and compiled again: the
+    compilation caches serve it). -> the list filled: program, steps, and the analysis' sizes in bytes."""
+    seen, records = set(), []
+
+    def wrap(name):
+        program = getattr(runner, name)
+
+        def wrapped(*args):
+            key = (name, args[0] if name != "_decode_step" else 1)
+            if key not in seen:
+                seen.add(key)
+                analysis = program.lower(*args).compile().memory_analysis()
+                if analysis is not None:
+                    records.append({"program": name, "steps": key[1], **{
+                        field: int(getattr(analysis, f"{field}_size_in_bytes"))
+                        for field in ("temp", "output", "argument", "alias", "generated_code")}})
+            return program(*args)
+
+        setattr(runner, name, wrapped)
+
+    for name in ("_decode_step", "_decode_chunk", "_decode_chunk_issued"):
+        wrap(name)
+    return records
+
+
 def live_arrays(device) -> list[dict]:
     import jax
 
@@ -157,6 +185,7 @@ def main(argv=None) -> dict:
     runner = OffloadRunner(models.abstract_model(cfg, dtype), rc, loader)
     accel = runner.devices.accel
     ledger = Ledger(runner, args.gpu_memory)
+    decode_programs = record_decode_programs(runner)
     ledger.read("built", keep=True)
     built_arrays = live_arrays(accel)
     for module, cls, name in WRAPPED:
@@ -178,7 +207,7 @@ def main(argv=None) -> dict:
         print(json.dumps(repeats[-1]), flush=True)
     stats_end = accel.memory_stats()
     over = next((e for e in ledger.entries if e["over_budget"]), None)
-    print(json.dumps({"bank_fills": fills}), flush=True)
+    print(json.dumps({"bank_fills": fills, "decode_programs": decode_programs}), flush=True)
     print(json.dumps({"budget": runner.budget.describe(), "first_over_budget": over,
                       "peak": ledger.peak, "gpu_memory": args.gpu_memory}), flush=True)
     for entry in ledger.entries:
@@ -187,7 +216,7 @@ def main(argv=None) -> dict:
     return probe_result("the allocator's peak over a bench-like run, stage by stage (random weights)",
                         argparse.Namespace(accel=accel), ledger.entries, args.out, model=args.model,
                         policy=args.policy, workload=args.workload,
-                        prompt_len=args.prompt_len, tokens=args.tokens, bank_fills=fills,
+                        prompt_len=args.prompt_len, tokens=args.tokens, bank_fills=fills, decode_programs=decode_programs,
                         budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats,
                         live_arrays_built=built_arrays, live_arrays_end=live_arrays(accel),
                         slots=runner.pool.num_slots, decode_slots=runner.decode_slots, memory_stats_end=stats_end)

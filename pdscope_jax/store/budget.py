@@ -27,6 +27,7 @@ from pdscope_jax.runtime import RuntimeConfig, format_size
 
 FILL_GROUPS_IN_FLIGHT = 2  # groups of the decode bank's fill staged at once: one written while the next crosses
 FILL_GROUP_BYTES = 128 * 2**20  # a group's most bytes: over 2 ms of the link, time enough to stage the next
+DECODE_MARGIN = 1.25  # a decode step's small carried arrays and the allocator's fragmentation
 
 
 class BudgetError(InputError):
@@ -106,12 +107,20 @@ def largest_step(rc: RuntimeConfig) -> tuple[int, int]:
     return b, rc.max_seq_len if b == 1 else min(rc.prefill_chunk, rc.max_seq_len)
 
 
-def decode_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int) -> int:
-    """Upper estimate of a decode step's live temporaries: `max_batch` rows of one token over `max_seq_len` keys."""
-    return _step_activation_bytes(cfg, rc, itemsize, rc.max_batch, 1)
+def decode_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int, kv_cache_bytes: int = 0) -> int:
+    """Upper estimate of a decode step's live temporaries: `max_batch` rows of one token over `max_seq_len` keys,
+    with the expert copies a device decode step holds (a layer's misses pulled and the next layer's copied ahead:
+    two copies per distinct pick, where the host loop gathers one per assignment), plus a second KV cache
+    (`kv_cache_bytes`), which a chunk's loop may hold beside the one it carries; times `DECODE_MARGIN`."""
+    b, k = rc.max_batch, cfg.num_experts_per_tok
+    pulled = 2 * min(b * k, cfg.num_experts)
+    return int(DECODE_MARGIN * (_step_activation_bytes(cfg, rc, itemsize, b, 1, copies=pulled) + kv_cache_bytes))
 
 
-def _step_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int, b: int, tq: int) -> int:
+def _step_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int, b: int, tq: int,
+                           copies: int | None = None) -> int:
+    """`copies`: whole expert copies the step's experts hold at once (None: one per assignment, as
+    `combine_experts` gathers them where it takes that path)."""
     n, tk = b * tq, rc.max_seq_len  # tokens in the step, keys attended
     d, f, k, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.num_experts
     heads = cfg.num_heads
@@ -122,16 +131,18 @@ def _step_activation_bytes(cfg: ModelConfig, rc: RuntimeConfig, itemsize: int, b
     router = 3 * n * e * 4
     # a gathered expert copy: its stored bytes, and a dequantized copy in the compute dtype when quantized
     copy = cfg.expert_param_count() * itemsize + (cfg.expert_bytes(itemsize) if cfg.expert_quant else 0)
-    # sorted combine: gathered rows; the tiled path pads them to whole tiles and may gather each tile's weights
+    # sorted combine: gathered rows; the tiled path (taken past GATHER_MAX_ASSIGNMENTS) pads them to whole tiles
+    # and may gather each tile's weights
     tile, tiles, batched = grouped_tiles(n * k, e + 1, cfg.expert_param_count() * itemsize)
-    tile_weights = tiles * copy if batched else 0
-    rows = max(n * k, tiles * tile)
+    tiled = n * k > GATHER_MAX_ASSIGNMENTS
+    tile_weights = tiles * copy if tiled and batched else 0
+    rows = max(n * k, tiles * tile) if tiled else n * k
     experts = rows * (d * itemsize + 2 * f * 4 + f * itemsize + 2 * d * 4)
     mlp = 3 * n * max(cfg.intermediate_size, f * max(cfg.num_shared_experts, 1)) * 4
     logits = min(n, 256) * cfg.vocab_size * 4  # logits are produced in slices of at most 256 rows
     # With few tokens, combine_experts gathers one weight copy per (token, expert) assignment.
-    gathered = min(b * k, GATHER_MAX_ASSIGNMENTS) * copy
-    return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered + tile_weights)
+    gathered = (0 if tiled else n * k) if copies is None else copies
+    return int(1.1 * (hidden + scores + keys + router + experts + mlp + logits) + gathered * copy + tile_weights)
 
 
 def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, kv_cache_bytes: int,
@@ -145,7 +156,7 @@ def plan_budget(cfg: ModelConfig, rc: RuntimeConfig, *, non_expert_bytes: int, k
     budget = Budget(total=rc.gpu_memory, non_expert=non_expert_bytes, kv_cache=kv_cache_bytes,
                     activations=activations, staging=staging, slot_bytes=slot_bytes, slots=0,
                     pool_cap=rc.expert_pool, activations_measured=measured,
-                    decode_activations=min(activations, decode_activation_bytes(cfg, rc, itemsize)))
+                    decode_activations=min(activations, decode_activation_bytes(cfg, rc, itemsize, kv_cache_bytes)))
     if budget.fixed > budget.total:
         raise BudgetError(
             f"gpu_memory {format_size(rc.gpu_memory)} cannot hold what must live on the accelerator: "

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pdscope_jax.models.layers import expert_ffn
-from pdscope_jax.store.budget import FILL_GROUP_BYTES, FILL_GROUPS_IN_FLIGHT, BudgetError, plan_budget
+from pdscope_jax.store.budget import (DECODE_MARGIN, FILL_GROUP_BYTES, FILL_GROUPS_IN_FLIGHT, BudgetError,
+                                     decode_activation_bytes, plan_budget)
 from pdscope_jax.engine import cpu_experts
 from pdscope_jax.store import expert_store
 from pdscope_jax.engine.cpu_experts import CpuExperts
@@ -62,6 +63,21 @@ def test_budget_splits_and_fails_with_numbers():
     assert uncapped.slots > b.slots and uncapped.planned <= uncapped.total
     with pytest.raises(BudgetError, match=r"non-expert weights 3\.00 GB.*budget 2\.00 GB"):
         plan_budget(cfg, rc.replace(gpu_memory="2GB"), non_expert_bytes=3 * 10**9, kv_cache_bytes=0, itemsize=2)
+
+
+def test_decode_step_reserve_counts_its_expert_copies_and_a_second_kv_cache_not_the_tiled_combine():
+    cfg, kv = preset("deepseek-v2-lite"), 129 * 10**6
+    rc = RuntimeConfig(gpu_memory="24GB", max_seq_len=4160)
+    one = decode_activation_bytes(cfg, rc, 2, kv)
+    k, expert = cfg.num_experts_per_tok, cfg.expert_bytes(2)
+    # a layer's pulled misses and the next layer's copies ahead: two copies per pick, and the second KV cache
+    assert one >= DECODE_MARGIN * (2 * k * expert + kv)
+    # but not the tiled combine's gathered tile weights (about 58 experts), which a one-token step never runs
+    assert one < DECODE_MARGIN * (2 * k * expert + kv) + 8 * expert
+    assert abs(one - decode_activation_bytes(cfg, rc, 2) - DECODE_MARGIN * kv) <= 1
+    # more rows than experts: at most a whole layer's copies twice
+    wide = decode_activation_bytes(cfg, rc.replace(max_batch=16), 2)
+    assert wide >= DECODE_MARGIN * 2 * cfg.num_experts * expert
 
 
 def test_decode_bank_takes_what_decode_leaves_of_prefills_activations_and_staging():
