@@ -7,7 +7,7 @@
 # DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
 # OURS_CONTEXT_MIB: the project's GPU memory outside XLA's allocator (CUDA context, libraries; "auto": measured by
 # jax_context_mib.py); when set, XLA's allocator is held to llama.cpp's peak less it (an error past it) and the
-# budget is that less OURS_SLACK_MIB.
+# budget is that less OURS_SLACK_MIB (a list: each next slack retried where a run ran out of memory).
 # The project's runs are sampled by nvidia-smi as llama.cpp's are (mem-ours-*.log).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
 # 2. llama-bench per -ncmoe: prompts 512 and 4,096, NEW_TOKENS tokens (default 64), at depths DEPTHS (default
@@ -74,19 +74,26 @@ for spec in ${OURS:-}; do
     limit=${OURS_LIMIT:-240}
     [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
     [ "$limit" -ge 60 ] || { say "no time left for $policy at -ncmoe $n"; continue; }
-    held=$(( mib - ${OURS_CONTEXT_MIB:-0} )); budget=$(( held - ${OURS_SLACK_MIB:-0} ))
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 \
-      > "$out/mem-ours-$name-n$n-${policy//:/_}.log" 2>/dev/null &
-    sampler=$!
-    # with OURS_CONTEXT_MIB, XLA's allocator is held to llama.cpp's peak less our CUDA context: past it, an error
-    fraction=$(python3 -c "print(f'{$held / $total_mib:.6f}')")
-    env ${OURS_CONTEXT_MIB:+XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction} \
-      timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
-      --gpu-memory "${budget}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens "${NEW_TOKENS:-64}" --repeats 2 \
-      --policies "$policy" --out "$out/bench-$name-n$n-${policy//:/_}" 2>&1 \
-      | grep -v "$noise" | grep -v "^\s*$" | grep -v "━\|───" | tail -8 | cut -c1-220
-    kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
-    say "$policy at -ncmoe $n's ${mib} MiB (budget ${budget} MiB${OURS_CONTEXT_MIB:+, XLA held to $held MiB}) done;" \
-      "nvidia-smi peak $(sort -n "$out/mem-ours-$name-n$n-${policy//:/_}.log" | tail -1) MiB"
+    held=$(( mib - ${OURS_CONTEXT_MIB:-0} ))
+    for slack in ${OURS_SLACK_MIB:-0}; do  # several: the next is tried only where the run ran out of memory
+      budget=$(( held - slack )); run="$out/bench-$name-n$n-${policy//:/_}"; rm -rf "$run"
+      nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 \
+        > "$out/mem-ours-$name-n$n-${policy//:/_}.log" 2>/dev/null &
+      sampler=$!
+      # with OURS_CONTEXT_MIB, XLA's allocator is held to llama.cpp's peak less our CUDA context: past it, an error
+      fraction=$(python3 -c "print(f'{$held / $total_mib:.6f}')")
+      env ${OURS_CONTEXT_MIB:+XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction} \
+        timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
+        --gpu-memory "${budget}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens "${NEW_TOKENS:-64}" --repeats 2 \
+        --policies "$policy" --out "$run" > "$run.log" 2>&1
+      grep -v "$noise" "$run.log" | grep -v "^\s*$" | grep -v "━\|───" | tail -8 | cut -c1-220
+      kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
+      say "$policy at -ncmoe $n's ${mib} MiB (budget ${budget} MiB${OURS_CONTEXT_MIB:+, XLA held to $held MiB}) done;" \
+        "nvidia-smi peak $(sort -n "$out/mem-ours-$name-n$n-${policy//:/_}.log" | tail -1) MiB"
+      grep -q RESOURCE_EXHAUSTED "$run.log" || break
+      say "$policy ran out of memory with a ${slack} MiB slack"
+      [ -n "${DEADLINE:-}" ] && limit=$(( DEADLINE - $(date +%s) ))
+      [ "$limit" -ge 60 ] || break
+    done
   done
 done
