@@ -91,7 +91,8 @@ for spec in ${OURS:-}; do
       say "$policy at -ncmoe $n's ${mib} MiB (budget ${budget} MiB${OURS_CONTEXT_MIB:+, XLA held to $held MiB}) done;" \
         "nvidia-smi peak $(sort -n "$out/mem-ours-$name-n$n-${policy//:/_}.log" | tail -1) MiB"
       grep -q RESOURCE_EXHAUSTED "$run.log" || break
-      say "$policy ran out of memory with a ${slack} MiB slack"
+      say "$policy ran out of memory with a ${slack} MiB slack (its log: $run.slack$slack.log)"
+      mv "$run.log" "$run.slack$slack.log"
       [ -n "${DEADLINE:-}" ] && limit=$(( DEADLINE - $(date +%s) ))
       [ "$limit" -ge 60 ] || break
     done

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pdscope_jax.engine import decode
+from pdscope_jax.engine import decode, recovery
 from pdscope_jax.errors import InputError
 from pdscope_jax.generation.batcher import Batcher
 from pdscope_jax.generation.generator import CACHE_BUCKET
@@ -91,17 +91,22 @@ class OffloadBatcher(Batcher):
         self.cache_len = -(-max_len // unit) * unit  # a multiple of chunk: no chunk runs past the end
         self.compiles = 0
         self._session = None
-        self.reset()
+        self._fresh()
 
     def reset(self) -> None:
-        """Every slot free and a fresh cache (after an error, whose donated buffers may be gone)."""
-        e = self.engine
+        """Every slot free and a fresh cache, after an error: its donated buffers may be gone and the pool's table
+        may name copies that never landed, so the engine is put back in order too (`engine.recovery`)."""
         if self._session is not None:
             try:
-                self._session.decoder.finish()  # its statistics and the pool's table back, its tokens dropped
-            except Exception:  # noqa: BLE001 (after an error the session's buffers may be gone: start afresh)
-                e.pool.close_decode_bank()
+                self._session.decoder.finish()  # its statistics back, its tokens dropped
+            except Exception:  # noqa: BLE001 (the session's buffers may be gone: recovery starts afresh)
+                pass
             self._session = None
+        recovery.after_failure(self.engine)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        e = self.engine
         self.cache = list(e._init_cache(self.max_batch, self.cache_len, e.cache_dtype))
         self.sampling = SamplingState.create(SamplingParams(), np.zeros((self.max_batch, 1), np.int32),
                                              self.config.vocab_size, e.devices.accel)
@@ -121,8 +126,10 @@ class OffloadBatcher(Batcher):
                    min(2, self.max_len - 1))
         while self.active:
             self.step()
-        self.engine.precompile_routed()
-        self.reset()
+        if self._session is not None:
+            self._close()  # no row is left to take its tokens
+        self.engine.precompile_routed()  # then the pool afresh
+        self._fresh()
 
     def _put(self, array):
         return jax.device_put(array, self.engine.devices.accel)

@@ -37,7 +37,7 @@ import jax
 import numpy as np
 
 from pdscope_jax import models
-from pdscope_jax.engine import decode, decode_trial, device_decode
+from pdscope_jax.engine import decode, decode_trial, device_decode, recovery
 from pdscope_jax.engine.build import (analytic_costs, new_store, param_dtype, place_non_experts, plan_budget,
                                       round_up, split_abstract, take_weights)
 from pdscope_jax.engine.calibration import CpuCalibration
@@ -288,18 +288,13 @@ class OffloadRunner:
         return {
             "policy": self.runtime.policy, "async_io": self.runtime.async_io, "hot_table": self.runtime.hot_table,
             "batched_gpu": self.runtime.batched_gpu, "device_decode": self.runtime.device_decode,
-            "prefill": self.phase_stats["prefill"].to_dict(),
-            "decode": self.phase_stats["decode"].to_dict(),
-            "compiled_programs": self.compiled_programs,
-            "accelerators": self.accelerators,
+            "prefill": self.phase_stats["prefill"].to_dict(), "decode": self.phase_stats["decode"].to_dict(),
+            "compiled_programs": self.compiled_programs, "accelerators": self.accelerators,
             "slots": sum(shard.pool.num_slots for shard in self.shards),
-            "decode_bank": self.runtime.decode_bank,
-            "decode_slots": self.decode_slots,
-            "decode_cpu_experts": self.runtime.decode_cpu_experts,
-            "decode_host": self._host_stats(),
+            "decode_bank": self.runtime.decode_bank, "decode_slots": self.decode_slots,
+            "decode_cpu_experts": self.runtime.decode_cpu_experts, "decode_host": self._host_stats(),
             "decode_trials": {str(b): trial.to_dict() for b, trial in sorted(self.decode_trials.items())},
-            "double_buffering": self.pool.can_double_buffer,
-            "evictions": sum(shard.pool.evictions for shard in self.shards),
+            "double_buffering": self.pool.can_double_buffer, "evictions": sum(sh.pool.evictions for sh in self.shards),
             "per_accelerator": self._per_accelerator(),
             # the in-situ CPU calibration the planners see now, per "phase rows" (absent: 1)
             "cpu_cost_scale": self._calibration.as_stats(),
@@ -307,8 +302,7 @@ class OffloadRunner:
             "host_expert_bytes": sum(shard.store.host_bytes for shard in self.shards),
             "host_low_copy_bytes": sum(shard.store.low_bytes for shard in self.shards),
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
-            "quality": self.runtime.quality,
-            "mixed_threshold": self.runtime.mixed_threshold,
+            "quality": self.runtime.quality, "mixed_threshold": self.runtime.mixed_threshold,
             "device_peak_bytes": self.device_peak_bytes,
             "within_budget": None if self.device_peak_bytes is None else self.device_peak_bytes <= self.budget.total,
         }
@@ -367,25 +361,30 @@ class OffloadRunner:
     def _steps(self, ids: np.ndarray, max_new_tokens: int, params, cache_tokens: int | None = None, executor=None,
                streamed: bool = False):
         b, t = ids.shape
-        cache, chunks = self._start(ids, max_new_tokens, cache_tokens)
-        state = SamplingState.create(params, ids, self.config.vocab_size, self.devices.accel)
-        # the first new token: sampled in the chunk that holds the prompt's last token, t - 1 (T >= 1 is checked)
-        for c0, x, cache in self._prefill(chunks, cache, t):
-            if c0 <= t - 1 < c0 + x.shape[1]:
-                first, state = self._programs["next_token"](self._graph, self._state, x, t - 1 - c0, state, 0)
-        token, first = first.token, decode.host_copy(first)  # only the token stays on the accelerator
-        yield first
-        executor = executor or decode.choose(self, b, max_new_tokens - 1)  # host-planned, or a program a step
-        decoder = executor(self, token, cache, t, state, count=max_new_tokens - 1, streamed=streamed)
-        try:
+        decoder, failed = None, False
+        try:  # a failure leaves the engine as a fresh one (`engine.recovery`) and raises as it came
+            cache, chunks = self._start(ids, max_new_tokens, cache_tokens)
+            state = SamplingState.create(params, ids, self.config.vocab_size, self.devices.accel)
+            # the first new token: sampled in the chunk that holds the prompt's last token, t - 1 (T >= 1 is checked)
+            for c0, x, cache in self._prefill(chunks, cache, t):
+                if c0 <= t - 1 < c0 + x.shape[1]:
+                    first, state = self._programs["next_token"](self._graph, self._state, x, t - 1 - c0, state, 0)
+            token, first = first.token, decode.host_copy(first)  # only the token stays on the accelerator
+            yield first
+            executor = executor or decode.choose(self, b, max_new_tokens - 1)  # host-planned, or a program a step
+            decoder = executor(self, token, cache, t, state, count=max_new_tokens - 1, streamed=streamed)
             for step in range(1, max_new_tokens):
                 decoder.step(step)
                 if self.track_memory:
                     self.memory_trace.append(self.device_memory())
                 while decoder.tokens:  # the device executor's arrive two steps late; taken ones are not kept
                     yield decoder.tokens.pop(0)
-        finally:
-            tokens = decoder.finish()
+        except Exception:
+            failed = True
+            recovery.after_failure(self)
+            raise
+        finally:  # also where the caller closed the steps early
+            tokens = [] if failed or decoder is None else decoder.finish()
         yield from tokens
 
     def warmup(self, batch: int, prompt_len: int, new_tokens: int = 2) -> dict[str, int]:

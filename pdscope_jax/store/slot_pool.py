@@ -15,7 +15,8 @@ recently used, never taking a slot from a protected layer (the layer being compu
 `open_decode_bank(n)` allocates n more slots, numbered S..S+n-1, for device decode alone (the budget's
 `decode_slots`, in memory prefill's activations and staging hold); `banks` is then ((gate_up, down) of the
 pool, (gate_up, down) of the bank); `close_decode_bank()` frees it, and whoever kept experts in it forgets them
-(the host table covers the pool's S slots only).
+(the host table covers the pool's S slots only). `reallocate_if_lost()` allocates the arrays again where a failed
+program deleted them.
 An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
 copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots whose expert was
 copied from the host's int4 copy (`allocate(..., low=)`; `low_of(layer)`), until the slot is reassigned. The
@@ -167,6 +168,15 @@ class SlotPool:
             mine = np.flatnonzero(self.owner_layer == layer)
             slot_of[self.owner_expert[mine]] = mine
         self._clock = max(self._clock, int(clock))
+
+    def reallocate_if_lost(self) -> bool:
+        """Allocate gate_up and down again, zeroed, where a failed program they were donated to deleted them (the
+        table is the caller's to reset: their experts are gone) -> whether they had been deleted."""
+        if not any(a.is_deleted() for a in jax.tree.leaves((self.gate_up, self.down))):
+            return False
+        self.gate_up = self.down = None  # the deleted arrays' last references, before the new ones are allocated
+        self.gate_up, self.down = _allocate(max(self.num_slots, 1), *self._shapes, self._device)
+        return True
 
     def release(self, layer: int, experts: np.ndarray) -> None:
         """Free the slots of `experts` of `layer` (host copies always exist, so this moves nothing)."""

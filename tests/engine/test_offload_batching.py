@@ -63,3 +63,20 @@ def test_a_batch_beyond_the_budgeted_cache_is_refused_with_the_fix(runner):
         OffloadBatcher(runner.engine, max_batch=4)
     with pytest.raises(InputError, match="128 tokens"):
         OffloadBatcher(runner.engine, max_len=256)
+
+
+def test_after_a_step_that_deleted_the_pool_reset_leaves_a_batcher_that_serves(runner):
+    import jax
+
+    engine = runner.engine
+    batcher = OffloadBatcher(engine, max_batch=1, chunk=8)
+    prompt = np.arange(1, 6)
+    batcher.admit(prompt, SamplingParams(), 4)
+    batcher.step()
+    for a in jax.tree.leaves(engine.pool.banks):  # as a failed program that was given them leaves them
+        a.delete()
+    batcher.reset()  # what the serving worker does after a failed step
+    assert not any(a.is_deleted() for a in jax.tree.leaves(engine.pool.banks)) and batcher.free_slots == 1
+    batcher.admit(prompt, SamplingParams(), 3)
+    tokens = [e.token for _ in range(4) for e in batcher.step()]
+    assert tokens == runner.generate([prompt], max_new_tokens=3).tokens[0].tolist()
