@@ -12,6 +12,8 @@ allocator statistics, the CPU: the live arrays' bytes stand for both). The first
 stage that took the process past it. Also kept: the budget's parts, the live arrays on the accelerator by shape
 after the build and after the last decode, the allocator's statistics at the end, each decode bank fill's time,
 XLA's memory analysis of each decode program (its temporaries: what the budget's decode step reserve stands for).
+Under a held allocator (`XLA_PYTHON_CLIENT_MEM_FRACTION`, as the matched runs hold it) a failure is kept with the
+innermost wrapped stage that raised it and the allocator's reading there.
 Run from the repository root:
 `PYTHONPATH=. python benchmarks/probes/probe_budget_peak.py --gpu-memory 24399MiB --out F.json`. Random weights.
 """
@@ -36,6 +38,7 @@ WRAPPED = (  # (module, class or None, function): stages whose peak the ledger r
     ("pdscope_jax.engine.decode_trial", None, "trial"),
     ("pdscope_jax.store.slot_pool", "SlotPool", "open_decode_bank"),
     ("pdscope_jax.engine.decode", "DeviceDecode", "_fill_bank"),
+    ("pdscope_jax.store.expert_store", "ExpertStore", "commit_bank"),  # each group of the bank's fill
     ("pdscope_jax.engine.decode", "DeviceDecode", "_fill_pool"),
     ("pdscope_jax.engine.decode", "DeviceDecode", "_one_step"),
     ("pdscope_jax.engine.decode", "DeviceDecode", "_one_chunk"),
@@ -67,6 +70,8 @@ class Ledger:
         self.runner, self.budget, self.start = runner, budget, time.perf_counter()
         self.entries: list[dict] = []
         self.peak = 0
+        self.last: dict | None = None
+        self.raised_in: dict | None = None
 
     def read(self, stage: str, keep: bool = False) -> None:
         held = self.runner.device_memory()  # live arrays' bytes, and the allocator's bytes in use where reported
@@ -74,6 +79,7 @@ class Ledger:
         # a backend without allocator statistics (the CPU): the live arrays stand for them
         peak = allocator_peak(self.runner.devices.accel, max(self.peak, live))
         in_use = live if held["bytes_in_use"] is None else held["bytes_in_use"]
+        self.last = {"stage": stage, "bytes_in_use": in_use, "live_array_bytes": live}  # kept or not
         if peak > self.peak or keep:
             self.entries.append({"stage": stage, "seconds": round(time.perf_counter() - self.start, 4),
                                  "bytes_in_use": in_use, "live_array_bytes": live, "peak": peak,
@@ -87,9 +93,13 @@ class Ledger:
         def wrapped(*args, **kwargs):
             self.read(f"before {label}")
             try:
-                return inner(*args, **kwargs)
-            finally:
-                self.read(f"after {label}")
+                result = inner(*args, **kwargs)
+            except BaseException:
+                self.read(f"raised in {label}", keep=True)
+                self.raised_in = self.raised_in or self.last  # the innermost stage that raised
+                raise
+            self.read(f"after {label}")
+            return result
 
         setattr(owner, name, wrapped)
 
@@ -194,17 +204,22 @@ def main(argv=None) -> dict:
     runner.set_policy(args.policy, {})
     runner.reset_calibration()
     prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, args.prompt_len)).astype(np.int32)
-    ledger.read("warm-up starts", keep=True)
-    runner.warmup(1, args.prompt_len, args.tokens)
-    ledger.read("warm-up done", keep=True)
-    repeats = []
-    for i in range(args.repeats):
-        runner.reset_stats()
-        ledger.read(f"repeat {i} starts", keep=True)
-        out = runner.generate(prompt, args.tokens)
-        ledger.read(f"repeat {i} done", keep=True)
-        repeats.append({"prefill_tok_s": out.prefill_tokens_per_s, "decode_tok_s": out.decode_tokens_per_s})
-        print(json.dumps(repeats[-1]), flush=True)
+    repeats, failure = [], None
+    try:  # under a held allocator (XLA_PYTHON_CLIENT_MEM_FRACTION) a run may fail: its ledger is kept
+        ledger.read("warm-up starts", keep=True)
+        runner.warmup(1, args.prompt_len, args.tokens)
+        ledger.read("warm-up done", keep=True)
+        for i in range(args.repeats):
+            runner.reset_stats()
+            ledger.read(f"repeat {i} starts", keep=True)
+            out = runner.generate(prompt, args.tokens)
+            ledger.read(f"repeat {i} done", keep=True)
+            repeats.append({"prefill_tok_s": out.prefill_tokens_per_s, "decode_tok_s": out.decode_tokens_per_s})
+            print(json.dumps(repeats[-1]), flush=True)
+    except Exception as err:  # noqa: BLE001 (the stages read before it name where it failed)
+        failure = {"error": f"{type(err).__name__}: {err}"[:2000],
+                   "raised_in": ledger.raised_in, "last_read": ledger.last}
+        print(json.dumps({"failure": failure}), flush=True)
     stats_end = accel.memory_stats()
     over = next((e for e in ledger.entries if e["over_budget"]), None)
     print(json.dumps({"bank_fills": fills, "decode_programs": decode_programs}), flush=True)
@@ -217,7 +232,7 @@ def main(argv=None) -> dict:
                         argparse.Namespace(accel=accel), ledger.entries, args.out, model=args.model,
                         policy=args.policy, workload=args.workload,
                         prompt_len=args.prompt_len, tokens=args.tokens, bank_fills=fills, decode_programs=decode_programs,
-                        budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats,
+                        budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats, failure=failure,
                         live_arrays_built=built_arrays, live_arrays_end=live_arrays(accel),
                         slots=runner.pool.num_slots, decode_slots=runner.decode_slots, memory_stats_end=stats_end)
 
