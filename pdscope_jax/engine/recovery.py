@@ -6,10 +6,16 @@ out of memory for one, may leave them deleted), then re-applies the policy (`Off
 table is forgotten, since a slot reserved for a copy that never landed would read as resident, the policy's resident
 experts are written again and the statistics start afresh. The experts' host copies are never touched, so only the
 pool's contents are lost. -> whether any pool array had been deleted. It never raises for what it finds; what it
-cannot allocate again raises as the failure itself did.
+cannot allocate again raises as the failure itself did. `recovers` wraps an engine method so that it calls
+`after_failure` when the method raises anything but an `InputError` (a call refused before it ran); generators
+handle it themselves (`OffloadRunner._steps`).
 """
 
 from __future__ import annotations
+
+import functools
+
+from pdscope_jax.errors import InputError
 
 
 def after_failure(engine) -> bool:
@@ -19,3 +25,16 @@ def after_failure(engine) -> bool:
         lost = shard.pool.reallocate_if_lost() or lost
     engine.set_policy(engine.runtime.policy, engine.runtime.policy_options)
     return lost
+
+
+def recovers(method):
+    @functools.wraps(method)
+    def wrapped(engine, *args, **kwargs):
+        try:
+            return method(engine, *args, **kwargs)
+        except InputError:  # refused before anything ran
+            raise
+        except Exception:
+            after_failure(engine)
+            raise
+    return wrapped

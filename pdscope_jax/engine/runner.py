@@ -298,16 +298,16 @@ class OffloadRunner:
             "per_accelerator": self._per_accelerator(),
             # the in-situ CPU calibration the planners see now, per "phase rows" (absent: 1)
             "cpu_cost_scale": self._calibration.as_stats(),
-            "budget": {name: value for name, value in self.budget.lines()},
+            "budget": dict(self.budget.lines()), "device_peak_bytes": self.device_peak_bytes,
             "host_expert_bytes": sum(shard.store.host_bytes for shard in self.shards),
             "host_low_copy_bytes": sum(shard.store.low_bytes for shard in self.shards),
             "host_bytes_per_model_byte": self.store.host_bytes_per_model_byte,
             "quality": self.runtime.quality, "mixed_threshold": self.runtime.mixed_threshold,
-            "device_peak_bytes": self.device_peak_bytes,
             "within_budget": None if self.device_peak_bytes is None else self.device_peak_bytes <= self.budget.total,
         }
 
     # ---- public API ------------------------------------------------------------------------------------
+    @recovery.recovers
     def logits(self, input_ids) -> np.ndarray:
         ids = self._check(input_ids, what="logits")
         b, t = ids.shape
@@ -320,6 +320,7 @@ class OffloadRunner:
                 out[:, c0 + lo:c0 + hi] = rows[:, lo - start:hi - start]
         return out
 
+    @recovery.recovers
     def decode_logits(self, input_ids) -> np.ndarray:
         """`logits` as decode computes them (teacher forcing): the first token prefilled, then each later one fed
         to a decode step planned on the host (`HostLoop`; counted in the decode statistics) -> float32 [B,T,V]."""

@@ -32,7 +32,8 @@ def _check_runs_as_plain(runner, ds):
     np.testing.assert_allclose(runner.logits(ds.ids), ds.logits, atol=TOL, rtol=0)
 
 
-def test_a_slot_commit_failing_in_prefill_leaves_a_working_engine(ds):
+@pytest.mark.parametrize("call", ["generate", "logits"])
+def test_a_slot_commit_failing_in_prefill_leaves_a_working_engine(ds, call):
     runner = ds.runner("ondemand", _slots(ds, "small"))
     store = runner.store
     programs = {"_commit": dict(store._commit), "_pull": dict(store._pull), "_commit_whole": store._commit_whole}
@@ -40,7 +41,7 @@ def test_a_slot_commit_failing_in_prefill_leaves_a_working_engine(ds):
         store._commit[kind] = store._pull[kind] = _failing(runner)
     store._commit_whole = _failing(runner)
     with pytest.raises(RuntimeError, match="simulated"):  # the failure itself, not a deleted array after it
-        runner.generate(ds.ids, ds.new)
+        runner.generate(ds.ids, ds.new) if call == "generate" else runner.logits(ds.ids)
     store.__dict__.update(programs)
     _check_runs_as_plain(runner, ds)
 
