@@ -26,6 +26,12 @@ workload=${WORKLOAD:-uniform}; suffix=$([ "$workload" = uniform ] || echo "-$wor
 name=$MODEL-$type$suffix; mkdir -p .peers-build
 out=${RES:-${OUT:-.}}; mkdir -p "$out"; bin=.peers-build/build/bin; G=.peers-build/$name.gguf; t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# seconds a run of ours may take now: OURS_LIMIT, cut to what is left before DEADLINE
+run_limit() {
+  local limit=${OURS_LIMIT:-240}
+  [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
+  echo "$limit"
+}
 if [ ! -f "$G" ]; then
   timeout "${EXPORT_LIMIT:-300}" python3 benchmarks/export_gguf.py --model "$MODEL" --type "$type" \
     --workload "$workload" --out "$G.part" 2>&1 | grep -v "$noise" | grep -v "GiB written" | tail -4
@@ -71,8 +77,7 @@ for spec in ${OURS:-}; do
   n=${spec%%:*}; policies=${spec#*:}; mib=${peak[$n]:-}
   [ -n "$mib" ] || { say "no llama.cpp peak for -ncmoe $n: skipped"; continue; }
   for policy in ${policies//,/ }; do
-    limit=${OURS_LIMIT:-240}
-    [ -n "${DEADLINE:-}" ] && [ $(( DEADLINE - $(date +%s) )) -lt "$limit" ] && limit=$(( DEADLINE - $(date +%s) ))
+    limit=$(run_limit)
     [ "$limit" -ge 60 ] || { say "no time left for $policy at -ncmoe $n"; continue; }
     held=$(( mib - ${OURS_CONTEXT_MIB:-0} ))
     for slack in ${OURS_SLACK_MIB:-0}; do  # several: the next is tried only where the run ran out of memory
@@ -93,7 +98,7 @@ for spec in ${OURS:-}; do
       grep -q RESOURCE_EXHAUSTED "$run.log" || break
       say "$policy ran out of memory with a ${slack} MiB slack (its log: $run.slack$slack.log)"
       mv "$run.log" "$run.slack$slack.log"
-      [ -n "${DEADLINE:-}" ] && limit=$(( DEADLINE - $(date +%s) ))
+      limit=$(run_limit)
       [ "$limit" -ge 60 ] || break
     done
   done
