@@ -11,7 +11,8 @@ buffers of queued programs), the peak, the growth, and whether the peak is over 
 allocator statistics, the CPU: the live arrays' bytes stand for both). The first entry over the budget names the
 stage that took the process past it. Also kept: the budget's parts, the live arrays on the accelerator by shape
 after the build and after the last decode, the allocator's statistics at the end, each decode bank fill's time,
-XLA's memory analysis of each decode program (its temporaries: what the budget's decode step reserve stands for).
+XLA's memory analysis of each decode program (its temporaries: what the budget's decode step reserve stands for),
+and whether each program given the pool or the decode bank donated wrote them in place (`record_donations`).
 Under a held allocator (`XLA_PYTHON_CLIENT_MEM_FRACTION`, as the matched runs hold it) a failure is kept with the
 innermost wrapped stage that raised it and the allocator's reading there.
 Run from the repository root:
@@ -153,6 +154,50 @@ def record_decode_programs(runner) -> list[dict]:
     return records
 
 
+def record_donations() -> dict:
+    """Whether each program that is given the pool or a decode bank donated writes them in place: the device
+    addresses of the arrays it was given against those it returned (`ExpertStore._committed`, the slot and bank
+    commits; `DeviceDecode._one_step` / `_one_chunk`, the decode programs). -> counts filled as they run, per
+    program: in place, and moved (a fresh buffer: the input was copied, not donated), with the first moved."""
+    import jax
+
+    from pdscope_jax.engine.decode import DeviceDecode
+    from pdscope_jax.store.expert_store import ExpertStore
+
+    counts: dict = {}
+
+    def addresses(tree) -> list[int]:
+        return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(tree)]
+
+    def tally(label: str, before: list[int], after: list[int], shapes: list) -> None:
+        entry = counts.setdefault(label, {"in_place": 0, "moved": 0, "first_moved": None})
+        moved = [str(shape) for b, a, shape in zip(before, after, shapes) if a != b]
+        entry["moved" if moved else "in_place"] += 1
+        if moved and entry["first_moved"] is None:
+            entry["first_moved"] = moved
+
+    committed = ExpertStore._committed
+
+    def commit(self, bank, staged, slots):
+        before, shapes = addresses(bank), [a.shape for a in jax.tree.leaves(bank)]
+        out = committed(self, bank, staged, slots)
+        if out is not bank:
+            tally(f"commit of {shapes[0][0]} slots", before, addresses(out), shapes)
+        return out
+
+    ExpertStore._committed = commit
+    for name in ("_one_step", "_one_chunk"):
+        def step(self, *args, _inner=getattr(DeviceDecode, name), _name=name):
+            pool = self.engine.pool
+            before, shapes = addresses(pool.banks), [a.shape for a in jax.tree.leaves(pool.banks)]
+            out = _inner(self, *args)
+            tally(f"decode {_name}", before, addresses(pool.banks), shapes)
+            return out
+
+        setattr(DeviceDecode, name, step)
+    return counts
+
+
 def live_arrays(device) -> list[dict]:
     import jax
 
@@ -180,6 +225,7 @@ def main(argv=None) -> dict:
     from pdscope_jax.workloads import routing as workloads
 
     fills = time_bank_fills()
+    donations = record_donations()
     cfg, _ = resolve(args.model)
     dtype = jnp.bfloat16
     shapes = models.abstract_state(cfg, dtype)
@@ -222,7 +268,7 @@ def main(argv=None) -> dict:
         print(json.dumps({"failure": failure}), flush=True)
     stats_end = accel.memory_stats()
     over = next((e for e in ledger.entries if e["over_budget"]), None)
-    print(json.dumps({"bank_fills": fills, "decode_programs": decode_programs}), flush=True)
+    print(json.dumps({"bank_fills": fills, "decode_programs": decode_programs, "donations": donations}), flush=True)
     print(json.dumps({"budget": runner.budget.describe(), "first_over_budget": over,
                       "peak": ledger.peak, "gpu_memory": args.gpu_memory}), flush=True)
     for entry in ledger.entries:
@@ -232,6 +278,7 @@ def main(argv=None) -> dict:
                         argparse.Namespace(accel=accel), ledger.entries, args.out, model=args.model,
                         policy=args.policy, workload=args.workload,
                         prompt_len=args.prompt_len, tokens=args.tokens, bank_fills=fills, decode_programs=decode_programs,
+                        donations=donations,
                         budget=dict(runner.budget.lines()), first_over_budget=over, repeats=repeats, failure=failure,
                         live_arrays_built=built_arrays, live_arrays_end=live_arrays(accel),
                         slots=runner.pool.num_slots, decode_slots=runner.decode_slots, memory_stats_end=stats_end)
