@@ -169,20 +169,25 @@ def record_donations() -> dict:
     def addresses(tree) -> list[int]:
         return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(tree)]
 
-    def tally(label: str, before: list[int], after: list[int], shapes: list) -> None:
+    def sharing(tree) -> list[int]:  # live arrays at each leaf's address: more than one, and it is shared
+        at = collections.Counter(a.unsafe_buffer_pointer() for a in jax.live_arrays() if not a.is_deleted()
+                                 and a.sharding.memory_kind in (None, "device"))
+        return [at[address] for address in addresses(tree)]
+
+    def tally(label: str, before: list[int], after: list[int], shapes: list, shared: list[int]) -> None:
         entry = counts.setdefault(label, {"in_place": 0, "moved": 0, "first_moved": None})
         moved = [str(shape) for b, a, shape in zip(before, after, shapes) if a != b]
         entry["moved" if moved else "in_place"] += 1
         if moved and entry["first_moved"] is None:
-            entry["first_moved"] = moved
+            entry["first_moved"] = {"shapes": moved, "arrays_at_each_address": shared}
 
     committed = ExpertStore._committed
 
     def commit(self, bank, staged, slots):
-        before, shapes = addresses(bank), [a.shape for a in jax.tree.leaves(bank)]
+        before, shapes, shared = addresses(bank), [a.shape for a in jax.tree.leaves(bank)], sharing(bank)
         out = committed(self, bank, staged, slots)
         if out is not bank:
-            tally(f"commit of {shapes[0][0]} slots", before, addresses(out), shapes)
+            tally(f"commit of {shapes[0][0]} slots", before, addresses(out), shapes, shared)
         return out
 
     ExpertStore._committed = commit
@@ -190,8 +195,9 @@ def record_donations() -> dict:
         def step(self, *args, _inner=getattr(DeviceDecode, name), _name=name):
             pool = self.engine.pool
             before, shapes = addresses(pool.banks), [a.shape for a in jax.tree.leaves(pool.banks)]
+            shared = sharing(pool.banks)
             out = _inner(self, *args)
-            tally(f"decode {_name}", before, addresses(pool.banks), shapes)
+            tally(f"decode {_name}", before, addresses(pool.banks), shapes, shared)
             return out
 
         setattr(DeviceDecode, name, step)
