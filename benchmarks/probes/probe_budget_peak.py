@@ -183,11 +183,29 @@ def record_donations() -> dict:
 
     committed = ExpertStore._committed
 
+    def abstract(tree):
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                            tree)
+
     def commit(self, bank, staged, slots):
         before, shapes, shared = addresses(bank), [a.shape for a in jax.tree.leaves(bank)], sharing(bank)
-        out = committed(self, bank, staged, slots)
+        calls, originals = [], dict(self._commit)
+        for kind, program in originals.items():  # each program's arguments, for XLA's aliasing below
+            def remembered(*args, _program=program):
+                calls.append((_program, abstract(args)))
+                return _program(*args)
+            self._commit[kind] = remembered
+        try:
+            out = committed(self, bank, staged, slots)
+        finally:
+            self._commit.update(originals)
         if out is not bank:
-            tally(f"commit of {shapes[0][0]} slots", before, addresses(out), shapes, shared)
+            label = f"commit of {shapes[0][0]} slots"
+            tally(label, before, addresses(out), shapes, shared)
+            entry = counts[label]
+            if entry["moved"] == 1 and entry["first_moved"] and calls and "xla_alias_bytes" not in entry:
+                analysis = calls[0][0].lower(*calls[0][1]).compile().memory_analysis()
+                entry["xla_alias_bytes"] = None if analysis is None else int(analysis.alias_size_in_bytes)
         return out
 
     ExpertStore._committed = commit
