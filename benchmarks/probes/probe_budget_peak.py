@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import gc
 import json
 import time
 from pathlib import Path
@@ -169,10 +170,19 @@ def record_donations() -> dict:
     def addresses(tree) -> list[int]:
         return [a.unsafe_buffer_pointer() for a in jax.tree.leaves(tree)]
 
-    def sharing(tree) -> list[int]:  # live arrays at each leaf's address: more than one, and it is shared
-        at = collections.Counter(a.unsafe_buffer_pointer() for a in jax.live_arrays() if not a.is_deleted()
-                                 and a.sharding.memory_kind in (None, "device"))
-        return [at[address] for address in addresses(tree)]
+    def sharing(tree) -> list:  # live arrays at each leaf's address; more than one: who holds the others
+        leaves = jax.tree.leaves(tree)
+        at = collections.defaultdict(list)
+        for a in jax.live_arrays():
+            if not a.is_deleted() and a.sharding.memory_kind in (None, "device"):
+                at[a.unsafe_buffer_pointer()].append(a)
+        out = []
+        for leaf in leaves:
+            others = [a for a in at[leaf.unsafe_buffer_pointer()] if a is not leaf]
+            out.append(len(others) + 1 if not others else {
+                "arrays": len(others) + 1, "others_committed": [a.committed for a in others],
+                "held_by": sorted({type(r).__name__ for a in others for r in gc.get_referrers(a)})[:10]})
+        return out
 
     def tally(label: str, before: list[int], after: list[int], shapes: list, shared: list[int]) -> None:
         entry = counts.setdefault(label, {"in_place": 0, "moved": 0, "first_moved": None})
