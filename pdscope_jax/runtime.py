@@ -122,6 +122,8 @@ class RuntimeConfig:
     device_decode: bool = True  # decode as one accelerator program per step where the policy allows it
     # (engine.device_decode; with async_io and batched_gpu on); False: the host plans every layer
     decode_bank: bool = True  # device decode adds slots in the memory prefill's activations and staging hold
+    decode_bank_pieces: bool = False  # the decode bank as arrays of one layer's experts each (the shape of
+    # prefill's staged stacks, whose freed memory they fit where the allocator is held and fragmented); False: one
     activation_memory: str = "measured"  # "measured": XLA's buffer assignment for the largest prefill step's
     # programs (engine.activations); "estimated": the formula of store.budget.activation_bytes (an upper bound)
     decode_cpu_experts: str = "auto"  # device decode computes part of a layer's misses on the host's CPU while
@@ -190,6 +192,8 @@ class RuntimeConfig:
             set_("decode_trial", int(self.decode_trial))
         if self.activation_memory not in ("measured", "estimated"):
             problems.append(f"activation_memory: expected 'measured' or 'estimated', got {self.activation_memory!r}")
+        if not isinstance(self.decode_bank_pieces, bool):
+            problems.append(f"decode_bank_pieces: expected True or False, got {self.decode_bank_pieces!r}")
         if self.decode_zero_copy not in (None, True, False):
             problems.append(f"decode_zero_copy: expected None (auto), True or False, got {self.decode_zero_copy!r}")
         if self.decode_cpu_experts not in ("auto", "xla", "off"):

@@ -7,6 +7,7 @@ Contract
   `device_decode`, `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`,
   `decode_zero_copy`, `decode_copies_ahead`, `decode_chunk`, `decode_trial`, `quality`, `mixed_threshold`. A label
   is a policy NAME with suffixes (`split_label`): `:host` (`device_decode` off), `:nobank` (`decode_bank` off),
+  `:bankpieces` (`decode_bank_pieces` on),
   `:cpu` / `:nocpu` (`decode_cpu_experts` "auto" / "off"), `:copy=F` (`decode_copy_share` F), `:progcopy`
   (`decode_bridge_copies` off), `:zerocopy` / `:nozerocopy` (`decode_zero_copy` on / off; else auto), `:ahead`
   (`decode_copies_ahead` on), `:notrial` (`decode_trial` 0: no timing of both decode executors at warm-up),
@@ -36,6 +37,7 @@ from pdscope_jax.sched import PLAIN, planner_class
 
 HOST_DECODE = ":host"  # a policy name's suffix: RuntimeConfig.device_decode off
 NO_BANK = ":nobank"  # a policy name's suffix: RuntimeConfig.decode_bank off (decode in the pool alone)
+BANK_PIECES = ":bankpieces"  # a policy name's suffix: RuntimeConfig.decode_bank_pieces on (the bank in layer pieces)
 NO_CPU = ":nocpu"  # a policy name's suffix: RuntimeConfig.decode_cpu_experts off (device decode copies every miss)
 WITH_CPU = ":cpu"  # a policy name's suffix: decode_cpu_experts "auto" (the host computes part, through the bridge)
 COPY_SHARE = ":copy="  # a policy name's suffix with a number: RuntimeConfig.decode_copy_share
@@ -47,7 +49,8 @@ NO_TRIAL = ":notrial"  # a policy name's suffix: RuntimeConfig.decode_trial 0 (t
 QUALITY = ":quality="  # a policy name's suffix with a quality (int8, mixed, int4): RuntimeConfig.quality
 CHUNK = ":chunk="  # a policy name's suffix with a step count: RuntimeConfig.decode_chunk
 QUALITIES = ("int8", "mixed", "int4")  # sched.precision.QUALITIES (here: `--help` stays without numpy)
-SUFFIXES = (HOST_DECODE, NO_BANK, NO_CPU, WITH_CPU, PROGRAM_COPIES, ZERO_COPY, NO_ZERO_COPY, AHEAD, NO_TRIAL)
+SUFFIXES = (HOST_DECODE, NO_BANK, BANK_PIECES, NO_CPU, WITH_CPU, PROGRAM_COPIES, ZERO_COPY, NO_ZERO_COPY, AHEAD,
+            NO_TRIAL)
 
 
 def split_label(label: str) -> tuple[str, dict]:
@@ -60,6 +63,8 @@ def split_label(label: str) -> tuple[str, dict]:
             switches["device_decode"] = False
         elif f":{part}" == NO_BANK:
             switches["decode_bank"] = False
+        elif f":{part}" == BANK_PIECES:
+            switches["decode_bank_pieces"] = True
         elif f":{part}" == NO_CPU:
             switches["decode_cpu_experts"] = "off"
         elif f":{part}" == WITH_CPU:
@@ -149,7 +154,7 @@ def engine_switches(run: dict, hot_table) -> dict:
     """The engine switches of a run (`OffloadRunner.set_policy`'s keyword arguments)."""
     return {"hot_table": hot_table if run["hot"] else None, "async_io": run["async_io"],
             "batched_gpu": run["batched_gpu"], "device_decode": run["device_decode"],
-            "decode_bank": run["decode_bank"],
+            "decode_bank": run["decode_bank"], "decode_bank_pieces": run.get("decode_bank_pieces", False),
             "decode_cpu_experts": run.get("decode_cpu_experts") or default_setting("decode_cpu_experts"),
             "decode_copy_share": run.get("decode_copy_share"),
             "decode_bridge_copies": run.get("decode_bridge_copies", True),

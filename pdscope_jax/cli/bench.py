@@ -22,8 +22,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from pdscope_jax.bench.runs import (CHUNK, COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES, QUALITY,
-                                    SUFFIXES, WITH_CPU, ZERO_COPY, split_label)
+from pdscope_jax.bench.runs import (BANK_PIECES, CHUNK, COPY_SHARE, HOST_DECODE, NO_BANK, NO_CPU, PROGRAM_COPIES,
+                                    QUALITY, SUFFIXES, WITH_CPU, ZERO_COPY, split_label)
 from pdscope_jax.cli.options import add_quality, add_quantize
 from pdscope_jax.sched import COMPARED, PLAIN, POLICIES
 
@@ -47,7 +47,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", nargs="+", default=[*COMPARED, PLAIN], metavar="POLICY",
                    help=f"policy names (below), each also as NAME{HOST_DECODE} (decode planned by the host layer "
                         f"by layer, never as one accelerator program per step), NAME{NO_BANK} (device decode in "
-                        f"the slot pool alone, without the decode bank), NAME{WITH_CPU} (device decode has the "
+                        f"the slot pool alone, without the decode bank), NAME{BANK_PIECES} (the decode bank as "
+                        f"arrays of a layer's experts each), NAME{WITH_CPU} (device decode has the "
                         f"host's CPU compute part of the misses through the CUDA bridge, the default), NAME{NO_CPU} "
                         f"(it copies every miss), NAME{COPY_SHARE}F (the share of misses copied), "
                         f"NAME{PROGRAM_COPIES} (the decode program copies its misses itself, not the bridge's "

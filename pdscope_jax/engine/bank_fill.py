@@ -1,12 +1,13 @@
 """The decode bank's fill, with its staged copies bounded by what the budget reserves for them.
 
-Contract: `fill(store, bank, writes, group, in_flight=FILL_GROUPS_IN_FLIGHT)` -> the bank (gate_up, down) after
-`writes` [(layer, experts [n], rows [n])]: each layer's experts cut into groups of at most `group`, each group's own
-arrays staged (`ExpertStore.stage`, never a whole stack) and written into its rows (`ExpertStore.commit_bank`), the
-bytes counted as moved. At most `in_flight` groups' staged copies are alive at once: a group is staged only once
-the write of the group `in_flight` before it is done, so the device memory the fill needs beside the bank is the
-budget's `decode_fill_staging` (`store.budget`), while the next group's copy crosses the link as one is written,
-which keeps the link busy.
+Contract: `fill(store, pieces, writes, group, in_flight=FILL_GROUPS_IN_FLIGHT)` -> the bank's pieces after `writes`
+[(layer, experts [n], rows [n])], rows numbered over the pieces ((gate_up, down) each, `SlotPool.banks` after the
+pool) one after the other: each layer's experts cut into groups of at most `group` within one piece, each group's
+own arrays staged (`ExpertStore.stage`, never a whole stack) and written into its rows of its piece
+(`ExpertStore.commit_bank`), the bytes counted as moved. At most `in_flight` groups' staged copies are alive at
+once: a group is staged only once the write of the group `in_flight` before it is done, so the device memory the
+fill needs beside the bank is the budget's `decode_fill_staging` (`store.budget`), while the next group's copy
+crosses the link as one is written, which keeps the link busy.
 """
 
 from __future__ import annotations
@@ -19,22 +20,36 @@ import numpy as np
 from pdscope_jax.store.budget import FILL_GROUPS_IN_FLIGHT
 
 
-def fill(store, bank: tuple, writes, group: int, in_flight: int = FILL_GROUPS_IN_FLIGHT) -> tuple:
-    size = max(group, 1)
-    groups = iter([(layer, np.asarray(experts, np.int64)[i:i + size], np.asarray(rows)[i:i + size])
-                   for layer, experts, rows in writes for i in range(0, len(experts), size)])
+def fill(store, pieces: tuple, writes, group: int, in_flight: int = FILL_GROUPS_IN_FLIGHT) -> tuple:
+    pieces = list(pieces)
+    starts = np.cumsum([0] + [jax.tree.leaves(piece)[0].shape[0] for piece in pieces])
+    groups = iter(_groups(writes, starts, max(group, 1)))
     staged = collections.deque()
 
     def stage_next() -> None:
-        layer, experts, rows = next(groups, (None, None, None))
+        layer, piece, experts, rows = next(groups, (None, None, None, None))
         if layer is not None:
             store.count_moved(layer, experts)
-            staged.append((store.stage(layer, experts, whole=False), rows))
+            staged.append((piece, store.stage(layer, experts, whole=False), rows))
 
     for _ in range(in_flight):
         stage_next()
     while staged:
-        bank = store.commit_bank(bank, *staged.popleft())
-        jax.block_until_ready(bank)  # its staged copies are freed: the next group may take their place
+        piece, copies, rows = staged.popleft()
+        pieces[piece] = store.commit_bank(pieces[piece], copies, rows)
+        jax.block_until_ready(pieces[piece])  # its staged copies are freed: the next group may take their place
         stage_next()
-    return bank
+    return tuple(pieces)
+
+
+def _groups(writes, starts: np.ndarray, size: int) -> list[tuple]:
+    """(layer, piece, experts, rows in the piece) of at most `size` experts each, a layer's in the order given."""
+    out = []
+    for layer, experts, rows in writes:
+        experts, rows = np.asarray(experts, np.int64), np.asarray(rows, np.int64)
+        piece_of = np.searchsorted(starts, rows, side="right") - 1
+        for piece in dict.fromkeys(piece_of.tolist()):  # the pieces in the order the layer's rows reach them
+            mine = piece_of == piece
+            kept, local = experts[mine], rows[mine] - starts[piece]
+            out += [(layer, piece, kept[i:i + size], local[i:i + size]) for i in range(0, kept.size, size)]
+    return out

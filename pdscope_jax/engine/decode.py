@@ -146,7 +146,7 @@ class DeviceDecode:
         stats.handoff_seconds += time.perf_counter() - waited
         accel, b = e.devices.accel, token.shape[0]
         moe = e._moe_layers
-        e.pool.open_decode_bank(e.decode_slots)
+        e.pool.open_decode_bank(e.decode_slots, e.runtime.decode_bank_pieces)
         self.host = e.decode_host(b)
         self.start = time.perf_counter()  # decode's time from here: the bank's fill, then the steps
         if self.host is not None and self.host.every_resident:
@@ -192,12 +192,12 @@ class DeviceDecode:
         lead = e.shards[0]
         rank = np.stack([np.argsort(-e.routed_counts(lead, layer), kind="stable") for layer in e._moe_layers])
         pairs = pool_table.bank_fill(pool, e._moe_layers, rank, pool.decode_slots)
-        moved_before, (pooled, bank) = e.store.bytes_moved, pool.banks
+        moved_before, (pooled, *bank) = e.store.bytes_moved, pool.banks
         writes = []
         for m, layer in enumerate(e._moe_layers):
             rows = [row for row, (position, _) in enumerate(pairs) if position == m]
             writes.append((layer, [pairs[row][1] for row in rows], rows))
-        pool.banks = (pooled, bank_fill.fill(e.store, bank, writes, e.budget.decode_fill_group))
+        pool.banks = (pooled, *bank_fill.fill(e.store, tuple(bank), writes, e.budget.decode_fill_group))
         stats = e.phase_stats["decode"]
         stats.experts_placed += len(pairs)
         stats.bytes_moved += e.store.bytes_moved - moved_before

@@ -152,15 +152,15 @@ class OffloadRunner:
         """Switch to another planner: empties the slot pool (host copies stay, so this moves nothing), preloads
         what the new policy keeps resident and resets the statistics. The pool itself is not reallocated.
         `engine` may change the RuntimeConfig fields `hot_table`, `async_io`, `batched_gpu`, `device_decode`,
-        `decode_bank`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`, `decode_zero_copy`,
-        `decode_copies_ahead`, `decode_chunk`, `decode_trial`, `quality` and `mixed_threshold` at the same time (a
-        quality that loads int4 copies only where the store keeps them: RuntimeConfigError otherwise); a different
-        policy also forgets the CPU calibration (learned under another's load).
+        `decode_bank`, `decode_bank_pieces`, `decode_cpu_experts`, `decode_copy_share`, `decode_bridge_copies`,
+        `decode_zero_copy`, `decode_copies_ahead`, `decode_chunk`, `decode_trial`, `quality` and `mixed_threshold`
+        at the same time (a quality that loads int4 copies only where the store keeps them: RuntimeConfigError
+        otherwise); a different policy also forgets the CPU calibration (learned under another's load).
         Planners with hot slots (`Capabilities.hot_slots`) get the hot table's `activation_counts` and, unless
         given, `hot_per_layer` = their hot slots split evenly over the MoE layers."""
-        unknown = set(engine) - {"hot_table", "async_io", "batched_gpu", "device_decode", "decode_bank",
-                                 "decode_cpu_experts", "decode_copy_share", "decode_bridge_copies", "decode_zero_copy",
-                                 "decode_copies_ahead", "decode_chunk", "decode_trial", "quality", "mixed_threshold"}
+        unknown = set(engine) - set("hot_table async_io batched_gpu device_decode decode_bank decode_bank_pieces "
+                                    "decode_cpu_experts decode_copy_share decode_bridge_copies decode_zero_copy "
+                                    "decode_copies_ahead decode_chunk decode_trial quality mixed_threshold".split())
         if unknown:
             raise TypeError(f"set_policy: unknown engine options {sorted(unknown)}")
         self._check_policy(policy)
@@ -422,9 +422,8 @@ class OffloadRunner:
         return (batch, *self._geometry(batch, prompt_len, new_tokens))
 
     def precompile_routed(self) -> None:
-        """For the step shapes run so far: compile what routing decides whether a run needs (CPU expert row
-        buckets, the layer combinations, the slot commits, the decode bank's fill), then start the pool and
-        statistics afresh."""
+        """For the step shapes run so far: compile what routing decides whether a run needs (CPU expert row buckets,
+        the layer combinations, the slot commits, the decode bank's fill), then start pool and statistics afresh."""
         first = self._moe_layers[0]
         shapes = self._loop.step_shapes
         for shard in self.shards:
@@ -433,7 +432,8 @@ class OffloadRunner:
             precompile_slot_writes(shard.pool, shard.store, first, shard.count)
         precompile_combine(self._programs, shapes, self.devices, self.cache_dtype, self.config.hidden_size,
                            self.cpu_experts.min_rows)
-        precompile_bank_writes(self.pool, self.store, first, self.budget.decode_fill_group, self.decode_slots)
+        precompile_bank_writes(self.pool, self.store, first, self.budget.decode_fill_group, self.decode_slots,
+                               self.runtime.decode_bank_pieces)
         self.set_policy(self.runtime.policy, self.runtime.policy_options)
 
     def device_memory(self) -> dict[str, int | None]:

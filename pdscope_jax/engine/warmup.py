@@ -7,10 +7,10 @@ Contract (each runs its programs on zeros or on slots it frees again; the caller
 - `precompile_slot_writes(pool, store, layer, num_experts)`: the commits of staged copies (power-of-two sizes up
   to the one a whole layer pads to, of experts' arrays and of whole stacks) and the pull-and-commit loads (each
   count up to `FUSED_MAX`), of base copies and, where the store keeps them, of int4 copies.
-- `precompile_bank_writes(pool, store, layer, group, slots)`: `store.write_bank` into a decode bank of `slots`
-  rows (opened for this when closed, closed again) for every size a count up to min(group, slots) pads to:
-  decode's bank fill writes groups of at most `group` experts (`engine.bank_fill`), whose counts follow the real
-  prompt's routing, not warm-up's.
+- `precompile_bank_writes(pool, store, layer, group, slots, pieces=False)`: `store.write_bank` into each shape of
+  piece of a decode bank of `slots` rows (`SlotPool.open_decode_bank`; opened for this when closed, closed again)
+  for every size a count up to min(group, its rows) pads to: decode's bank fill writes groups of at most `group`
+  experts (`engine.bank_fill`), whose counts follow the real prompt's routing, not warm-up's.
 """
 
 from __future__ import annotations
@@ -74,15 +74,22 @@ def precompile_slot_writes(pool: SlotPool, store: ExpertStore, layer: int, num_e
             store.write(pool, layer, experts, pool.allocate(layer, experts, low=kinds), kinds)
 
 
-def precompile_bank_writes(pool: SlotPool, store: ExpertStore, layer: int, group: int, slots: int) -> None:
+def precompile_bank_writes(pool: SlotPool, store: ExpertStore, layer: int, group: int, slots: int,
+                           pieces: bool = False) -> None:
     if slots <= 0:
         return
     opened = pool.decode_slots == 0
-    pool.open_decode_bank(slots)
-    pooled, bank = pool.banks
-    for count in _padded_counts(min(group, slots)):
-        rows = np.arange(count)
-        bank = store.write_bank(bank, layer, rows, rows)  # experts 0..n-1 into rows 0..n-1
-    pool.banks = (pooled, bank)
+    pool.open_decode_bank(slots, pieces)
+    pooled, *bank = pool.banks
+    shapes = set()
+    for i, piece in enumerate(bank):
+        rows_in_piece = jax.tree.leaves(piece[0])[0].shape[0]
+        if rows_in_piece in shapes:  # a piece of a shape already written: the same programs
+            continue
+        shapes.add(rows_in_piece)
+        for count in _padded_counts(min(group, rows_in_piece)):
+            rows = np.arange(count)
+            bank[i] = store.write_bank(bank[i], layer, rows, rows)  # experts 0..n-1 into rows 0..n-1
+    pool.banks = (pooled, *bank)
     if opened:
         pool.close_decode_bank()

@@ -12,11 +12,12 @@ recently used, never taking a slot from a protected layer (the layer being compu
   prefill, and the rest of the pool (hot or cached experts within the share) is not streamed again;
 - decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
 `set_table` replaces the whole table with one kept elsewhere (device decode keeps it on the accelerator).
-`open_decode_bank(n)` allocates n more slots, numbered S..S+n-1, for device decode alone (the budget's
-`decode_slots`, in memory prefill's activations and staging hold); `banks` is then ((gate_up, down) of the
-pool, (gate_up, down) of the bank); `close_decode_bank()` frees it, and whoever kept experts in it forgets them
-(the host table covers the pool's S slots only). `reallocate_if_lost()` allocates the arrays again where a failed
-program deleted them.
+`open_decode_bank(n, pieces=False)` allocates n more slots, numbered S..S+n-1, for device decode alone (the
+budget's `decode_slots`, in memory prefill's activations and staging hold), as one array pair or, with `pieces`,
+pairs of E slots (the shape of a staged layer, whose freed memory they fit); `banks` is then ((gate_up, down) of
+the pool, (gate_up, down) of each piece); `close_decode_bank()` frees it, and whoever kept experts in it forgets
+them (the host table covers the pool's S slots only). `reallocate_if_lost()` allocates the arrays again where a
+failed program deleted them.
 An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
 copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots whose expert was
 copied from the host's int4 copy (`allocate(..., low=)`; `low_of(layer)`), until the slot is reassigned. The
@@ -46,32 +47,35 @@ class SlotPool:
         self._slot_of = {layer: np.full(num_experts, -1, np.int32) for layer in moe_layers}
         self._clock = 0
         self.evictions = 0
-        self._bank: tuple | None = None  # the decode bank's (gate_up, down), while open
+        self._bank: tuple = ()  # the decode bank's pieces, (gate_up, down) each, while open
         self._device, self._shapes = device, (d, f, dtype, quant)
 
     @property
     def banks(self) -> tuple:
-        """((gate_up, down) of the pool,) and, while the decode bank is open, (gate_up, down) of the bank."""
-        return ((self.gate_up, self.down),) + ((self._bank,) if self._bank is not None else ())
+        """((gate_up, down) of the pool,) and, while the decode bank is open, (gate_up, down) of each piece."""
+        return ((self.gate_up, self.down),) + self._bank
 
     @banks.setter
     def banks(self, banks: tuple) -> None:  # a program's donated-and-returned banks
         (self.gate_up, self.down), *rest = banks
         if rest:
-            self._bank = tuple(rest[0])
+            self._bank = tuple(tuple(piece) for piece in rest)
 
     @property
     def decode_slots(self) -> int:
-        """Slots of the open decode bank (0: closed)."""
-        return 0 if self._bank is None else jax.tree.leaves(self._bank[0])[0].shape[0]
+        """Slots of the open decode bank, its pieces together (0: closed)."""
+        return sum(jax.tree.leaves(gate_up)[0].shape[0] for gate_up, _ in self._bank)
 
-    def open_decode_bank(self, slots: int) -> None:
-        """Allocate `slots` more slots on the pool's device (no-op for 0, or when open)."""
-        if slots > 0 and self._bank is None:
-            self._bank = _allocate(slots, *self._shapes, self._device)
+    def open_decode_bank(self, slots: int, pieces: bool = False) -> None:
+        """Allocate `slots` more slots on the pool's device: one array pair, or with `pieces` pairs of E slots each
+        (a layer's experts, the last piece the rest). No-op for 0, or when open."""
+        if slots > 0 and not self._bank:
+            size = self.num_experts if pieces else slots
+            self._bank = tuple(_allocate(min(size, slots - start), *self._shapes, self._device)
+                               for start in range(0, slots, size))
 
     def close_decode_bank(self) -> None:
-        self._bank = None  # the arrays' last reference: their memory returns to the allocator
+        self._bank = ()  # the arrays' last references: their memory returns to the allocator
 
     @property
     def can_double_buffer(self) -> bool:

@@ -33,7 +33,8 @@ def test_runs_for_policies_host_decode_and_plain():
     assert [(r["device_decode"], r["decode_bank"]) for r in runs[:3]] == [(True, True), (False, True), (True, False)]
     assert engine_switches(runs[0], "t.json") == {"hot_table": "t.json", "async_io": True, "batched_gpu": True,
                                                   "device_decode": True, "decode_bank": True,
-                                                  "decode_cpu_experts": "auto", "decode_copy_share": None,
+                                                  "decode_bank_pieces": False, "decode_cpu_experts": "auto",
+                                                  "decode_copy_share": None,
                                                   "decode_bridge_copies": True, "decode_zero_copy": None,
                                                   "decode_copies_ahead": False, "decode_chunk": None,
                                                   "decode_trial": 8, "quality": None, "mixed_threshold": 1.0}
@@ -53,6 +54,8 @@ def test_suffixes_combine_and_unknown_ones_are_named():
         (True, "auto", None, False, False, None), (True, "auto", None, True, True, None),
         (True, "auto", None, False, False, True), (True, "auto", None, True, False, False)]
     assert split_label("ondemand") == ("ondemand", {})
+    assert [engine_switches(r, None)["decode_bank_pieces"] for r in plan_runs(parse_args(
+        ["--policies", "pdscope:bankpieces", "pdscope"]))] == [True, False]
     assert split_label("pdscope:chunk=32") == ("pdscope", {"decode_chunk": 32})
     for bad, named in (("pdscope:fast", "':fast'"), ("pdscope:copy=2", ":copy=F"), ("pdscope:copy=x", ":copy=F"),
                        ("pdscope:chunk=0", ":chunk=N"), ("pdscope:chunk=x", ":chunk=N"),

@@ -34,7 +34,7 @@ class RecordingStore:
 def test_every_expert_lands_in_its_row_with_two_groups_in_flight():
     store = RecordingStore()
     writes = [(0, [5, 1, 7], [0, 2, 4]), (3, [2, 6], [1, 3]), (4, [], []), (9, [4], [5])]
-    bank = bank_fill.fill(store, jnp.full(6, -1, jnp.int32), writes, group=2, in_flight=2)
+    (bank,) = bank_fill.fill(store, (jnp.full(6, -1, jnp.int32),), writes, group=2, in_flight=2)
     assert np.asarray(bank).tolist() == [50, 23, 10, 63, 70, 49]
     groups = [(0, [5, 1]), (0, [7]), (3, [2, 6]), (9, [4])]  # a layer's experts cut into groups of at most 2
     assert [e[1:] for e in store.events if e[0] == "stage"] == [(layer, list(g)) for layer, g in groups]
@@ -48,5 +48,17 @@ def test_every_expert_lands_in_its_row_with_two_groups_in_flight():
 
 def test_one_group_in_flight_writes_before_it_stages_again():
     store = RecordingStore()
-    bank_fill.fill(store, jnp.zeros(4, jnp.int32), [(1, [0, 1, 2, 3], [0, 1, 2, 3])], group=1, in_flight=1)
+    bank_fill.fill(store, (jnp.zeros(4, jnp.int32),), [(1, [0, 1, 2, 3], [0, 1, 2, 3])], group=1, in_flight=1)
     assert [kind for kind, _, _ in store.events] == ["stage", "write"] * 4 and store.most_alive == 1
+
+
+def test_rows_numbered_over_pieces_land_in_their_piece_in_groups_cut_at_its_edge():
+    """Pieces of 4 and 2 rows: rows 0-3 are the first piece's, 4-5 the second's rows 0-1; a layer whose rows
+    straddle the edge is written in groups within one piece each, every expert in its row."""
+    store = RecordingStore()
+    pieces = (jnp.full(4, -1, jnp.int32), jnp.full(2, -1, jnp.int32))
+    writes = [(0, [5, 1, 7], [2, 3, 4]), (3, [2, 6, 8], [0, 5, 1])]
+    first, second = bank_fill.fill(store, pieces, writes, group=2, in_flight=2)
+    assert np.asarray(first).tolist() == [23, 83, 50, 10] and np.asarray(second).tolist() == [70, 63]
+    written = [(layer, experts) for kind, layer, experts in store.events if kind == "write"]
+    assert written == [(0, [5, 1]), (0, [7]), (3, [2, 8]), (3, [6])]

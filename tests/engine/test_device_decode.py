@@ -145,6 +145,21 @@ def test_a_step_that_copies_nothing_fills_the_decode_bank_once_as_it_opens(ds):
     assert hits[True] > hits[False]
 
 
+def test_a_decode_bank_in_pieces_gives_the_plain_models_tokens_and_the_same_hits(ds):
+    """A bank of 10 slots beside a pool of 5, as one array and as pieces of a layer's 8 experts (8 + 2): the fill
+    writes each expert into its piece, the steps read them where they lie (the plain model's tokens), and the hits
+    and bytes moved are those of the one array."""
+    runner_type, config, slot = _host_computes_every_miss(ds)
+    decode = {}
+    for pieces in (False, True):
+        runner = runner_type(ds.model, config.replace(expert_pool=15 * slot, decode_bank_pieces=pieces))
+        assert runner.decode_slots == 10 and ds.cfg.num_experts == 8
+        np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+        decode[pieces] = {k: runner.stats["decode"][k] for k in ("hits", "experts_placed", "bytes_moved")}
+        assert runner.pool.decode_slots == 0
+    assert decode[True] == decode[False] and decode[True]["experts_placed"] == 10
+
+
 def _host_computes_every_miss(ds):
     """(runner class, config, expert bytes): `static` with a pool of 5 slots and a decode bank of 6, its misses
     computed by the host (XLA ops, the bridge's stand-in), so its steps copy nothing."""
@@ -244,6 +259,25 @@ def test_warmup_compiles_every_size_of_the_decode_banks_fill(ds, stacks, monkeyp
         store.commit(runner.pool, store.stage(layer, experts), runner.pool.allocate(layer, experts))
     assert runner.decode_slots == 6 and group == 2 and runner.compiled_programs["slot_commit"] == compiled
     assert store.whole_from(layer) == (6 if stacks else None)
+
+
+def test_warmup_compiles_the_fills_writes_into_each_shape_of_bank_piece(ds):
+    """A bank in pieces of 8 and 2 slots: after warm-up, a group of any size the fill writes into either piece
+    compiles nothing."""
+    runner_type, config, slot = _host_computes_every_miss(ds)
+    runner = runner_type(ds.model, config.replace(expert_pool=15 * slot, decode_bank_pieces=True))
+    runner.warmup(1, ds.ids.shape[1], ds.new)
+    compiled = runner.compiled_programs["slot_commit"]
+    layer, store, group = ds.cfg.moe_layers[-1], runner.store, runner.budget.decode_fill_group
+    runner.pool.open_decode_bank(runner.decode_slots, pieces=True)
+    pooled, *pieces = runner.pool.banks
+    assert [piece[0].shape[0] for piece in pieces] == [8, 2]
+    for i, piece in enumerate(pieces):
+        for n in range(1, min(group, piece[0].shape[0]) + 1):
+            pieces[i] = store.write_bank(pieces[i], layer, np.arange(n), np.arange(n))
+    runner.pool.banks = (pooled, *pieces)
+    runner.pool.close_decode_bank()
+    assert runner.compiled_programs["slot_commit"] == compiled
 
 
 @pytest.mark.parametrize("stacks", [True, False])

@@ -116,6 +116,21 @@ def test_decode_bank_opens_and_closes_beside_the_pool():
     assert len(pool.banks) == 1
 
 
+def test_decode_bank_in_pieces_of_a_layers_experts_numbers_its_slots_after_the_pool():
+    """`pieces`: pairs of E slots each, the last the rest; their slots count together, and a program's banks
+    handed back replace every piece."""
+    pool = _pool(3)
+    pool.open_decode_bank(2 * E + 1, pieces=True)
+    (gate_up, _), *pieces = pool.banks
+    assert [(gu.shape[0], dn.shape) for gu, dn in pieces] == [(E, (E, F, D)), (E, (E, F, D)), (1, (1, F, D))]
+    assert pool.decode_slots == 2 * E + 1 and pool.num_slots == 3
+    marked = tuple((gu + 1, dn) for gu, dn in pieces)
+    pool.banks = ((gate_up, pool.down), *marked)
+    assert all(float(gu[0, 0, 0]) == 1.0 for gu, _ in pool.banks[1:])
+    pool.close_decode_bank()
+    assert pool.decode_slots == 0 and len(pool.banks) == 1
+
+
 def _pool(slots, layers=(1, 2)):
     return SlotPool(slots, layers, E, D, F, jnp.float32, select_devices().accel)
 
