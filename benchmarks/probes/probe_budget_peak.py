@@ -6,13 +6,14 @@ Builds the offloaded model (`--model`, seeded random weights, `--workload`) at `
 the decode bank's opening and fill, each decode program's dispatch and its wait, the decode's end) and at every
 timeline mark of the prefill loop, it reads the allocator's bytes in use and its peak (the process's so far: it
 never goes down); it keeps an entry wherever the peak grew. Each entry: the stage, seconds since the start, bytes in
-use, the bytes of live arrays in the accelerator's memory (what Python holds: in use less these is temporaries and
-buffers of queued programs), the peak, the growth, and whether the peak is over the budget (a backend without
-allocator statistics, the CPU: the live arrays' bytes stand for both). The first entry over the budget names the
-stage that took the process past it. Also kept: the budget's parts, the live arrays on the accelerator by shape
-after the build and after the last decode, the allocator's statistics at the end, each decode bank fill's time,
-XLA's memory analysis of each decode program (its temporaries: what the budget's decode step reserve stands for),
-and whether each program given the pool or the decode bank donated wrote them in place (`record_donations`).
+use, the allocator's largest free block (where reported), the bytes of live arrays in the accelerator's memory (what
+Python holds: in use less these is temporaries and buffers of queued programs), the peak, the growth, and whether
+the peak is over the budget (a backend without allocator statistics, the CPU: the live arrays' bytes stand for both).
+The first entry over the budget names the stage that took the process past it. Also kept: the budget's parts, the
+live arrays on the accelerator by shape after the build and after the last decode, the allocator's statistics at
+the end, each decode bank fill's time, XLA's memory analysis of each decode program (its temporaries: what the
+budget's decode step reserve stands for), and whether each program given the pool or the decode bank donated wrote
+them in place (`record_donations`).
 Under a held allocator (`XLA_PYTHON_CLIENT_MEM_FRACTION`, as the matched runs hold it) a failure is kept with the
 innermost wrapped stage that raised it and the allocator's reading there.
 Run from the repository root:
@@ -81,11 +82,14 @@ class Ledger:
         # a backend without allocator statistics (the CPU): the live arrays stand for them
         peak = allocator_peak(self.runner.devices.accel, max(self.peak, live))
         in_use = live if held["bytes_in_use"] is None else held["bytes_in_use"]
-        self.last = {"stage": stage, "bytes_in_use": in_use, "live_array_bytes": live}  # kept or not
+        # the largest allocation the allocator could make now: below an array's size, it fails though bytes are free
+        largest = (self.runner.devices.accel.memory_stats() or {}).get("largest_free_block_bytes")
+        self.last = {"stage": stage, "bytes_in_use": in_use, "live_array_bytes": live,
+                     "largest_free_block": largest}  # kept or not
         if peak > self.peak or keep:
             self.entries.append({"stage": stage, "seconds": round(time.perf_counter() - self.start, 4),
-                                 "bytes_in_use": in_use, "live_array_bytes": live, "peak": peak,
-                                 "grew": peak - self.peak, "over_budget": peak > self.budget})
+                                 "bytes_in_use": in_use, "live_array_bytes": live, "largest_free_block": largest,
+                                 "peak": peak, "grew": peak - self.peak, "over_budget": peak > self.budget})
             self.peak = peak
 
     def wrap(self, owner, name: str, label: str) -> None:
@@ -159,7 +163,8 @@ def record_donations() -> dict:
     """Whether each program that is given the pool or a decode bank donated writes them in place: the device
     addresses of the arrays it was given against those it returned (`ExpertStore._committed`, the slot and bank
     commits; `DeviceDecode._one_step` / `_one_chunk`, the decode programs). -> counts filled as they run, per
-    program: in place, and moved (a fresh buffer: the input was copied, not donated), with the first moved."""
+    program: in place, and moved (other buffers: the input copied, not donated, or a failed program's outputs), with
+    the first moved."""
     import jax
 
     from pdscope_jax.engine.decode import DeviceDecode
