@@ -7,7 +7,8 @@
 # DEADLINE (epoch seconds, optional) cuts the project's runs short (each writes its points as they end).
 # OURS_CONTEXT_MIB: the project's GPU memory outside XLA's allocator (CUDA context, libraries; "auto": measured by
 # jax_context_mib.py); when set, XLA's allocator is held to llama.cpp's peak less it (an error past it) and the
-# budget is that less OURS_SLACK_MIB (a list: each next slack retried where a run ran out of memory).
+# budget is that less OURS_SLACK_MIB (a list: each next slack retried where a run ran out of memory; a policy
+# written POLICY@S1+S2 in OURS has its own list).
 # The project's runs are sampled by nvidia-smi as llama.cpp's are (mem-ours-*.log).
 # 1. The project's weights as a TYPE GGUF (export_gguf.py, cached in .peers-build/; a partial export is discarded).
 # 2. llama-bench per -ncmoe: prompts 512 and 4,096, NEW_TOKENS tokens (default 64), at depths DEPTHS (default
@@ -76,11 +77,13 @@ PY
 for spec in ${OURS:-}; do
   n=${spec%%:*}; policies=${spec#*:}; mib=${peak[$n]:-}
   [ -n "$mib" ] || { say "no llama.cpp peak for -ncmoe $n: skipped"; continue; }
-  for policy in ${policies//,/ }; do
+  for entry in ${policies//,/ }; do
+    policy=${entry%@*}; slacks=${OURS_SLACK_MIB:-0}  # POLICY@S1+S2: this policy's own slacks
+    [ "$entry" = "$policy" ] || slacks=$(echo "${entry#*@}" | tr + ' ')
     limit=$(run_limit)
     [ "$limit" -ge 60 ] || { say "no time left for $policy at -ncmoe $n"; continue; }
     held=$(( mib - ${OURS_CONTEXT_MIB:-0} ))
-    for slack in ${OURS_SLACK_MIB:-0}; do  # several: the next is tried only where the run ran out of memory
+    for slack in $slacks; do  # several: the next is tried only where the run ran out of memory
       budget=$(( held - slack )); run="$out/bench-$name-n$n-${policy//:/_}"; rm -rf "$run"
       nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 \
         > "$out/mem-ours-$name-n$n-${policy//:/_}.log" 2>/dev/null &
