@@ -160,6 +160,21 @@ def test_a_decode_bank_in_pieces_gives_the_plain_models_tokens_and_the_same_hits
     assert decode[True] == decode[False] and decode[True]["experts_placed"] == 10
 
 
+@pytest.mark.parametrize("policy", ["ondemand", "pdscope"])
+def test_steps_that_copy_into_a_bank_in_pieces_keep_the_plain_models_tokens(ds, policy):
+    """Policies whose steps copy misses into the slots write them into the bank's pieces too (each bank written
+    where the slot lies): the plain model's tokens, and the hits and bytes moved of one array."""
+    runner_type, config, slot = _host_computes_every_miss(ds)
+    placed = {}
+    for pieces in (False, True):
+        runner = runner_type(ds.model, config.replace(policy=policy, expert_pool=15 * slot, decode_bank_pieces=pieces,
+                                                      decode_cpu_experts="off", policy_options=()))
+        np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+        assert runner.stats["decode"]["device_steps"] == ds.new - 1
+        placed[pieces] = (runner.stats["decode"]["hits"], runner.stats["decode"]["bytes_moved"])
+    assert placed[True] == placed[False] and min(placed[True]) > 0
+
+
 def _host_computes_every_miss(ds):
     """(runner class, config, expert bytes): `static` with a pool of 5 slots and a decode bank of 6, its misses
     computed by the host (XLA ops, the bridge's stand-in), so its steps copy nothing."""
