@@ -14,10 +14,10 @@ recently used, never taking a slot from a protected layer (the layer being compu
 `set_table` replaces the whole table with one kept elsewhere (device decode keeps it on the accelerator).
 `open_decode_bank(n, pieces=False)` allocates n more slots, numbered S..S+n-1, for device decode alone (the
 budget's `decode_slots`, in memory prefill's activations and staging hold), as one array pair or, with `pieces`,
-pairs of E slots (the shape of a staged layer, whose freed memory they fit); `banks` is then ((gate_up, down) of
-the pool, (gate_up, down) of each piece); `close_decode_bank()` frees it, and whoever kept experts in it forgets
-them (the host table covers the pool's S slots only). `reallocate_if_lost()` allocates the arrays again where a
-failed program deleted them.
+pairs of E slots (the shape of a staged layer, whose freed memory they fit; also where the allocator has no free
+block for the one array); `banks` is then ((gate_up, down) of the pool, (gate_up, down) of each piece);
+`close_decode_bank()` frees it, and whoever kept experts in it forgets them (the host table covers the pool's S
+slots only). `reallocate_if_lost()` allocates the arrays again where a failed program deleted them.
 An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
 copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots whose expert was
 copied from the host's int4 copy (`allocate(..., low=)`; `low_of(layer)`), until the slot is reassigned. The
@@ -25,6 +25,8 @@ pool holds no host memory and moves no weights itself.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -68,8 +70,18 @@ class SlotPool:
 
     def open_decode_bank(self, slots: int, pieces: bool = False) -> None:
         """Allocate `slots` more slots on the pool's device: one array pair, or with `pieces` pairs of E slots each
-        (a layer's experts, the last piece the rest). No-op for 0, or when open."""
+        (a layer's experts, the last piece the rest); pieces too where the device's allocator says no free block
+        holds the one gate_up array (the allocation would fail; the decode programs compile for the pieces). No-op
+        for 0, or when open."""
         if slots > 0 and not self._bank:
+            largest = _largest_free(self._device)
+            leaves = jax.tree.leaves(self.gate_up)
+            whole = slots * sum(leaf.nbytes for leaf in leaves) // leaves[0].shape[0]
+            if not pieces and largest is not None and whole > largest:
+                warnings.warn(f"decode bank: no free block of the device's allocator holds its {whole / 1e9:.2f} GB "
+                              f"array (largest {largest / 1e9:.2f} GB): allocated in pieces of a layer's experts "
+                              "instead; `decode_bank_pieces=True` compiles for them from the start", stacklevel=2)
+                pieces = True
             size = self.num_experts if pieces else slots
             self._bank = tuple(_allocate(min(size, slots - start), *self._shapes, self._device)
                                for start in range(0, slots, size))
@@ -191,6 +203,12 @@ class SlotPool:
         self.last_use[slots] = 0
         self.low[slots] = False
         self._slot_of[layer][experts] = -1
+
+
+def _largest_free(device: jax.Device) -> int | None:
+    """The largest block `device`'s allocator could hand out now (None where it does not say, as on the CPU)."""
+    largest = (device.memory_stats() or {}).get("largest_free_block_bytes")
+    return None if largest is None else int(largest)
 
 
 def _allocate(slots: int, d: int, f: int, dtype, quant: str | None, device: jax.Device) -> tuple:

@@ -10,7 +10,7 @@ import pytest
 
 from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.engine import bank_slots, decode, device_decode, pool_table
-from pdscope_jax.store import expert_store
+from pdscope_jax.store import expert_store, slot_pool
 from pdscope_jax.store.slot_pool import SlotPool
 from pdscope_jax.runtime import RuntimeConfig, RuntimeConfigError, select_devices
 from pdscope_jax.sched import planner_class
@@ -158,6 +158,20 @@ def test_a_decode_bank_in_pieces_gives_the_plain_models_tokens_and_the_same_hits
         decode[pieces] = {k: runner.stats["decode"][k] for k in ("hits", "experts_placed", "bytes_moved")}
         assert runner.pool.decode_slots == 0
     assert decode[True] == decode[False] and decode[True]["experts_placed"] == 10
+
+
+def test_a_bank_no_free_block_holds_opens_in_pieces_and_decodes_the_plain_models_tokens(ds, monkeypatch):
+    """Where the allocator has no free block for the bank's one array, decode opens it in pieces (8 + 2 slots)
+    though `decode_bank_pieces` is off, warns, and still gives the plain model's tokens."""
+    runner_type, config, slot = _host_computes_every_miss(ds)
+    runner = runner_type(ds.model, config.replace(expert_pool=15 * slot))
+    monkeypatch.setattr(slot_pool, "_largest_free", lambda device: slot)
+    opened, close = [], runner.pool.close_decode_bank
+    monkeypatch.setattr(runner.pool, "close_decode_bank",
+                        lambda: opened.append(len(runner.pool.banks) - 1) or close())
+    with pytest.warns(UserWarning, match="decode_bank_pieces"):
+        np.testing.assert_array_equal(runner.generate(ds.ids, ds.new).tokens, ds.tokens)
+    assert opened[-1] == 2 and not runner.runtime.decode_bank_pieces
 
 
 @pytest.mark.parametrize("policy", ["ondemand", "pdscope"])

@@ -9,7 +9,7 @@ from pdscope_jax.models.layers import expert_ffn
 from pdscope_jax.store.budget import (DECODE_MARGIN, FILL_GROUP_BYTES, FILL_GROUPS_IN_FLIGHT, BudgetError,
                                      decode_activation_bytes, plan_budget)
 from pdscope_jax.engine import cpu_experts
-from pdscope_jax.store import expert_store
+from pdscope_jax.store import expert_store, slot_pool
 from pdscope_jax.engine.cpu_experts import CpuExperts
 from pdscope_jax.store.expert_store import ExpertStore
 from pdscope_jax.store.slot_pool import SlotPool
@@ -129,6 +129,24 @@ def test_decode_bank_in_pieces_of_a_layers_experts_numbers_its_slots_after_the_p
     assert all(float(gu[0, 0, 0]) == 1.0 for gu, _ in pool.banks[1:])
     pool.close_decode_bank()
     assert pool.decode_slots == 0 and len(pool.banks) == 1
+
+
+def test_a_bank_no_free_block_holds_is_allocated_in_pieces_and_says_so(monkeypatch):
+    """Where the device's allocator says its largest free block is smaller than the bank's gate_up array, the bank
+    is allocated in pieces of a layer's experts (with a warning naming the setting); where it is large enough, or
+    the device does not say (the CPU), in one array."""
+    pool = _pool(3)
+    gate_up_slot = D * 2 * F * 4  # float32
+    monkeypatch.setattr(slot_pool, "_largest_free", lambda device: (2 * E + 1) * gate_up_slot - 1)
+    with pytest.warns(UserWarning, match="decode_bank_pieces"):
+        pool.open_decode_bank(2 * E + 1)
+    assert [gu.shape[0] for gu, _ in pool.banks[1:]] == [E, E, 1]
+    pool.close_decode_bank()
+    for largest in ((2 * E + 1) * gate_up_slot, None):
+        monkeypatch.setattr(slot_pool, "_largest_free", lambda device, largest=largest: largest)
+        pool.open_decode_bank(2 * E + 1)
+        assert [gu.shape[0] for gu, _ in pool.banks[1:]] == [2 * E + 1]
+        pool.close_decode_bank()
 
 
 def _pool(slots, layers=(1, 2)):
