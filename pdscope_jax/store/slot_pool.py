@@ -206,9 +206,12 @@ class SlotPool:
 
 
 def _largest_free(device: jax.Device) -> int | None:
-    """The largest block `device`'s allocator could hand out now (None where it does not say, as on the CPU)."""
-    largest = (device.memory_stats() or {}).get("largest_free_block_bytes")
-    return None if largest is None else int(largest)
+    """The largest block `device`'s allocator could hand out now: its largest free block, or what it may still
+    grow by where that is more (None where it does not say both, as on the CPU)."""
+    stats = device.memory_stats() or {}
+    if not {"largest_free_block_bytes", "pool_bytes", "bytes_limit"} <= stats.keys():
+        return None
+    return max(int(stats["largest_free_block_bytes"]), int(stats["bytes_limit"]) - int(stats["pool_bytes"]))
 
 
 def _allocate(slots: int, d: int, f: int, dtype, quant: str | None, device: jax.Device) -> tuple:

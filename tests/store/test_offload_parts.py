@@ -149,6 +149,22 @@ def test_a_bank_no_free_block_holds_is_allocated_in_pieces_and_says_so(monkeypat
         pool.close_decode_bank()
 
 
+def test_the_largest_block_an_allocator_could_hand_out():
+    """Its largest free block, or what it may still grow by where more; None where the device does not say."""
+    class Device:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    held = {"largest_free_block_bytes": 5, "pool_bytes": 100, "bytes_limit": 100}
+    assert slot_pool._largest_free(Device(held)) == 5
+    assert slot_pool._largest_free(Device({**held, "bytes_limit": 120})) == 20
+    assert slot_pool._largest_free(Device(None)) is None
+    assert slot_pool._largest_free(Device({"largest_free_block_bytes": 5})) is None
+
+
 def _pool(slots, layers=(1, 2)):
     return SlotPool(slots, layers, E, D, F, jnp.float32, select_devices().accel)
 
