@@ -17,12 +17,13 @@ import collections
 import jax
 import numpy as np
 
+from pdscope_jax.engine.pool_table import slot_count
 from pdscope_jax.store.budget import FILL_GROUPS_IN_FLIGHT
 
 
 def fill(store, pieces: tuple, writes, group: int, in_flight: int = FILL_GROUPS_IN_FLIGHT) -> tuple:
     pieces = list(pieces)
-    starts = np.cumsum([0] + [jax.tree.leaves(piece)[0].shape[0] for piece in pieces])
+    starts = np.cumsum([0] + [slot_count(piece) for piece in pieces])
     groups = iter(_groups(writes, starts, max(group, 1)))
     staged = collections.deque()
 

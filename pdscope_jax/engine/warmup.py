@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from pdscope_jax.engine.cpu_experts import DENSE_MAX_ROWS, compact_sizes
+from pdscope_jax.engine.pool_table import slot_count
 from pdscope_jax.runtime import Devices
 from pdscope_jax.store.expert_store import FUSED_MAX, ExpertStore
 from pdscope_jax.store.slot_pool import SlotPool
@@ -83,7 +84,7 @@ def precompile_bank_writes(pool: SlotPool, store: ExpertStore, layer: int, group
     pooled, *bank = pool.banks
     shapes = set()
     for i, piece in enumerate(bank):
-        rows_in_piece = jax.tree.leaves(piece[0])[0].shape[0]
+        rows_in_piece = slot_count(piece[0])
         if rows_in_piece in shapes:  # a piece of a shape already written: the same programs
             continue
         shapes.add(rows_in_piece)

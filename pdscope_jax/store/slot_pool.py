@@ -74,17 +74,23 @@ class SlotPool:
         holds the one gate_up array (the allocation would fail; the decode programs compile for the pieces). No-op
         for 0, or when open."""
         if slots > 0 and not self._bank:
-            largest = _largest_free(self._device)
-            leaves = jax.tree.leaves(self.gate_up)
-            whole = slots * sum(leaf.nbytes for leaf in leaves) // leaves[0].shape[0]
-            if not pieces and largest is not None and whole > largest:
-                warnings.warn(f"decode bank: no free block of the device's allocator holds its {whole / 1e9:.2f} GB "
-                              f"array (largest {largest / 1e9:.2f} GB): allocated in pieces of a layer's experts "
-                              "instead; `decode_bank_pieces=True` compiles for them from the start", stacklevel=2)
-                pieces = True
+            pieces = pieces or not self._fits_in_one(slots)  # the allocator asked only where it matters
             size = self.num_experts if pieces else slots
             self._bank = tuple(_allocate(min(size, slots - start), *self._shapes, self._device)
                                for start in range(0, slots, size))
+
+    def _fits_in_one(self, slots: int) -> bool:
+        """Whether the allocator can hand out a bank of `slots` slots' gate_up in one block (where it does not say:
+        assumed so); where not, a warning says what follows."""
+        largest = _largest_free(self._device)
+        leaves = jax.tree.leaves(self.gate_up)
+        whole = slots * sum(leaf.nbytes for leaf in leaves) // leaves[0].shape[0]
+        if largest is None or whole <= largest:
+            return True
+        warnings.warn(f"decode bank: no free block of the device's allocator holds its {whole / 1e9:.2f} GB array "
+                      f"(largest {largest / 1e9:.2f} GB): allocated in pieces of a layer's experts instead; "
+                      "`decode_bank_pieces=True` compiles for them from the start", stacklevel=3)
+        return False
 
     def close_decode_bank(self) -> None:
         self._bank = ()  # the arrays' last references: their memory returns to the allocator
