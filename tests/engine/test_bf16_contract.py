@@ -66,7 +66,8 @@ def compare(policies, generate: bool = True) -> dict:
 
 
 def test_exact_without_excess_precision():
-    env = dict(os.environ, XLA_FLAGS="--xla_allow_excess_precision=false")
+    # joined to the suite's flags (LLVM's optimisations off: compile time) rather than replacing them
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_allow_excess_precision=false".strip())
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run([sys.executable, "-c", CHILD, here, *COMPARED], env=env, capture_output=True, text=True,
                           timeout=900)

@@ -29,6 +29,7 @@ CASES = [("gpu", "all")] + [(policy, pool) for policy in POLICIES[1:] for pool i
 # the other families: every policy once, over a pool that evicts (`gpu`: one that holds every expert)
 FAMILY_CASES = [("gpu", "all")] + [(policy, "small") for policy in POLICIES[1:]]
 OTHER_FAMILIES = ("tiny-qwen3-30b-a3b", "tiny-mixtral-8x7b", "tiny-moonlight-16b-a3b")
+FOUR_CASES = [("gpu", "all"), ("pdscope", "small"), ("ondemand", "double")]
 
 FOUR_ACCELERATORS = r"""
 import json, sys
@@ -84,10 +85,10 @@ def test_chunked_batched_prefill_over_two_accelerators():
 
 
 def test_four_accelerators_every_policy_and_every_family():
-    """Over four accelerators: every policy and pool on the main model; each other family with `pdscope` over a pool
-    that evicts (every policy of every family runs over two accelerators above: what four add is the split of each
-    layer, which is the families' alike)."""
-    cases = {MODEL: CASES, **{name: [("pdscope", "small")] for name in OTHER_FAMILIES}}
+    """Over four accelerators: on the main model a pool of every expert, one that evicts (`pdscope`) and one that
+    double-buffers (`ondemand`); each other family with `pdscope` over a pool that evicts. Every policy and pool of
+    every family runs over two accelerators above: what four add is the split of each layer, alike for all."""
+    cases = {MODEL: FOUR_CASES, **{name: [("pdscope", "small")] for name in OTHER_FAMILIES}}
     proc = subprocess.run([sys.executable, "-c", FOUR_ACCELERATORS, HERE, json.dumps(cases)], capture_output=True,
                           text=True, timeout=DEADLINE_S, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert proc.returncode == 0, proc.stderr[-3000:]
