@@ -15,13 +15,13 @@ recently used, never taking a slot from a protected layer (the layer being compu
 `open_decode_bank(n, pieces=False)` allocates n more slots, numbered S..S+n-1, for device decode alone (the
 budget's `decode_slots`, in memory prefill's activations and staging hold), as one array pair or, with `pieces`,
 pairs of E slots (the shape of a staged layer, whose freed memory they fit; also where the allocator has no free
-block for the one array); `banks` is then ((gate_up, down) of the pool, (gate_up, down) of each piece);
-`close_decode_bank()` frees it, and whoever kept experts in it forgets them (the host table covers the pool's S
-slots only). `reallocate_if_lost()` allocates the arrays again where a failed program deleted them.
-An expert counts as resident from the moment its slot is reserved (its copy staged): the engine commits the
-copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots whose expert was
-copied from the host's int4 copy (`allocate(..., low=)`; `low_of(layer)`), until the slot is reassigned. The
-pool holds no host memory and moves no weights itself.
+block for the one array, or allocating it runs out of memory); `banks` is then ((gate_up, down) of the pool,
+(gate_up, down) of each piece); `close_decode_bank()` frees it, and whoever kept experts in it forgets them (the
+host table covers the pool's S slots only). `reallocate_if_lost()` allocates the arrays again where a failed
+program deleted them. An expert counts as resident from the moment its slot is reserved (its copy staged): the
+engine commits the copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots
+whose expert was copied from the host's int4 copy (`allocate(..., low=)`; `low_of(layer)`), until the slot is
+reassigned. The pool holds no host memory and moves no weights itself.
 """
 
 from __future__ import annotations
@@ -71,13 +71,27 @@ class SlotPool:
     def open_decode_bank(self, slots: int, pieces: bool = False) -> None:
         """Allocate `slots` more slots on the pool's device: one array pair, or with `pieces` pairs of E slots each
         (a layer's experts, the last piece the rest); pieces too where the device's allocator says no free block
-        holds the one gate_up array (the allocation would fail; the decode programs compile for the pieces). No-op
-        for 0, or when open."""
+        holds the one gate_up array, or where allocating the one array runs out of memory (RESOURCE_EXHAUSTED; the
+        decode programs then compile for the pieces). Allocated before it returns. No-op for 0, or when open."""
         if slots > 0 and not self._bank:
             pieces = pieces or not self._fits_in_one(slots)  # the allocator asked only where it matters
-            size = self.num_experts if pieces else slots
-            self._bank = tuple(_allocate(min(size, slots - start), *self._shapes, self._device)
-                               for start in range(0, slots, size))
+            try:
+                self._bank = self._allocate_bank(slots, pieces)
+            except jax.errors.JaxRuntimeError as err:
+                if pieces or "RESOURCE_EXHAUSTED" not in str(err):
+                    raise
+                warnings.warn(f"decode bank: its one array could not be allocated ({str(err).splitlines()[0][:160]}):"
+                              " allocated in pieces of a layer's experts instead; `decode_bank_pieces=True` "
+                              "compiles for them from the start", stacklevel=2)
+                self._bank = self._allocate_bank(slots, True)
+
+    def _allocate_bank(self, slots: int, pieces: bool) -> tuple:
+        size = self.num_experts if pieces else slots
+        bank = tuple(_allocate(min(size, slots - start), *self._shapes, self._device)
+                     for start in range(0, slots, size))
+        # a failed allocation raises here, where the bank can still open in pieces, not in the first program
+        # that reads it (the fill's)
+        return jax.block_until_ready(bank)
 
     def _fits_in_one(self, slots: int) -> bool:
         """Whether the allocator can hand out a bank of `slots` slots' gate_up in one block (where it does not say:

@@ -149,6 +149,33 @@ def test_a_bank_no_free_block_holds_is_allocated_in_pieces_and_says_so(monkeypat
         pool.close_decode_bank()
 
 
+def test_a_bank_whose_one_array_runs_out_of_memory_opens_in_pieces_and_other_errors_are_raised(monkeypatch):
+    """Where allocating the bank's one array runs out of memory (the allocator's own figures said it would fit,
+    or said nothing), the bank opens in pieces of a layer's experts with a warning naming the setting; an error
+    that is not a lack of memory is raised as it came."""
+    pool = _pool(3)
+    allocate = slot_pool._allocate
+
+    def short_of_memory(slots, *args):
+        if slots > E:
+            raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.33GiB.")
+        return allocate(slots, *args)
+
+    monkeypatch.setattr(slot_pool, "_allocate", short_of_memory)
+    with pytest.warns(UserWarning, match="could not be allocated.*decode_bank_pieces"):
+        pool.open_decode_bank(2 * E + 1)
+    assert [gu.shape[0] for gu, _ in pool.banks[1:]] == [E, E, 1]
+    pool.close_decode_bank()
+
+    def broken(slots, *args):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(slot_pool, "_allocate", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        pool.open_decode_bank(2 * E + 1)
+    assert pool.decode_slots == 0
+
+
 def test_the_largest_block_an_allocator_could_hand_out():
     """Its largest free block, or what it may still grow by where more; None where the device does not say."""
     class Device:
