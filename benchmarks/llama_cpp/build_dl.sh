@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ON THE GPU NODE, from the project root, carrying .peers/llama.cpp.tgz, .peers/ggml-cuda-sm90.sha256
 # and one or more .peers/ggml-cuda-sm90.so.xz.part-N (prebuild_cuda.sh): each call keeps the parts it carried in
-# .peers-build/parts (ignored, so they stay while the machine is warm); the first call builds llama.cpp's CPU
+# .peers-build/parts (ignored, so they stay while the machine is warm); the first call unpacks llama.cpp's CPU side
+# from .peers/llama-cpu.tar.xz where carried with its .sha256 (prebuild_cpu.sh), else builds the CPU
 # backend in every x86 variant, the best one for this CPU chosen as it loads (GGML_CPU_ALL_VARIANTS: GGML_NATIVE
 # does not go with GGML_BACKEND_DL; `CPU_ARGS` overrides), libllama and llama-bench / llama-quantize /
 # llama-completion; once every part is there the CUDA backend is unpacked beside them, checked against
@@ -15,6 +16,11 @@ cp .peers/ggml-cuda-sm90.so.xz.part-* "$parts"/ 2>/dev/null
 grep -q "$(sha256sum .peers/llama.cpp.tgz | cut -d' ' -f1)" "$sums" \
   || { echo "llama.cpp.tgz is not the source the CUDA backend was built from: run prebuild_cuda.sh again" >&2; exit 1; }
 [ -f .peers-build/src/llama.cpp/CMakeLists.txt ] || tar xzf .peers/llama.cpp.tgz -C .peers-build/src || exit 1
+cpu=.peers/llama-cpu.tar.xz
+if [ ! -x "$bin/llama-bench" ] && [ -f "$cpu" ]; then  # prebuild_cpu.sh's build of the same source
+  sha256sum -c --quiet .peers/llama-cpu.sha256 && mkdir -p .peers-build/build && tar xJf "$cpu" -C .peers-build/build \
+    && echo "llama.cpp's CPU side unpacked from $cpu" || echo "$cpu not used: built here" >&2
+fi
 if [ ! -x "$bin/llama-bench" ]; then
   cmake -S .peers-build/src/llama.cpp -B .peers-build/build -DGGML_CUDA=OFF -DGGML_BACKEND_DL=ON \
     -DBUILD_SHARED_LIBS=ON \
