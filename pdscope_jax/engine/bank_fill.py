@@ -17,8 +17,8 @@ import collections
 import jax
 import numpy as np
 
-from pdscope_jax.engine.pool_table import slot_count
 from pdscope_jax.store.budget import FILL_GROUPS_IN_FLIGHT
+from pdscope_jax.store.slot_pool import slot_count
 
 
 def fill(store, pieces: tuple, writes, group: int, in_flight: int = FILL_GROUPS_IN_FLIGHT) -> tuple:

@@ -16,9 +16,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pdscope_jax.engine.pool_table import slot_count
 from pdscope_jax.kernels import row_copy
 from pdscope_jax.models.experts import gather_sources, slots_experts_ffn, sources_experts_ffn
+from pdscope_jax.store.slot_pool import slot_count
 
 
 def take(banks, slots):

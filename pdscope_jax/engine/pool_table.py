@@ -13,7 +13,6 @@ Contract:
   would leave empty (they copy nothing): the layers in turn, each layer's absent experts in `rank` order.
 - `download(table, pool, moe_layers)` writes the table back into the pool's host bookkeeping (residents of slots
   past the pool's, the bank's, are forgotten) -> {name in COUNTS: count since upload}.
-- `slot_count(gate_up)`: a bank's slots.
 COUNTS: experts activated, hits, evictions, misses computed by the host, experts copied a layer ahead, misses
 served by those copies, and the next layer's activated experts predicted, of how many (`HostExperts.ahead`).
 """
@@ -25,7 +24,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from pdscope_jax.store.slot_pool import SlotPool
+from pdscope_jax.store.slot_pool import SlotPool, slot_count
 
 COUNTS = ("activated", "hits", "evictions", "on_host", "copied_ahead", "used_ahead", "predicted_hits",
           "predicted_total")
@@ -92,7 +91,3 @@ def download(table: PoolTable, pool: SlotPool, moe_layers: tuple[int, ...]) -> d
     pool.evictions += counts["evictions"]
     return counts
 
-
-def slot_count(gate_up) -> int:
-    """Slots of a bank's gate_up (an array or a quantized pytree) [S, ...]."""
-    return jax.tree.leaves(gate_up)[0].shape[0]

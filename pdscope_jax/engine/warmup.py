@@ -19,10 +19,9 @@ import jax
 import numpy as np
 
 from pdscope_jax.engine.cpu_experts import DENSE_MAX_ROWS, compact_sizes
-from pdscope_jax.engine.pool_table import slot_count
 from pdscope_jax.runtime import Devices
 from pdscope_jax.store.expert_store import FUSED_MAX, ExpertStore
-from pdscope_jax.store.slot_pool import SlotPool
+from pdscope_jax.store.slot_pool import SlotPool, slot_count
 
 
 def precompile_combine(programs: dict, step_shapes, devices: Devices, dtype, hidden: int, min_rows: int) -> None:

@@ -66,7 +66,7 @@ class SlotPool:
     @property
     def decode_slots(self) -> int:
         """Slots of the open decode bank, its pieces together (0: closed)."""
-        return sum(jax.tree.leaves(gate_up)[0].shape[0] for gate_up, _ in self._bank)
+        return sum(slot_count(gate_up) for gate_up, _ in self._bank)
 
     def open_decode_bank(self, slots: int, pieces: bool = False) -> None:
         """Allocate `slots` more slots on the pool's device: one array pair, or with `pieces` pairs of E slots each
@@ -74,15 +74,16 @@ class SlotPool:
         holds the one gate_up array, or where allocating the one array runs out of memory (RESOURCE_EXHAUSTED; the
         decode programs then compile for the pieces). Allocated before it returns. No-op for 0, or when open."""
         if slots > 0 and not self._bank:
-            pieces = pieces or not self._fits_in_one(slots)  # the allocator asked only where it matters
+            unfit = None if pieces else self._why_not_in_one(slots)  # the allocator asked only where it matters
+            if unfit:
+                _warn_pieces(unfit)
+            pieces = pieces or unfit is not None
             try:
                 self._bank = self._allocate_bank(slots, pieces)
             except jax.errors.JaxRuntimeError as err:
                 if pieces or "RESOURCE_EXHAUSTED" not in str(err):
                     raise
-                warnings.warn(f"decode bank: its one array could not be allocated ({str(err).splitlines()[0][:160]}):"
-                              " allocated in pieces of a layer's experts instead; `decode_bank_pieces=True` "
-                              "compiles for them from the start", stacklevel=2)
+                _warn_pieces(f"its one array could not be allocated ({str(err).splitlines()[0][:160]})")
                 self._bank = self._allocate_bank(slots, True)
 
     def _allocate_bank(self, slots: int, pieces: bool) -> tuple:
@@ -93,18 +94,15 @@ class SlotPool:
         # that reads it (the fill's)
         return jax.block_until_ready(bank)
 
-    def _fits_in_one(self, slots: int) -> bool:
-        """Whether the allocator can hand out a bank of `slots` slots' gate_up in one block (where it does not say:
-        assumed so); where not, a warning says what follows."""
+    def _why_not_in_one(self, slots: int) -> str | None:
+        """Why the allocator cannot hand out a bank of `slots` slots' gate_up in one block; None where it can (or
+        does not say: assumed so)."""
         largest = _largest_free(self._device)
-        leaves = jax.tree.leaves(self.gate_up)
-        whole = slots * sum(leaf.nbytes for leaf in leaves) // leaves[0].shape[0]
+        whole = slots * sum(leaf.nbytes for leaf in jax.tree.leaves(self.gate_up)) // slot_count(self.gate_up)
         if largest is None or whole <= largest:
-            return True
-        warnings.warn(f"decode bank: no free block of the device's allocator holds its {whole / 1e9:.2f} GB array "
-                      f"(largest {largest / 1e9:.2f} GB): allocated in pieces of a layer's experts instead; "
-                      "`decode_bank_pieces=True` compiles for them from the start", stacklevel=3)
-        return False
+            return None
+        return f"no free block of the device's allocator holds its {whole / 1e9:.2f} GB array (largest " \
+               f"{largest / 1e9:.2f} GB)"
 
     def close_decode_bank(self) -> None:
         self._bank = ()  # the arrays' last references: their memory returns to the allocator
@@ -223,6 +221,18 @@ class SlotPool:
         self.last_use[slots] = 0
         self.low[slots] = False
         self._slot_of[layer][experts] = -1
+
+
+def slot_count(gate_up) -> int:
+    """Slots of a bank's gate_up (an array or a quantized pytree) [S, ...]."""
+    return jax.tree.leaves(gate_up)[0].shape[0]
+
+
+def _warn_pieces(why: str) -> None:
+    """Say that the decode bank opens in pieces instead of its one array, why, and the setting that avoids it
+    (from `open_decode_bank`: warned where that was called)."""
+    warnings.warn(f"decode bank: {why}: allocated in pieces of a layer's experts instead; `decode_bank_pieces=True` "
+                  "compiles for them from the start", stacklevel=3)
 
 
 def _largest_free(device: jax.Device) -> int | None:
