@@ -141,7 +141,8 @@ def run(args, report: dict) -> dict:
         if control is not None:
             report["packages"]["control"] = control.__name__
         report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
-        runtime = {"gpu_memory": args.gpu_memory, "expert_pool": args.expert_pool,
+        pool = None if args.expert_pool == "none" else args.expert_pool
+        runtime = {"gpu_memory": args.gpu_memory, "expert_pool": pool,
                    "max_seq_len": max(args.prompt_lens) + args.new_tokens}
         if args.cost_table:
             runtime["cost_table"] = args.cost_table
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="N untimed repeats per prompt length before the timed ones (the planners' and caches' "
                          "first generations drift)")
     ap.add_argument("--gpu-memory", default="24GB")
-    ap.add_argument("--expert-pool", default="8GB")
+    ap.add_argument("--expert-pool", default="8GB", help="the expert pool's cap, or none (the budget decides)")
     ap.add_argument("--cost-table", default=None)
     ap.add_argument("--pin-cpu-scale", type=float, default=None, metavar="S",
                     help="hold both trees' in-situ CPU calibration at S (>= 1, a multiple of 0.1) for every "

@@ -206,14 +206,18 @@ def memory_of(d: dict) -> str:
     peak), "24 GB, 8 GB pool" (the slot pool capped), and the experts' stored precision where quantized ("24 GB, 8 GB
     pool, int8"), then the card where it is an H100. A run held to a peer's nvidia-smi peak as nvidia-smi counts
     its own memory (`matched_gpu_mib`: its budget is less, by the CUDA context and a slack) reads "24,399 MiB by
-    nvidia-smi", so it never shares a column with a run whose budget was that figure."""
+    nvidia-smi", so it never shares a column with a run whose budget was that figure. A file of `plain` runs alone
+    reads "whole model": the whole model takes no budget, whatever its runtime recorded."""
+    card = ", H100" if "H100" in str(d.get("device", "")) else ""  # the table's card is the H200 unless named
+    points = bench_points(d)
+    if points and all(r.get("policy") == "plain" for r in points):
+        return "whole model" + card
     runtime = d.get("runtime") if isinstance(d.get("runtime"), dict) else {}
     gpu, pool = runtime.get("gpu_memory"), runtime.get("expert_pool")
     gb = lambda x: (f"{x / 2**20:,.0f} MiB" if isinstance(x, (int, float)) and x % 1e9 and not x % 2**20  # noqa: E731
                     else f"{x / 1e9:g} GB" if isinstance(x, (int, float)) else "?")  # a peer's peak, as measured
     matched = d.get("matched_gpu_mib")
     quantize = d.get("quantize")
-    card = ", H100" if "H100" in str(d.get("device", "")) else ""  # the table's card is the H200 unless named
     size = f"{matched:,} MiB by nvidia-smi" if matched else gb(gpu)
     return size + (f", {gb(pool)} pool" if pool is not None else "") + (f", {quantize}" if quantize else "") + card
 

@@ -113,3 +113,24 @@ def test_readme_table_keeps_a_run_matched_by_nvidia_smi_apart_from_a_budget_of_t
     assert "DeepSeek-V2-Lite, uniform, 24,399 MiB by nvidia-smi |" in header and "21,726" not in header
     row = next(line for line in table.splitlines() if line.startswith("| `pdscope`"))
     assert "9,000 / 80.0" in row and "8,500 / 58.0" in row
+
+
+def test_readme_table_puts_whole_model_runs_in_a_column_of_their_own(tmp_path, capsys):
+    """A file of `plain` runs alone takes no budget: its column reads "whole model", whatever budget its runtime
+    recorded, apart from a file that holds offloaded runs beside the plain one at that budget."""
+    budget = {"runtime": {"gpu_memory": 24e9, "expert_pool": None}}
+    (tmp_path / "whole.json").write_text(json.dumps(_bench(12, "bbb8888", "uniform", [("plain", 23862.0, 228.5)],
+                                                           device="gpu:0 NVIDIA H100 80GB HBM3", **budget)))
+    (tmp_path / "offload.json").write_text(json.dumps(_bench(
+        13, "ccc9999", "uniform", [("pdscope", 8000.0, 50.0), ("plain", 26000.0, 90.0)],
+        device="gpu:0 NVIDIA H100 80GB HBM3", **budget)))
+    assert _module().main(["--dir", str(tmp_path), "--readme"]) == 0
+    table = capsys.readouterr().out
+    header = next(line for line in table.splitlines() if line.startswith("| policy"))
+    assert "DeepSeek-V2-Lite, uniform, whole model, H100 |" in header
+    assert "DeepSeek-V2-Lite, uniform, 24 GB, H100 |" in header
+    row = next(line for line in table.splitlines() if line.startswith("| `plain`"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    assert cells[columns.index("DeepSeek-V2-Lite, uniform, whole model, H100")] == "23,862 / 228.5"
+    assert cells[columns.index("DeepSeek-V2-Lite, uniform, 24 GB, H100")] == "26,000 / 90.0"
