@@ -15,8 +15,9 @@
 #    0,512,4096), -ub/-b 4096, 2 repetitions, every core; its peak GPU memory sampled by nvidia-smi every 250 ms.
 # 3. The project's bench at each chosen peak: prompts PROMPTS (default "512 4096", ascending), NEW_TOKENS new tokens,
 #    2 repeats, each policy in its own process, so that XLA's peak (a process's peak so far) is the policy's own.
-# Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN-POLICY/ and
-# side_by_side-MODEL-TYPE.json (llama.cpp's peaks and rates per -ncmoe).
+# Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN-POLICY/,
+# side_by_side-MODEL-TYPE.json (llama.cpp's peaks and rates per -ncmoe) and host-state.log (the host's load and
+# unwritten page cache before each timed run: a fresh export's GBs still being written compete with either side).
 # Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150 (per -ncmoe), OURS_LIMIT 240 (per policy).
 set -u
 export PYTHONPATH=$PWD:$PWD/.peers-build/src/llama.cpp/gguf-py PYTHONUNBUFFERED=1
@@ -27,6 +28,11 @@ workload=${WORKLOAD:-uniform}; suffix=$([ "$workload" = uniform ] || echo "-$wor
 name=$MODEL-$type$suffix; mkdir -p .peers-build
 out=${RES:-${OUT:-.}}; mkdir -p "$out"; bin=.peers-build/build/bin; G=.peers-build/$name.gguf; t0=$(date +%s)
 say() { echo "[$(( $(date +%s) - t0 )) s] $*"; }
+# a line of host-state.log before a timed run: its name, the 1-minute load, page cache not yet written (kB)
+host_state() {
+  local unwritten; unwritten=$(grep -E '^(Dirty|Writeback):' /proc/meminfo | tr -s ' ' | paste -sd' ')
+  echo "$1: load $(cut -d' ' -f1 /proc/loadavg); $unwritten" >> "$out/host-state.log"
+}
 # seconds a run of ours may take now: OURS_LIMIT, cut to what is left before DEADLINE
 run_limit() {
   local limit=${OURS_LIMIT:-240}
@@ -38,6 +44,8 @@ if [ ! -f "$G" ]; then
     --workload "$workload" --out "$G.part" 2>&1 | grep -v "$noise" | grep -v "GiB written" | tail -4
   if [ "${PIPESTATUS[0]}" != 0 ]; then rm -f "$G.part"; say "the export failed or ran out of time"; exit 1; fi
   mv "$G.part" "$G"
+  sync  # the export's pages written out now, not while either side is timed
+  say "the export's pages written to disk"
 fi
 say "GGUF: $(du -h "$G" | cut -f1)"
 declare -A peak
@@ -50,6 +58,7 @@ say "GPU memory used before any run: $(nvidia-smi --query-gpu=memory.used --form
 for n in ${NCMOE:-}; do
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 250 > "$out/mem-$name-n$n.log" 2>/dev/null &
   sampler=$!
+  host_state "llama.cpp -ncmoe $n"
   timeout "${LLAMA_LIMIT:-150}" $bin/llama-bench -m "$G" -ngl 99 -ncmoe "$n" -p 512,4096 -n "${NEW_TOKENS:-64}" \
     -d "${DEPTHS:-0,512,4096}" -ub 4096 -b 4096 -t "$(nproc)" -r 2 -o json > "$out/llama-$name-n$n.json" \
     2> "$out/llama-$name-n$n.err"
@@ -90,6 +99,7 @@ for spec in ${OURS:-}; do
       sampler=$!
       # with OURS_CONTEXT_MIB, XLA's allocator is held to llama.cpp's peak less our CUDA context: past it, an error
       fraction=$(python3 -c "print(f'{$held / $total_mib:.6f}')")
+      host_state "$policy at -ncmoe $n, budget $budget MiB"
       env ${OURS_CONTEXT_MIB:+XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction} \
         timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
         --gpu-memory "${budget}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens "${NEW_TOKENS:-64}" --repeats 2 \

@@ -218,7 +218,9 @@ def summarise(policy: str, prompt_len: int, repeats: list[dict], compiled_after_
            "compiled_programs_after_warmup": compiled_after_warmup,
            "compiled_programs_after_runs": repeats[-1]["compiled_programs"]["total"],
            # the decode executor warm-up's trial chose for this batch, with both timings (None: no trial)
-           "decode_trial_result": (repeats[-1].get("decode_trials") or {}).get(str(batch))}
+           "decode_trial_result": (repeats[-1].get("decode_trials") or {}).get(str(batch)),
+           # how device decode split this batch's misses between copies and the host (None: it decided none)
+           "decode_host_split": ((repeats[-1].get("decode_host") or {}).get("splits") or {}).get(str(batch))}
     for phase in ("prefill", "decode"):
         out[phase] = {key: _median(repeats, phase, key) for key in PHASE_KEYS}
     out["repeats"] = repeats

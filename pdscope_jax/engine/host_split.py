@@ -17,7 +17,9 @@ link's together, so that the two parts of a layer take about as long; the host's
 once on the store's experts (the cost table's CPU time without a bridge); a planner that copies also fills free
 slots first (`HostExperts.fill_free`).
 A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
-engine's collection, stops them.
+engine's collection, stops them. `stats()` -> {"bridges": per batch, the bridge's layers served, faults and seconds
+computing; "why_not"; "splits": per batch, the split the last `for_step` decided (absent where it returned None):
+`copy_share`, and where the rule weighed them `host_ms` / `link_ms` (one expert's time on each)}.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ class HostSplit:
         self.bridges: dict[int, host_experts.Bridge | None] = {}
         self.host_seconds: dict[int, float] = {}  # per batch: the bridge's kernel time for one expert, measured
         self.why_not = ""
+        self.splits: dict[int, dict] = {}  # per batch: the last split `for_step` decided, for `stats()`
         weakref.finalize(self, _close, self.bridges)  # the engine gone: stop its workers, free their staging
 
     def for_step(self, runtime, planner, costs, batch: int) -> HostExperts | None:
+        self.splits.pop(batch, None)
         computes = runtime.decode_cpu_experts != "off" and planner.decode_host_experts
         dma = runtime.decode_bridge_copies and planner.decode_copies and runtime.decode_cpu_experts != "xla"
         if not computes and not dma:
@@ -56,6 +60,7 @@ class HostSplit:
                 return None
             dma = False
         ahead = dma and runtime.decode_copies_ahead and planner.reads_next_scores
+        self.splits[batch] = {"copy_share": 1.0}
         if not computes:  # every miss copied, by the bridge's worker
             return HostExperts(1.0, bridge, True, bridge_copies=True, ahead=ahead)
         if not planner.decode_copies:
@@ -64,11 +69,15 @@ class HostSplit:
             share = float(runtime.decode_copy_share)
         else:
             host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
+            self.splits[batch] = {"host_ms": round(1e3 * host, 4), "link_ms": round(1e3 * link, 4)}
             if host <= link:  # copying what the host computes as fast only takes memory bandwidth from it
+                self.splits[batch]["copy_share"] = 0.0
                 return HostExperts(0.0, bridge, False)
             if quantized:  # the step's own copies wait for the GPU per layer: beside them, a slower host lost to
+                self.splits[batch]["copy_share"] = 1.0
                 return None  # copies alone (docs/MEASUREMENTS.md)
             share = round(host / (host + link), 2)
+        self.splits[batch]["copy_share"] = share
         dma = dma and bridge is not None
         return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma, ahead=ahead and dma)
 
@@ -99,6 +108,11 @@ class HostSplit:
             self.why_not = host_experts.why_not()
         self.bridges[batch] = bridge
         return bridge
+
+    def stats(self) -> dict:
+        bridges = {str(b): bridge.stats() for b, bridge in self.bridges.items() if bridge is not None}
+        return {"bridges": bridges, "why_not": self.why_not,
+                "splits": {str(b): dict(split) for b, split in sorted(self.splits.items())}}
 
     def close(self) -> None:
         _close(self.bridges)

@@ -260,11 +260,6 @@ class OffloadRunner:
                  "bytes_moved": shard.store.bytes_moved - base, "evictions": shard.pool.evictions}
                 for shard, base in zip(self.shards, self._bytes_at_reset)]
 
-    def _host_stats(self) -> dict[str, Any]:
-        """The host split's bridges: per batch, layers served, faults and seconds computing; or why none runs."""
-        bridges = {str(b): bridge.stats() for b, bridge in self.host_split.bridges.items() if bridge is not None}
-        return {"bridges": bridges, "why_not": self.host_split.why_not}
-
     @property
     def decode_slots(self) -> int:
         """Slots device decode adds in its bank (the budget's `decode_slots`; 0 with `decode_bank` off)."""
@@ -292,7 +287,7 @@ class OffloadRunner:
             "compiled_programs": self.compiled_programs, "accelerators": self.accelerators,
             "slots": sum(shard.pool.num_slots for shard in self.shards),
             "decode_bank": self.runtime.decode_bank, "decode_slots": self.decode_slots,
-            "decode_cpu_experts": self.runtime.decode_cpu_experts, "decode_host": self._host_stats(),
+            "decode_cpu_experts": self.runtime.decode_cpu_experts, "decode_host": self.host_split.stats(),
             "decode_trials": {str(b): trial.to_dict() for b, trial in sorted(self.decode_trials.items())},
             "double_buffering": self.pool.can_double_buffer, "evictions": sum(sh.pool.evictions for sh in self.shards),
             "per_accelerator": self._per_accelerator(),

@@ -122,6 +122,22 @@ def test_a_point_records_the_allocator_peak_before_and_after_its_warm_ups():
     assert allocator_peak(SimpleNamespace(memory_stats=lambda: None), 7) == 7
 
 
+def test_a_point_records_the_decode_trial_and_the_host_split_of_its_batch():
+    """The row keeps what warm-up's trial chose and how device decode split the batch's misses between copies and
+    the host (the engine's last repeat's stats); None where the engine decided neither for that batch."""
+    from pdscope_jax.bench.runs import PHASE_KEYS, summarise
+
+    phase = {key: 1.0 for key in PHASE_KEYS}
+    split = {"copy_share": 0.0, "host_ms": 0.12, "link_ms": 0.36}
+    repeat = {"prefill_tok_s": 10.0, "decode_tok_s": 2.0, "prefill": phase, "decode": phase,
+              "compiled_programs": {"total": 3}, "decode_trials": {"1": {"chosen": "device"}},
+              "decode_host": {"bridges": {}, "why_not": "", "splits": {"1": split}}}
+    row = summarise("pdscope", 8, [repeat], 3, variant="pdscope", batch=1, engine={})
+    assert row["decode_trial_result"] == {"chosen": "device"} and row["decode_host_split"] == split
+    row = summarise("pdscope", 8, [repeat], 3, variant="pdscope", batch=2, engine={})
+    assert row["decode_trial_result"] is None and row["decode_host_split"] is None
+
+
 def test_a_points_line_names_its_gpu_peak_against_the_budget():
     from pdscope_jax.bench.report import peak_note
 

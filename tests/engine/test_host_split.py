@@ -63,8 +63,28 @@ def test_the_copy_share_with_a_bridge_comes_from_its_kernel_timed_on_the_stores_
         split.host_seconds[1] = seconds  # as if measured so
         host = split.for_step(runner.runtime, runner.planner, runner.costs, 1)
         assert (host.copy_share, host.copies, host.computes) == (share, copies, True)
+        assert split.splits[1] == {"copy_share": share, "host_ms": round(1e3 * seconds, 4),
+                                   "link_ms": round(1e3 * link, 4)}
     split.bridges.clear()  # the stand-in has nothing to close
 
+
+def test_the_stats_say_what_split_the_last_step_decided():
+    """A planner that never copies computes every miss on the host (share 0, no times weighed); a step with no
+    host part and no copies by the bridge (None) leaves no split behind, not the one before."""
+    from pdscope_jax.engine.host_split import HostSplit
+
+    split = HostSplit(None, None, None, None)
+    split.bridges[1] = types.SimpleNamespace(can_copy=True, stats=lambda: {"served": 3})
+    planner = types.SimpleNamespace(decode_host_experts=True, decode_copies=False, reads_next_scores=False)
+    runtime = types.SimpleNamespace(decode_cpu_experts="auto", decode_bridge_copies=True, decode_copies_ahead=False,
+                                    decode_copy_share=None)
+    host = split.for_step(runtime, planner, None, 1)
+    assert (host.copy_share, host.copies) == (0.0, False)
+    assert split.stats() == {"bridges": {"1": {"served": 3}}, "why_not": "", "splits": {"1": {"copy_share": 0.0}}}
+    off = types.SimpleNamespace(**{**vars(runtime), "decode_cpu_experts": "off"})
+    assert split.for_step(off, planner, None, 1) is None
+    assert split.stats()["splits"] == {}
+    split.bridges.clear()  # the stand-in has nothing to close
 
 
 def test_an_int4_store_reaches_the_bridge_and_its_kernel_is_timed():
