@@ -12,14 +12,14 @@ recently used, never taking a slot from a protected layer (the layer being compu
   prefill, and the rest of the pool (hot or cached experts within the share) is not streamed again;
 - decode: the same slots are an LRU expert cache; whatever prefill left resident seeds it.
 `set_table` replaces the whole table with one kept elsewhere (device decode keeps it on the accelerator).
-`open_decode_bank(n, pieces=False)` allocates n more slots, numbered S..S+n-1, for device decode alone (the
-budget's `decode_slots`, in memory prefill's activations and staging hold), as one array pair or, with `pieces`,
-pairs of E slots (the shape of a staged layer, whose freed memory they fit; also where the allocator has no free
-block for the one array, or allocating it runs out of memory); `banks` is then ((gate_up, down) of the pool,
-(gate_up, down) of each piece); `close_decode_bank()` frees it, and whoever kept experts in it forgets them (the
-host table covers the pool's S slots only). `reallocate_if_lost()` allocates the arrays again where a failed
-program deleted them. An expert counts as resident from the moment its slot is reserved (its copy staged): the
-engine commits the copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots
+`open_decode_bank(n, pieces=False)` allocates n more slots, numbered S..S+n-1, for device decode alone (the budget's
+`decode_slots`, in memory prefill's activations and staging hold), as one array pair or, with `pieces`, pairs of E
+slots (the shape of a staged layer, whose freed memory they fit; also where the allocator has no free block for the
+one array, or allocating it runs out of memory: what it made is freed first); `banks` is then ((gate_up, down) of
+the pool, (gate_up, down) of each piece); `close_decode_bank()` frees it, and whoever kept experts in it forgets
+them (the host table covers the pool's S slots only). `reallocate_if_lost()` allocates the arrays again where a
+failed program deleted them. An expert counts as resident from the moment its slot is reserved (its copy staged):
+the engine commits the copy into the slot before any program of that layer reads the pool. `low` [S] marks the slots
 whose expert was copied from the host's int4 copy (`allocate(..., low=)`; `low_of(layer)`), until the slot is
 reassigned. The pool holds no host memory and moves no weights itself.
 """
@@ -80,19 +80,28 @@ class SlotPool:
             pieces = pieces or unfit is not None
             try:
                 self._bank = self._allocate_bank(slots, pieces)
+                return
             except jax.errors.JaxRuntimeError as err:
                 if pieces or "RESOURCE_EXHAUSTED" not in str(err):
                     raise
-                _warn_pieces(f"its one array could not be allocated ({str(err).splitlines()[0][:160]})")
-                self._bank = self._allocate_bank(slots, True)
+                why = f"its one array could not be allocated ({str(err).splitlines()[0][:160]})"
+            _warn_pieces(why)  # out of the handler: the error's traceback, and all it holds, is gone
+            self._bank = self._allocate_bank(slots, True)
 
     def _allocate_bank(self, slots: int, pieces: bool) -> tuple:
+        """The bank's (gate_up, down) pairs, allocated and waited on; where that fails, every array it made is freed
+        before the error goes on (the traceback would keep them, and the pieces tried next would find no room)."""
         size = self.num_experts if pieces else slots
-        bank = tuple(_allocate(min(size, slots - start), *self._shapes, self._device)
-                     for start in range(0, slots, size))
-        # a failed allocation raises here, where the bank can still open in pieces, not in the first program
-        # that reads it (the fill's)
-        return jax.block_until_ready(bank)
+        bank = []
+        try:
+            for start in range(0, slots, size):
+                bank.append(_allocate(min(size, slots - start), *self._shapes, self._device))
+            # a failed allocation raises by here, where the bank can still open in pieces, not in the first program
+            # that reads it (the fill's)
+            return tuple(jax.block_until_ready(bank))
+        except jax.errors.JaxRuntimeError:
+            _free(bank)
+            raise
 
     def _why_not_in_one(self, slots: int) -> str | None:
         """Why the allocator cannot hand out a bank of `slots` slots' gate_up in one block; None where it can (or
@@ -245,10 +254,26 @@ def _largest_free(device: jax.Device) -> int | None:
 
 
 def _allocate(slots: int, d: int, f: int, dtype, quant: str | None, device: jax.Device) -> tuple:
-    """Zeroed gate_up [slots, D, 2F] and down [slots, F, D] on `device` (quantized: QuantizedWeights)."""
+    """Zeroed gate_up [slots, D, 2F] and down [slots, F, D] on `device` (quantized: QuantizedWeights). Where down
+    cannot be allocated, gate_up is freed before the error goes on."""
     sharding = jax.sharding.SingleDeviceSharding(device, memory_kind="device")
-    if quant is None:
-        gate_up, down = jnp.zeros((slots, d, 2 * f), dtype), jnp.zeros((slots, f, d), dtype)
-    else:  # experts stored quantized: each slot holds integers and scales (QuantizedWeights)
-        gate_up, down = zeros((slots,), d, 2 * f, quant, dtype), zeros((slots,), f, d, quant, dtype)
-    return jax.device_put(gate_up, sharding), jax.device_put(down, sharding)
+
+    def zeroed(rows: int, cols: int):
+        if quant is None:
+            return jax.device_put(jnp.zeros((slots, rows, cols), dtype), sharding)
+        # experts stored quantized: each slot holds integers and scales (QuantizedWeights)
+        return jax.device_put(zeros((slots,), rows, cols, quant, dtype), sharding)
+
+    gate_up = zeroed(d, 2 * f)
+    try:
+        return gate_up, zeroed(f, d)
+    except jax.errors.JaxRuntimeError:
+        _free(gate_up)
+        raise
+
+
+def _free(arrays) -> None:
+    """Free the device memory of every array in `arrays` (any pytree) now, whoever still refers to them."""
+    for array in jax.tree.leaves(arrays):
+        if not array.is_deleted():
+            array.delete()

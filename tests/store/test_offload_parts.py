@@ -176,6 +176,43 @@ def test_a_bank_whose_one_array_runs_out_of_memory_opens_in_pieces_and_other_err
     assert pool.decode_slots == 0
 
 
+def test_a_failed_bank_frees_what_it_allocated_before_it_opens_in_pieces(monkeypatch):
+    """The arrays a failed one-array bank made would live on in the error's traceback, and the pieces tried next
+    would find no room for them: they are freed first. Where down fails as it is allocated, gate_up is freed;
+    where waiting on the bank fails, every array of it is."""
+    pool = _pool(3)
+    made, put, wait = [], jax.device_put, jax.block_until_ready
+    out_of_memory = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.33GiB.")
+
+    def down_fails(x, sharding):
+        if x.shape[0] > E and x.shape[1] == F:  # the one array's down (pieces have E slots)
+            raise out_of_memory
+        made.append(put(x, sharding))
+        return made[-1]
+
+    monkeypatch.setattr(slot_pool.jax, "device_put", down_fails)
+    with pytest.warns(UserWarning, match="could not be allocated"):
+        pool.open_decode_bank(2 * E + 1)
+    assert made[0].shape[0] == 2 * E + 1 and made[0].is_deleted()
+    assert [gu.shape[0] for gu, _ in pool.banks[1:]] == [E, E, 1] and not any(a.is_deleted() for a in made[1:])
+    pool.close_decode_bank()
+    monkeypatch.setattr(slot_pool.jax, "device_put", put)
+
+    waited = []
+
+    def wait_fails(tree):
+        if jax.tree.leaves(tree)[0].shape[0] > E:
+            waited.extend(jax.tree.leaves(tree))
+            raise out_of_memory
+        return wait(tree)
+
+    monkeypatch.setattr(slot_pool.jax, "block_until_ready", wait_fails)
+    with pytest.warns(UserWarning, match="could not be allocated"):
+        pool.open_decode_bank(2 * E + 1)
+    assert len(waited) == 2 and all(a.is_deleted() for a in waited)
+    assert [gu.shape[0] for gu, _ in pool.banks[1:]] == [E, E, 1]
+    assert all(not a.is_deleted() for a in jax.tree.leaves(pool.banks[1:]))
+
 def test_the_largest_block_an_allocator_could_hand_out():
     """Its largest free block, or what it may still grow by where more; None where the device does not say."""
     class Device:
