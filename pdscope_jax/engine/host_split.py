@@ -18,8 +18,9 @@ once on the store's experts (the cost table's CPU time without a bridge); a plan
 slots first (`HostExperts.fill_free`).
 A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
 engine's collection, stops them. `stats()` -> {"bridges": per batch, the bridge's layers served, faults and seconds
-computing; "why_not"; "splits": per batch, the split the last `for_step` decided (absent where it returned None):
-`copy_share`, and where the rule weighed them `host_ms` / `link_ms` (one expert's time on each)}.
+computing; "why_not"; "splits": per batch, the split the last `for_step` decided: `copy_share` (1: every miss
+copied), and where the rule weighed them `host_ms` / `link_ms` (one expert's time on each); absent where neither
+the host nor the bridge takes part}.
 """
 
 from __future__ import annotations
