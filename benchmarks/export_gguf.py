@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -362,7 +363,7 @@ def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: s
              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[gtype]
     w = gguf.GGUFWriter(str(out), ARCH[cfg.model_type])
     write_metadata(w, cfg, ftype)
-    storage, fallback = {}, []
+    storage, fallback, need = {}, [], 0
     for _, entries in units:  # pass 1: shapes from abstract arrays (zero strides, no memory), into the header
         for e in entries:
             fake = [np.broadcast_to(np.zeros((), np.float32), shapes[p].shape) for p in e.inputs]
@@ -371,7 +372,9 @@ def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: s
             if gtype in ("q8_0", "q4_0") and qtype == gguf.GGMLQuantizationType.BF16:
                 fallback.append(e.name)
             storage[e.name] = (shape, qtype)
+            need += nbytes
             w.add_tensor_info(e.name, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+    check_room(Path(out), need, gtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
@@ -396,6 +399,16 @@ def export(cfg, out: str | Path, gtype: str = "bf16", seed: int = 0, workload: s
         log(f"  {len(fallback)} tensors kept bf16 (rows not a multiple of 32), e.g. {fallback[0]}")
     return {"tensors": len(storage), "bytes": Path(out).stat().st_size, "bf16_fallback": fallback,
             "seconds": time.perf_counter() - start}
+
+
+def check_room(out: Path, need: int, gtype: str) -> None:
+    """Raise ExportError, before anything is written, where the disk under `out` has fewer free bytes than the
+    tensors' `need` (a file that cannot be finished would take the minutes of its export first)."""
+    free = shutil.disk_usage(out.resolve().parent).free
+    if need > free:
+        raise ExportError(f"{out}: the {gtype} tensors take {need / 2**30:.1f} GiB and its disk has "
+                          f"{free / 2**30:.1f} GiB free: free space, write it elsewhere (--out), or export a smaller "
+                          f"--type (q8_0 takes about half of bf16, q4_0 about a quarter)")
 
 
 def main(argv: list[str] | None = None) -> dict:

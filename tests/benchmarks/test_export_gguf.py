@@ -237,3 +237,21 @@ def test_unmappable_config_is_refused(exporter, tmp_path):
         exporter.export(cfg, tmp_path / "x.gguf", log=None)
     with pytest.raises(exporter.ExportError, match="--type"):
         exporter.export(preset("tiny-mixtral-8x7b"), tmp_path / "x.gguf", "q5_k", log=None)
+
+
+def test_an_export_the_disk_cannot_hold_is_refused_before_it_writes(exporter, tmp_path, monkeypatch):
+    """Where the folder's disk has less free space than the tensors take, nothing is written and the error names
+    the sizes and the ways out."""
+    from pdscope_jax.presets import preset
+
+    monkeypatch.setattr(exporter.shutil, "disk_usage", lambda path: _disk_usage(free=1000))
+    out = tmp_path / "x.gguf"
+    with pytest.raises(exporter.ExportError, match=r"GiB free: free space.*--out.*--type"):
+        exporter.export(preset("tiny-deepseek-v2-lite"), out, log=None)
+    assert not out.exists()
+
+
+def _disk_usage(free: int):
+    import collections
+
+    return collections.namedtuple("usage", "total used free")(10 * free, 9 * free, free)
