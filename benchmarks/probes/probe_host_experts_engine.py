@@ -4,8 +4,9 @@ Builds the offloaded model once (`--model` with seeded random weights, `--worklo
 decode), then for every kernel setting `THREADS/GROUPS/SPIN_US/STREAM` (`--settings`, e.g. `16/1/200/0`: the
 pool's threads and groups per thread (0: the package's default), microseconds an idle pool thread spins before it
 sleeps, the streamed few-row path) and every run label (`--runs`, the bench's labels: a bare policy runs the
-package's defaults, `pdscope:copy=0` sends every miss to the host) runs one warm-up generation and `--repeats`
-generations of `--tokens` new tokens after a `--prompt-len` prompt.
+package's defaults; `pdscope:copy=0` copies misses only into free slots, so the decode bank, left empty at decode
+start, fills with them, and sends the rest to the host) runs one warm-up generation and `--repeats` generations of
+`--tokens` new tokens after a `--prompt-len` prompt.
 With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not; with
 `--samplers select conditional`, once with the package's sampler, once with one holding conditionals.
 Reports per (setting, run): decode tok/s (median), the host's ms in the decode step's jitted call alone
