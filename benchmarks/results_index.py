@@ -232,13 +232,13 @@ def headline_cells(entries: list[tuple[str, dict]], prompt_len: int) -> dict:
         p = provenance(d)
         skip = p.get("headline_skip") or []
         call = p.get("call") if isinstance(p.get("call"), int) else -1
+        key = (d.get("model", "?"), d.get("workload", "?"), memory_of(d))  # the file's column
         for r in bench_points(d):
             policy = r.get("policy")
             if r.get("prompt_len") != prompt_len or r.get("batch", 1) != 1 or "*" in skip or policy in skip:
                 continue
             if r.get("variant", policy) != policy:  # a policy with an engine switch off (NAME:host, NAME:nobank)
                 continue
-            key = (d.get("model", "?"), d.get("workload", "?"), memory_of(d))
             old = best.setdefault(key, {}).get(policy)
             if old is None or call > old[2]:
                 best[key][policy] = (r.get("prefill_tok_s"), r.get("decode_tok_s"), call, name)

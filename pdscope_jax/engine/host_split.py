@@ -61,24 +61,25 @@ class HostSplit:
                 return None
             dma = False
         ahead = dma and runtime.decode_copies_ahead and planner.reads_next_scores
-        self.splits[batch] = {"copy_share": 1.0}
         if not computes:  # every miss copied, by the bridge's worker
+            self.splits[batch] = {"copy_share": 1.0}
             return HostExperts(1.0, bridge, True, bridge_copies=True, ahead=ahead)
+        weighed = {}  # the host's and the link's time for one expert, where the rule below compares them
         if not planner.decode_copies:
             share = 0.0
         elif runtime.decode_copy_share is not None:
             share = float(runtime.decode_copy_share)
         else:
             host, link = self._host_seconds(costs, batch, bridge), costs.t_transfer(1)
-            self.splits[batch] = {"host_ms": round(1e3 * host, 4), "link_ms": round(1e3 * link, 4)}
+            weighed = {"host_ms": round(1e3 * host, 4), "link_ms": round(1e3 * link, 4)}
             if host <= link:  # copying what the host computes as fast only takes memory bandwidth from it
-                self.splits[batch]["copy_share"] = 0.0
+                self.splits[batch] = {"copy_share": 0.0, **weighed}
                 return HostExperts(0.0, bridge, False)
             if quantized:  # the step's own copies wait for the GPU per layer: beside them, a slower host lost to
-                self.splits[batch]["copy_share"] = 1.0
+                self.splits[batch] = {"copy_share": 1.0, **weighed}
                 return None  # copies alone (docs/MEASUREMENTS.md)
             share = round(host / (host + link), 2)
-        self.splits[batch]["copy_share"] = share
+        self.splits[batch] = {"copy_share": share, **weighed}
         dma = dma and bridge is not None
         return HostExperts(share, bridge, planner.decode_copies, bridge_copies=dma, ahead=ahead and dma)
 

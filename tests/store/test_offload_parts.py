@@ -213,6 +213,7 @@ def test_a_failed_bank_frees_what_it_allocated_before_it_opens_in_pieces(monkeyp
     assert [gu.shape[0] for gu, _ in pool.banks[1:]] == [E, E, 1]
     assert all(not a.is_deleted() for a in jax.tree.leaves(pool.banks[1:]))
 
+
 def test_the_largest_block_an_allocator_could_hand_out():
     """Its largest free block, or what it may still grow by where more; None where the device does not say."""
     class Device:
