@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
             for _ in range(args.repeats):
                 runner.reset_stats()
                 compiled_before = runner.compiled_programs["total"]
-                before = {b: s["seconds"] for b, s in runner._host_stats()["bridges"].items()}
+                before = {b: s["seconds"] for b, s in runner.host_split.stats()["bridges"].items()}
                 steps = runner.steps(prompt, args.tokens)
                 tokens = [int(np.asarray(next(steps).token)[0])]  # prefill and the first token
                 throttled, threads_before, since = throttling(), thread_cpu(), time.monotonic_ns()
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                 busiest = sorted(((v - threads_before.get(k, 0.0), k) for k, v in thread_cpu().items()), reverse=True)
                 profiles.append(cpu_ffn.profile_read())
                 decode = runner.phase_stats["decode"]
-                busy = sum(s["seconds"] - before.get(b, 0.0) for b, s in runner._host_stats()["bridges"].items())
+                busy = sum(s["seconds"] - before.get(b, 0.0) for b, s in runner.host_split.stats()["bridges"].items())
                 tok_s.append((args.tokens - 1) / seconds)
                 host.append({"host_experts": decode.cpu_experts, "gpu_experts": decode.gpu_experts,
                              "hit_rate": decode.hit_rate, "bridge_seconds": busy, "tokens": tokens,
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
                       "timeline": {k: v for k, v in (last["timeline"] or {}).items() if k != "per_position"},
                       "repeats": host,
                       "kernel_alone": alone, "why_not": runner.host_split.why_not,
-                      "bridge_faults": sum(s["faults"] for s in runner._host_stats()["bridges"].values()),
+                      "bridge_faults": sum(s["faults"] for s in runner.host_split.stats()["bridges"].values()),
                       "tokens": last["tokens"],
                       "same_tokens_as_first_run": records[0]["tokens"] == last["tokens"] if records else True}
             print(json.dumps({k: v for k, v in record.items() if k not in ("repeats", "kernel_alone", "tokens")}),
