@@ -18,6 +18,7 @@
 # Writes under ${RES:-$OUT}: llama-MODEL-TYPE-nN.json (+ .err, mem-*.log), bench-MODEL-TYPE-nN-POLICY/,
 # side_by_side-MODEL-TYPE.json (llama.cpp's peaks and rates per -ncmoe) and host-state.log (the host's load and
 # unwritten page cache before each timed run: a fresh export's GBs still being written compete with either side).
+# The device tool returns at most 8 files from $OUT: a call sets RES to a folder of its own and packs it into $OUT.
 # Limits (s): EXPORT_LIMIT 300, LLAMA_LIMIT 150 (per -ncmoe), OURS_LIMIT 240 (per policy).
 set -u
 export PYTHONPATH=$PWD:$PWD/.peers-build/src/llama.cpp/gguf-py PYTHONUNBUFFERED=1
@@ -104,11 +105,15 @@ for spec in ${OURS:-}; do
         timeout "$limit" python3 -m pdscope_jax bench --model "$MODEL" ${quantize[$type]} --workload "$workload" \
         --gpu-memory "${budget}MiB" --prompt-lens ${PROMPTS:-512 4096} --new-tokens "${NEW_TOKENS:-64}" --repeats 2 \
         --policies "$policy" --out "$run" > "$run.log" 2>&1
+      status=$?
       grep -v "$noise" "$run.log" | grep -v "^\s*$" | grep -v "━\|───" | tail -8 | cut -c1-220
       kill $sampler 2>/dev/null; wait $sampler 2>/dev/null
       say "$policy at -ncmoe $n's ${mib} MiB (budget ${budget} MiB${OURS_CONTEXT_MIB:+, XLA held to $held MiB}) done;" \
         "nvidia-smi peak $(sort -n "$out/mem-ours-$name-n$n-${policy//:/_}.log" | tail -1) MiB"
-      grep -q RESOURCE_EXHAUSTED "$run.log" || break
+      # out of memory: a run that failed with RESOURCE_EXHAUSTED (not one cut by its time limit, status 124, and
+      # not the decode bank's handled fallback to pieces, which warns with the allocator's message and goes on)
+      [ "$status" != 0 ] && [ "$status" != 124 ] \
+        && grep RESOURCE_EXHAUSTED "$run.log" | grep -qv "allocated in pieces" || break
       say "$policy ran out of memory with a ${slack} MiB slack (its log: $run.slack$slack.log)"
       mv "$run.log" "$run.slack$slack.log"
       limit=$(run_limit)
