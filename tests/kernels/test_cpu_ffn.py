@@ -216,7 +216,10 @@ def test_profile_splits_each_call_into_phases(kernel, weights):
     assert got["calls"] == 3
     assert set(cpu_ffn.PROFILE_FIELDS) <= set(got)
     assert all(got[name] >= 0 for name in cpu_ffn.PROFILE_FIELDS)
-    assert got["gate_up"] > 0 and got["down"] > 0  # the fast path timed its phases
+    if fast_paths():
+        assert got["gate_up"] > 0 and got["down"] > 0  # the fast paths time their phases
+    else:  # the portable path times its groups alone
+        assert got["gate_up"] == got["act"] == got["down"] == 0 and got["groups"] > 0
     assert got["groups"] >= got["gate_up"] + got["act"] + got["down"] - 1e-6  # phases lie inside the groups
     assert got["slowest_group"] <= got["groups"] + 1e-9
     cpu_ffn.moe_ffn_cpu(h, coef, gate_up, down, ids, impl="kernel").block_until_ready()
