@@ -5,8 +5,8 @@ decode), then for every kernel setting `THREADS/GROUPS/SPIN_US/STREAM` (`--setti
 pool's threads and groups per thread (0: the package's default), microseconds an idle pool thread spins before it
 sleeps, the streamed few-row path) and every run label (`--runs`, the bench's labels: a bare policy runs the
 package's defaults; `pdscope:copy=0` copies misses only into free slots, so the decode bank, left empty at decode
-start, fills with them, and sends the rest to the host) runs one warm-up generation and `--repeats` generations of
-`--tokens` new tokens after a `--prompt-len` prompt.
+start, fills with them, and sends the rest to the host) runs the engine's warm-up, one untimed streamed generation
+(its decode chunks compile there), and `--repeats` generations of `--tokens` new tokens after a `--prompt-len` prompt.
 With `--side-effects 1 0` every setting runs twice: the bridge's calls declared side-effecting, then not; with
 `--samplers select conditional`, once with the package's sampler, once with one holding conditionals.
 Reports per (setting, run): decode tok/s (median), the host's ms in the decode step's jitted call alone
@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
             # a label's switches only: nothing carries over from the last
             runner.set_policy(policy, **{**defaults, **switches})
             runner.warmup(1, args.prompt_len, args.tokens)
+            for _ in runner.steps(prompt, args.tokens):  # warmup compiles a whole run's chunks, not a streamed
+                pass  # run's (chunks of decode.STREAM_CHUNK): they compile here, not in the first timed repeat
             tok_s, profiles, host = [], [], []
             for _ in range(args.repeats):
                 runner.reset_stats()
