@@ -4,6 +4,7 @@ For one MoE layer's CPU experts (DeepSeek-V2-Lite shapes by default: hidden 2048
 weights, 17.3 MB an expert) at --rows (1, 4, 16, 64) and --experts k (1, 6, 16), times:
   - `kernel`: `moe_ffn_cpu(..., impl="kernel")` in `jax.jit`, the experts as k per-expert CPU arrays;
   - `kernel_stacked`: the same with a layer stack [E, ...] and k expert ids;
+  - `kernel_streamed`: `kernel` with the streamed few-row path on (`cpu_ffn.set_stream`; bf16, at most 4 rows);
   - `xla`: the XLA path in `jax.jit` on the CPU backend, rows zero-padded to --min-rows, each expert on every
     row weighted by coef (the engine's dense decode path).
 `--quant int8,int4` repeats all of it on the same experts quantized (`quant.formats.quantize`, compute dtype
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         return cpu_ffn.moe_ffn_cpu(h, coef, gu, dn, ids, impl="kernel")
 
     programs = {"kernel": jax.jit(list_kernel), "xla": jax.jit(list_xla), "kernel_stacked": jax.jit(stacked_kernel)}
+    programs["kernel_streamed"] = programs["kernel"]  # the same program; the kernel reads the setting per call
     for k in args.experts:
         for n in args.rows:
             h = jax.device_put(rng.standard_normal((n, d)).astype(jnp.bfloat16), cpu)
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     arg_sets = [(h, coef, [pools[fmt][j][0] for j in ids], [pools[fmt][j][1] for j in ids])
                                 for ids in id_sets]
+                if built:
+                    cpu_ffn.set_stream(impl == "kernel_streamed")
                 ms = median_ms(programs[impl], arg_sets, args.warm)
                 row = {"format": fmt, "impl": impl, "rows": n, "experts": k, "ms": round(ms, 3),
                        "gbps": round(k * expert_bytes[fmt] / ms / 1e6, 1)}
