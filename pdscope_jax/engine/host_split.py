@@ -1,7 +1,7 @@
 """Which of device decode's misses the host's CPU computes (RuntimeConfig.decode_cpu_experts), who copies the
 rest, and the bridges.
 
-Contract: `HostSplit(store, config, device, expert_dtype)`; `for_step(runtime, planner, costs, batch)` -> a
+Contract: `HostSplit(store, config, device, expert_dtype, settle=None)`; `for_step(runtime, planner, costs, batch)` -> a
 `device_decode.HostExperts`, or None (every miss is copied by the program itself). The host computes misses with
 decode_cpu_experts "auto" (through the bridge) or "xla" for a planner with the `decode_host_experts` capability;
 with "auto" or "off", RuntimeConfig.decode_bridge_copies and a planner that copies (`decode_copies`), the bridge's
@@ -14,7 +14,8 @@ a layer's misses copied: 1 where the host computes none, 0 for a planner that ne
 RuntimeConfig.decode_copy_share, else 0 (nothing copied, not even into free slots) where the host computes an expert
 no slower than the link (the cost table's) copies one, else the host's time for one expert over the host's and the
 link's together, so that the two parts of a layer take about as long; the host's time is the bridge's kernel timed
-once on the store's experts (the cost table's CPU time without a bridge); a planner that copies also fills free
+once on the store's experts (the cost table's CPU time without a bridge), after `settle()` (the engine's: the copies
+into its pool finished, so that none reads host memory beside the timing); a planner that copies also fills free
 slots first (`HostExperts.fill_free`).
 A bridge is made once per batch size and kept (a new one would compile a new step); `close()`, or the
 engine's collection, stops them. `stats()` -> {"bridges": per batch, the bridge's layers served, faults and seconds
@@ -36,8 +37,9 @@ from pdscope_jax.kernels import cpu_ffn, host_experts
 
 
 class HostSplit:
-    def __init__(self, store, config, device, expert_dtype):
+    def __init__(self, store, config, device, expert_dtype, settle=None):
         self.store, self.config, self.device, self.dtype = store, config, device, expert_dtype
+        self.settle = settle
         self.bridges: dict[int, host_experts.Bridge | None] = {}
         self.host_seconds: dict[int, float] = {}  # per batch: the bridge's kernel time for one expert, measured
         self.why_not = ""
@@ -91,6 +93,8 @@ class HostSplit:
         if batch not in self.host_seconds:
             cfg = self.config
             per_call = max(1, min(batch * cfg.num_experts_per_tok, cfg.num_experts) // 2)
+            if self.settle is not None:  # a prefill's copies still in flight would take the kernel's bandwidth
+                self.settle()
             measured = kernel_seconds_per_expert(self.store, cfg, per_call, batch)
             self.host_seconds[batch] = costs.t_cpu(batch) if measured is None else measured
         return self.host_seconds[batch]

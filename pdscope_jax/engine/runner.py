@@ -132,7 +132,7 @@ class OffloadRunner:
             CHUNK_COMPILER_OPTIONS if self.devices.accel.platform == "gpu" else None)
         # the bridge's calls must run as issued, not replayed from a recorded command buffer
         self._decode_chunk_issued = device_decode.build_decode_chunk()
-        self.host_split = HostSplit(self.store, cfg, self.devices.accel, expert_dtype)
+        self.host_split = HostSplit(self.store, cfg, self.devices.accel, expert_dtype, settle=self._copies_done)
         self._calibration = CpuCalibration(self.costs)
         next_moe = dict(zip(self._moe_layers[:-1], self._moe_layers[1:]))
         self._router = Router(self._programs, self._layers, next_moe, cfg.num_experts, self._mark)
@@ -244,6 +244,10 @@ class OffloadRunner:
         """Forget the in-situ CPU calibration, even under the same policy: runs compared in one process then start
         from the table as a new process does (else later runs inherit what earlier ones learned)."""
         self._calibration.clear()
+
+    def _copies_done(self) -> None:
+        """Wait for every copy into the slot pools queued so far (a prefill's streams among them)."""
+        jax.block_until_ready([shard.pool.banks for shard in self.shards])
 
     def decode_host(self, batch: int):
         """How device decode splits a batch of `batch` rows' misses between copies and the host

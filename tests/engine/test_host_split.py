@@ -110,3 +110,21 @@ def test_an_int4_store_reaches_the_bridge_and_its_kernel_is_timed():
     assert split._bridge(1) is None and "not a CUDA GPU" in split.why_not
     split = HostSplit(store, cfg, store.devices.cpu, jnp.float32)
     assert split._bridge(1) is None and "compute dtype bf16" in split.why_not
+
+
+def test_the_kernel_is_timed_once_a_batch_size_after_the_engines_copies_settle(ds, monkeypatch):
+    """The host's time for one expert is measured after `settle` (the engine's: its pools' queued copies done, so a
+    prefill's streams do not share host memory with the timing), once per batch size; the engine wires its own."""
+    from pdscope_jax.engine import host_split
+
+    order = []
+    monkeypatch.setattr(host_split, "kernel_seconds_per_expert",
+                        lambda store, cfg, per_call, rows: order.append(("timed", per_call, rows)) or 2e-4)
+    cfg = types.SimpleNamespace(num_experts_per_tok=6, num_experts=64)
+    split = host_split.HostSplit(None, cfg, None, None, settle=lambda: order.append("settled"))
+    costs = types.SimpleNamespace(t_cpu=lambda batch: 1.0)
+    assert [split._host_seconds(costs, 1, object()) for _ in range(2)] == [2e-4, 2e-4]
+    assert split._host_seconds(costs, 4, object()) == 2e-4
+    assert order == ["settled", ("timed", 3, 1), "settled", ("timed", 12, 4)]
+    runner = ds.runner("pdscope", _slots(ds, "small"), decode_cpu_experts="auto")
+    assert runner.host_split.settle == runner._copies_done
