@@ -128,13 +128,8 @@ void stream_down(void* ctx, int t) {
         u1 = _mm512_add_ps(u1, _mm512_loadu_ps(p + c.f + 16));
       }
       alignas(64) float g[kBlock], u[kBlock];
-      __m512 lo, hi;
-      unpermute(g0, g1, &lo, &hi);
-      _mm512_store_ps(g, lo);
-      _mm512_store_ps(g + 16, hi);
-      unpermute(u0, u1, &lo, &hi);
-      _mm512_store_ps(u, lo);
-      _mm512_store_ps(u + 16, hi);
+      store_unpermuted(g0, g1, g);
+      store_unpermuted(u0, u1, u);
       activation_avx(g, u, coef, act[r] + b);
     }
   }
@@ -159,11 +154,7 @@ void stream_sum(void* ctx, int t) {  // t: output columns [32 t, 32 t + 32), eve
         hi = _mm512_add_ps(hi, _mm512_loadu_ps(p + 16));
       }
     }
-    __m512 a, b;
-    unpermute(lo, hi, &a, &b);
-    float* o = c.out + size_t(row) * c.d + col;
-    _mm512_storeu_ps(o, a);
-    _mm512_storeu_ps(o + 16, b);
+    store_unpermuted(lo, hi, c.out + size_t(row) * c.d + col);
   }
 }
 

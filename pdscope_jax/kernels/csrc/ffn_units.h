@@ -84,6 +84,14 @@ inline void unpermute(__m512 lo, __m512 hi, __m512* first, __m512* second) {
   *second = _mm512_permutex2var_ps(lo, _mm512_load_si512(idx[1]), hi);
 }
 
+// out[0 .. 32) = the 32 columns of accumulators lo, hi in column order.
+inline void store_unpermuted(__m512 lo, __m512 hi, float* out) {
+  __m512 first, second;
+  unpermute(lo, hi, &first, &second);
+  _mm512_storeu_ps(out, first);
+  _mm512_storeu_ps(out + 16, second);
+}
+
 // The gate and up columns [c0, c0 + 32) of weight rows dd and dd+1, interleaved as the dot products take them:
 // out[0], out[1] gate (lo, hi), out[2], out[3] up. Prefetches kGuPrefetch pairs ahead (past the end is harmless:
 // prefetches never fault).
@@ -132,15 +140,8 @@ void gate_up_wide(const Call& c, const M& w, int b, const int* rows, float* g, f
   }
   for (int k = 0; k < NB; ++k)
     for (int r = 0; r < R; ++r) {
-      float* gr = g + (size_t(k) * R + r) * kBlock;
-      float* ur = u + (size_t(k) * R + r) * kBlock;
-      __m512 a, bb;
-      unpermute(acc[k][r][0], acc[k][r][1], &a, &bb);
-      _mm512_storeu_ps(gr, a);
-      _mm512_storeu_ps(gr + 16, bb);
-      unpermute(acc[k][r][2], acc[k][r][3], &a, &bb);
-      _mm512_storeu_ps(ur, a);
-      _mm512_storeu_ps(ur + 16, bb);
+      store_unpermuted(acc[k][r][0], acc[k][r][1], g + (size_t(k) * R + r) * kBlock);
+      store_unpermuted(acc[k][r][2], acc[k][r][3], u + (size_t(k) * R + r) * kBlock);
     }
 }
 
@@ -228,13 +229,8 @@ void gate_up_many(const Call& c, const M& w, int b, int nb, const int* rows, int
   }
   for (int r = 0; r < nb * m; ++r) {
     const float* a = s.acc.data() + r * 64;
-    __m512 first, second;
-    unpermute(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), &first, &second);
-    _mm512_storeu_ps(g + r * kBlock, first);
-    _mm512_storeu_ps(g + r * kBlock + 16, second);
-    unpermute(_mm512_loadu_ps(a + 32), _mm512_loadu_ps(a + 48), &first, &second);
-    _mm512_storeu_ps(u + r * kBlock, first);
-    _mm512_storeu_ps(u + r * kBlock + 16, second);
+    store_unpermuted(_mm512_loadu_ps(a), _mm512_loadu_ps(a + 16), g + r * kBlock);
+    store_unpermuted(_mm512_loadu_ps(a + 32), _mm512_loadu_ps(a + 48), u + r * kBlock);
   }
 }
 
