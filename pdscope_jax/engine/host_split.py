@@ -93,7 +93,7 @@ class HostSplit:
         if batch not in self.host_seconds:
             cfg = self.config
             per_call = max(1, min(batch * cfg.num_experts_per_tok, cfg.num_experts) // 2)
-            if self.settle is not None:  # a prefill's copies still in flight would take the kernel's bandwidth
+            if self.settle is not None:  # copies still in flight (a policy's preload) would take its bandwidth
                 self.settle()
             measured = kernel_seconds_per_expert(self.store, cfg, per_call, batch)
             self.host_seconds[batch] = costs.t_cpu(batch) if measured is None else measured

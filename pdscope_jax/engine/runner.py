@@ -246,7 +246,7 @@ class OffloadRunner:
         self._calibration.clear()
 
     def _copies_done(self) -> None:
-        """Wait for every copy into the slot pools queued so far (a prefill's streams among them)."""
+        """Wait for every copy into the slot pools queued so far (`set_policy`'s preload, a prefill's streams)."""
         jax.block_until_ready([shard.pool.banks for shard in self.shards])
 
     def decode_host(self, batch: int):

@@ -114,7 +114,7 @@ def test_an_int4_store_reaches_the_bridge_and_its_kernel_is_timed():
 
 def test_the_kernel_is_timed_once_a_batch_size_after_the_engines_copies_settle(ds, monkeypatch):
     """The host's time for one expert is measured after `settle` (the engine's: its pools' queued copies done, so a
-    prefill's streams do not share host memory with the timing), once per batch size; the engine wires its own."""
+    policy's preload does not share host memory with the timing), once per batch size; the engine wires its own."""
     from pdscope_jax.engine import host_split
 
     order = []
